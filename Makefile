@@ -1,0 +1,31 @@
+# Two commands a new user needs: `make run` (the local CPU default) and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.dsv4-setup-stamp
+
+.PHONY: setup run test lint clean
+
+setup: $(STAMP)
+
+# Idempotent: re-runs only when pyproject.toml changes.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[cpu,test]'
+	# PyPI's torchvision/torchaudio/torchcodec break `import vllm` next to torch 2.13.0+cpu.
+	$(BIN)/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/dsv4-serve run
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -v
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
