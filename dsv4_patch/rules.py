@@ -1,0 +1,386 @@
+"""Pure rules for DeepSeek-V4's KV cache: layouts, dtype resolution, the byte model.
+
+No vLLM import: the replica, the planner, the doctor and the tests all decide
+here, before any GPU is touched. Everything mirrors vLLM's own behaviour, cited
+per function, so a preflight answer matches what the engine will do.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class Layout(str, Enum):
+    """How a DeepSeek-V4 attention backend lays out one token's KV state.
+
+    ``fp8_ds_mla``: DeepSeek's packed record (FlashMLA on SM90/SM100, FlashInfer
+    sparse on SM120, the ROCm/XPU/CPU classes). ``plain_rows``: one bf16 or
+    per-tensor fp8 row per token (only FLASHINFER_MLA_SPARSE_DSV4 on SM100).
+    """
+
+    FP8_DS_MLA = "fp8_ds_mla"
+    PLAIN_ROWS = "plain_rows"
+
+
+class Storage(str, Enum):
+    """What the KV cache actually stores per token once the dtype is resolved."""
+
+    FP8_DS_MLA = "fp8_ds_mla"
+    BF16_ROWS = "bf16_rows"
+    FP8_ROWS = "fp8_rows"
+
+
+class LayoutError(ValueError):
+    """The platform / capability / attention backend combination cannot run DeepSeek-V4."""
+
+
+class KVCacheDtypeError(ValueError):
+    """A requested ``kv_cache_dtype`` the node's DeepSeek-V4 layout cannot store."""
+
+
+PLATFORMS = ("cuda", "rocm", "xpu", "cpu")
+
+# Attention backends vLLM's DSv4 CUDA selector knows
+# (vllm/models/deepseek_v4/nvidia/model.py::_select_dsv4_attn_cls, vLLM 0.32.0).
+FLASHINFER_DSV4 = "FLASHINFER_MLA_SPARSE_DSV4"
+FLASHMLA_BACKENDS = ("FLASHMLA_SPARSE", "FLASHMLA_SPARSE_DSV4")
+NON_DSV4_FLASHINFER = ("FLASHINFER_MLA_SPARSE", "FLASHINFER_MLA_SPARSE_SM120")
+
+# Requested dtypes that mean "fp8, let the layout pick the record".
+FP8_ALIASES = ("fp8", "fp8_e4m3")
+AUTO_VALUES = (None, "auto")
+
+
+@dataclass(frozen=True)
+class LayoutDecision:
+    """The layout a node will use, the backend class vLLM picks, and why."""
+
+    layout: Layout
+    backend: str
+    reason: str
+
+
+def detect_layout(
+    platform: str,
+    capability: tuple[int, int] | None = None,
+    attention_backend: str | None = None,
+) -> LayoutDecision:
+    """Mirror vLLM's DeepSeek-V4 attention-class selection for one node.
+
+    CUDA follows ``_select_dsv4_attn_cls`` (vLLM 0.32.0,
+    vllm/models/deepseek_v4/nvidia/model.py): an explicit FLASHINFER_MLA_SPARSE_DSV4
+    gives plain rows on SM100 and fp8_ds_mla on SM120; FlashMLA backends and the
+    default give fp8_ds_mla (default is FlashInfer sparse on SM12x, FlashMLA
+    elsewhere). ROCm, XPU and CPU each have one DSv4 class, all fp8_ds_mla.
+    """
+    kind = platform.lower()
+    if kind not in PLATFORMS:
+        raise LayoutError(
+            f"platform={platform!r} is not one of {', '.join(PLATFORMS)}; "
+            "set node.platform to the platform vLLM runs on."
+        )
+    backend = attention_backend.upper() if attention_backend else None
+    if kind != "cuda":
+        return LayoutDecision(
+            Layout.FP8_DS_MLA, f"{kind}-dsv4", f"{kind}: the only DeepSeek-V4 class is fp8_ds_mla"
+        )
+    major = capability[0] if capability else None
+    if backend in NON_DSV4_FLASHINFER:
+        raise LayoutError(
+            f"attention_backend={backend} is not a DeepSeek-V4 backend; use "
+            f"{FLASHINFER_DSV4} (or leave it unset for the default)."
+        )
+    if backend == FLASHINFER_DSV4:
+        if major == 12:
+            return LayoutDecision(
+                Layout.FP8_DS_MLA, backend, "SM12x FlashInfer sparse stores fp8_ds_mla"
+            )
+        if major == 10:
+            return LayoutDecision(
+                Layout.PLAIN_ROWS, backend, "SM100 FlashInfer DSv4 stores plain KV rows"
+            )
+        raise LayoutError(
+            f"attention_backend={backend} supports compute capability 10.x and 12.x only, "
+            f"got {_fmt_capability(capability)}; unset attention_backend to use FlashMLA."
+        )
+    if backend in FLASHMLA_BACKENDS:
+        return LayoutDecision(
+            Layout.FP8_DS_MLA, "FLASHMLA_SPARSE_DSV4", "FlashMLA stores fp8_ds_mla"
+        )
+    if major == 12:
+        return LayoutDecision(
+            Layout.FP8_DS_MLA, FLASHINFER_DSV4, "SM12x default: FlashInfer sparse, fp8_ds_mla"
+        )
+    return LayoutDecision(
+        Layout.FP8_DS_MLA, "FLASHMLA_SPARSE_DSV4", "default: FlashMLA, fp8_ds_mla"
+    )
+
+
+def _fmt_capability(capability: tuple[int, int] | None) -> str:
+    return "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What a requested ``kv_cache_dtype`` becomes on a layout.
+
+    ``engine_dtype`` is the value safe to hand to the engine before it is built
+    (``auto`` -> ``fp8`` only on fp8_ds_mla); ``cache_dtype_str`` is what the
+    workers' KV specs will report; ``storage`` what the cache holds per token.
+    """
+
+    requested: str | None
+    layout: Layout
+    engine_dtype: str
+    cache_dtype_str: str
+    storage: Storage
+    reason: str
+
+    @property
+    def changed(self) -> bool:
+        """True when the engine will be given a different value than the user wrote."""
+        return self.engine_dtype != (self.requested or "auto")
+
+
+def resolve_kv_cache_dtype(layout: Layout, requested: str | None) -> Resolution:
+    """Resolve a requested ``kv_cache_dtype`` on ``layout`` or raise KVCacheDtypeError.
+
+    fp8_ds_mla: ``auto``/``None``/``fp8``/``fp8_e4m3``/``fp8_ds_mla`` all store the
+    packed record (vLLM PR #55134 / #45091 semantics); anything else is refused,
+    including ``fp8_e5m2`` (the record is e4m3 with UE8M0 scales: accepting e5m2
+    would silently give the user another format). Plain rows: ``auto``/``bfloat16``
+    store bf16 rows, ``fp8``/``fp8_e4m3`` per-tensor fp8 rows; the SM100 validator
+    (``supports_combination`` of FLASHINFER_MLA_SPARSE_DSV4) refuses the rest.
+    """
+    value = None if requested is None else str(requested).strip().lower()
+    layout = Layout(layout)
+    if layout is Layout.FP8_DS_MLA:
+        return _resolve_packed(requested, value)
+    return _resolve_rows(requested, value)
+
+
+def _resolve_packed(requested: str | None, value: str | None) -> Resolution:
+    if value in AUTO_VALUES:
+        return Resolution(
+            requested,
+            Layout.FP8_DS_MLA,
+            "fp8",
+            "fp8_ds_mla",
+            Storage.FP8_DS_MLA,
+            "auto on the fp8_ds_mla layout: the FlashMLA/DSv4 kernels only read fp8 "
+            "(FlashMLA hardcodes is_fp8_kvcache), so auto means fp8 -> fp8_ds_mla",
+        )
+    if value in FP8_ALIASES or value == "fp8_ds_mla":
+        return Resolution(
+            requested,
+            Layout.FP8_DS_MLA,
+            value,
+            "fp8_ds_mla",
+            Storage.FP8_DS_MLA,
+            f"{value} on the fp8_ds_mla layout is stored as DeepSeek's packed fp8 record",
+        )
+    raise KVCacheDtypeError(
+        f"kv_cache_dtype={requested!r} cannot be stored on the fp8_ds_mla KV layout: "
+        "DeepSeek-V4's fp8_ds_mla record is fp8 e4m3 with UE8M0 block scales "
+        "(448 B NoPE + 128 B bf16 RoPE + 8 B scales per token) and its kernels have no "
+        f"{requested} path. Fix: set kv_cache_dtype: auto (or fp8), or, to store "
+        f"{requested} rows, select a backend with plain rows "
+        f"(attention_backend: {FLASHINFER_DSV4} on SM100 / B200)."
+    )
+
+
+def _resolve_rows(requested: str | None, value: str | None) -> Resolution:
+    if value in AUTO_VALUES or value == "bfloat16":
+        return Resolution(
+            requested,
+            Layout.PLAIN_ROWS,
+            value or "auto",
+            value or "auto",
+            Storage.BF16_ROWS,
+            "plain-row backend: auto/bfloat16 store one bf16 row per token",
+        )
+    if value in FP8_ALIASES:
+        return Resolution(
+            requested,
+            Layout.PLAIN_ROWS,
+            value,
+            value,
+            Storage.FP8_ROWS,
+            "plain-row backend: fp8 stores one per-tensor fp8 e4m3 row per token",
+        )
+    if value == "fp8_ds_mla":
+        hint = "set kv_cache_dtype: fp8 for fp8 rows, or unset attention_backend for fp8_ds_mla"
+    else:
+        hint = "set kv_cache_dtype: auto (bf16 rows) or fp8 (fp8 rows)"
+    raise KVCacheDtypeError(
+        f"kv_cache_dtype={requested!r} is not supported by the plain-row DeepSeek-V4 "
+        f"backend ({FLASHINFER_DSV4} on SM100), which stores bf16 or per-tensor fp8 "
+        f"rows only. Fix: {hint}."
+    )
+
+
+def engine_resolver_result(use_fp8_ds_mla_layout: bool, kv_cache_dtype: str) -> tuple[str, str]:
+    """What the in-engine resolver must return: ``(cache_dtype_str, torch dtype name)``.
+
+    The contract of vLLM's ``_resolve_dsv4_kv_cache_dtype`` after PR #55134:
+    packed -> ("fp8_ds_mla", "uint8"); plain fp8 -> (value, "float8_e4m3fn");
+    plain auto/bfloat16 -> (value, "bfloat16"). Raises KVCacheDtypeError as
+    ``resolve_kv_cache_dtype`` does.
+    """
+    layout = Layout.FP8_DS_MLA if use_fp8_ds_mla_layout else Layout.PLAIN_ROWS
+    res = resolve_kv_cache_dtype(layout, kv_cache_dtype)
+    torch_name = {
+        Storage.FP8_DS_MLA: "uint8",
+        Storage.FP8_ROWS: "float8_e4m3fn",
+        Storage.BF16_ROWS: "bfloat16",
+    }[res.storage]
+    return res.cache_dtype_str, torch_name
+
+
+# ---------------------------------------------------------------- vLLM versions
+
+ASSERTING_RESOLVER = ((0, 20), (0, 30))  # [first, end) minor versions that assert on auto
+
+
+def parse_version(version: str) -> tuple[int, int, int]:
+    """``"0.29.0"`` / ``"0.30.1.dev3+g..."`` -> (0, 29, 0); unknown parts count as 0."""
+    parts: list[int] = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        parts.append(int(digits) if digits else 0)
+    while len(parts) < 3:
+        parts.append(0)
+    return parts[0], parts[1], parts[2]
+
+
+def stock_vllm_crashes_on(vllm_version: str, layout: Layout, requested: str | None) -> bool:
+    """Would *unpatched* vLLM ``vllm_version`` crash resolving ``requested`` on ``layout``?
+
+    0.20-0.29 assert ``kv_cache_dtype.startswith("fp8")`` on fp8_ds_mla, so
+    ``auto`` dies at layer construction (vllm-project/vllm#47174). Later
+    releases map auto -> fp8 (PR #45091). The plugin still probes at run time:
+    some upstream main commits after 0.29 regressed.
+    """
+    if Layout(layout) is not Layout.FP8_DS_MLA or (requested or "auto") != "auto":
+        return False
+    first, end = ASSERTING_RESOLVER
+    return first <= parse_version(vllm_version)[:2] < end
+
+
+# ------------------------------------------------------------------ byte model
+
+FP8_DS_MLA_ALIGNMENT = 576  # fp8_ds_mla pages pad to 576 B multiples
+PLAIN_ROW_ALIGNMENT = 512  # plain-row pages pad to 512 B multiples
+UE8M0_GROUP = 64  # one UE8M0 scale byte per 64 NoPE values
+INDEXER_SCALE_BYTES = 4  # one fp32 scale per indexer key
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The parts of a DeepSeek-V4 config that size the KV cache."""
+
+    name: str
+    num_layers: int
+    compress_ratios: tuple[int, ...]
+    head_dim: int
+    rope_dim: int
+    index_head_dim: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any], name: str = "") -> ModelShape:
+        """Read a HF ``config.json``; the MTP layer's trailing ratio is excluded."""
+        n = int(cfg["num_hidden_layers"])
+        ratios = tuple(int(r) for r in cfg["compress_ratios"][:n])
+        if len(ratios) != n:
+            raise ValueError(
+                f"compress_ratios has {len(ratios)} entries for num_hidden_layers={n}; "
+                "expected one per layer (plus one per MTP layer)."
+            )
+        return cls(
+            name=name or str(cfg.get("_name_or_path", "deepseek_v4")),
+            num_layers=n,
+            compress_ratios=ratios,
+            head_dim=int(cfg["head_dim"]),
+            rope_dim=int(cfg["qk_rope_head_dim"]),
+            index_head_dim=int(cfg["index_head_dim"]),
+        )
+
+    def layers_with_ratio(self, ratio: int) -> int:
+        return sum(1 for r in self.compress_ratios if r == ratio)
+
+    @property
+    def compressed_ratios(self) -> tuple[int, ...]:
+        return tuple(sorted({r for r in self.compress_ratios if r > 1}))
+
+
+def state_bytes(shape: ModelShape, storage: Storage) -> int:
+    """Bytes of one stored KV state (one token, or one compressed group)."""
+    storage = Storage(storage)
+    if storage is Storage.FP8_DS_MLA:
+        nope = shape.head_dim - shape.rope_dim
+        scales = nope // UE8M0_GROUP + 1  # 7 UE8M0 scales + 1 pad byte for head_dim 512
+        return nope + 2 * shape.rope_dim + scales  # 448 + 128 + 8 = 584
+    if storage is Storage.BF16_ROWS:
+        return 2 * shape.head_dim  # 1024
+    return shape.head_dim  # 512
+
+
+def _alignment(storage: Storage) -> int:
+    return FP8_DS_MLA_ALIGNMENT if Storage(storage) is Storage.FP8_DS_MLA else PLAIN_ROW_ALIGNMENT
+
+
+def padded_page_bytes(states: int, bytes_per_state: int, alignment: int) -> int:
+    """Page bytes padded to ``alignment`` (vLLM ``_apply_alignment_padding``)."""
+    return math.ceil(states * bytes_per_state / alignment) * alignment
+
+
+@dataclass(frozen=True)
+class PageBreakdown:
+    """Per-layer page sizes (bytes per cache block) for one compress ratio."""
+
+    ratio: int
+    layers: int
+    main_page_bytes: int
+    indexer_page_bytes: int
+
+    def bytes_per_token(self, block_size: int) -> float:
+        return self.layers * (self.main_page_bytes + self.indexer_page_bytes) / block_size
+
+
+def page_breakdown(
+    shape: ModelShape, storage: Storage, block_size: int = 256
+) -> list[PageBreakdown]:
+    """Main and indexer page bytes of every compressed layer kind.
+
+    Ratio-4 layers carry the sparse indexer (fp8 keys + fp32 scale); ratio-128
+    layers only the main cache. SWA and compressor state are bounded per request
+    and excluded: they do not grow with context.
+    """
+    per_state = state_bytes(shape, storage)
+    align = _alignment(storage)
+    rows = []
+    for ratio in shape.compressed_ratios:
+        states = block_size // ratio
+        main = padded_page_bytes(states, per_state, align)
+        indexer = (
+            padded_page_bytes(states, shape.index_head_dim + INDEXER_SCALE_BYTES, align)
+            if ratio == 4
+            else 0
+        )
+        rows.append(PageBreakdown(ratio, shape.layers_with_ratio(ratio), main, indexer))
+    return rows
+
+
+def kv_bytes_per_token(shape: ModelShape, storage: Storage, block_size: int = 256) -> float:
+    """KV bytes one context token costs on one rank (pages padded).
+
+    Flash: 3915 (fp8_ds_mla) / 6250 (bf16 rows) / 3482 (fp8 rows);
+    Pro: 5609.25 / 8948 / 4984 (DESIGN.md section 1).
+    """
+    return sum(
+        row.bytes_per_token(block_size) for row in page_breakdown(shape, storage, block_size)
+    )
