@@ -1,0 +1,545 @@
+"""Our part of a Ray Serve config, validated before Ray starts anything.
+
+The YAML is the ordinary Serve config format (what ``serve run``, ``serve deploy``
+and KubeRay's ``serveConfigV2`` take)::
+
+    applications:
+      - name: dsv4
+        route_prefix: /
+        import_path: deployments.app:build_app
+        args: {llm: {...}, dsv4: {...}}
+
+Only ``args`` of applications whose ``import_path`` is ours is modelled here.
+``args.llm`` mirrors Ray Serve LLM's ``LLMConfig`` field names, so a Ray Serve LLM
+user can paste what they know; we type the parts that decide the KV layout and
+the replica shape (kv_cache_dtype, parallel sizes, placement group, autoscaling)
+and pass the rest through to ``LLMConfig``, which validates it again.
+``args.dsv4`` is ours: the layout every replica must end up with, the policy the
+KV-spec controller applies, and the node the replicas run on.
+
+Every error names the field, the bad value, what was expected and the fix:
+these messages are what a user sees before anything starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from dsv4_patch import rules
+
+IMPORT_PATH = "deployments.app:build_app"
+WORKER_EXTENSION = "dsv4_patch.worker_ext.DSv4WorkerExtension"
+TINY_MODEL_SOURCE = "dsv4-tiny"  # model_source alias: the tiny random-weight DSv4
+PLUGIN_NAME = "dsv4_patch"
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-cpu.yaml"
+
+
+class Policy(str, Enum):
+    """What the controller does with a replica whose KV spec disagrees."""
+
+    ENFORCE = "enforce"  # the replica fails its health check; Serve replaces it
+    WARN = "warn"  # reported over HTTP/metrics/logs; the replica keeps serving
+
+
+class _Strict(BaseModel):
+    """Unknown keys are typos until proven otherwise: reject them by name."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class _Open(BaseModel):
+    """Typed where we decide something; everything else passes through untouched."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+
+# --------------------------------------------------------------------- llm part
+
+
+class ModelLoading(_Strict):
+    """Ray Serve LLM ``model_loading_config``: the served id and where weights live."""
+
+    model_id: str = Field(min_length=1, description="name clients put in `model`")
+    model_source: str | None = Field(
+        default=None,
+        description=f"HF repo id, local directory, or {TINY_MODEL_SOURCE!r} "
+        "for the tiny random-weight DeepSeek-V4 (built on first use)",
+    )
+    tokenizer_source: str | None = None
+
+    @property
+    def is_tiny(self) -> bool:
+        return self.model_source == TINY_MODEL_SOURCE
+
+
+class EngineKwargs(_Open):
+    """vLLM engine arguments; the typed ones shape the KV cache or the replica."""
+
+    kv_cache_dtype: str = Field(
+        default="auto", description="auto|fp8|fp8_e4m3|bfloat16|...; resolved per node"
+    )
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    pipeline_parallel_size: int = Field(default=1, ge=1)
+    data_parallel_size: int = Field(default=1, ge=1)
+    block_size: int | None = Field(default=None, ge=1)
+    attention_backend: str | None = None
+    worker_extension_cls: str | None = None
+
+    @field_validator("kv_cache_dtype")
+    @classmethod
+    def _lower(cls, value: str) -> str:
+        return value.strip().lower()
+
+    @field_validator("data_parallel_size")
+    @classmethod
+    def _no_engine_dp(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError(
+                f"data_parallel_size={value}: one Serve replica is one engine here; "
+                "expected 1. Fix: scale with deployment_config.autoscaling_config "
+                "(one replica per GPU node) instead of engine data parallelism."
+            )
+        return value
+
+    @field_validator("worker_extension_cls")
+    @classmethod
+    def _ours_or_unset(cls, value: str | None) -> str | None:
+        if value not in (None, WORKER_EXTENSION):
+            raise ValueError(
+                f"worker_extension_cls={value!r}: the KV-spec controller needs "
+                f"{WORKER_EXTENSION!r} in every worker. Fix: remove the key "
+                "(dsv4-serve sets it)."
+            )
+        return value
+
+    @property
+    def workers_per_replica(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class AutoscalingConfig(_Open):
+    """Serve autoscaling bounds; ``initial_replicas`` must sit inside them."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=1, ge=1)
+    initial_replicas: int | None = Field(default=None, ge=0)
+    target_ongoing_requests: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas={self.min_replicas} > max_replicas={self.max_replicas}; "
+                "expected min_replicas <= max_replicas. Fix: raise max_replicas or "
+                "lower min_replicas."
+            )
+        init = self.initial_replicas
+        if init is not None and not self.min_replicas <= init <= self.max_replicas:
+            raise ValueError(
+                f"initial_replicas={init} is outside [{self.min_replicas}, "
+                f"{self.max_replicas}]. Fix: pick a value between min_replicas and max_replicas."
+            )
+        return self
+
+
+class DeploymentConfig(_Open):
+    """Ray Serve deployment options of the DSv4 server deployment."""
+
+    num_replicas: int | None = Field(default=None, ge=1)
+    autoscaling_config: AutoscalingConfig | None = None
+
+    @model_validator(mode="after")
+    def _one_way_to_scale(self) -> DeploymentConfig:
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError(
+                f"num_replicas={self.num_replicas} and autoscaling_config are both set; "
+                "Serve takes one. Fix: drop num_replicas and set "
+                "autoscaling_config.min_replicas/max_replicas."
+            )
+        for key in ("placement_group_bundles", "placement_group_strategy"):
+            if key in (self.model_extra or {}):
+                raise ValueError(
+                    f"deployment_config.{key} is set; Ray Serve LLM builds the placement "
+                    "group itself. Fix: move it to llm.placement_group_config."
+                )
+        return self
+
+    @property
+    def max_replicas(self) -> int:
+        if self.autoscaling_config is not None:
+            return self.autoscaling_config.max_replicas
+        return self.num_replicas or 1
+
+
+class PlacementGroupConfig(_Strict):
+    """The resources of one replica: one bundle per engine worker.
+
+    "One replica per GPU node" is ``bundles`` of the node's GPUs (one
+    ``{GPU: 1, CPU: n}`` per tensor/pipeline rank) with ``STRICT_PACK``: Ray then
+    places the whole replica on one node, and the autoscaler adds nodes, not GPUs.
+    """
+
+    bundles: list[dict[str, float]] = Field(min_length=1)
+    strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+
+    @field_validator("bundles")
+    @classmethod
+    def _non_negative(cls, bundles: list[dict[str, float]]) -> list[dict[str, float]]:
+        for i, bundle in enumerate(bundles):
+            bad = {k: v for k, v in bundle.items() if v < 0}
+            if bad or not bundle:
+                raise ValueError(
+                    f"bundles[{i}]={bundle!r}: expected a non-empty map of resource -> "
+                    "amount >= 0, e.g. {GPU: 1, CPU: 4}."
+                )
+        return bundles
+
+    def gpus(self) -> float:
+        return sum(b.get("GPU", 0) for b in self.bundles)
+
+
+class LLMSection(_Strict):
+    """The ``LLMConfig`` of the DSv4 server deployment (Ray Serve LLM field names)."""
+
+    model_loading_config: ModelLoading
+    engine_kwargs: EngineKwargs = Field(default_factory=EngineKwargs)
+    deployment_config: DeploymentConfig = Field(default_factory=DeploymentConfig)
+    placement_group_config: PlacementGroupConfig | None = None
+    accelerator_type: str | None = None
+    runtime_env: dict[str, Any] = Field(default_factory=dict)
+    lora_config: dict[str, Any] | None = None
+    experimental_configs: dict[str, Any] = Field(default_factory=dict)
+    log_engine_metrics: bool | None = None
+
+    @field_validator("runtime_env")
+    @classmethod
+    def _env_vars(cls, runtime_env: dict[str, Any]) -> dict[str, Any]:
+        env = runtime_env.get("env_vars") or {}
+        for key, value in env.items():
+            if not isinstance(value, str):
+                raise ValueError(
+                    f"runtime_env.env_vars.{key}={value!r} is a {type(value).__name__}; "
+                    f"Ray takes strings only. Fix: quote it ({key}: \"{value}\")."
+                )
+        plugins = env.get("VLLM_PLUGINS")
+        if plugins is not None and PLUGIN_NAME not in plugins.split(","):
+            raise ValueError(
+                f"runtime_env.env_vars.VLLM_PLUGINS={plugins!r} leaves out {PLUGIN_NAME!r}, "
+                "so engine workers would build DeepSeek-V4 layers unpatched. Fix: add "
+                f"{PLUGIN_NAME} to the list or remove VLLM_PLUGINS."
+            )
+        return runtime_env
+
+
+# -------------------------------------------------------------------- dsv4 part
+
+
+class NodeSpec(_Strict):
+    """The node one replica runs on, as declared: used to predict the layout.
+
+    The replica re-probes its real node before building the engine and refuses
+    to start if the probe contradicts ``expected_layout``.
+    """
+
+    platform: Literal["cpu", "cuda", "rocm", "xpu"] = "cpu"
+    compute_capability: tuple[int, int] | None = None
+    attention_backend: str | None = None
+    gpus_per_node: int | None = Field(default=None, ge=1)
+
+    @field_validator("compute_capability", mode="before")
+    @classmethod
+    def _parse_capability(cls, value: Any) -> Any:
+        """Accept "9.0", 9.0, [9, 0]; YAML users write capabilities all three ways."""
+        if isinstance(value, (str, float)):
+            text = str(value)
+            major, _, minor = text.partition(".")
+            if not (major.isdigit() and (minor or "0").isdigit()):
+                raise ValueError(
+                    f"compute_capability={value!r}: expected MAJOR.MINOR such as "
+                    "\"9.0\" (H100/H200), \"10.0\" (B200) or \"12.0\" (RTX 50xx)."
+                )
+            return (int(major), int(minor or 0))
+        return value
+
+    @model_validator(mode="after")
+    def _capability_for_cuda(self) -> NodeSpec:
+        if self.platform == "cuda" and self.compute_capability is None:
+            raise ValueError(
+                "node.platform='cuda' without node.compute_capability: the DeepSeek-V4 "
+                "layout depends on it. Fix: set compute_capability, e.g. \"9.0\" for "
+                "H200 or \"10.0\" for B200."
+            )
+        return self
+
+
+class ReplicaOverride(_Strict):
+    """Engine settings for one replica rank only: a canary, or a mixed fleet on one box.
+
+    Replicas of one deployment are identical by construction; on real clusters
+    they still diverge (mixed GPU generations, rolling vLLM upgrades). This lets
+    you run such a divergence on purpose and watch the controller catch it.
+    """
+
+    rank: int = Field(ge=0)
+    engine_kwargs: dict[str, Any] = Field(min_length=1)
+    reason: str = "canary"
+
+
+class DSv4Section(_Strict):
+    """What the KV-spec controller enforces across the replicas."""
+
+    expected_layout: rules.Layout = rules.Layout.FP8_DS_MLA
+    policy: Policy = Policy.ENFORCE
+    controller_period_s: float = Field(default=10.0, gt=0, le=3600)
+    broadcast_timeout_s: float = Field(default=30.0, gt=0, le=600)
+    node: NodeSpec = Field(default_factory=NodeSpec)
+    replica_overrides: list[ReplicaOverride] = Field(default_factory=list)
+
+    def override_for(self, rank: int | None) -> ReplicaOverride | None:
+        return next((o for o in self.replica_overrides if o.rank == rank), None)
+
+
+# ------------------------------------------------------------------ app args
+
+
+class AppArgs(_Strict):
+    """``args`` of ``deployments.app:build_app``: one DeepSeek-V4 model."""
+
+    llm: LLMSection
+    dsv4: DSv4Section = Field(default_factory=DSv4Section)
+
+    @model_validator(mode="after")
+    def _layout_and_dtype(self) -> AppArgs:
+        """Predict the node's layout and the dtype resolution before Ray starts."""
+        node, ek = self.dsv4.node, self.llm.engine_kwargs
+        if ek.attention_backend and node.attention_backend and (
+            ek.attention_backend.upper() != node.attention_backend.upper()
+        ):
+            raise ValueError(
+                f"llm.engine_kwargs.attention_backend={ek.attention_backend!r} but "
+                f"dsv4.node.attention_backend={node.attention_backend!r}; expected one "
+                "backend. Fix: set it in one place (engine_kwargs wins at run time)."
+            )
+        try:
+            decision = self.predicted_layout()
+        except rules.LayoutError as exc:
+            raise ValueError(f"dsv4.node: {exc}") from exc
+        if decision.layout is not self.dsv4.expected_layout:
+            raise ValueError(
+                f"dsv4.expected_layout={self.dsv4.expected_layout.value!r} but node "
+                f"{node.platform} {node.compute_capability or ''} with backend "
+                f"{decision.backend} stores {decision.layout.value} ({decision.reason}). "
+                f"Fix: set expected_layout: {decision.layout.value}, or change "
+                "node/attention_backend."
+            )
+        try:
+            rules.resolve_kv_cache_dtype(decision.layout, ek.kv_cache_dtype)
+        except rules.KVCacheDtypeError as exc:
+            raise ValueError(f"llm.engine_kwargs.kv_cache_dtype: {exc}") from exc
+        return self
+
+    @model_validator(mode="after")
+    def _replica_shape(self) -> AppArgs:
+        """One replica = one engine = the bundles of one node."""
+        ek, pg, node = self.llm.engine_kwargs, self.llm.placement_group_config, self.dsv4.node
+        workers = ek.workers_per_replica
+        if node.platform == "cpu":
+            if pg is not None and pg.gpus():
+                raise ValueError(
+                    f"llm.placement_group_config.bundles={pg.bundles!r} ask for GPUs but "
+                    "dsv4.node.platform='cpu'. Fix: use bundles: [{CPU: 1}] or set the "
+                    "node platform."
+                )
+            if self.llm.accelerator_type:
+                raise ValueError(
+                    f"llm.accelerator_type={self.llm.accelerator_type!r} on a CPU node. "
+                    "Fix: remove accelerator_type."
+                )
+            return self
+        if pg is not None:
+            per_worker = [b.get("GPU", 0) for b in pg.bundles]
+            if len(pg.bundles) != workers or any(g != 1 for g in per_worker):
+                raise ValueError(
+                    f"llm.placement_group_config.bundles has {len(pg.bundles)} bundle(s) "
+                    f"with GPU={per_worker}; expected {workers} bundles of GPU: 1 "
+                    f"(tensor_parallel_size={ek.tensor_parallel_size} x "
+                    f"pipeline_parallel_size={ek.pipeline_parallel_size}). Fix: one "
+                    "{GPU: 1, CPU: n} bundle per engine worker."
+                )
+        if node.gpus_per_node is not None and workers > node.gpus_per_node:
+            raise ValueError(
+                f"tensor_parallel_size x pipeline_parallel_size = {workers} workers but "
+                f"dsv4.node.gpus_per_node={node.gpus_per_node}: one replica must fit one "
+                "node. Fix: lower tensor_parallel_size or use bigger nodes."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _overrides_in_range(self) -> AppArgs:
+        top = self.llm.deployment_config.max_replicas
+        for i, override in enumerate(self.dsv4.replica_overrides):
+            if override.rank >= top:
+                raise ValueError(
+                    f"dsv4.replica_overrides[{i}].rank={override.rank} but at most {top} "
+                    f"replica(s) run (ranks 0..{top - 1}). Fix: pick a rank below {top}."
+                )
+            if "kv_cache_dtype" in override.engine_kwargs:
+                raise ValueError(
+                    f"dsv4.replica_overrides[{i}].engine_kwargs.kv_cache_dtype is set; "
+                    "the dtype is resolved per node, not per rank. Fix: remove it."
+                )
+        return self
+
+    def predicted_layout(self) -> rules.LayoutDecision:
+        """The layout the declared node gives (the replica re-checks on its real node)."""
+        node = self.dsv4.node
+        backend = self.llm.engine_kwargs.attention_backend or node.attention_backend
+        return rules.detect_layout(node.platform, node.compute_capability, backend)
+
+    def llm_config_dict(self, model_source: str | None = None) -> dict[str, Any]:
+        """The dict for ``ray.serve.llm.LLMConfig`` (server_cls is set by build_app).
+
+        ``model_source`` replaces the configured one (the tiny model alias becomes
+        its directory); the worker extension is added because the controller
+        needs it in every worker.
+        """
+        data = self.llm.model_dump(mode="json", exclude_none=True)
+        data["model_loading_config"]["model_source"] = (
+            model_source or self.llm.model_loading_config.model_source
+            or self.llm.model_loading_config.model_id
+        )
+        data["engine_kwargs"]["worker_extension_cls"] = WORKER_EXTENSION
+        return data
+
+
+# ------------------------------------------------------------ whole Serve file
+
+
+class ServeApplication(_Open):
+    """One entry of ``applications``; other builders' args are not ours to judge."""
+
+    name: str = "default"
+    route_prefix: str | None = "/"
+    import_path: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def is_ours(self) -> bool:
+        return self.import_path == IMPORT_PATH
+
+
+class HTTPOptions(_Open):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+
+
+class ServeConfig(_Open):
+    """A Serve config file: ``http_options`` and ``applications``."""
+
+    http_options: HTTPOptions = Field(default_factory=HTTPOptions)
+    applications: list[ServeApplication] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_routes(self) -> ServeConfig:
+        names = [a.name for a in self.applications]
+        routes = [a.route_prefix for a in self.applications if a.route_prefix]
+        for label, values in (("name", names), ("route_prefix", routes)):
+            dupes = sorted({v for v in values if values.count(v) > 1})
+            if dupes:
+                raise ValueError(
+                    f"applications[].{label} {dupes} used more than once; Serve needs "
+                    f"each {label} unique. Fix: rename one of them."
+                )
+        return self
+
+    def ours(self) -> list[tuple[ServeApplication, AppArgs]]:
+        """Our applications with their validated args."""
+        return [(a, parse_app_args(a.args, f"applications[{a.name}].args")) for a in
+                self.applications if a.is_ours]
+
+
+# ------------------------------------------------------------------ errors
+
+
+class ConfigError(ValueError):
+    """A config the user must fix; the message lists every problem by field."""
+
+
+def _fmt_loc(prefix: str, loc: tuple[Any, ...]) -> str:
+    parts = [prefix] if prefix else []
+    for item in loc:
+        if isinstance(item, int):
+            parts[-1:] = [f"{parts[-1]}[{item}]"] if parts else [f"[{item}]"]
+        else:
+            parts.append(str(item))
+    return ".".join(parts) or "<root>"
+
+
+def format_validation_error(exc: ValidationError, prefix: str) -> str:
+    """One line per problem: where, what was given, what was expected (and the fix)."""
+    lines = []
+    for err in exc.errors(include_url=False):
+        where = _fmt_loc(prefix, tuple(err["loc"]))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key. Fix: remove it or check the spelling"
+        elif err["type"] == "missing":
+            msg = "required key is missing. Fix: add it"
+        got = err.get("input")
+        shown = "" if err["type"] in ("missing",) or isinstance(got, Mapping) else f" (got {got!r})"
+        lines.append(f"  {where}: {msg}{shown}")
+    return "\n".join(lines)
+
+
+def parse_app_args(args: Mapping[str, Any], where: str = "args") -> AppArgs:
+    """Validate ``build_app`` args or raise ConfigError naming each bad field."""
+    try:
+        return AppArgs.model_validate(dict(args))
+    except ValidationError as exc:
+        raise ConfigError(f"invalid {where}:\n{format_validation_error(exc, where)}") from exc
+
+
+def load_serve_config(path: str | Path) -> ServeConfig:
+    """Read and validate a Serve config YAML, including our applications' args."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist. Fix: pass a Serve "
+                          f"config YAML, e.g. {DEFAULT_CONFIG}.")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping with `applications:`, got "
+                          f"{type(raw).__name__}.")
+    try:
+        config = ServeConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid {path}:\n{format_validation_error(exc, '')}") from exc
+    if not any(a.is_ours for a in config.applications):
+        raise ConfigError(
+            f"{path}: no application has import_path {IMPORT_PATH!r}. Fix: add one."
+        )
+    for app in config.applications:
+        if app.is_ours:
+            try:
+                AppArgs.model_validate(app.args)
+            except ValidationError as exc:
+                where = f"applications[{app.name}].args"
+                raise ConfigError(
+                    f"invalid {path}:\n{format_validation_error(exc, where)}"
+                ) from exc
+    return config
