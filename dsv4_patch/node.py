@@ -1,0 +1,93 @@
+"""What this node is (platform, compute capability, attention backend) and what
+``kv_cache_dtype`` becomes on it, decided before an engine is built.
+
+``probe_node`` asks vLLM's platform layer (imported lazily); ``canonicalize`` is
+pure so the Serve replica, the planner and the tests share one decision.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dsv4_patch import rules
+
+logger = logging.getLogger("dsv4_patch")
+
+ATTENTION_BACKEND_ENV = "VLLM_ATTENTION_BACKEND"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """The facts that pick a DeepSeek-V4 KV layout on one node."""
+
+    platform: str
+    capability: tuple[int, int] | None
+    attention_backend: str | None
+    device_name: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def attention_backend_of(engine_kwargs: dict[str, Any]) -> str | None:
+    """The explicit attention backend in engine kwargs (either spelling), else the env."""
+    backend = engine_kwargs.get("attention_backend")
+    attention_config = engine_kwargs.get("attention_config")
+    if backend is None and isinstance(attention_config, dict):
+        backend = attention_config.get("backend")
+    return backend or os.environ.get(ATTENTION_BACKEND_ENV) or None
+
+
+def probe_node(attention_backend: str | None = None) -> NodeInfo:
+    """Read platform and capability from vLLM on this machine (no engine needed)."""
+    from vllm.platforms import current_platform
+
+    capability = current_platform.get_device_capability()
+    cap = (int(capability.major), int(capability.minor)) if capability is not None else None
+    name = None
+    if cap is not None:
+        name = str(current_platform.get_device_name())
+    return NodeInfo(
+        platform=str(current_platform.device_type),
+        capability=cap,
+        attention_backend=attention_backend or os.environ.get(ATTENTION_BACKEND_ENV) or None,
+        device_name=name,
+    )
+
+
+@dataclass(frozen=True)
+class Canonicalization:
+    """The engine kwargs to build with, and the decisions behind them."""
+
+    engine_kwargs: dict[str, Any]
+    decision: rules.LayoutDecision
+    resolution: rules.Resolution
+
+    def describe(self) -> str:
+        """One log line saying what the requested dtype became and why."""
+        res = self.resolution
+        return (
+            f"kv_cache_dtype={res.requested or 'auto'!r} -> engine {res.engine_dtype!r}, "
+            f"workers store {res.cache_dtype_str!r} ({res.storage.value}) on layout "
+            f"{self.decision.layout.value} via {self.decision.backend}: {res.reason}"
+        )
+
+
+def canonicalize(engine_kwargs: dict[str, Any], node: NodeInfo) -> Canonicalization:
+    """Resolve ``kv_cache_dtype`` for ``node``; returns a new kwargs dict, never mutates.
+
+    Only ``auto`` on fp8_ds_mla is rewritten (to ``fp8``): that is the one
+    rewrite that is safe before the engine is built (DESIGN.md section 1).
+    Raises ``rules.LayoutError`` / ``rules.KVCacheDtypeError`` with the fix.
+    """
+    decision = rules.detect_layout(node.platform, node.capability, node.attention_backend)
+    requested = engine_kwargs.get("kv_cache_dtype")
+    resolution = rules.resolve_kv_cache_dtype(decision.layout, requested)
+    kwargs = copy.deepcopy(engine_kwargs)
+    if resolution.changed:
+        kwargs["kv_cache_dtype"] = resolution.engine_dtype
+    return Canonicalization(kwargs, decision, resolution)

