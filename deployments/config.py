@@ -93,7 +93,9 @@ class EngineKwargs(_Open):
     )
     tensor_parallel_size: int = Field(default=1, ge=1)
     pipeline_parallel_size: int = Field(default=1, ge=1)
+    # > 1: Ray Serve LLM DP attention (one Serve replica per DP rank, gang of this size).
     data_parallel_size: int = Field(default=1, ge=1)
+    enable_expert_parallel: bool = False
     block_size: int | None = Field(default=None, ge=1)
     attention_backend: str | None = None
     worker_extension_cls: str | None = None
@@ -103,16 +105,25 @@ class EngineKwargs(_Open):
     def _lower(cls, value: str) -> str:
         return value.strip().lower()
 
-    @field_validator("data_parallel_size")
-    @classmethod
-    def _no_engine_dp(cls, value: int) -> int:
-        if value != 1:
+    @model_validator(mode="after")
+    def _dp_means_dp_attention(self) -> EngineKwargs:
+        """data_parallel_size > 1 is Ray Serve LLM's DP-attention pattern, EP included.
+
+        Ray 2.60 (ray.llm._internal.serve.serving_patterns.data_parallel.dp_server.DPServer)
+        makes every DP rank its own Serve replica -- still one engine per replica,
+        each with its own KV pool -- gang-scheduled in groups of data_parallel_size.
+        Without expert parallelism each rank would hold every expert: DP attention
+        exists to shard the MoE experts across the ranks (vllm-project/recipes#762).
+        """
+        if self.data_parallel_size > 1 and not self.enable_expert_parallel:
             raise ValueError(
-                f"data_parallel_size={value}: one Serve replica is one engine here; "
-                "expected 1. Fix: scale with deployment_config.autoscaling_config "
-                "(one replica per GPU node) instead of engine data parallelism."
+                f"data_parallel_size={self.data_parallel_size} without "
+                "enable_expert_parallel: every DP rank would hold all routed experts. "
+                "Expected enable_expert_parallel: true with data_parallel_size > 1. Fix: "
+                "set enable_expert_parallel: true, or data_parallel_size: 1 and scale "
+                "with deployment_config.autoscaling_config."
             )
-        return value
+        return self
 
     @field_validator("worker_extension_cls")
     @classmethod
@@ -128,6 +139,11 @@ class EngineKwargs(_Open):
     @property
     def workers_per_replica(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def gpus_per_group(self) -> int:
+        """GPUs of one scaling unit: a DP gang (DP x TP x PP), or one engine (TP x PP)."""
+        return self.data_parallel_size * self.workers_per_replica
 
 
 class AutoscalingConfig(_Open):
@@ -258,6 +274,13 @@ class NodeSpec(_Strict):
     compute_capability: tuple[int, int] | None = None
     attention_backend: str | None = None
     gpus_per_node: int | None = Field(default=None, ge=1)
+    # GPU presets (configs/*-h200.yaml ...): what `dsv4-serve plan` sizes the KV
+    # cache with, and how many nodes one scaling unit spans (2 for a PP-across-nodes
+    # replica; KubeRay renders numOfHosts from it).
+    gpu_memory_gib: float | None = Field(
+        default=None, gt=0, description="memory of one GPU as nvidia-smi reports it, in GiB"
+    )
+    nodes_per_replica: int = Field(default=1, ge=1)
 
     @field_validator("compute_capability", mode="before")
     @classmethod
@@ -379,11 +402,21 @@ class AppArgs(_Strict):
                     f"pipeline_parallel_size={ek.pipeline_parallel_size}). Fix: one "
                     "{GPU: 1, CPU: n} bundle per engine worker."
                 )
-        if node.gpus_per_node is not None and workers > node.gpus_per_node:
+        if node.gpus_per_node is not None:
+            room = node.gpus_per_node * node.nodes_per_replica
+            if ek.gpus_per_group > room:
+                raise ValueError(
+                    f"data_parallel_size x tensor_parallel_size x pipeline_parallel_size = "
+                    f"{ek.gpus_per_group} GPUs but dsv4.node.gpus_per_node="
+                    f"{node.gpus_per_node} x nodes_per_replica={node.nodes_per_replica} = "
+                    f"{room}: one replica must fit its nodes. Fix: lower the parallel "
+                    "sizes, use bigger nodes, or raise nodes_per_replica."
+                )
+        if pg is not None and pg.strategy == "STRICT_PACK" and node.nodes_per_replica > 1:
             raise ValueError(
-                f"tensor_parallel_size x pipeline_parallel_size = {workers} workers but "
-                f"dsv4.node.gpus_per_node={node.gpus_per_node}: one replica must fit one "
-                "node. Fix: lower tensor_parallel_size or use bigger nodes."
+                f"llm.placement_group_config.strategy='STRICT_PACK' but dsv4.node."
+                f"nodes_per_replica={node.nodes_per_replica}: STRICT_PACK puts every bundle "
+                "on one node, so a multi-node replica never schedules. Fix: strategy: PACK."
             )
         return self
 
