@@ -1,0 +1,252 @@
+"""``dsv4-serve plan``: numbers checked against hand-computed values.
+
+The expected values below are worked out by hand from the published configs
+(configs/models/) and the formulas in deployments/plan.py's docstring, so a
+change to the weight model, the parallel split or the capacity formula shows up
+as a concrete wrong number, not as a silently different table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments import plan
+from deployments.config import ConfigError, parse_app_args
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+GIB = 2**30
+
+
+def _plan(name: str, **kwargs) -> plan.PlanReport:
+    return plan.plan_config(CONFIGS / f"{name}.yaml", **kwargs)
+
+
+def _only(report: plan.PlanReport) -> plan.ReplicaPlan:
+    assert len(report.applications) == 1
+    return report.applications[0]
+
+
+def _codes(p: plan.ReplicaPlan) -> dict[str, str]:
+    return {problem.code: problem.severity for problem in p.problems}
+
+
+def _raw_args(name: str) -> dict:
+    raw = yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+    return copy.deepcopy(raw["applications"][0]["args"])
+
+
+def _model_cfg(model: str) -> dict:
+    return json.loads((CONFIGS / "models" / "deepseek-ai" / model / "config.json").read_text())
+
+
+# ------------------------------------------------------------------ weights
+
+
+def test_flash_weight_estimate_matches_hand_count():
+    # Routed experts 43 x 256 x 3 x 4096 x 2048 = 277,025,390,592 params in MXFP4
+    # (17/32 B each) = 147,169,738,752 B; shared 43 x 3 x 4096 x 2048 FP8 (+1/16384
+    # scale) = 1,082,196,480 B; attention wq_b+wo_a+wo_b 43 x 3 x 33,554,432 FP8 =
+    # 4,328,785,920 B; replicated: FP8 fused wq_a/wkv + indexer wq_b 446,693,376
+    # params -> 446,720,640 B, bf16 compressors/indexer/router 354,680,832 params
+    # -> 709,361,664 B; embeddings + lm_head 2 x 129280 x 4096 bf16 = 2,118,123,520 B.
+    w = plan.estimate_weights(_model_cfg("DeepSeek-V4-Flash"))
+    assert w.routed_experts == 147_169_738_752
+    assert w.shared_experts == 1_082_196_480
+    assert w.tp_sharded == 4_328_785_920
+    assert w.replicated == 446_720_640 + 709_361_664
+    assert w.vocab == 2_118_123_520
+    assert w.total == 155_854_926_976
+    assert w.parameters == 284_296_478_720  # the published "284B" (router included)
+
+
+def test_pro_weight_estimate_matches_published_size():
+    w = plan.estimate_weights(_model_cfg("DeepSeek-V4-Pro"))
+    assert w.total == pytest.approx(850_382_365_760)
+    # ~865 GB on disk includes the MTP layer (one more MoE layer, ~13.5 GB MXFP4).
+    assert 840e9 < w.total < 865e9
+    assert 1.55e12 < w.parameters < 1.6e12
+
+
+def test_unquantized_config_is_bf16():
+    cfg = _model_cfg("DeepSeek-V4-Flash")
+    cfg.pop("quantization_config")
+    w = plan.estimate_weights(cfg)
+    assert w.total == pytest.approx(2 * w.parameters)
+
+
+# ------------------------------------------------------------------ presets
+
+
+def test_flash_h200_dp8_hand_computed():
+    p = _only(_plan("flash-h200"))
+    cap = p.capacity
+    assert (p.layout, p.engine_kv_cache_dtype, cap.storage) == ("fp8_ds_mla", "fp8", "fp8_ds_mla")
+    assert cap.kv_bytes_per_token == 3915  # 21 x (146.25 + 33.75) + 20 x 6.75
+    # DP8 + EP8, TP1: routed experts / 8, everything else on every GPU:
+    # 147,169,738,752 / 8 + 1,082,196,480 + 4,328,785,920 + 2,118,123,520 + 1,156,082,304
+    assert cap.weights_per_gpu_bytes == 27_081_405_568
+    # 140.4 GiB x 0.95 - weights = 116,134,278,917.12 B; / 3915 B = 29,663,928.2
+    assert cap.kv_tokens_per_engine == 29_663_928
+    assert cap.kv_tokens_per_replica == 8 * 29_663_928  # 8 independent DP pools
+    assert p.parallel["gpus_per_replica"] == 8 and p.parallel["expert_parallel_size"] == 8
+    assert not p.refused
+
+
+def test_pro_h200_2node_hand_computed():
+    p = _only(_plan("pro-h200-2node"))
+    cap = p.capacity
+    assert cap.kv_bytes_per_token == 5609.25  # 30 x 180 + 31 x 6.75
+    # PP2 splits 61 layers [31, 30] (vLLM get_pp_indices): stage 0 has 15 C4 and
+    # 16 C128 layers = 15 x 180 + 16 x 6.75 = 2808 B per token on each of its GPUs.
+    assert cap.kv_bytes_per_token_per_gpu == 2808
+    # (routed/8 + (shared + attention + vocab)/8 + replicated) / 2 stages
+    assert cap.weights_per_gpu_bytes == pytest.approx(54_545_602_316)
+    # 140.4 GiB x 0.95 - 54,545,602,316 = 88,670,082,169.12 B; / 2808 = 31,577,664.6
+    assert cap.kv_tokens_per_engine == 31_577_664
+    assert cap.kv_tokens_per_replica == 31_577_664  # TP replicates: one pool per replica
+    assert p.parallel["gpus_per_replica"] == 16 and p.parallel["nodes_per_replica"] == 2
+
+
+def test_sm120_tp2_fits_with_a_replicated_pool():
+    p = _only(_plan("flash-sm120"))
+    assert p.backend == "FLASHINFER_MLA_SPARSE_DSV4" and p.layout == "fp8_ds_mla"
+    cap = p.capacity
+    assert cap.kv_tokens_per_engine == cap.kv_tokens_per_replica
+    assert cap.kv_tokens_per_engine > p.max_model_len
+    assert not p.refused
+
+
+def test_dp8_vs_tp8_on_b200_matches_upstream_measurement():
+    """vllm-project/vllm#51454 measured 7.7x the KV capacity for DP8 vs TP8 on 8xB200."""
+    dp = _only(_plan("flash-b200")).capacity.kv_tokens_per_replica
+    raw = _raw_args("flash-b200")
+    raw["llm"]["engine_kwargs"].update(data_parallel_size=1, tensor_parallel_size=8,
+                                       enable_expert_parallel=False)
+    raw["llm"]["placement_group_config"]["bundles"] = [{"GPU": 1, "CPU": 8}] * 8
+    tp_args = parse_app_args(raw)
+    tp = plan.plan_application("tp8", tp_args, _model_cfg("DeepSeek-V4-Flash"))
+    ratio = dp / tp.capacity.kv_tokens_per_replica
+    assert ratio == pytest.approx(7.675, abs=0.01)
+
+
+def test_flashinfer_rows_preset_is_refused_with_an_explanation():
+    report = _plan("flash-b200-flashinfer-rows")
+    p = _only(report)
+    assert report.refused and p.refused
+    assert (p.layout, p.capacity.storage, p.expected_layout) == (
+        "plain_rows", "bf16_rows", "fp8_ds_mla")
+    assert p.capacity.kv_bytes_per_token == 6250
+    alt = p.fp8_ds_mla_capacity
+    assert alt is not None and alt.kv_bytes_per_token == 3915
+    change = p.capacity.kv_tokens_per_replica / alt.kv_tokens_per_replica - 1
+    assert change == pytest.approx(3915 / 6250 - 1, abs=1e-6)  # -37.4%
+    message = next(x.message for x in p.problems if x.code == "layout-contradicts-expectation")
+    for needle in ("bf16_rows", "6250 B", "3915 B", "-37.4%", "Fix:"):
+        assert needle in message
+
+
+def test_stock_vllm_crash_is_reported_for_the_pinned_gpu_vllm_only():
+    assert _codes(_only(_plan("flash-h200")))["stock-vllm-crash"] == "warning"
+    fixed = _only(_plan("flash-h200", vllm_version="0.30.0"))
+    assert "stock-vllm-crash" not in _codes(fixed)
+    rows = _only(_plan("flash-b200-flashinfer-rows"))  # plain rows never asserted
+    assert "stock-vllm-crash" not in _codes(rows)
+
+
+def test_local_cpu_plan_uses_the_cpu_kv_space():
+    p = _only(_plan("local-cpu"))
+    assert p.vllm_version == "0.32.0" and p.layout == "fp8_ds_mla"
+    assert p.capacity.kv_tokens_per_engine == int(GIB // p.capacity.kv_bytes_per_token)
+    assert not p.problems
+
+
+# ------------------------------------------------------------------ problems
+
+
+def test_reserve_that_leaves_no_room_for_max_model_len_is_refused():
+    p = _only(_plan("flash-sm120", reserve_gib=14.0))
+    assert _codes(p)["max-model-len-does-not-fit"] == "error"
+    assert p.capacity.kv_tokens_per_engine < 1_048_576
+
+
+def test_weights_that_do_not_fit_are_refused():
+    raw = _raw_args("flash-sm120")
+    raw["llm"]["engine_kwargs"]["tensor_parallel_size"] = 1
+    raw["llm"]["placement_group_config"]["bundles"] = [{"GPU": 1, "CPU": 8}]
+    p = plan.plan_application("tp1", parse_app_args(raw), _model_cfg("DeepSeek-V4-Flash"))
+    assert _codes(p)["weights-do-not-fit"] == "error"
+    assert _codes(p)["idle-gpus"] == "warning"
+    assert p.capacity.kv_tokens_per_engine == 0
+
+
+@pytest.mark.parametrize(("policy", "severity"), [("enforce", "error"), ("warn", "warning")])
+def test_replica_override_that_changes_pages_disagrees(policy, severity):
+    raw = yaml.safe_load((CONFIGS / "local-cpu.yaml").read_text())["applications"][0]["args"]
+    raw["dsv4"]["policy"] = policy
+    raw["dsv4"]["replica_overrides"] = [{"rank": 1, "engine_kwargs": {"block_size": 128}}]
+    cfg = plan.find_model_config(parse_app_args(raw), CONFIGS / "local-cpu.yaml")
+    p = plan.plan_application("canary", parse_app_args(raw), cfg)
+    assert _codes(p)["replicas-disagree"] == severity
+    assert "block_size 128 vs 256" in p.problems[0].message
+
+
+def test_fleet_serving_one_model_with_two_layouts_disagrees():
+    fp8 = _only(_plan("flash-b200"))
+    raw = _raw_args("flash-b200-flashinfer-rows")
+    raw["dsv4"]["expected_layout"] = "plain_rows"  # an all-rows deployment, on its own fine
+    rows = plan.plan_application("rows", parse_app_args(raw), _model_cfg("DeepSeek-V4-Flash"))
+    assert not rows.refused
+    problems = plan.fleet_problems([fp8, rows])
+    assert [p.code for p in problems] == ["replicas-disagree"]
+    assert plan.fleet_problems([fp8, fp8]) == []
+
+
+def test_unknown_model_names_the_fix(tmp_path):
+    raw = yaml.safe_load((CONFIGS / "flash-h200.yaml").read_text())
+    raw["applications"][0]["args"]["llm"]["model_loading_config"]["model_source"] = "acme/x"
+    path = tmp_path / "x.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="--model-config"):
+        plan.plan_config(path)
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def _cli(config: str, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    plan.add_arguments(parser)
+    return parser.parse_args([str(CONFIGS / config), *extra])
+
+
+def test_cli_table_and_exit_status(capsys):
+    assert plan.main(_cli("flash-h200.yaml")) == 0
+    out = capsys.readouterr().out
+    assert "29,663,928" in out and "237,311,424" in out and "verdict: ok" in out
+    assert plan.main(_cli("flash-b200-flashinfer-rows.yaml")) == 1
+    assert "REFUSED" in capsys.readouterr().out
+
+
+def test_cli_json(capsys):
+    assert plan.main(_cli("pro-h200-2node.yaml", "--json")) == 0
+    data = json.loads(capsys.readouterr().out)
+    app = data["applications"][0]
+    assert data["refused"] is False
+    assert app["capacity"]["kv_tokens_per_engine"] == 31_577_664
+    assert app["capacity"]["kv_bytes_per_token"] == 5609.25
+
+
+def test_cli_invalid_config_exits_2(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("applications: []\n")
+    args = argparse.Namespace(config=bad, json=False, model_config=None, vllm_version=None,
+                              reserve_gib=0.0)
+    assert plan.main(args) == 2
+    assert "applications" in capsys.readouterr().err
