@@ -22,7 +22,7 @@ ARG VLLM_VERSION=0.29.0
 
 # COPY --chown also creates the directory as ray: setuptools writes build metadata
 # next to the sources, which a root-owned WORKDIR would refuse.
-COPY --chown=ray:users pyproject.toml README.md /home/ray/dsv4-serve/
+COPY --chown=ray:users pyproject.toml /home/ray/dsv4-serve/
 COPY --chown=ray:users dsv4_patch /home/ray/dsv4-serve/dsv4_patch
 COPY --chown=ray:users deployments /home/ray/dsv4-serve/deployments
 

@@ -1,0 +1,272 @@
+"""RayService manifests: valid for the CRD, consistent with configs/, never stale.
+
+The schema is KubeRay's own RayService CRD (commit feeaf72f) from
+../shared/reference/kuberay/; ``kubernetes-validate`` silently skips CRDs, so the
+``openAPIV3Schema`` is applied with ``jsonschema`` directly, plus the two things a
+structural schema does not reject but the API server silently drops or accepts:
+unknown fields (pruned) and enum values the schema types as free strings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deployments import k8s
+from deployments.config import ConfigError, ServeConfig, parse_app_args
+
+REPO = Path(__file__).resolve().parent.parent
+K8S = REPO / "k8s"
+CRD = REPO.parent / "shared" / "reference" / "kuberay" / "ray.io_rayservices.yaml"
+MANIFESTS = sorted(K8S.glob(f"*{k8s.MANIFEST_SUFFIX}"))
+
+jsonschema = pytest.importorskip("jsonschema")
+
+
+@pytest.fixture(scope="module")
+def schema() -> dict[str, Any]:
+    if not CRD.is_file():
+        pytest.skip(f"KubeRay CRD not found at {CRD} (the shared reference directory is "
+                    "absent); schema validation needs it")
+    crd = yaml.safe_load(CRD.read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return version["schema"]["openAPIV3Schema"]
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text())
+
+
+def _schema_errors(schema: Mapping[str, Any], doc: Mapping[str, Any]) -> list[str]:
+    validator = jsonschema.Draft7Validator(schema)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in validator.iter_errors(doc)]
+
+
+def pruned_fields(node: Any, schema: Mapping[str, Any], path: str = "") -> Iterator[str]:
+    """Fields the API server would prune: not in a structural schema's properties."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return
+    if isinstance(node, Mapping):
+        props = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        for key, value in node.items():
+            if props is not None and key in props:
+                yield from pruned_fields(value, props[key], f"{path}.{key}")
+            elif isinstance(extra, Mapping):
+                yield from pruned_fields(value, extra, f"{path}.{key}")
+            elif props is not None:
+                yield f"{path}.{key}"
+    elif isinstance(node, list) and isinstance(schema.get("items"), Mapping):
+        for i, item in enumerate(node):
+            yield from pruned_fields(item, schema["items"], f"{path}[{i}]")
+
+
+def test_manifests_exist_for_every_preset_in_params():
+    params = k8s.load_params()
+    assert sorted(p.name for p in MANIFESTS) == sorted(
+        f"{name}{k8s.MANIFEST_SUFFIX}" for name in params["presets"])
+    assert len(MANIFESTS) == 4
+
+
+def test_committed_manifests_are_up_to_date():
+    assert k8s.stale_files(K8S, k8s.render_all()) == [], "run: dsv4-serve k8s render"
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_validates_against_the_crd(path, schema):
+    doc = _load(path)
+    assert _schema_errors(schema, doc) == []
+    assert list(pruned_fields(doc, schema)) == []
+
+
+def test_schema_checks_can_fail(schema):
+    doc = _load(MANIFESTS[0])
+    group = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    group["maxReplicas"] = "four"
+    group["numOfHost"] = 2  # typo: the API server would drop it silently
+    assert any("maxReplicas" in e for e in _schema_errors(schema, doc))
+    assert list(pruned_fields(doc, schema)) == [
+        ".spec.rayClusterConfig.workerGroupSpecs[0].numOfHost"]
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_manifest_semantics(path):
+    doc = _load(path)
+    assert k8s.semantic_problems(doc) == []
+    spec = doc["spec"]
+    assert spec["upgradeStrategy"]["type"] in k8s.UPGRADE_TYPES
+    cluster = spec["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True
+    assert cluster["rayVersion"] == "2.60.0"
+
+
+def test_semantic_checks_can_fail():
+    doc = _load(K8S / "pro-h200-2node.rayservice.yaml")
+    doc["spec"]["upgradeStrategy"]["type"] = "BlueGreen"
+    group = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    group["numOfHosts"] = 1
+    problems = k8s.semantic_problems(doc)
+    assert any("BlueGreen" in p for p in problems)
+    assert any("numOfHosts 1" in p for p in problems)
+    doc["spec"]["upgradeStrategy"]["type"] = "NewClusterWithIncrementalUpgrade"
+    assert any("clusterUpgradeOptions" in p for p in k8s.semantic_problems(doc))
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_serve_config_is_the_preset_and_parses(path):
+    doc = _load(path)
+    text = doc["spec"]["serveConfigV2"]
+    preset = REPO / "configs" / path.name.replace(k8s.MANIFEST_SUFFIX, ".yaml")
+    assert text == preset.read_text()
+    serve = ServeConfig.model_validate(yaml.safe_load(text))
+    (app,) = [a for a in serve.applications if a.is_ours]
+    args = parse_app_args(app.args)
+    assert args.llm.engine_kwargs.kv_cache_dtype == "auto"
+    assert args.llm.deployment_config.autoscaling_config is not None  # serve autoscaling
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_gpu_limits_match_the_parallel_layout(path):
+    doc = _load(path)
+    serve = ServeConfig.model_validate(yaml.safe_load(doc["spec"]["serveConfigV2"]))
+    ek = parse_app_args(serve.applications[0].args).llm.engine_kwargs
+    cluster = doc["spec"]["rayClusterConfig"]
+    (group,) = cluster["workerGroupSpecs"]
+    container = group["template"]["spec"]["containers"][0]
+    limits = container["resources"]["limits"]
+    per_pod = int(limits["nvidia.com/gpu"])
+    hosts = group.get("numOfHosts", 1)
+    tp, pp, dp = (ek.tensor_parallel_size, ek.pipeline_parallel_size, ek.data_parallel_size)
+    if dp > 1:
+        assert per_pod == dp * tp * pp  # one DP gang per node
+    else:
+        assert per_pod * hosts == tp * pp  # one engine across numOfHosts nodes
+        assert per_pod == tp  # TP stays inside a node, PP crosses nodes
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == limits["nvidia.com/gpu"]
+    head = cluster["headGroupSpec"]
+    assert "nvidia.com/gpu" not in head["template"]["spec"]["containers"][0]["resources"][
+        "limits"]
+    assert head["rayStartParams"]["num-gpus"] == "0"
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+def test_pod_plumbing(path):
+    doc = _load(path)
+    cluster = doc["spec"]["rayClusterConfig"]
+    spec = cluster["workerGroupSpecs"][0]["template"]["spec"]
+    container = spec["containers"][0]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert volumes["dshm"]["emptyDir"]["medium"] == "Memory" and mounts["dshm"] == "/dev/shm"
+    assert "persistentVolumeClaim" in volumes["model-cache"]
+    env = {e["name"]: e for e in container["env"]}
+    assert mounts["model-cache"] == env["HF_HOME"]["value"]
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
+    assert "value" not in env["HF_TOKEN"]
+    assert spec["nodeSelector"] and spec["tolerations"]
+    assert any(p["containerPort"] == k8s.METRICS_PORT for p in container["ports"])
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert {p["name"] for p in head["ports"]} >= {"serve", "metrics", "dashboard", "gcs"}
+    # readiness is KubeRay's injected raylet + Serve-proxy probe (see deployments/k8s.py)
+    assert "readinessProbe" not in container and "readinessProbe" not in head
+    assert doc["spec"]["serveService"]["spec"]["ports"][0]["port"] == k8s.SERVE_PORT
+    assert not re.search(r"hf_[A-Za-z0-9]{20,}", path.read_text())  # no inline token
+
+
+def test_worker_group_follows_serve_autoscaling():
+    for path in MANIFESTS:
+        doc = _load(path)
+        serve = ServeConfig.model_validate(yaml.safe_load(doc["spec"]["serveConfigV2"]))
+        args = parse_app_args(serve.applications[0].args)
+        auto = args.llm.deployment_config.autoscaling_config
+        group = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+        assert (group["minReplicas"], group["maxReplicas"]) == (auto.min_replicas,
+                                                                auto.max_replicas)
+        assert group["numOfHosts"] == args.dsv4.node.nodes_per_replica
+    pro = _load(K8S / "pro-h200-2node.rayservice.yaml")
+    assert pro["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["numOfHosts"] == 2
+
+
+def test_refused_preset_cannot_be_rendered():
+    preset = k8s.Preset("rows", REPO / "configs" / "flash-b200-flashinfer-rows.yaml", {})
+    with pytest.raises(ConfigError, match="expected_layout"):
+        k8s.render_manifest(preset, k8s.load_params())
+
+
+def test_cpu_config_cannot_be_rendered():
+    preset = k8s.Preset("cpu", REPO / "configs" / "local-cpu.yaml", {})
+    with pytest.raises(ConfigError, match="needs a GPU node"):
+        k8s.render_manifest(preset, k8s.load_params())
+
+
+def test_bad_params_name_the_fix(tmp_path):
+    params = yaml.safe_load((K8S / "params.yaml").read_text())
+    params["upgrade_strategy"] = "BlueGreen"
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    with pytest.raises(ConfigError, match="expected one of NewCluster"):
+        k8s.load_params(path)
+
+
+def _cli(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    k8s.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cli_check_passes_then_fails_on_a_stale_copy(tmp_path, capsys):
+    assert k8s.main(_cli("check")) == 0
+    assert k8s.main(_cli("render", "--out", str(tmp_path))) == 0
+    assert k8s.main(_cli("check", "--out", str(tmp_path))) == 0
+    stale = tmp_path / "flash-h200.rayservice.yaml"
+    stale.write_text(stale.read_text().replace("maxReplicas: 4", "maxReplicas: 5"))
+    (tmp_path / "old.rayservice.yaml").write_text("kind: RayService\n")
+    capsys.readouterr()
+    assert k8s.main(_cli("render", "--check", "--out", str(tmp_path))) == 1
+    err = capsys.readouterr().err
+    assert "flash-h200.rayservice.yaml: out of date" in err
+    assert "old.rayservice.yaml: not rendered" in err
+
+
+# ------------------------------------------------------------------ Dockerfile
+
+
+def _pyproject_pin(name: str) -> str:
+    text = (REPO / "pyproject.toml").read_text()
+    match = re.search(rf'"{re.escape(name)}==([0-9.]+)"', text)
+    assert match, f"{name} pin not found in pyproject.toml"
+    return match.group(1)
+
+
+def test_dockerfile_base_image_and_install():
+    text = (REPO / "Dockerfile").read_text()
+    ray = _pyproject_pin("ray[llm]")
+    froms = re.findall(r"^FROM\s+(\S+)", text, flags=re.M)
+    # ray-llm images of current Ray are Python 3.12 + CUDA 13.0 only
+    # (ray-project/ray docker/ray-llm/Dockerfile).
+    assert froms == [f"rayproject/ray-llm:{ray}-py312-cu130"]
+    assert re.search(rf"^ARG RAY_VERSION={re.escape(ray)}$", text, flags=re.M)
+    assert re.search(rf"^ARG VLLM_VERSION={re.escape(_pyproject_pin('vllm'))}$", text,
+                     flags=re.M)
+    assert k8s.load_params()["ray_version"] == ray
+    run = re.search(r"^RUN pip install (.*)$", text, flags=re.M)
+    assert run and "--no-deps" in run.group(1) and "/home/ray/dsv4-serve" in run.group(1)
+    assert "vllm.general_plugins" in text  # the build proves the plugin is registered
+
+
+def test_dockerfile_copies_what_the_package_needs():
+    text = (REPO / "Dockerfile").read_text()
+    sources = [s for line in re.findall(r"^COPY\s+(?:--\S+\s+)*(.+)$", text, flags=re.M)
+               for s in line.split()[:-1]]
+    assert {"pyproject.toml", "dsv4_patch", "deployments"} <= set(sources)
+    missing = [s for s in sources if not (REPO / s).exists()]
+    assert missing == [], f"COPY sources missing from the repository: {missing}"
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and not set(sources) & set(ignored)

@@ -1,0 +1,128 @@
+"""GPU presets in configs/: auto everywhere, DeepSeek-V4 flags, sourced choices."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deployments.config import IMPORT_PATH, ConfigError, load_serve_config
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+GPU_PRESETS = ["flash-h200", "flash-b200", "flash-sm120", "pro-h200-2node"]
+REFUSED = "flash-b200-flashinfer-rows"
+ALL = [*GPU_PRESETS, REFUSED]
+
+DSV4_FLAGS = {
+    "block_size": 256,
+    "tokenizer_mode": "deepseek_v4",
+    "tool_call_parser": "deepseek_v4",
+    "reasoning_parser": "deepseek_v4",
+    "enable_auto_tool_choice": True,
+}
+# Choices that must say where they come from (a PR, issue, recipe or measurement).
+SOURCED_KEYS = (*DSV4_FLAGS, "data_parallel_size", "tensor_parallel_size",
+                "pipeline_parallel_size", "enable_expert_parallel", "gpu_memory_utilization",
+                "gpu_memory_gib", "compute_capability", "max_model_len")
+
+
+def _raw(name: str) -> dict:
+    return yaml.safe_load((CONFIGS / f"{name}.yaml").read_text())
+
+
+def _engine(name: str) -> dict:
+    return _raw(name)["applications"][0]["args"]["llm"]["engine_kwargs"]
+
+
+def test_preset_set_is_complete():
+    names = {p.stem for p in CONFIGS.glob("*.yaml")}
+    assert set(ALL) <= names
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_preset_keeps_auto_and_our_builder(name):
+    (app,) = _raw(name)["applications"]
+    assert app["import_path"] == IMPORT_PATH
+    assert _engine(name)["kv_cache_dtype"] == "auto"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_deepseek_v4_serving_flags(name):
+    engine = _engine(name)
+    assert {k: engine.get(k) for k in DSV4_FLAGS} == DSV4_FLAGS
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_choices_are_commented_with_a_source(name):
+    lines = (CONFIGS / f"{name}.yaml").read_text().splitlines()
+    for key in SOURCED_KEYS:
+        for line in (ln for ln in lines if re.match(rf"\s*{key}:", ln)):
+            assert "#" in line, f"{name}: `{line.strip()}` has no source comment"
+
+
+@pytest.mark.parametrize("name", GPU_PRESETS)
+def test_gpu_presets_validate_and_fill_their_nodes(name):
+    (_, args), = load_serve_config(CONFIGS / f"{name}.yaml").ours()
+    node, ek = args.dsv4.node, args.llm.engine_kwargs
+    assert node.platform == "cuda" and node.gpu_memory_gib and node.gpus_per_node
+    assert ek.gpus_per_group == node.gpus_per_node * node.nodes_per_replica
+    assert args.dsv4.expected_layout.value == "fp8_ds_mla"
+    assert args.dsv4.policy.value == "enforce"
+    auto = args.llm.deployment_config.autoscaling_config
+    assert auto is not None and auto.min_replicas >= 1 and auto.max_replicas > auto.min_replicas
+    assert auto.target_ongoing_requests  # Ray Serve LLM's default target never scales
+
+
+def test_flash_runs_dp_attention_with_expert_parallel_on_8_gpu_nodes():
+    for name in ("flash-h200", "flash-b200"):
+        engine = _engine(name)
+        assert (engine["data_parallel_size"], engine["tensor_parallel_size"]) == (8, 1)
+        assert engine["enable_expert_parallel"] is True
+
+
+def test_pro_spans_two_nodes_with_tp_inside_and_pp_across():
+    (_, args), = load_serve_config(CONFIGS / "pro-h200-2node.yaml").ours()
+    ek, pg = args.llm.engine_kwargs, args.llm.placement_group_config
+    assert (ek.tensor_parallel_size, ek.pipeline_parallel_size) == (8, 2)
+    assert args.dsv4.node.nodes_per_replica == 2
+    assert pg is not None and pg.strategy == "PACK" and len(pg.bundles) == 16
+    assert ek.model_extra["distributed_executor_backend"] == "ray"
+
+
+def test_refused_preset_is_rejected_by_the_config_model():
+    with pytest.raises(ConfigError) as info:
+        load_serve_config(CONFIGS / f"{REFUSED}.yaml")
+    message = str(info.value)
+    assert "expected_layout='fp8_ds_mla'" in message and "plain_rows" in message
+    assert "Fix:" in message
+
+
+def test_dp_without_expert_parallel_is_rejected(tmp_path):
+    raw = _raw("flash-h200")
+    del raw["applications"][0]["args"]["llm"]["engine_kwargs"]["enable_expert_parallel"]
+    path = tmp_path / "dp.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="enable_expert_parallel"):
+        load_serve_config(path)
+
+
+def test_strict_pack_across_nodes_is_rejected(tmp_path):
+    raw = _raw("pro-h200-2node")
+    raw["applications"][0]["args"]["llm"]["placement_group_config"]["strategy"] = "STRICT_PACK"
+    path = tmp_path / "pro.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="strategy: PACK"):
+        load_serve_config(path)
+
+
+def test_replica_larger_than_its_nodes_is_rejected(tmp_path):
+    raw = _raw("pro-h200-2node")
+    raw["applications"][0]["args"]["dsv4"]["node"]["nodes_per_replica"] = 1
+    raw["applications"][0]["args"]["llm"]["placement_group_config"]["strategy"] = "PACK"
+    path = tmp_path / "pro.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="raise nodes_per_replica"):
+        load_serve_config(path)
