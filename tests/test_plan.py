@@ -250,3 +250,12 @@ def test_cli_invalid_config_exits_2(tmp_path, capsys):
                               reserve_gib=0.0)
     assert plan.main(args) == 2
     assert "applications" in capsys.readouterr().err
+
+
+def test_dsv4_serve_cli_dispatches_plan(capsys):
+    from deployments import cli
+
+    assert cli.main(["plan", str(CONFIGS / "flash-sm120.yaml")]) == 0
+    assert "KV tokens/engine" in capsys.readouterr().out
+    assert cli.main(["plan", "--json", str(CONFIGS / "flash-b200-flashinfer-rows.yaml")]) == 1
+    assert json.loads(capsys.readouterr().out)["refused"] is True
