@@ -70,8 +70,11 @@ def llm(model_dir: Path) -> Iterator[Any]:
         )
     from vllm import LLM
 
+    # No prefix caching: a repeated prompt must be recomputed, so "deterministic across
+    # runs" and "decode vs one prefill" compare two real computations, not a cache hit.
     engine = LLM(**tiny_model.cpu_engine_kwargs(
-        model_dir, max_num_seqs=8, worker_extension_cls=WORKER_EXTENSION,
+        model_dir, max_num_seqs=8, enable_prefix_caching=False,
+        worker_extension_cls=WORKER_EXTENSION,
     ))
     yield engine
     engine.llm_engine.engine_core.shutdown()
