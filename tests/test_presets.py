@@ -126,3 +126,22 @@ def test_replica_larger_than_its_nodes_is_rejected(tmp_path):
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match="raise nodes_per_replica"):
         load_serve_config(path)
+
+
+@pytest.mark.parametrize("name", GPU_PRESETS)
+def test_ray_accepts_the_presets(name):
+    """Ray's own models: the Serve deploy schema (what KubeRay posts) and LLMConfig.
+
+    Ray Serve LLM routes every engine_kwargs key to vLLM's engine or front-end
+    arguments and rejects unknown ones, so this also proves the DeepSeek-V4 flags
+    are real vLLM arguments (tool-call flags go to the OpenAI front-end).
+    """
+    schema = pytest.importorskip("ray.serve.schema")
+    llm = pytest.importorskip("ray.serve.llm")
+    deploy = schema.ServeDeploySchema.model_validate(_raw(name))
+    assert deploy.http_options.host == "0.0.0.0"  # reachable from the serve Service
+    (_, args), = load_serve_config(CONFIGS / f"{name}.yaml").ours()
+    engine = llm.LLMConfig(**args.llm_config_dict()).get_engine_config()
+    assert {"tool_call_parser", "enable_auto_tool_choice"} <= set(engine.frontend_kwargs)
+    assert engine.engine_kwargs["tokenizer_mode"] == "deepseek_v4"
+    assert len(engine.placement_bundles) == args.llm.engine_kwargs.workers_per_replica
