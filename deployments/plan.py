@@ -246,6 +246,8 @@ class ReplicaPlan:
     parameters: int
     capacity: Capacity
     fp8_ds_mla_capacity: Capacity | None = None  # the counterfactual, when rows
+    # DP presets: the same GPUs as one tensor-parallel engine (KV replicated per rank)
+    tp_alternative: Capacity | None = None
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -373,9 +375,13 @@ def kv_budget_per_gpu(args: AppArgs, weights_gpu: float, reserve_gib: float) -> 
 
 
 def capacity(args: AppArgs, shape: rules.ModelShape, weights: WeightEstimate,
-             storage: rules.Storage, block: int, reserve_gib: float) -> Capacity:
-    """KV tokens per engine and per replica for ``storage`` on the declared node."""
-    par = _parallel(args)
+             storage: rules.Storage, block: int, reserve_gib: float,
+             par: Parallel | None = None) -> Capacity:
+    """KV tokens per engine and per replica for ``storage`` on the declared node.
+
+    ``par`` replaces the configured parallel layout (for counterfactuals).
+    """
+    par = par or _parallel(args)
     per_token = rules.kv_bytes_per_token(shape, storage, block)
     per_gpu_token = stage_bytes_per_token(shape, storage, block, par.pp)
     on_gpu = args.dsv4.node.platform != "cpu"
@@ -430,6 +436,11 @@ def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
     if resolution.storage is not rules.Storage.FP8_DS_MLA:
         plan.fp8_ds_mla_capacity = capacity(args, shape, weights, rules.Storage.FP8_DS_MLA,
                                             block, reserve_gib)
+    par = _parallel(args)
+    if par.dp > 1:
+        as_tp = Parallel(par.tp * par.dp, par.pp, 1, par.ep, par.nodes)
+        plan.tp_alternative = capacity(args, shape, weights, resolution.storage, block,
+                                       reserve_gib, as_tp)
     plan.problems = find_problems(plan, args, shape)
     return plan
 
@@ -656,6 +667,12 @@ def table_rows(plan: ReplicaPlan) -> list[tuple[str, str]]:
         ("KV tokens/replica", _tokens(cap.kv_tokens_per_replica)),
         ("max_model_len", _tokens(plan.max_model_len)),
     ]
+    alt = plan.tp_alternative
+    if alt is not None and alt.kv_tokens_per_replica and cap.kv_tokens_per_replica is not None:
+        gain = cap.kv_tokens_per_replica / alt.kv_tokens_per_replica
+        rows.append((f"  as TP{par['gpus_per_replica'] // par['pipeline_parallel_size']}",
+                     f"{_tokens(alt.kv_tokens_per_replica)} tokens/replica (KV replicated "
+                     f"on every rank): DP gives {gain:.2f}x"))
     if plan.fp8_ds_mla_capacity is not None:
         rows.append(("  on fp8_ds_mla", _tokens(plan.fp8_ds_mla_capacity.kv_tokens_per_replica)
                      + " tokens/replica"))

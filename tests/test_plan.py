@@ -134,6 +134,11 @@ def test_dp8_vs_tp8_on_b200_matches_upstream_measurement():
     tp = plan.plan_application("tp8", tp_args, _model_cfg("DeepSeek-V4-Flash"))
     ratio = dp / tp.capacity.kv_tokens_per_replica
     assert ratio == pytest.approx(7.675, abs=0.01)
+    # plan prints the same counterfactual for every DP preset
+    shown = _only(_plan("flash-b200")).tp_alternative
+    assert shown is not None
+    assert shown.kv_tokens_per_replica == tp.capacity.kv_tokens_per_replica
+    assert _only(_plan("pro-h200-2node")).tp_alternative is None  # already TP
 
 
 def test_flashinfer_rows_preset_is_refused_with_an_explanation():
