@@ -282,11 +282,25 @@ def find_model_config(args: AppArgs, config_path: Path,
     )
 
 
+MODEL_KEYS = ("hidden_size", "num_hidden_layers", "moe_intermediate_size", "n_routed_experts",
+              "num_attention_heads", "head_dim", "q_lora_rank", "o_lora_rank", "o_groups",
+              "index_n_heads", "index_head_dim", "compress_ratios", "qk_rope_head_dim",
+              "vocab_size")
+
+
 def _read_json(path: Path) -> dict[str, Any]:
+    """A DeepSeek-V4 ``config.json`` with every key the planner reads."""
     try:
-        return json.loads(Path(path).read_text())
+        cfg = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read model config {path}: {exc}") from exc
+    missing = [key for key in MODEL_KEYS if key not in cfg]
+    if missing:
+        raise ConfigError(
+            f"model config {path} lacks {', '.join(missing)}: not a DeepSeek-V4 config.json "
+            f"(model_type={cfg.get('model_type')!r}). Fix: point --model-config or "
+            "model_source at a DeepSeek-V4 model.")
+    return cfg
 
 
 # ------------------------------------------------------------------ parsing

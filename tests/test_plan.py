@@ -213,6 +213,13 @@ def test_fleet_serving_one_model_with_two_layouts_disagrees():
     assert plan.fleet_problems([fp8, fp8]) == []
 
 
+def test_non_dsv4_model_config_names_the_missing_keys(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
+    with pytest.raises(ConfigError, match=r"lacks num_hidden_layers.*model_type='llama'"):
+        plan.plan_config(CONFIGS / "flash-h200.yaml", model_config=cfg)
+
+
 def test_unknown_model_names_the_fix(tmp_path):
     raw = yaml.safe_load((CONFIGS / "flash-h200.yaml").read_text())
     raw["applications"][0]["args"]["llm"]["model_loading_config"]["model_source"] = "acme/x"
