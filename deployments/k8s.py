@@ -315,7 +315,33 @@ def _group_problems(group: Mapping[str, Any], args: AppArgs) -> list[str]:
         found.append(f"{group['groupName']}: min/maxReplicas {group['minReplicas']}/"
                      f"{group['maxReplicas']} != Serve autoscaling {auto.min_replicas}/"
                      f"{auto.max_replicas}")
+    need = cpus_per_node(args)
+    have = _cpu_quantity(str(limits.get("cpu", "0")))
+    if have < need:
+        found.append(f"{group['groupName']}: cpu limit {limits.get('cpu')} < {need:g} CPUs "
+                     "the replica's placement bundles need per node: Ray could never "
+                     "place it and the autoscaler would add pods forever")
     return found
+
+
+def cpus_per_node(args: AppArgs) -> float:
+    """Ray CPUs one node's share of a replica reserves: its bundles plus replica actors.
+
+    Ray Serve LLM adds each Serve replica actor's CPU (1 by default) to the first
+    bundle of its placement group; a DP gang has one replica actor per rank.
+    """
+    pg, ek, node = args.llm.placement_group_config, args.llm.engine_kwargs, args.dsv4.node
+    if pg is None:
+        return 0.0
+    engine_cpus = sum(b.get("CPU", 0) for b in pg.bundles)
+    actor = float((args.llm.deployment_config.model_extra or {}).get(
+        "ray_actor_options", {}).get("num_cpus", 1))
+    return ek.data_parallel_size * (engine_cpus + actor) / node.nodes_per_replica
+
+
+def _cpu_quantity(value: str) -> float:
+    """Kubernetes CPU quantity ("96", "500m") in cores."""
+    return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
 
 
 def stale_files(out_dir: Path, rendered: Mapping[str, str]) -> list[str]:

@@ -117,6 +117,8 @@ def test_semantic_checks_can_fail():
     problems = k8s.semantic_problems(doc)
     assert any("BlueGreen" in p for p in problems)
     assert any("numOfHosts 1" in p for p in problems)
+    group["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] = "16"
+    assert any("cpu limit 16 < 64.5 CPUs" in p for p in k8s.semantic_problems(doc))
     doc["spec"]["upgradeStrategy"]["type"] = "NewClusterWithIncrementalUpgrade"
     assert any("clusterUpgradeOptions" in p for p in k8s.semantic_problems(doc))
 
