@@ -1,0 +1,99 @@
+"""``deployments.app:build_app``: the one Serve application builder.
+
+Usable from ``serve run``/``serve deploy``, KubeRay ``serveConfigV2`` and
+``dsv4-serve run``. The application is Ray Serve LLM's OpenAI app (its ingress,
+its protocol, its request handling) with three changes: the server class is
+``DSv4Server``, a ``KVSpecController`` deployment watches the servers, and the
+ingress also answers ``GET /v1/kv-spec`` so the verdict lives on the same HTTP
+port as the API it vouches for.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from ray import serve
+from ray.serve.deployment import Application
+from ray.serve.handle import DeploymentHandle
+from ray.serve.llm import LLMConfig, build_llm_deployment
+from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
+
+from deployments.config import AppArgs, parse_app_args
+from deployments.controller import KVSpecController
+from deployments.server import DSv4Server
+
+logger = logging.getLogger("ray.serve")
+
+KV_SPEC_ROUTE = "/v1/kv-spec"
+CONTROLLER_NAME = "KVSpecController"
+
+
+def _openai_endpoints() -> dict[str, Any]:
+    """Ray Serve LLM's own OpenAI routes plus ours.
+
+    ``DEFAULT_ENDPOINTS`` is what ``build_openai_app`` mounts; it is not
+    re-exported publicly in Ray 2.60 (pinned in pyproject), hence the internal import.
+    """
+    from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS
+
+    return {**DEFAULT_ENDPOINTS, "kv_spec": lambda app: app.get(KV_SPEC_ROUTE)}
+
+
+class DSv4Ingress(OpenAiIngress):
+    """Ray Serve LLM's OpenAI ingress with ``GET /v1/kv-spec``."""
+
+    def __init__(self, llm_deployments: dict[str, DeploymentHandle],
+                 model_cards: dict[str, Any], *, kv_spec_controller: DeploymentHandle,
+                 **kwargs: Any):
+        super().__init__(llm_deployments, model_cards, **kwargs)
+        self._kv_spec = kv_spec_controller
+
+    async def kv_spec(self, refresh: bool = False) -> JSONResponse:
+        """The controller's verdict; ``?refresh=true`` checks every replica now.
+
+        200 when the replicas agree, 409 when they disagree, 503 when the check is
+        incomplete, so probes and scripts can branch on the status alone.
+        """
+        report = await self._kv_spec.report.remote(refresh=refresh)
+        status = {"agree": 200, "disagree": 409}.get(report["state"], 503)
+        return JSONResponse(report, status_code=status)
+
+
+def _model_cards(llm_config: LLMConfig) -> dict[str, Any]:
+    from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
+
+    return {llm_config.model_id: to_model_metadata(llm_config.model_id, llm_config)}
+
+
+def resolve_model_source(args: AppArgs) -> str | None:
+    """The tiny-model alias becomes the directory ``ensure_tiny_model`` builds (logged)."""
+    if not args.llm.model_loading_config.is_tiny:
+        return None
+    from dsv4_patch.tiny_model import ensure_tiny_model
+
+    path = str(ensure_tiny_model())
+    logger.info("dsv4: model_source %r -> %s", args.llm.model_loading_config.model_source,
+                path)
+    return path
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    """Validate ``args`` (``deployments.config.AppArgs``) and build the application."""
+    parsed = parse_app_args(args)
+    llm_config = LLMConfig(**parsed.llm_config_dict(resolve_model_source(parsed)),
+                           server_cls=DSv4Server)
+    dsv4 = parsed.dsv4.model_dump(mode="json")
+    server = build_llm_deployment(llm_config, bind_kwargs={"dsv4": dsv4})
+    controller = serve.deployment(
+        KVSpecController, name=CONTROLLER_NAME, num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+    ).bind(server=server, dsv4=dsv4)
+    ingress_cls = make_fastapi_ingress(DSv4Ingress, endpoint_map=_openai_endpoints())
+    options = DSv4Ingress.get_deployment_options([llm_config])
+    return serve.deployment(ingress_cls, **options).bind(
+        llm_deployments={llm_config.model_id: server},
+        model_cards=_model_cards(llm_config),
+        kv_spec_controller=controller,
+    )

@@ -1,0 +1,240 @@
+"""``dsv4-serve run [CONFIG]``: the whole stack on this machine, until Ctrl-C.
+
+Validates the config (before anything starts), builds the tiny model if the
+config serves it, starts a private local Ray cluster, deploys the Serve
+application(s), waits until the KV-spec controller has a verdict, sends one
+request to prove a token comes out, prints the OpenAI base URL and the
+consensus, and on Ctrl-C/SIGTERM shuts Serve and Ray down (Serve drains the
+replicas, which stop their vLLM engines).
+
+The functions are reused by the test session fixture, so the tests boot the
+stack exactly the way users do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deployments.config import DEFAULT_CONFIG, AppArgs, ConfigError, ServeConfig, load_serve_config
+
+logger = logging.getLogger("dsv4_serve.run")
+
+INGRESS_CPUS = 1.0  # Ray Serve LLM's OpenAI ingress default
+
+
+@dataclass
+class Timings:
+    """Seconds since ``dsv4-serve run`` started, per milestone (printed and tested)."""
+
+    start: float = field(default_factory=time.monotonic)
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, name: str) -> float:
+        self.marks[name] = round(time.monotonic() - self.start, 1)
+        return self.marks[name]
+
+
+def logical_cpus_needed(config: ServeConfig) -> float:
+    """Logical CPUs Ray must offer so every replica of every app can be placed.
+
+    Ray Serve LLM puts the replica actor (1 CPU unless ray_actor_options says
+    otherwise) into the first placement-group bundle; the engine workers take
+    the bundles. At max_replicas, plus one ingress per application.
+    """
+    total = 0.0
+    for _, args in config.ours():
+        total += INGRESS_CPUS + args.llm.deployment_config.max_replicas * replica_cpus(args)
+    return total
+
+
+def replica_cpus(args: AppArgs) -> float:
+    """CPUs of one replica: its actor plus its engine workers' bundles."""
+    actor_opts = (args.llm.deployment_config.model_extra or {}).get("ray_actor_options") or {}
+    pg = args.llm.placement_group_config
+    bundles = sum(b.get("CPU", 0) for b in pg.bundles) if pg else 1.0
+    return float(actor_opts.get("num_cpus", 1)) + bundles
+
+
+def base_url(config: ServeConfig, route_prefix: str | None = "/") -> str:
+    """The OpenAI base URL of an application (clients append /chat/completions etc.)."""
+    http = config.http_options
+    prefix = (route_prefix or "/").rstrip("/")
+    return f"http://{http.host}:{http.port}{prefix}/v1"
+
+
+def start_cluster(config: ServeConfig, num_cpus: float | None = None) -> float:
+    """Start a private local Ray cluster and Serve's HTTP proxy; return the CPUs given.
+
+    ``address="local"`` never attaches to someone else's cluster: ``run`` owns what
+    it starts and can shut all of it down.
+    """
+    import ray
+    from ray import serve
+
+    needed = logical_cpus_needed(config)
+    cpus = num_cpus if num_cpus is not None else max(float(os.cpu_count() or 1), needed)
+    if cpus < needed:
+        raise ConfigError(
+            f"--num-cpus={cpus} but the config needs {needed} logical CPUs at max_replicas "
+            f"(replica actor + placement-group bundles, plus {INGRESS_CPUS} per ingress). "
+            "Fix: raise --num-cpus or lower max_replicas."
+        )
+    if cpus > (os.cpu_count() or 1):
+        logger.info("dsv4: offering Ray %s logical CPUs on %s cores: the replicas share them "
+                    "(VLLM_CPU_OMP_THREADS_BIND=nobind)", cpus, os.cpu_count())
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False,
+             namespace="serve", log_to_driver=os.environ.get("DSV4_LOG_TO_DRIVER") == "1")
+    extra = config.model_extra or {}
+    serve.start(http_options=config.http_options.model_dump(),
+                proxy_location=extra.get("proxy_location", "HeadOnly"))
+    return cpus
+
+
+def deploy(config: ServeConfig, timings: Timings | None = None) -> dict[str, float]:
+    """Deploy every application of ours; return seconds until each was RUNNING."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    others = [a.name for a in config.applications if not a.is_ours]
+    if others:
+        raise ConfigError(
+            f"applications {others} use another import_path; `dsv4-serve run` deploys only "
+            "deployments.app:build_app. Fix: deploy the file with `serve deploy`."
+        )
+    seconds = {}
+    for app, _ in config.ours():
+        started = time.monotonic()
+        serve.run(build_app(app.args), name=app.name, route_prefix=app.route_prefix)
+        seconds[app.name] = round(time.monotonic() - started, 1)
+        if timings:
+            timings.mark(f"app {app.name} RUNNING")
+    return seconds
+
+
+def http_json(url: str, method: str = "GET", body: dict[str, Any] | None = None,
+              timeout: float = 60.0) -> tuple[int, dict[str, Any]]:
+    """(status, JSON body) for a request; HTTP errors are answers, not exceptions."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def wait_for_verdict(url: str, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Poll ``/v1/kv-spec?refresh=true`` until the verdict is not ``incomplete``."""
+    deadline = time.monotonic() + timeout_s
+    report: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        _, report = http_json(f"{url}/kv-spec?refresh=true")
+        if report.get("state") in ("agree", "disagree"):
+            return report
+        time.sleep(2)
+    raise TimeoutError(f"no KV-spec verdict after {timeout_s}s; last report: {report}")
+
+
+def first_token(url: str, model: str) -> float:
+    """Seconds for one 1-token completion: proof that a token comes out."""
+    started = time.monotonic()
+    status, body = http_json(f"{url}/completions", "POST",
+                             {"model": model, "prompt": "Hello", "max_tokens": 1},
+                             timeout=300)
+    if status != 200:
+        raise RuntimeError(f"first request failed with HTTP {status}: {body}")
+    return round(time.monotonic() - started, 2)
+
+
+def shutdown() -> None:
+    """Stop Serve (replicas drain and stop their engines), then Ray."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+
+
+def describe(report: dict[str, Any]) -> str:
+    """The consensus in a few lines, for people."""
+    lines = [f"KV spec: {report['state']} (policy {report['policy']}, expected "
+             f"{report['expected']['layout']}); {report['answered']}/"
+             f"{report['running_replicas']} replicas answered"]
+    for rep in report["replicas"]:
+        lines.append(f"  {rep['id']} rank {rep['rank']}: {rep['cache_dtype']}, blocks "
+                     f"{rep['block_sizes']}, pages {rep['page_sizes']} B, "
+                     f"{rep['fingerprint'][:19]} [{rep['status']}]")
+    lines += [f"  problem: {p['message']}" for p in report["problems"]]
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", type=Path, default=DEFAULT_CONFIG,
+                        help=f"Serve config YAML (default: {DEFAULT_CONFIG})")
+    parser.add_argument("--num-cpus", type=float, default=None,
+                        help="logical CPUs for the local Ray (default: enough for "
+                        "max_replicas, at least the core count)")
+    parser.add_argument("--no-smoke", action="store_true",
+                        help="skip the one-token request after deploying")
+
+
+def _install_stop_handlers() -> threading.Event:
+    stop = threading.Event()
+
+    def _handler(signum: int, _frame: Any) -> None:
+        print(f"\n{signal.Signals(signum).name}: shutting down...", file=sys.stderr)
+        stop.set()
+
+    signal.signal(signal.SIGINT, _handler)
+    signal.signal(signal.SIGTERM, _handler)
+    return stop
+
+
+def main(args: argparse.Namespace) -> int:
+    """Deploy, report, serve until a signal, shut down."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    timings = Timings()
+    try:
+        config = load_serve_config(args.config)
+    except ConfigError as exc:
+        print(f"dsv4-serve run: {exc}", file=sys.stderr)
+        return 2
+    stop = _install_stop_handlers()
+    try:
+        start_cluster(config, args.num_cpus)
+        timings.mark("ray+serve up")
+        deploy(config, timings)
+        for app, parsed in config.ours():
+            url = base_url(config, app.route_prefix)
+            report = wait_for_verdict(url)
+            print(f"[{app.name}] OpenAI base URL: {url}  (after {timings.mark('verdict')} s)")
+            print(describe(report))
+            if not args.no_smoke:
+                latency = first_token(url, parsed.llm.model_loading_config.model_id)
+                print(f"[{app.name}] first token after {timings.mark('first token')} s "
+                      f"(request latency {latency} s)")
+        print("Serving; Ctrl-C to stop.", flush=True)
+        while not stop.wait(1.0):
+            pass
+        return 0
+    except ConfigError as exc:
+        print(f"dsv4-serve run: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown()
+        print(f"stopped after {timings.mark('stopped')} s", file=sys.stderr)

@@ -1,0 +1,43 @@
+"""``dsv4-serve status [--json]``: the KV-spec consensus of a running app, over HTTP.
+
+Reads ``GET /v1/kv-spec`` (the same port as the OpenAI API), so it works
+against ``dsv4-serve run``, ``serve run`` or a KubeRay service alike, without
+joining the Ray cluster. Exit code: 0 agree, 1 disagree, 3 incomplete or
+unreachable: scripts can gate on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+
+from deployments.runner import describe, http_json
+
+EXIT = {"agree": 0, "disagree": 1}
+EXIT_INCOMPLETE = 3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000/v1",
+                        help="OpenAI base URL of the app (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print the raw report")
+    parser.add_argument("--refresh", action="store_true",
+                        help="ask every replica now instead of reading the last check")
+
+
+def main(args: argparse.Namespace) -> int:
+    url = f"{args.url.rstrip('/')}/kv-spec" + ("?refresh=true" if args.refresh else "")
+    try:
+        _, report = http_json(url, timeout=90)
+    except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+        print(f"dsv4-serve status: cannot read {url}: {exc}. Is the app running "
+              "(`dsv4-serve run`) and is --url its OpenAI base URL?", file=sys.stderr)
+        return EXIT_INCOMPLETE
+    if "state" not in report:
+        print(f"dsv4-serve status: {url} answered without a verdict: {report}",
+              file=sys.stderr)
+        return EXIT_INCOMPLETE
+    print(json.dumps(report, indent=2) if args.json else describe(report))
+    return EXIT.get(report["state"], EXIT_INCOMPLETE)

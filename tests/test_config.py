@@ -1,0 +1,136 @@
+"""Config validation: wrong configs fail before Ray starts, naming field, value and fix."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deployments.config import (
+    DEFAULT_CONFIG,
+    WORKER_EXTENSION,
+    ConfigError,
+    load_serve_config,
+    parse_app_args,
+)
+
+
+def local_args() -> dict[str, Any]:
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    return copy.deepcopy(raw["applications"][0]["args"])
+
+
+def set_path(data: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    *parents, last = dotted.split(".")
+    node = data
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return data
+
+
+def test_local_cpu_config_is_valid() -> None:
+    config = load_serve_config(DEFAULT_CONFIG)
+    [(app, args)] = config.ours()
+    assert app.route_prefix == "/"
+    assert args.llm.engine_kwargs.kv_cache_dtype == "auto"
+    assert args.dsv4.policy.value == "enforce"
+    assert args.llm.deployment_config.autoscaling_config.min_replicas == 2
+    llm = args.llm_config_dict("/models/tiny")
+    assert llm["model_loading_config"]["model_source"] == "/models/tiny"
+    assert llm["engine_kwargs"]["worker_extension_cls"] == WORKER_EXTENSION
+    assert llm["engine_kwargs"]["kv_cache_dtype"] == "auto"  # the replica resolves it
+
+
+# (dotted field, bad value, fragments the message must contain)
+BAD = [
+    ("dsv4.policy", "enforcing", ["dsv4.policy", "'enforcing'", "enforce", "warn"]),
+    ("llm.engine_kwargs.kv_cache_dtype", "bfloat16",
+     ["llm.engine_kwargs.kv_cache_dtype", "'bfloat16'", "fp8_ds_mla", "Fix"]),
+    ("dsv4.expected_layout", "plain_rows",
+     ["dsv4.expected_layout", "'plain_rows'", "fp8_ds_mla", "Fix"]),
+    ("llm.deployment_config.autoscaling_config.min_replicas", 3,
+     ["min_replicas=3", "max_replicas=2", "Fix"]),
+    ("llm.runtime_env.env_vars.VLLM_CPU_KVCACHE_SPACE", 1,
+     ["VLLM_CPU_KVCACHE_SPACE=1", "strings", "Fix"]),
+    ("llm.runtime_env.env_vars.VLLM_PLUGINS", "other_plugin",
+     ["VLLM_PLUGINS='other_plugin'", "dsv4_patch", "Fix"]),
+    ("llm.engine_kwargs.worker_extension_cls", "my.Ext",
+     ["worker_extension_cls='my.Ext'", WORKER_EXTENSION, "Fix"]),
+    ("llm.placement_group_config.bundles", [{"CPU": 1, "GPU": 1}],
+     ["bundles", "GPU", "platform='cpu'", "Fix"]),
+    ("dsv4.node.platform", "tpu", ["dsv4.node.platform", "'tpu'"]),
+    ("llm.engine_kwargs.data_parallel_size", 2, ["data_parallel_size=2", "autoscaling", "Fix"]),
+    ("dsv4.replica_overrides", [{"rank": 5, "engine_kwargs": {"block_size": 128}}],
+     ["replica_overrides[0].rank=5", "ranks 0..1", "Fix"]),
+    ("llm.deployment_config.num_replicas", 2, ["num_replicas=2", "autoscaling_config", "Fix"]),
+    ("llm.model_loading_config.model_idd", "x", ["model_idd", "unknown key"]),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "fragments"), BAD, ids=[b[0] for b in BAD])
+def test_bad_config_names_field_value_and_fix(field: str, value: Any,
+                                             fragments: list[str]) -> None:
+    args = set_path(local_args(), field, value)
+    with pytest.raises(ConfigError) as info:
+        parse_app_args(args)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from:\n{message}"
+
+
+def test_gpu_node_needs_one_gpu_bundle_per_worker() -> None:
+    args = local_args()
+    args["dsv4"]["node"] = {"platform": "cuda", "compute_capability": "9.0"}
+    args["llm"]["engine_kwargs"]["tensor_parallel_size"] = 8
+    args["llm"]["placement_group_config"] = {"bundles": [{"GPU": 1, "CPU": 4}] * 4}
+    with pytest.raises(ConfigError, match=r"4 bundle\(s\).*expected 8 bundles of GPU: 1"):
+        parse_app_args(args)
+    args["llm"]["placement_group_config"] = {"bundles": [{"GPU": 1, "CPU": 4}] * 8,
+                                             "strategy": "STRICT_PACK"}
+    parsed = parse_app_args(args)
+    assert parsed.predicted_layout().layout.value == "fp8_ds_mla"
+
+
+def test_cuda_node_requires_compute_capability() -> None:
+    args = local_args()
+    args["dsv4"]["node"] = {"platform": "cuda"}
+    with pytest.raises(ConfigError, match="compute_capability"):
+        parse_app_args(args)
+
+
+def test_sm100_flashinfer_backend_is_plain_rows() -> None:
+    args = local_args()
+    args["dsv4"]["node"] = {"platform": "cuda", "compute_capability": "10.0",
+                            "attention_backend": "FLASHINFER_MLA_SPARSE_DSV4"}
+    args["llm"]["placement_group_config"] = {"bundles": [{"GPU": 1}]}
+    with pytest.raises(ConfigError, match="stores plain_rows"):
+        parse_app_args(args)
+    args["dsv4"]["expected_layout"] = "plain_rows"
+    assert parse_app_args(args).predicted_layout().layout.value == "plain_rows"
+
+
+def test_serve_file_errors(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_serve_config(missing)
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump({"applications": [
+        {"name": "x", "import_path": "ray.serve.llm:build_openai_app", "args": {}}]}))
+    with pytest.raises(ConfigError, match="no application has import_path"):
+        load_serve_config(other)
+    dupes = tmp_path / "dupes.yaml"
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    raw["applications"].append(copy.deepcopy(raw["applications"][0]))
+    dupes.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"name \['dsv4'\] used more than once"):
+        load_serve_config(dupes)
+    bad = tmp_path / "bad.yaml"
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    raw["applications"][0]["args"]["dsv4"]["controller_period_s"] = -1
+    bad.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"applications\[dsv4\]\.args\.dsv4\.controller_period_s"):
+        load_serve_config(bad)
