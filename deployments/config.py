@@ -338,6 +338,19 @@ class DSv4Section(_Strict):
 # ------------------------------------------------------------------ app args
 
 
+CPU_DSV4_BLOCK_SIZE = 256
+
+
+def _check_cpu_block_size(where: str, block_size: Any) -> None:
+    """vLLM's CPU platform forces DeepSeek-V4 to 256-token blocks; say so instead."""
+    if block_size is not None and block_size != CPU_DSV4_BLOCK_SIZE:
+        raise ValueError(
+            f"{where}={block_size!r} on a CPU node: vLLM's DeepSeek-V4 CPU backend only "
+            f"runs block_size={CPU_DSV4_BLOCK_SIZE} and would override it. Fix: remove "
+            f"block_size or set {CPU_DSV4_BLOCK_SIZE}."
+        )
+
+
 class AppArgs(_Strict):
     """``args`` of ``deployments.app:build_app``: one DeepSeek-V4 model."""
 
@@ -380,6 +393,10 @@ class AppArgs(_Strict):
         ek, pg, node = self.llm.engine_kwargs, self.llm.placement_group_config, self.dsv4.node
         workers = ek.workers_per_replica
         if node.platform == "cpu":
+            _check_cpu_block_size("llm.engine_kwargs.block_size", ek.block_size)
+            for i, override in enumerate(self.dsv4.replica_overrides):
+                _check_cpu_block_size(f"dsv4.replica_overrides[{i}].engine_kwargs.block_size",
+                                      override.engine_kwargs.get("block_size"))
             if pg is not None and pg.gpus():
                 raise ValueError(
                     f"llm.placement_group_config.bundles={pg.bundles!r} ask for GPUs but "

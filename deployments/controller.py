@@ -70,14 +70,15 @@ class _Metrics:
 class KVSpecController:
     """One replica; its loop checks every ``controller_period_s`` seconds."""
 
-    def __init__(self, server: DeploymentHandle, dsv4: dict[str, Any]):
+    async def __init__(self, server: DeploymentHandle, dsv4: dict[str, Any]):
         self._settings = DSv4Section.model_validate(dsv4)
         self._server = server
         self._policy = self._settings.policy
         self._lock = asyncio.Lock()
         self._report: dict[str, Any] = self._empty_report("not checked yet")
         self._metrics = _Metrics(server.deployment_name)
-        self._loop_task = asyncio.get_event_loop().create_task(self._run())
+        # Async constructor: the loop task lives on the replica's event loop.
+        self._loop_task = asyncio.create_task(self._run())
 
     def _empty_report(self, why: str) -> dict[str, Any]:
         report = kvspec.decide([], [why], None, self._settings.expected_layout.value)

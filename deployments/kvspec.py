@@ -75,7 +75,9 @@ def summarize_workers(workers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {
         "layer_groups": groups,
         "fingerprint": fingerprint(groups),
-        "cache_dtypes": sorted({str(g["cache_dtype_str"]) for g in groups}),
+        "cache_dtypes": sorted(
+            {str(g["cache_dtype_str"]) for g in groups if g["cache_dtype_str"] is not None}
+        ),
         "block_sizes": sorted({g["block_size"] for g in groups if g["block_size"] is not None}),
         "page_sizes": sorted(
             {g["page_size_bytes"] for g in groups if g["page_size_bytes"] is not None}

@@ -64,8 +64,11 @@ BAD = [
      ["bundles", "GPU", "platform='cpu'", "Fix"]),
     ("dsv4.node.platform", "tpu", ["dsv4.node.platform", "'tpu'"]),
     ("llm.engine_kwargs.data_parallel_size", 2, ["data_parallel_size=2", "autoscaling", "Fix"]),
-    ("dsv4.replica_overrides", [{"rank": 5, "engine_kwargs": {"block_size": 128}}],
+    ("dsv4.replica_overrides", [{"rank": 5, "engine_kwargs": {"enforce_eager": False}}],
      ["replica_overrides[0].rank=5", "ranks 0..1", "Fix"]),
+    ("dsv4.replica_overrides", [{"rank": 1, "engine_kwargs": {"block_size": 64}}],
+     ["replica_overrides[0].engine_kwargs.block_size=64", "CPU", "256", "Fix"]),
+    ("llm.engine_kwargs.block_size", 128, ["block_size=128", "CPU", "256", "Fix"]),
     ("llm.deployment_config.num_replicas", 2, ["num_replicas=2", "autoscaling_config", "Fix"]),
     ("llm.model_loading_config.model_idd", "x", ["model_idd", "unknown key"]),
 ]
