@@ -48,9 +48,11 @@ def register() -> record.PatchRecord:
         rec = record.PatchRecord(vllm_version=_vllm_version(), platform=_platform())
         patches.install(rec)
         if rec.platform == "cpu":
-            from dsv4_patch import cpu_compat
+            from dsv4_patch import cpu_compat, cpu_ops
 
             for result in cpu_compat.install():
+                rec.set(result)
+            for result in cpu_ops.install():
                 rec.set(result)
         record.publish(rec)
     logger.info(rec.summary())

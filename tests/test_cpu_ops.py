@@ -1,0 +1,506 @@
+"""Semantic tests of dsv4_patch.cpu_ops against plain-torch references written here.
+
+Every op is called through ``torch.ops._C`` (the registered schema), as vLLM calls it.
+The references are deliberately naive (loops over a few tokens, byte offsets computed
+by hand, complex-number RoPE), so they share no code with the implementation. Cache
+round trips check the writers and readers agree on the fp8_ds_mla / indexer layouts
+and stay inside the pages vLLM allocates.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsv4_patch import cpu_ops
+
+SEEDS = range(6)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed() -> None:
+    results = cpu_ops.install()
+    assert len(results) == len(cpu_ops.REGISTRY)
+    assert {r.status for r in results} <= {"applied", "skipped"}
+
+
+# --------------------------------------------------------------------------- references
+
+
+def ref_rope(x: torch.Tensor, pos: torch.Tensor, cos_sin: torch.Tensor, sign: int = 1):
+    """GPT-J rotation via complex multiplication: pair (x[2i], x[2i+1]) = x[2i] + j x[2i+1]."""
+    half = cos_sin.shape[1] // 2
+    cos, sin = cos_sin[pos, :half], cos_sin[pos, half:]
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], half, 2).contiguous())
+    return torch.view_as_real(z * torch.complex(cos, sign * sin)).reshape(x.shape)
+
+
+def ref_cos_sin(max_pos: int, rot: int, base: float = 10000.0) -> torch.Tensor:
+    inv = 1.0 / base ** (torch.arange(0, rot, 2).float() / rot)
+    ang = torch.arange(max_pos).float()[:, None] * inv[None]
+    return torch.cat((ang.cos(), ang.sin()), dim=1)
+
+
+def ref_read_record(cache_2d: torch.Tensor, slot: int, bs: int) -> torch.Tensor:
+    """One fp8_ds_mla token decoded from raw bytes with hand-computed offsets."""
+    row = cache_2d[slot // bs]
+    p = slot % bs
+    data = row[p * 576 : p * 576 + 576]
+    scales = row[bs * 576 + p * 8 : bs * 576 + p * 8 + 7]
+    nope = data[:448].view(torch.float8_e4m3fn).float()
+    mult = torch.tensor([2.0 ** (int(b) - 127) for b in scales]).repeat_interleave(64)
+    rope = data[448:576].clone().view(torch.bfloat16).float()
+    return torch.cat((nope * mult, rope))
+
+
+def ref_read_index_key(cache_2d: torch.Tensor, slot: int, bs: int) -> torch.Tensor:
+    row = cache_2d[slot // bs]
+    p = slot % bs
+    k = row[p * 128 : p * 128 + 128].view(torch.float8_e4m3fn).float()
+    scale = row[bs * 128 + p * 4 : bs * 128 + p * 4 + 4].clone().view(torch.float32)
+    return k * scale
+
+
+def fp8_close(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor | float) -> None:
+    """Within e4m3 rounding: relative 2^-4 for normals, absolute scale*2^-9 below."""
+    tol = torch.maximum(want.abs() * 2.0**-4, torch.as_tensor(scale) * 2.0**-9) * 1.01
+    assert bool(((got - want).abs() <= tol + 1e-6).all()), float((got - want).abs().max())
+
+
+def make_cache(num_blocks: int, bs: int, page_bytes: int) -> torch.Tensor:
+    """A pooled allocation: pages padded beyond what they hold, rows strided."""
+    pool = torch.zeros(num_blocks, page_bytes + 96, dtype=torch.uint8)
+    return pool[:, :page_bytes]
+
+
+def mla_page(bs: int) -> int:
+    return math.ceil(bs * 584 / 576) * 576
+
+
+# --------------------------------------------------------------------------- quant / rope
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_ue8m0_roundtrip_power_of_two_scales(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 40, (1,), generator=g))
+    x = torch.randn(n, 448, generator=g) * torch.exp2(torch.randint(-12, 12, (n, 1),
+                                                                   generator=g).float())
+    x[0, :64] = 0.0  # an all-zero tile takes the 1e-4 floor
+    fp8, sb = cpu_ops.quant_ue8m0(x)
+    assert fp8.dtype == torch.uint8 and sb.shape == (n, 7)
+    scale = torch.exp2(sb.float() - 127)
+    amax = x.reshape(n, 7, 64).abs().amax(-1)
+    # smallest power of two that maps amax into the fp8 range (or the 1e-4 floor)
+    assert bool((amax <= scale * 448 * (1 + 1e-6)).all())
+    assert bool(((amax > scale * 224) | (scale <= 2 * 1e-4)).all())
+    back = cpu_ops.dequant_ue8m0(fp8, sb)
+    fp8_close(back, x, scale.repeat_interleave(64, dim=1))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_rope_then_inverse_rope_is_identity(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    t, h = int(torch.randint(1, 20, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
+    cos_sin = ref_cos_sin(4096, 64)
+    pos = torch.randint(0, 4096, (t,), generator=g)
+    x = torch.randn(t, h, 512, generator=g)
+    rotated = x.clone()
+    rotated[..., 448:] = ref_rope(x[..., 448:], pos, cos_sin)
+    back = torch.ops._C.inverse_gptj_rope_o_proj_cpu(rotated, pos, cos_sin, 64)
+    assert back.dtype == torch.float32
+    torch.testing.assert_close(back, x, atol=1e-5, rtol=1e-5)
+    # and the forward helper is the complex-multiplication rotation
+    cos, sin = cos_sin[pos, :32], cos_sin[pos, 32:]
+    fwd = cpu_ops.gptj_rope(x[..., 448:], cos[:, None], sin[:, None])
+    torch.testing.assert_close(fwd, ref_rope(x[..., 448:], pos, cos_sin), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_bmm_matches_matmul(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    dims = torch.randint(1, 9, (4,), generator=g) * torch.tensor([1, 3, 32, 16])
+    b, m, n, k = (int(v) for v in dims)
+    a = torch.randn(b, m, k, generator=g).bfloat16()
+    w = torch.randn(b, n, k, generator=g).bfloat16()
+    packed = torch.ops._C.convert_weight_packed(w)
+    out = torch.empty(b, m, n, dtype=torch.bfloat16)
+    torch.ops._C.bmm_cpu(out, a, packed, True, None)
+    torch.testing.assert_close(out.float(), torch.matmul(a.float(), w.float().transpose(1, 2)),
+                               atol=0.05, rtol=0.02)
+    w8 = w.float().clamp(-4, 4).to(torch.float8_e4m3fn)
+    torch.ops._C.bmm_cpu(out, a, w8, False, torch.tensor(0.5))
+    want = 0.5 * torch.matmul(a.float(), w8.float().transpose(1, 2))
+    torch.testing.assert_close(out.float(), want, atol=0.05, rtol=0.02)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _insert_random_tokens(g: torch.Generator, cache: torch.Tensor, bs: int, slots: torch.Tensor,
+                          cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Insert random kv rows at ``slots`` through the fused op; return (q_out, kv, pos)."""
+    n = slots.shape[0]
+    q = torch.randn(n, 3, 512, generator=g).bfloat16()
+    kv = (torch.randn(n, 512, generator=g) * 3).bfloat16()
+    pos = torch.randint(0, 4096, (n,), generator=g)
+    q_out = torch.ops._C.fused_qnorm_rope_kv_insert_cpu(q, kv, pos, cache, slots, cos_sin, 4,
+                                                        1e-6, bs)
+    return q_out, kv, pos, q
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_qnorm_rope_kv_insert_matches_reference(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    bs = [16, 64][seed % 2]
+    nb = 6
+    cache = make_cache(nb, bs, mla_page(bs))
+    guard = cache.as_strided((nb, 96), (cache.stride(0), 1), cache.shape[1]).clone()
+    cos_sin = ref_cos_sin(4096, 64)
+    slots = torch.randperm(nb * bs, generator=g)[:20]
+    slots[3] = -1  # skipped
+    q_out, kv, pos, q = _insert_random_tokens(g, cache, bs, slots, cos_sin)
+    # Q: weight-free RMSNorm per head, RoPE on the last 64 dims, padded head zero
+    qf = q.float() / q.float().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+    qf[..., 448:] = ref_rope(qf[..., 448:], pos, cos_sin)
+    torch.testing.assert_close(q_out[:, :3].float(), qf, atol=0.02, rtol=0.02)
+    assert bool((q_out[:, 3] == 0).all())
+    # KV: records decode to RoPE'd kv (fp8 NoPE, bf16 RoPE)
+    for i, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        want = kv[i].float().clone()
+        want[448:] = ref_rope(want[None, 448:], pos[i : i + 1], cos_sin)[0]
+        got = ref_read_record(cache, s, bs)
+        tile_amax = want[:448].reshape(7, 64).abs().amax(-1)
+        fp8_close(got[:448], want[:448], (tile_amax / 448).repeat_interleave(64) * 2)
+        torch.testing.assert_close(got[448:], want[448:], atol=0.05, rtol=0.01)
+    # the padding past the page the op was given is untouched
+    after = cache.as_strided((nb, 96), (cache.stride(0), 1), cache.shape[1])
+    assert torch.equal(after, guard)
+
+
+def ref_sparse_attention(q: torch.Tensor, keys: list[list[torch.Tensor]], sink: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Dense per-token softmax(q k^T scale) with the sink as an extra zero-value logit."""
+    t, h, d = q.shape
+    out = torch.zeros(t, h, d)
+    for i in range(t):
+        if not keys[i]:
+            continue
+        k = torch.stack(keys[i])
+        logits = q[i].float() @ k.T * scale  # [h, n]
+        m = torch.maximum(logits.max(-1).values, sink)
+        e = torch.exp(logits - m[:, None])
+        denom = e.sum(-1) + torch.exp(sink - m)
+        out[i] = (e / denom[:, None]) @ k
+    return out
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_flash_mla_matches_dense_attention_with_sink(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    bs_w, bs_c, nb = 16, 4, 8
+    win = make_cache(nb, bs_w, mla_page(bs_w))
+    comp = make_cache(nb, bs_c, mla_page(bs_c))
+    cos_sin = ref_cos_sin(4096, 64)
+    _insert_random_tokens(g, win, bs_w, torch.arange(nb * bs_w), cos_sin)
+    _insert_random_tokens(g, comp, bs_c, torch.arange(nb * bs_c), cos_sin)
+    t, h = int(torch.randint(1, 12, (1,), generator=g)), 5
+    q = torch.randn(t, h, 512, generator=g).bfloat16()
+    nw = int(torch.randint(1, 40, (1,), generator=g))
+    nc = int(torch.randint(0, 30, (1,), generator=g))
+    wslots = torch.randint(-1, nb * bs_w, (t, nw), generator=g)
+    cslots = torch.randint(-1, nb * bs_c, (t, nc), generator=g)
+    wslots[0] = -1
+    if nc:
+        cslots[0] = -1  # token 0 has no valid key at all -> zeros
+        wslots[-1, 0] = nb * bs_w + 5  # past the cache: ignored
+    sink = torch.randn(h, generator=g)
+    sink[0] = float("-inf")
+    out = torch.empty_like(q)
+    scale = 512**-0.5
+    torch.ops._C.flash_mla_with_kvcache_cpu(out, q, win, wslots, bs_w, comp, cslots, bs_c, sink,
+                                            scale)
+    keys = []
+    for i in range(t):
+        ks = [ref_read_record(win, s, bs_w) for s in wslots[i].tolist() if 0 <= s < nb * bs_w]
+        ks += [ref_read_record(comp, s, bs_c) for s in cslots[i].tolist() if s >= 0]
+        keys.append(ks)
+    want = ref_sparse_attention(q, keys, sink, scale)
+    torch.testing.assert_close(out.float(), want, atol=0.02, rtol=0.02)
+    if nc:
+        assert bool((out[0] == 0).all())
+
+
+# --------------------------------------------------------------------------- compressor
+
+
+def ref_compress(state: torch.Tensor, gather: list[int], ratio: int, head_dim: int,
+                 weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-channel softmax over the window of one token, then weighted RMSNorm."""
+    bs, width = state.shape[1], state.shape[2] // 2
+    num, den = torch.zeros(head_dim), torch.zeros(head_dim)
+    scores = []
+    for w, s in enumerate(gather):
+        if s < 0:
+            continue
+        off = head_dim if w >= ratio else 0
+        row = state[s // bs, s % bs]
+        scores.append((row[width + off : width + off + head_dim], row[off : off + head_dim]))
+    m = torch.stack([sc for sc, _ in scores]).max(0).values
+    for sc, kv in scores:
+        e = torch.exp(sc - m)
+        num += e * kv
+        den += e
+    x = num / den
+    return x / torch.sqrt(x.pow(2).mean() + eps) * weight
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("ratio,head_dim,overlap", [(4, 512, True), (128, 512, False),
+                                                   (4, 128, True)])
+def test_compressor_state_and_store(seed: int, ratio: int, head_dim: int, overlap: bool) -> None:
+    g = torch.Generator().manual_seed(seed)
+    coff = 2 if overlap else 1
+    width = coff * head_dim
+    window = (1 + int(overlap)) * ratio
+    # one request: consecutive positions, state slots via a random block table
+    n = window + ratio * int(torch.randint(1, 3, (1,), generator=g))
+    sbs = 8
+    snb = n // sbs + 2
+    pool = torch.zeros(snb, sbs + 1, 2 * width)
+    state = pool[:, :sbs]  # block stride larger than bs * row: a pooled allocation
+    start = ratio * int(torch.randint(0, 5, (1,), generator=g))
+    pos = torch.arange(start, start + n)
+    table = torch.randperm(snb, generator=g)
+    local = pos - start  # the state cache holds this request from its first token
+    slot = table[local // sbs] * sbs + local % sbs
+    kv = torch.randn(n, width, generator=g)
+    score = torch.randn(n, width, generator=g)
+    ape = torch.randn(ratio, width, generator=g)
+    torch.ops._C.save_partial_states_cpu(kv, score, ape, pos, state, slot)
+    for i in range(n):
+        row = state[slot[i] // sbs, slot[i] % sbs]
+        torch.testing.assert_close(row[:width], kv[i])
+        torch.testing.assert_close(row[width:], score[i] + ape[pos[i] % ratio])
+    # compress: gather slots of the window ending at each token
+    wl = (pos - start)[:, None] - window + 1 + torch.arange(window)
+    gather = torch.where(wl >= 0, table[wl.clamp(min=0) // sbs] * sbs + wl.clamp(min=0) % sbs, -1)
+    weight = torch.rand(head_dim, generator=g) + 0.5
+    cos_sin = ref_cos_sin(8192, 64)
+    kbs, knb = 4, 2 + n // 4
+    kv_slots = torch.randperm(knb * kbs, generator=g)[:n]
+    closes = (pos + 1) % ratio == 0
+    if head_dim == 512:
+        cache = make_cache(knb, kbs, mla_page(kbs))
+        torch.ops._C.compress_norm_rope_store_cpu(state, gather, pos, kv_slots, weight, 1e-6,
+                                                  cos_sin, cache, kbs, ratio)
+    else:
+        cache = make_cache(knb, kbs, kbs * 132)
+        torch.ops._C.compress_norm_rope_store_indexer_cpu(state, gather, pos, kv_slots, weight,
+                                                          1e-6, cos_sin, cache, kbs, ratio)
+    assert int(closes.sum()) >= 1
+    for i in range(n):
+        s = int(kv_slots[i])
+        if not closes[i]:
+            if head_dim == 512:
+                assert bool((ref_read_record(cache, s, kbs) == 0).all())
+            continue
+        want = ref_compress(state, gather[i].tolist(), ratio, head_dim, weight, 1e-6)
+        cpos = torch.tensor([(int(pos[i]) // ratio) * ratio])
+        nope = head_dim - 64
+        want[nope:] = ref_rope(want[None, nope:], cpos, cos_sin)[0]
+        if head_dim == 512:
+            got = ref_read_record(cache, s, kbs)
+            tile_amax = want[:448].reshape(7, 64).abs().amax(-1)
+            fp8_close(got[:448], want[:448], (tile_amax / 448).repeat_interleave(64) * 2)
+            torch.testing.assert_close(got[448:], want[448:], atol=0.05, rtol=0.01)
+        else:
+            got = ref_read_index_key(cache, s, kbs)
+            fp8_close(got, want, want.abs().max() / 448 * 2)
+
+
+# --------------------------------------------------------------------------- indexer
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_indexer_q_quant_and_paged_logits_match_dense(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    h, bs, nb = 8, 16, 10
+    cos_sin = ref_cos_sin(4096, 64)
+    # keys written straight into the indexer layout (fp8 + fp32 scale)
+    cache = make_cache(nb, bs, bs * 132)
+    keys = torch.randn(nb * bs, 128, generator=g) * 2
+    q8, kscale = cpu_ops.quant_pow2_fp8(keys)
+    kview = cache[:, : bs * 128].view(nb, bs, 128)
+    sview = cache[:, bs * 128 : bs * 132].view(nb, bs, 4)
+    slots = torch.arange(nb * bs)
+    kview[slots // bs, slots % bs] = q8.view(torch.uint8)
+    sview[slots // bs, slots % bs] = kscale[:, None].contiguous().view(torch.uint8)
+    # queries: one per "request", each with its own page table
+    b = int(torch.randint(1, 6, (1,), generator=g))
+    pos = torch.randint(0, 4096, (b,), generator=g)
+    index_q = torch.randn(b, h, 128, generator=g)
+    w = torch.randn(b, h, generator=g)
+    q_fp8 = torch.empty(b, h, 128, dtype=torch.float8_e4m3fn)
+    w_out = torch.empty(b, h)
+    torch.ops._C.fused_indexer_q_rope_quant_cpu(pos, index_q, cos_sin, q_fp8, w, 0.125, 0.25,
+                                                w_out)
+    q_scale = w_out / (w * 0.125 * 0.25)
+    assert bool((torch.log2(q_scale) == torch.round(torch.log2(q_scale))).all())
+    want_q = index_q.clone()
+    want_q[..., 64:] = ref_rope(index_q[..., 64:], pos, cos_sin)
+    fp8_close(q_fp8.float() * q_scale[..., None], want_q, q_scale[..., None])
+    table = torch.stack([torch.randperm(nb, generator=g) for _ in range(b)]).int()
+    seq_lens = torch.randint(0, nb * bs, (b,), generator=g).int()
+    max_len = int(seq_lens.max()) + 3
+    logits = torch.ops._C.fp8_paged_mqa_logits_cpu(q_fp8, cache, w_out, seq_lens, table, bs,
+                                                   max_len)
+    assert logits.shape == (b, max_len)
+    for r in range(b):
+        for t in range(0, int(seq_lens[r]), 7):
+            k = ref_read_index_key(cache, int(table[r, t // bs]) * bs + t % bs, bs)
+            qd = q_fp8[r].float()
+            want = (torch.relu(qd @ k) * w_out[r]).sum()  # k carries its scale (> 0)
+            torch.testing.assert_close(logits[r, t], want, atol=1e-3, rtol=1e-4)
+        assert bool(torch.isinf(logits[r, int(seq_lens[r]) :]).all())
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_topk_transform_matches_torch_topk(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    b, length, page = 4, int(torch.randint(600, 1200, (1,), generator=g)), 64
+    scores = torch.randn(b, length, generator=g)
+    seq_lens = torch.tensor([length, 513, 512, int(torch.randint(0, 300, (1,), generator=g))])
+    pages = (length + page - 1) // page
+    table = torch.stack([torch.randperm(100, generator=g)[:pages] for _ in range(b)]).int()
+    out_page = torch.empty(b, 520, dtype=torch.int32)
+    out_raw = torch.empty(b, 520, dtype=torch.int32)
+    torch.ops._C.topk_transform_512_cpu(scores, seq_lens, table, out_page, page, out_raw)
+    for r in range(b):
+        n = int(seq_lens[r])
+        raw = out_raw[r, :512]
+        if n > 512:
+            want = torch.topk(scores[r, :n], 512).indices
+            assert set(raw.tolist()) == set(want.tolist())
+        else:
+            assert raw[:n].tolist() == list(range(n))
+            assert bool((raw[n:] == -1).all())
+        ok = raw >= 0
+        want_page = table[r, raw[ok].long() // page].long() * page + raw[ok].long() % page
+        assert torch.equal(out_page[r, :512][ok].long(), want_page)
+        assert bool((out_page[r, :512][~ok] == -1).all())
+
+
+# --------------------------------------------------------------------------- mHC, routing
+
+
+def ref_sinkhorn(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    m = torch.softmax(logits, -1) + eps
+    m = m / (m.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        m = m / (m.sum(-1, keepdim=True) + eps)
+        m = m / (m.sum(-2, keepdim=True) + eps)
+    return m
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_mhc_pre_post_head(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    t, hc, d = int(torch.randint(1, 10, (1,), generator=g)), 4, 64
+    x = torch.randn(t, hc, d, generator=g).bfloat16()
+    fn = torch.randn((2 + hc) * hc, hc * d, generator=g) * 0.05
+    scale = torch.rand(3, generator=g) + 0.5
+    base = torch.randn((2 + hc) * hc, generator=g) * 0.1
+    y, post, comb = torch.ops._C.hc_pre_fused_cpu(x, fn, scale, base, hc, 20, 1e-6, 1e-6)
+    xf = x.float().reshape(t, -1)
+    mixes = xf @ fn.T / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + 1e-6
+    torch.testing.assert_close(post, 2 * torch.sigmoid(mixes[:, hc : 2 * hc] * scale[1]
+                                                       + base[hc : 2 * hc]), atol=1e-5, rtol=1e-5)
+    want_comb = ref_sinkhorn((mixes[:, 2 * hc :] * scale[2] + base[2 * hc :]).view(t, hc, hc),
+                             20, 1e-6)
+    torch.testing.assert_close(comb, want_comb, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y.float(), (pre[..., None] * x.float()).sum(1), atol=0.03, rtol=0.01)
+    layer_out = torch.randn(t, d, generator=g).bfloat16()
+    out = torch.ops._C.hc_post_fused_cpu(layer_out, x, post, comb)
+    want = torch.stack([post[:, j, None] * layer_out.float()
+                        + sum(comb[:, i, j, None] * x[:, i].float() for i in range(hc))
+                        for j in range(hc)], dim=1)
+    torch.testing.assert_close(out.float(), want, atol=0.03, rtol=0.01)
+    hfn = torch.randn(hc, hc * d, generator=g) * 0.05
+    hbase = torch.randn(hc, generator=g) * 0.1
+    hscale = torch.rand(1, generator=g) + 0.5
+    head = torch.ops._C.hc_head_fused_cpu(x, hfn, hscale, hbase, 1e-6, 1e-6)
+    gate = torch.sigmoid(xf @ hfn.T / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+                         * hscale + hbase) + 1e-6
+    torch.testing.assert_close(head.float(), (gate[..., None] * x.float()).sum(1), atol=0.03,
+                               rtol=0.01)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_moe_routing(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    t, e, k = int(torch.randint(1, 20, (1,), generator=g)), 64, 6
+    logits = torch.randn(t, e, generator=g).bfloat16()
+    logits[0, 0] = -30.0
+    logits[0, 1] = 30.0
+    bias = torch.randn(e, generator=g) * 0.1
+    w, ids = torch.ops._C.biased_topk_cpu(logits, logits, bias, k, True, "sqrtsoftplus", 0, 1.5,
+                                          True)
+    x = logits.float()
+    s = torch.sqrt(torch.log1p(torch.exp(x.double()))).float()
+    for i in range(t):
+        chosen = sorted(range(e), key=lambda j: -(s[i, j] + bias[j]).item())[:k]
+        assert set(ids[i].tolist()) == set(chosen)
+        ww = s[i, ids[i].long()]
+        torch.testing.assert_close(w[i], ww / ww.sum() * 1.5, atol=1e-5, rtol=1e-4)
+    tid2eid = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]).int()
+    hw, hids = torch.ops._C.hash_topk_cpu(logits, tid2eid, k, "sqrtsoftplus", 0, e, 1.5)
+    assert torch.equal(hids, tid2eid)
+    hs = s.gather(1, tid2eid.long())
+    torch.testing.assert_close(hw, hs / hs.sum(-1, keepdim=True) * 1.5, atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- install
+
+
+def test_install_is_idempotent_and_reaches_vllm_wrappers() -> None:
+    first = {r.name: r.status for r in cpu_ops.install()}
+    second = {r.name: r.status for r in cpu_ops.install()}
+    assert first == second
+    assert set(first) == {op.patch_name for op in cpu_ops.REGISTRY}
+    from vllm import _custom_ops as ops
+
+    o = torch.randn(2, 3, 512).bfloat16()
+    cos_sin = ref_cos_sin(16, 64)
+    via_wrapper = ops.inverse_gptj_rope_o_proj_cpu(o, torch.tensor([1, 5]), cos_sin, 64)
+    assert via_wrapper.shape == (2, 3, 512) and via_wrapper.dtype == torch.float32
+
+
+def test_install_skips_ops_present_in_loaded_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_ops, "_installed", {})
+    monkeypatch.setattr(cpu_ops, "_has_op", lambda name: True)
+    results = cpu_ops.install()
+    assert [r.status for r in results] == ["skipped"] * len(cpu_ops.REGISTRY)
+    assert all("present in loaded _C" in r.reason for r in results)
+
+
+def test_install_refuses_half_of_the_packed_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_ops, "_installed", {})
+    monkeypatch.setattr(cpu_ops, "_has_op", lambda name: name == "bmm_cpu")
+    with pytest.raises(RuntimeError, match="packed-weight format"):
+        cpu_ops.install()
+
+
+def test_install_skips_off_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False)
+    results = cpu_ops.install()
+    assert {r.reason for r in results} == {"not a CPU platform"}
