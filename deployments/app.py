@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm import LLMConfig, build_llm_deployment
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.config import AppArgs, parse_app_args
 from deployments.controller import KVSpecController
@@ -28,6 +30,29 @@ logger = logging.getLogger("ray.serve")
 
 KV_SPEC_ROUTE = "/v1/kv-spec"
 CONTROLLER_NAME = "KVSpecController"
+
+
+def _openai_fastapi_app() -> FastAPI:
+    """Ray Serve LLM's ingress FastAPI app, with HTTP errors in OpenAI's error format.
+
+    Ray Serve LLM 2.60 raises ``HTTPException`` for an unknown model; FastAPI's
+    built-in handler answers ``{"detail": ...}``, which OpenAI clients cannot
+    parse. We render those with Ray Serve LLM's own ``get_response_for_error`` so
+    every 4xx has the ``{"error": {"message", "type", "code"}}`` body.
+    """
+    from ray.llm._internal.serve.core.ingress.ingress import init
+    from ray.llm._internal.serve.core.ingress.middleware import get_request_id
+    from ray.llm._internal.serve.utils.server_utils import get_response_for_error
+
+    app = init()
+
+    async def _openai_http_error(request: Request, exc: Exception) -> JSONResponse:
+        error = get_response_for_error(exc, get_request_id(request) or "")
+        return JSONResponse(error.model_dump(), status_code=error.error.code,
+                            headers=getattr(exc, "headers", None))
+
+    app.add_exception_handler(StarletteHTTPException, _openai_http_error)
+    return app
 
 
 def _openai_endpoints() -> dict[str, Any]:
@@ -90,7 +115,8 @@ def build_app(args: dict[str, Any]) -> Application:
         KVSpecController, name=CONTROLLER_NAME, num_replicas=1,
         ray_actor_options={"num_cpus": 0},
     ).bind(server=server, dsv4=dsv4)
-    ingress_cls = make_fastapi_ingress(DSv4Ingress, endpoint_map=_openai_endpoints())
+    ingress_cls = make_fastapi_ingress(DSv4Ingress, endpoint_map=_openai_endpoints(),
+                                       app=_openai_fastapi_app())
     options = DSv4Ingress.get_deployment_options([llm_config])
     return serve.deployment(ingress_cls, **options).bind(
         llm_deployments={llm_config.model_id: server},

@@ -25,8 +25,10 @@ FINGERPRINT_FIELDS = (
     "compress_ratio",
 )
 
-# Replica summary fields compared to name what differs, most telling first.
-COMPARED_FIELDS = ("cache_dtypes", "block_sizes", "page_sizes", "layer_groups")
+# Replica summary fields compared to name what differs, most telling first: the
+# stored format, then the bytes per page (what capacity and transfers depend on),
+# then the per-spec block sizes (tokens, or compressed states, per block).
+COMPARED_FIELDS = ("cache_dtypes", "page_sizes", "block_sizes", "layer_groups")
 
 AGREE, DISAGREE, INCOMPLETE = "agree", "disagree", "incomplete"
 

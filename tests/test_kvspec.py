@@ -63,7 +63,9 @@ def test_disagree_names_the_odd_replica_and_field() -> None:
     assert report["state"] == "disagree" and not report["agree"]
     assert list(report["odd_replicas"]) == ["b"]  # tie: the lowest rank is the reference
     [problem] = report["problems"]
-    assert problem["replica"] == "b" and problem["field"] == "block_sizes"
+    assert problem["replica"] == "b" and problem["field"] == "page_sizes"
+    assert [d["field"] for d in problem["differences"]] == ["page_sizes", "block_sizes",
+                                                            "layer_groups"]
     assert "block_sizes=[64] vs [256]" in problem["message"]
 
 

@@ -1,0 +1,92 @@
+"""Session fixtures: ONE local Ray cluster and the Serve app(s), booted the way users do.
+
+``serve_stack`` starts the cluster and deploys ``configs/local-cpu.yaml`` through
+``deployments.runner`` (the code behind ``dsv4-serve run``), once per session.
+``mixed_app`` adds a second small application to the same cluster, once, only
+when a test asks for it: two replicas where rank 1 runs another block size,
+under policy ``warn``, so the controller has something to catch. On CPU vLLM pins
+DeepSeek-V4's block size to 256, so rank 1 differs the way a mixed fleet can on
+CPU: another layer mix (one C128 layer compressed at ratio 4, as a different model
+revision would), which changes its KV page sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import yaml
+
+from deployments.config import DEFAULT_CONFIG, ServeConfig, load_serve_config
+
+MIXED_APP = "mixed"
+MIXED_ROUTE = "/mixed"
+# rank 1 of the mixed app: the tiny model's layer 2 (C128) compressed at ratio 4 instead.
+ODD_ENGINE_KWARGS = {"hf_overrides": {"compress_ratios": [0, 4, 4, 4, 0]}}
+
+
+@dataclass
+class Stack:
+    """The running session stack: config, base URLs, timings."""
+
+    config: ServeConfig
+    url: str  # OpenAI base URL of the main app (…/v1)
+    model: str
+    running_s: dict[str, float]
+    cluster_s: float
+
+
+def mixed_app_args(base: dict[str, Any]) -> dict[str, Any]:
+    """The local app, with rank 1 on another layer mix, under policy warn."""
+    args = copy.deepcopy(base)
+    args["dsv4"].update(
+        policy="warn",
+        controller_period_s=2,
+        replica_overrides=[{"rank": 1, "engine_kwargs": ODD_ENGINE_KWARGS,
+                            "reason": "test: a replica configured to differ"}],
+    )
+    return args
+
+
+@pytest.fixture(scope="session")
+def serve_stack() -> Iterator[Stack]:
+    from deployments import runner
+
+    config = load_serve_config(DEFAULT_CONFIG)
+    [(app, args)] = config.ours()
+    started = time.monotonic()
+    # Room for the mixed app too: Ray places replicas by logical CPUs.
+    runner.start_cluster(config, num_cpus=2 * runner.logical_cpus_needed(config))
+    cluster_s = round(time.monotonic() - started, 1)
+    try:
+        running = runner.deploy(config)
+        url = runner.base_url(config, app.route_prefix)
+        runner.wait_for_verdict(url)
+        yield Stack(config, url, args.llm.model_loading_config.model_id, running, cluster_s)
+    finally:
+        runner.shutdown()
+
+
+@pytest.fixture(scope="session")
+def mixed_app(serve_stack: Stack) -> Iterator[str]:
+    """Deploy the disagreeing app once; yield its OpenAI base URL; delete it after."""
+    from ray import serve
+
+    from deployments import runner
+    from deployments.config import ServeApplication
+
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    args = mixed_app_args(raw["applications"][0]["args"])
+    entry = ServeApplication(name=MIXED_APP, route_prefix=MIXED_ROUTE,
+                             import_path="deployments.app:build_app", args=args)
+    config = serve_stack.config.model_copy(update={"applications": [entry]})
+    runner.deploy(config)
+    url = runner.base_url(config, MIXED_ROUTE)
+    try:
+        yield url
+    finally:
+        serve.delete(MIXED_APP)
