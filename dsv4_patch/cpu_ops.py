@@ -315,11 +315,6 @@ def fused_qnorm_rope_kv_insert_cpu(
     return q_out
 
 
-def _chunk_rows(n_rows: int, width: int) -> int:
-    """Rows per chunk so that ``rows * width`` gathered keys stay within the budget."""
-    return max(1, _ROW_BUDGET // max(1, width))
-
-
 def _live_columns(slots: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop columns that are invalid in every row; return (slots, valid mask)."""
     valid = (slots >= 0) & (slots < total)
@@ -328,6 +323,34 @@ def _live_columns(slots: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.
         cols = keep.nonzero().squeeze(1)
         slots, valid = slots[:, cols], valid[:, cols]
     return slots, valid
+
+
+def dedupe(ids: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(uniq, inverse)`` of non-negative ``ids < total``: ``uniq[inverse] == ids``.
+
+    A presence bitmap instead of ``torch.unique`` (a sort): ids are bounded slot
+    numbers, so this is two linear passes.
+    """
+    mark = torch.zeros(total, dtype=torch.bool, device=ids.device)
+    mark[ids.reshape(-1)] = True
+    uniq = mark.nonzero().squeeze(1)
+    lut = torch.empty(total, dtype=torch.long, device=ids.device)
+    lut[uniq] = torch.arange(uniq.shape[0], device=ids.device)
+    return uniq, lut[ids]
+
+
+def _softmax_with_sink(
+    logits: torch.Tensor, sink: torch.Tensor, multiplicity: torch.Tensor | None = None
+) -> tuple[torch.Tensor, ...]:
+    """In place: ``logits [tc, h, n]`` (masked with -inf) -> unnormalized probabilities
+    (times each key's ``multiplicity``); returns them with the denominator that
+    includes ``exp(sink)``."""
+    peak = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)
+    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    probs = logits.sub_(peak).exp_()
+    if multiplicity is not None:
+        probs.mul_(multiplicity)
+    return probs, probs.sum(dim=-1, keepdim=True) + torch.exp(sink - peak)
 
 
 def flash_mla_with_kvcache_cpu(
@@ -339,7 +362,11 @@ def flash_mla_with_kvcache_cpu(
 
     Keys = values = the dequantized 512-dim records; invalid slots (-1 or past the
     cache) are masked; the per-head sink adds ``exp(sink)`` to the softmax denominator;
-    a token with no valid key gets zeros (as the real kernel).
+    a token with no valid key gets zeros (as the real kernel). Each distinct slot is
+    dequantized once. Per chunk of tokens, when the chunk's distinct keys are few
+    (prefill: neighbours share their window and compressed keys; a single decode
+    token) the chunk runs as two dense GEMMs against those keys with a mask;
+    otherwise (decode batches of unrelated requests) keys are gathered per token.
     """
     _check(q.dim() == 3 and q.shape[2] == HEAD_DIM,
            f"flash_mla_with_kvcache_cpu: q must be [T, H, {HEAD_DIM}], got {tuple(q.shape)}")
@@ -351,31 +378,51 @@ def flash_mla_with_kvcache_cpu(
     _check(window_slots.dim() == 2 and window_slots.shape[0] == t
            and compressed_slots.dim() == 2 and compressed_slots.shape[0] == t,
            "flash_mla_with_kvcache_cpu: slot tensors must be [T, n]")
+    if t == 0:
+        return
     sink = attn_sink.float().view(1, h, 1)
     sources = [(window_cache_2d, window_slots, window_block_size)]
     if compressed_slots.shape[1] > 0:
         sources.append((compressed_cache_2d, compressed_slots, compressed_block_size))
-    width = sum(s.shape[1] for _, s, _ in sources)
-    step = _chunk_rows(t, width)
+    keys, index, masks = [], [], []
+    base = 0
+    for cache, slots, bs in sources:
+        s, valid = _live_columns(slots.long(), cache.shape[0] * bs)
+        uniq, inverse = dedupe(torch.where(valid, s, 0), cache.shape[0] * bs)
+        keys.append(read_mla_records(cache, uniq, bs))
+        index.append(inverse + base)
+        masks.append(valid)
+        base += uniq.shape[0]
+    all_keys = torch.cat(keys, dim=0)  # [U, 512] fp32, each distinct slot once
+    index_all = torch.cat(index, dim=1)  # [T, n] rows of all_keys
+    valid_all = torch.cat(masks, dim=1)  # [T, n]
+    n = index_all.shape[1]
+    if n == 0:  # no token has a valid key
+        out.zero_()
+        return
+    step = max(1, _ROW_BUDGET // n)
     for start in range(0, t, step):
         end = min(t, start + step)
-        keys, masks = [], []
-        for cache, slots, bs in sources:
-            total = cache.shape[0] * bs
-            s, valid = _live_columns(slots[start:end].long(), total)
-            keys.append(read_mla_records(cache, torch.where(valid, s, 0), bs))
-            masks.append(valid)
-        k = torch.cat(keys, dim=1)  # [tc, n, 512]
-        valid = torch.cat(masks, dim=1)  # [tc, n]
+        tc = end - start
+        valid = valid_all[start:end]
         qc = q[start:end].float()
-        logits = torch.bmm(qc, k.transpose(1, 2)) * scale  # [tc, h, n]
-        logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
-        lse = torch.logsumexp(
-            torch.cat((logits, sink.expand(end - start, h, 1)), dim=-1), dim=-1, keepdim=True)
-        probs = torch.exp(logits - lse)
-        res = torch.bmm(probs, k)
-        lonely = ~valid.any(dim=1)
-        res = torch.where(lonely.view(-1, 1, 1), torch.zeros_like(res), res)
+        local, local_index = dedupe(index_all[start:end], base)
+        if local.shape[0] <= 2 * n:
+            k = all_keys[local]  # [uc, 512]
+            seen = torch.zeros((tc, local.shape[0]), dtype=torch.int32)
+            seen.scatter_add_(1, local_index, valid.int())
+            logits = (qc.reshape(tc * h, HEAD_DIM) @ k.t()).view(tc, h, -1).mul_(scale)
+            logits.masked_fill_((seen == 0).unsqueeze(1), float("-inf"))
+            # a slot listed twice counts twice, as in the per-token gather
+            probs, denom = _softmax_with_sink(logits, sink, seen.unsqueeze(1))
+            res = (probs.view(tc * h, -1) @ k).view(tc, h, HEAD_DIM).div_(denom)
+        else:
+            k = all_keys[index_all[start:end]]  # [tc, n, 512]
+            logits = torch.bmm(qc, k.transpose(1, 2)).mul_(scale)
+            logits.masked_fill_(~valid.unsqueeze(1), float("-inf"))
+            probs, denom = _softmax_with_sink(logits, sink)
+            res = torch.bmm(probs, k).div_(denom)
+        res.masked_fill_((~valid.any(dim=1)).view(-1, 1, 1), 0.0)
         out[start:end] = res.to(out.dtype)
 
 

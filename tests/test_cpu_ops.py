@@ -202,15 +202,16 @@ def ref_sparse_attention(q: torch.Tensor, keys: list[list[torch.Tensor]], sink: 
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_flash_mla_matches_dense_attention_with_sink(seed: int) -> None:
+@pytest.mark.parametrize("nb", [8, 96])  # few distinct keys (dense path) / many (gather path)
+def test_flash_mla_matches_dense_attention_with_sink(seed: int, nb: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    bs_w, bs_c, nb = 16, 4, 8
+    bs_w, bs_c = 16, 4
     win = make_cache(nb, bs_w, mla_page(bs_w))
     comp = make_cache(nb, bs_c, mla_page(bs_c))
     cos_sin = ref_cos_sin(4096, 64)
     _insert_random_tokens(g, win, bs_w, torch.arange(nb * bs_w), cos_sin)
     _insert_random_tokens(g, comp, bs_c, torch.arange(nb * bs_c), cos_sin)
-    t, h = int(torch.randint(1, 12, (1,), generator=g)), 5
+    t, h = int(torch.randint(3, 12, (1,), generator=g)), 5
     q = torch.randn(t, h, 512, generator=g).bfloat16()
     nw = int(torch.randint(1, 40, (1,), generator=g))
     nc = int(torch.randint(0, 30, (1,), generator=g))
