@@ -166,9 +166,7 @@ def compute_prefill_metadata(
     """sparse_swa.py ``ComputePrefillMetadataKernel``: per prefill, query length plus the
     visible (post-replay-start) prefix, capped at window - 1."""
     r = slice(num_decodes, num_decodes + num_prefills)
-    query_len = query_start_loc[num_decodes + 1 : num_decodes + num_prefills + 1] - (
-        query_start_loc[r]
-    )
+    query_len = query_start_loc[r.start + 1 : r.stop + 1] - query_start_loc[r]
     visible = (seq_lens[r] - query_len - replay_start[r]).clamp(min=0)
     prefill_gather_lens[:num_prefills] = query_len + visible.clamp(max=window_size - 1)
 
@@ -264,7 +262,6 @@ class TorchLauncher:
     def __init__(self, fallback: Callable[..., Any], original: Any) -> None:
         self.fallback = fallback
         self.original = original
-        self.__signature__ = inspect.signature(fallback)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fallback(*args, **kwargs)

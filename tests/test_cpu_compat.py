@@ -94,10 +94,13 @@ def test_install_is_lazy_idempotent_and_reaches_every_reference() -> None:
     out = _script(f"""
         import json, sys, torch
         from vllm.v1.attention.backends.mla import sparse_swa  # holds a by-name copy already
-        from dsv4_patch import cpu_compat
+        from dsv4_patch import cpu_compat, record
         preloaded = [m for _, m, _ in {_TARGETS!r} if m in sys.modules]
-        late = []
-        first = {{r.name: r.status for r in cpu_compat.install(on_result=late.append)}}
+        rec = record.PatchRecord()  # what the plugin does with the results
+        first = {{}}
+        for r in cpu_compat.install(on_result=rec.set):
+            first[r.name] = r.status
+            rec.set(r)
         import vllm.models.deepseek_v4.cpu.cpu_mla, vllm.models.deepseek_v4.sparse_mla
         import vllm.v1.attention.backends.mla.indexer
         second = [(r.status, r.reason) for r in cpu_compat.install()]
@@ -111,7 +114,7 @@ def test_install_is_lazy_idempotent_and_reaches_every_reference() -> None:
             4, 4)
         print(json.dumps({{
             "preloaded": preloaded, "first": first,
-            "late": {{r.name: r.status for r in late}}, "second": second,
+            "record": {{r.name: r.status for r in rec.results}}, "second": second,
             "not_replaced": not_replaced,
             "copy": type(sparse_swa.compute_token_to_req_indices).__name__,
             "tile": sorted(B.build_tile_scheduler(None, 5).items()),
@@ -124,7 +127,7 @@ def test_install_is_lazy_idempotent_and_reaches_every_reference() -> None:
     assert "cpu.compute_token_to_req_indices" in now and cpu_compat.TILE_SCHEDULER not in now
     # Loaded modules are patched at once; the rest wait for vLLM to import them (no cost).
     assert out["first"] == {n: "applied" if n in now else "pending" for n in modules}
-    assert out["late"] == {n: "applied" for n in modules if n not in now}
+    assert out["record"] == dict.fromkeys(modules, "applied")  # pending entries were updated
     assert out["second"] == [["skipped", "already installed"]] * len(modules)
     assert out["not_replaced"] == []
     assert out["copy"] == "TorchLauncher"  # the `from metadata import ...` copy in sparse_swa
