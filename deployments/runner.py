@@ -193,16 +193,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip the one-token request after deploying")
 
 
-def _install_stop_handlers() -> threading.Event:
-    stop = threading.Event()
+@dataclass
+class StopSignal:
+    """Set by Ctrl-C/SIGTERM. While serving it ends the wait loop; while booting it
+    aborts the boot (KeyboardInterrupt). Either way ``main`` shuts Serve and Ray down."""
 
-    def _handler(signum: int, _frame: Any) -> None:
+    event: threading.Event = field(default_factory=threading.Event)
+    serving: bool = False
+
+    def install(self) -> StopSignal:
+        signal.signal(signal.SIGINT, self._handler)
+        signal.signal(signal.SIGTERM, self._handler)
+        return self
+
+    def _handler(self, signum: int, _frame: Any) -> None:
         print(f"\n{signal.Signals(signum).name}: shutting down...", file=sys.stderr)
-        stop.set()
-
-    signal.signal(signal.SIGINT, _handler)
-    signal.signal(signal.SIGTERM, _handler)
-    return stop
+        first = not self.event.is_set()
+        self.event.set()
+        if first and not self.serving:
+            raise KeyboardInterrupt
 
 
 def main(args: argparse.Namespace) -> int:
@@ -214,7 +223,7 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"dsv4-serve run: {exc}", file=sys.stderr)
         return 2
-    stop = _install_stop_handlers()
+    stop = StopSignal().install()
     try:
         start_cluster(config, args.num_cpus)
         timings.mark("ray+serve up")
@@ -228,13 +237,22 @@ def main(args: argparse.Namespace) -> int:
                 latency = first_token(url, parsed.llm.model_loading_config.model_id)
                 print(f"[{app.name}] first token after {timings.mark('first token')} s "
                       f"(request latency {latency} s)")
+        stop.serving = True
         print("Serving; Ctrl-C to stop.", flush=True)
-        while not stop.wait(1.0):
+        while not stop.event.wait(1.0):
             pass
         return 0
     except ConfigError as exc:
         print(f"dsv4-serve run: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("dsv4-serve run: interrupted while starting", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError) as exc:
+        # Serve's "Deploying application ... failed" carries the replica's own error
+        # (e.g. KVLayoutMismatch with its fix); print it without a Python traceback.
+        print(f"dsv4-serve run: {exc}", file=sys.stderr)
+        return 1
     finally:
         shutdown()
         print(f"stopped after {timings.mark('stopped')} s", file=sys.stderr)

@@ -262,3 +262,15 @@ def test_enforce_makes_the_differing_replica_unhealthy(mixed_app: str) -> None:
         time.sleep(1)
     assert replaced, f"replica {odd_id} was not stopped under enforce"
     assert seen_unhealthy, "the deployment never reported UNHEALTHY"
+
+    # The controller follows the replica set: Serve's replacement (a new replica
+    # id, same rank, same override) is checked too, and named odd again.
+    deadline = time.monotonic() + 300
+    newcomer = None
+    while time.monotonic() < deadline and newcomer is None:
+        report = _mixed_report(mixed_app)
+        newcomer = next((r for r in report["replicas"]
+                         if r["id"] not in before["odd_replicas"] and r["rank"] == 1), None)
+        time.sleep(2)
+    assert newcomer is not None, "the replacement replica never answered the controller"
+    assert newcomer["status"] == "odd" and report["state"] == "disagree"
