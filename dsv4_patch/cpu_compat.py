@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from dsv4_patch import record
 from dsv4_patch.import_hooks import when_imported
 from dsv4_patch.record import PatchResult
 
@@ -348,7 +349,8 @@ def install(on_result: Callable[[PatchResult], None] | None = None) -> list[Patc
     Lazy like dsv4_patch.patches: an entry whose module is not imported yet is returned
     ``pending`` and applied when vLLM imports that module (``import_hooks``), which is
     before any vLLM code can reach the symbol; its final result then goes to
-    ``on_result`` (pass ``PatchRecord.set``). Skips everything off the CPU platform,
+    ``on_result``, by default into the process record (``record.current()``), replacing
+    the ``pending`` entry the plugin stored. Skips everything off the CPU platform,
     and the kernel fallbacks when vLLM can run Triton here. Raises (now or at that
     import) only when a target exists with a signature its fallback does not match.
     """
@@ -387,8 +389,11 @@ def _apply_now_or_later(
         _waiting.discard(name)
         result = apply(mod)
         logger.info("dsv4_patch: %s %s: %s", name, result.status, result.reason)
+        process_record = record.current()
         if on_result is not None:
             on_result(result)
+        elif process_record is not None:  # the plugin's record: pending -> final
+            process_record.set(result)
 
     _waiting.add(name)
     when_imported(module, fire)

@@ -96,11 +96,12 @@ def test_install_is_lazy_idempotent_and_reaches_every_reference() -> None:
         from vllm.v1.attention.backends.mla import sparse_swa  # holds a by-name copy already
         from dsv4_patch import cpu_compat, record
         preloaded = [m for _, m, _ in {_TARGETS!r} if m in sys.modules]
-        rec = record.PatchRecord()  # what the plugin does with the results
+        rec = record.PatchRecord()  # what dsv4_patch.plugin does with the results
         first = {{}}
-        for r in cpu_compat.install(on_result=rec.set):
+        for r in cpu_compat.install():
             first[r.name] = r.status
             rec.set(r)
+        record.publish(rec)
         import vllm.models.deepseek_v4.cpu.cpu_mla, vllm.models.deepseek_v4.sparse_mla
         import vllm.v1.attention.backends.mla.indexer
         second = [(r.status, r.reason) for r in cpu_compat.install()]
@@ -127,7 +128,8 @@ def test_install_is_lazy_idempotent_and_reaches_every_reference() -> None:
     assert "cpu.compute_token_to_req_indices" in now and cpu_compat.TILE_SCHEDULER not in now
     # Loaded modules are patched at once; the rest wait for vLLM to import them (no cost).
     assert out["first"] == {n: "applied" if n in now else "pending" for n in modules}
-    assert out["record"] == dict.fromkeys(modules, "applied")  # pending entries were updated
+    # Late results replace the pending entries of the published process record.
+    assert out["record"] == dict.fromkeys(modules, "applied")
     assert out["second"] == [["skipped", "already installed"]] * len(modules)
     assert out["not_replaced"] == []
     assert out["copy"] == "TorchLauncher"  # the `from metadata import ...` copy in sparse_swa
