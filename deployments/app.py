@@ -18,13 +18,13 @@ from fastapi.responses import JSONResponse
 from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
-from ray.serve.llm import LLMConfig, build_llm_deployment
+from ray.serve.llm import LLMConfig, build_dp_deployment, build_llm_deployment
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.config import AppArgs, parse_app_args
 from deployments.controller import KVSpecController
-from deployments.server import DSv4Server
+from deployments.server import DSv4DPServer, DSv4Server
 
 logger = logging.getLogger("ray.serve")
 
@@ -110,7 +110,12 @@ def build_app(args: dict[str, Any]) -> Application:
     llm_config = LLMConfig(**parsed.llm_config_dict(resolve_model_source(parsed)),
                            server_cls=DSv4Server)
     dsv4 = parsed.dsv4.model_dump(mode="json")
-    server = build_llm_deployment(llm_config, bind_kwargs={"dsv4": dsv4})
+    if parsed.llm.engine_kwargs.data_parallel_size > 1:
+        # DP attention: Ray Serve LLM's gang-scheduled DPServer pattern, our checks on top.
+        server = build_dp_deployment(llm_config, bind_kwargs={"dsv4": dsv4},
+                                     deployment_cls=DSv4DPServer)
+    else:
+        server = build_llm_deployment(llm_config, bind_kwargs={"dsv4": dsv4})
     controller = serve.deployment(
         KVSpecController, name=CONTROLLER_NAME, num_replicas=1,
         ray_actor_options={"num_cpus": 0},

@@ -25,6 +25,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve.llm import LLMConfig, LLMServer
+from ray.serve.llm.deployment import DPServer
 
 from deployments import kvspec
 from deployments.config import WORKER_EXTENSION, DSv4Section, Policy
@@ -153,8 +154,12 @@ def _apply_override(llm_config: LLMConfig, settings: DSv4Section, rank: int | No
     return override
 
 
-class DSv4Server(LLMServer):
-    """An ``LLMServer`` that canonicalizes the KV dtype and can prove its KV layout."""
+class DSv4ServerMixin:
+    """Canonicalizes the KV dtype before the engine is built and can prove the KV layout.
+
+    A mixin so the same checks wrap Ray Serve LLM's ``LLMServer`` (one engine per
+    replica) and its ``DPServer`` (DP attention: one replica per DP rank).
+    """
 
     async def __init__(self, llm_config: LLMConfig, *, dsv4: dict[str, Any], **kwargs: Any):
         self._settings = DSv4Section.model_validate(dsv4)
@@ -177,7 +182,7 @@ class DSv4Server(LLMServer):
         self._verdict: dict[str, Any] = {}
         self._spec_cache: dict[str, Any] | None = None
         started = time.monotonic()
-        await super().__init__(llm_config, **kwargs)
+        await super().__init__(llm_config, **kwargs)  # type: ignore[misc]  # the server base
         self._engine_start_s = round(time.monotonic() - started, 1)
         spec = await self.kv_page_spec()
         self._self_check(spec)
@@ -204,7 +209,8 @@ class DSv4Server(LLMServer):
         and a new engine means a new replica.
         """
         if self._spec_cache is None:
-            workers = await self.collective_rpc(KV_SPECS_METHOD, timeout=60.0)
+            workers = await self.collective_rpc(  # type: ignore[attr-defined]
+                KV_SPECS_METHOD, timeout=60.0)
             summary = kvspec.summarize_workers(workers)
             self._spec_cache = summary | {
                 "workers": [{"rank": w.get("rank"), "pid": w.get("pid"),
@@ -239,7 +245,7 @@ class DSv4Server(LLMServer):
 
     async def check_health(self) -> None:
         """Engine health first; then, under enforce, the controller's verdict."""
-        await super().check_health()
+        await super().check_health()  # type: ignore[misc]
         reason = self._verdict.get("reason")
         if reason and self._verdict.get("policy") == Policy.ENFORCE.value:
             raise KVLayoutMismatch(
@@ -247,6 +253,14 @@ class DSv4Server(LLMServer):
                 "Fix: make every replica's node and engine_kwargs give the same KV spec, "
                 "or set dsv4.policy: warn to keep serving while you investigate."
             )
+
+
+class DSv4Server(DSv4ServerMixin, LLMServer):
+    """The DSv4 replica: one vLLM engine (TP x PP workers) per Serve replica."""
+
+
+class DSv4DPServer(DSv4ServerMixin, DPServer):
+    """The DSv4 replica for DP attention: one Serve replica per DP rank, gang-scheduled."""
 
 
 def _node_id() -> str | None:
