@@ -1,0 +1,206 @@
+"""Benchmark: how long the KV-spec controller takes to reach a verdict, vs replica count.
+
+Real Ray Serve, the real ``KVSpecController`` deployment, watching a deployment of
+stand-in replicas (``benchmarks.standin.StandInReplica``: the ``DSv4Server``
+controller contract without a vLLM engine, so 256 fit on one box). For each
+replica count N, scaled up in place (same deployment version, only
+``num_replicas`` changes, as Serve autoscaling does):
+
+* ``verdict_after_running_s``: from ``serve.run`` returning (all N RUNNING) until
+  the controller's periodic loop reports ``agree`` with N answers -- what an
+  operator waits after a scale-up; bounded by one ``--period`` plus one check.
+* ``check_s`` p50/max: one forced check (``report(refresh=True)``): count RUNNING
+  replicas via ``serve.status()``, broadcast ``kv_page_spec``, decide, broadcast
+  the verdict back. Measured inside the controller (``check_seconds``) and at the
+  caller (``call_s``, adds one handle round trip).
+* ``decide_ms``: ``deployments.kvspec.decide`` alone on N recorded specs (the
+  pure part), to show where the time goes.
+
+Also the system memory the stand-ins took (the limit on N here). Prints a table,
+writes JSON (``--out``). Heavy: run alone, e.g.
+``flock /tmp/dsv4-heavy.lock timeout 1500 python -m benchmarks.controller_scaling``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+APP = "kvbench"
+SERVER = "StandInReplica"
+DEFAULT_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def build(n: int, period_s: float, timeout_s: float) -> Any:
+    """The benchmark app: the real controller bound to N stand-in replicas.
+
+    Fixed versions make a change of ``num_replicas`` an in-place scale, not a
+    redeploy, so each step adds replicas to a running fleet -- what ``serve deploy``
+    of a config whose only change is ``num_replicas`` does (that path versions
+    deployments by config hash). ``serve.run`` from Python gives every call a random
+    version (a rolling restart) unless one is set, and setting it is internal-only
+    in Ray 2.60, hence ``_internal=True``. ``measure`` checks the scale was in place.
+    """
+    from ray import serve
+
+    from benchmarks.standin import StandInReplica
+    from deployments.controller import KVSpecController
+
+    server = serve.deployment(
+        StandInReplica, name=SERVER, num_replicas=n,
+        ray_actor_options={"num_cpus": 0}, health_check_period_s=30,
+        max_ongoing_requests=1000,
+    ).options(version="v1", _internal=True).bind()
+    dsv4 = {"expected_layout": "fp8_ds_mla", "policy": "enforce",
+            "controller_period_s": period_s, "broadcast_timeout_s": timeout_s}
+    return serve.deployment(
+        KVSpecController, name="KVSpecController", num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+    ).options(version="v1", _internal=True).bind(server=server, dsv4=dsv4)
+
+
+def decide_ms(n: int, repeats: int = 5) -> float:
+    """Median wall time of ``kvspec.decide`` over N stand-in-shaped specs, in ms."""
+    from benchmarks.standin import flash_worker_specs
+    from deployments import kvspec
+
+    summary = kvspec.summarize_workers([{"rank": 0, "specs": flash_worker_specs()}])
+    specs = [summary | {"replica_id": f"r{i}", "rank": i} for i in range(n)]
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        report = kvspec.decide(specs, [], n, "fp8_ds_mla")
+        times.append((time.perf_counter() - t0) * 1e3)
+        if report["state"] != "agree":
+            raise RuntimeError(f"decide on {n} identical specs said {report['state']}")
+    return statistics.median(times)
+
+
+def used_memory_mib() -> float:
+    import psutil
+
+    vm = psutil.virtual_memory()
+    return (vm.total - vm.available) / 2**20
+
+
+async def _wait_verdict(controller: Any, n: int, deadline_s: float) -> dict[str, Any]:
+    """Poll the cached report (no forced check) until the loop says agree with N answers."""
+    end = time.monotonic() + deadline_s
+    while True:
+        report = await controller.report.remote()
+        if report["state"] == "agree" and report["answered"] == n:
+            return report
+        if time.monotonic() > end:
+            raise TimeoutError(f"no agree verdict with {n} replicas within {deadline_s}s; "
+                               f"last: {report['state']} {report['problems'][:2]}")
+        await asyncio.sleep(0.05)
+
+
+async def _forced_checks(controller: Any, n: int, repeats: int) -> tuple[list, list]:
+    checks, calls = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        report = await controller.report.remote(refresh=True)
+        calls.append(time.perf_counter() - t0)
+        if report["state"] != "agree" or report["answered"] != n:
+            raise RuntimeError(f"forced check at N={n}: {report['state']}, "
+                               f"{report['answered']} answered; {report['problems'][:2]}")
+        checks.append(report["check_seconds"])
+    return checks, calls
+
+
+def measure(counts: list[int], period_s: float, repeats: int) -> list[dict[str, Any]]:
+    import ray
+    from ray import serve
+
+    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+             object_store_memory=200 * 2**20)
+    rows = []
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": 8011},
+                    proxy_location="Disabled", logging_config={"log_level": "WARNING"})
+        base_mem = used_memory_mib()
+        previous: set[str] = set()
+        for n in counts:
+            t0 = time.monotonic()
+            serve.run(build(n, period_s, timeout_s=120.0), name=APP, route_prefix=None)
+            running = time.monotonic()
+            controller = serve.get_deployment_handle("KVSpecController", APP)
+            verdict = asyncio.run(_wait_verdict(controller, n, deadline_s=period_s + 300))
+            after = time.monotonic() - running
+            checks, calls = asyncio.run(_forced_checks(controller, n, repeats))
+            ids = {r["id"] for r in verdict["replicas"]}
+            row = {
+                "replicas": n,
+                "scaled_in_place": previous <= ids,
+                "scale_up_s": round(running - t0, 2),
+                "verdict_after_running_s": round(after, 3),
+                "periodic_check_s": verdict["check_seconds"],
+                "check_s_p50": statistics.median(checks),
+                "check_s_max": max(checks),
+                "call_s_p50": statistics.median(calls),
+                "decide_ms": decide_ms(n),
+                "memory_mib_over_base": round(used_memory_mib() - base_mem),
+            }
+            rows.append(row)
+            previous = ids
+            print(_fmt(row), flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return rows
+
+
+HEADER = (f"{'replicas':>8} {'scale-up s':>10} {'verdict s':>9} {'check p50 s':>11} "
+          f"{'check max s':>11} {'call p50 s':>10} {'decide ms':>9} {'mem MiB':>8}")
+
+
+def _fmt(r: dict[str, Any]) -> str:
+    return (f"{r['replicas']:8d} {r['scale_up_s']:10.1f} {r['verdict_after_running_s']:9.2f} "
+            f"{r['check_s_p50']:11.3f} {r['check_s_max']:11.3f} {r['call_s_p50']:10.3f} "
+            f"{r['decide_ms']:9.2f} {r['memory_mib_over_base']:8d}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--counts", type=lambda s: [int(x) for x in s.split(",")],
+                        default=list(DEFAULT_COUNTS), help="replica counts, ascending")
+    parser.add_argument("--period", type=float, default=2.0,
+                        help="controller_period_s of the controller under test")
+    parser.add_argument("--repeats", type=int, default=5, help="forced checks per count")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "controller_scaling.json")
+    args = parser.parse_args()
+    if args.counts != sorted(args.counts):
+        parser.error("--counts must ascend: each step scales the running fleet up")
+    print(HEADER, flush=True)
+    rows = measure(args.counts, args.period, args.repeats)
+    first, last = rows[0], rows[-1]
+    growth = (last["check_s_p50"] / first["check_s_p50"]) if first["check_s_p50"] else None
+    result = {
+        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform(),
+                    "python": platform.python_version()},
+        "period_s": args.period,
+        "repeats": args.repeats,
+        "rows": rows,
+        "check_growth_first_to_last": growth,
+        "replica_ratio_first_to_last": last["replicas"] / first["replicas"],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    if growth is not None:
+        print(f"check time x{growth:.1f} for x{result['replica_ratio_first_to_last']:.0f} "
+              "replicas")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
