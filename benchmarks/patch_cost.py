@@ -50,6 +50,7 @@ boot = time.monotonic() - t0
 out = llm.generate(["hello world"], __import__("vllm").SamplingParams(max_tokens=4))
 print("RESULT", json.dumps({"boot_s": boot, "tokens": len(out[0].outputs[0].token_ids)}))
 sys.stdout.flush()
+llm.llm_engine.engine_core.shutdown(timeout=30)  # else the engine core outlives os._exit
 os._exit(0)
 """
 

@@ -36,7 +36,11 @@ def boot(model: str) -> dict[str, object]:
         worker_extension_cls="dsv4_patch.worker_ext.DSv4WorkerExtension",
     )
     boot_s = time.monotonic() - start
-    workers = llm.collective_rpc("dsv4_kv_specs")
+    try:
+        workers = llm.collective_rpc("dsv4_kv_specs")
+    finally:
+        # The engine core is a separate process that outlives os._exit; stop it.
+        llm.llm_engine.engine_core.shutdown(timeout=30)
     return {
         "boot_seconds": round(boot_s, 2),
         "frontend_cache_dtype": llm.llm_engine.vllm_config.cache_config.cache_dtype,
@@ -48,4 +52,4 @@ if __name__ == "__main__":
     result = boot(sys.argv[1])
     sys.stdout.write("DSV4_BOOT_RESULT " + json.dumps(result) + "\n")
     sys.stdout.flush()
-    os._exit(0)  # skip vLLM's slow interpreter teardown; the engine dies with us
+    os._exit(0)  # engine already shut down; skip the slow interpreter teardown
