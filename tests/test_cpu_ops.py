@@ -84,6 +84,16 @@ def mla_page(bs: int) -> int:
 # --------------------------------------------------------------------------- quant / rope
 
 
+def test_fp8_decode_matches_torch_for_every_finite_code() -> None:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).float()
+    finite = torch.isfinite(want)
+    assert int((~finite).sum()) == 2  # 0x7f / 0xff: NaN, never written
+    got = cpu_ops.fp8_bytes_to_float(codes)
+    assert torch.equal(got[finite], want[finite])
+    assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 def test_ue8m0_roundtrip_power_of_two_scales(seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
