@@ -226,6 +226,10 @@ def main(args: argparse.Namespace) -> int:
     stop = StopSignal().install()
     try:
         start_cluster(config, args.num_cpus)
+        # ray.init replaces the SIGTERM handler with one that kills Ray's processes and
+        # exits 1, skipping Serve's drain (replicas never stop their vLLM engines). Ours
+        # again: SIGTERM then takes the same clean path as Ctrl-C.
+        stop.install()
         timings.mark("ray+serve up")
         deploy(config, timings)
         for app, parsed in config.ours():
