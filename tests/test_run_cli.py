@@ -72,6 +72,7 @@ def test_run_prints_url_consensus_first_token_and_stops_clean() -> None:
             if line.startswith("Serving; Ctrl-C to stop."):
                 break
         out = "".join(lines)
+        print(out)
         assert "Serving; Ctrl-C to stop." in out, out[-4000:]
         assert "OpenAI base URL: http://127.0.0.1:8000/v1" in out
         assert re.search(r"KV spec: agree \(policy enforce, expected fp8_ds_mla\); 2/2", out)
