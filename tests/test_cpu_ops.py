@@ -515,3 +515,103 @@ def test_install_skips_off_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False)
     results = cpu_ops.install()
     assert {r.reason for r in results} == {"not a CPU platform"}
+
+
+# --------------------------------------------------------------------------- pipeline
+
+
+def _layer_step(caches: dict[str, torch.Tensor], pos: torch.Tensor, q: torch.Tensor,
+                kv: torch.Tensor, kv_score: torch.Tensor, idx_score: torch.Tensor,
+                ape: torch.Tensor, idx_ape: torch.Tensor, table: torch.Tensor,
+                cos_sin: torch.Tensor, sink: torch.Tensor) -> torch.Tensor:
+    """One C4 attention layer's cache writes and reads for tokens ``pos`` of one request,
+    with the slot arithmetic vLLM's CPU DeepSeek-V4 layer uses (``cpu_sparse.py``,
+    ``cpu_compressor.py``: per-request positions -> slots through the block table)."""
+
+    def map_local_to_global_slots_cpu(local: torch.Tensor, req: torch.Tensor,
+                                      table: torch.Tensor, bs: int) -> torch.Tensor:
+        safe = local.clamp(min=0)
+        slot = table[0, safe // bs].long() * bs + safe % bs
+        return torch.where(local >= 0, slot, -1)
+
+    ratio, bs_swa, bs_state, bs_c = 4, 16, 8, 4
+    req = torch.zeros_like(pos)
+    swa_slots = map_local_to_global_slots_cpu(pos[:, None], req, table, bs_swa)[:, 0]
+    q_out = torch.ops._C.fused_qnorm_rope_kv_insert_cpu(q, kv, pos, caches["swa"], swa_slots,
+                                                        cos_sin, q.shape[1], 1e-6, bs_swa)
+    state_slots = map_local_to_global_slots_cpu(pos[:, None], req, table, bs_state)[:, 0]
+    win = torch.arange(2 * ratio)
+    gather = map_local_to_global_slots_cpu(pos[:, None] - 2 * ratio + 1 + win, req, table,
+                                           bs_state)
+    closes = (pos + 1) % ratio == 0
+    c_local = torch.where(closes, pos // ratio, -1)
+    c_slots = map_local_to_global_slots_cpu(c_local[:, None], req, table, bs_c)[:, 0]
+    for name, score, ape_, head in (("state", kv_score, ape, 512),
+                                    ("istate", idx_score, idx_ape, 128)):
+        width = 2 * head
+        torch.ops._C.save_partial_states_cpu(score[:, :width], score[:, width:], ape_, pos,
+                                             caches[name], state_slots)
+        weight = torch.ones(head)
+        if head == 512:
+            torch.ops._C.compress_norm_rope_store_cpu(caches[name], gather, pos, c_slots,
+                                                      weight, 1e-6, cos_sin, caches["comp"],
+                                                      bs_c, ratio)
+        else:
+            torch.ops._C.compress_norm_rope_store_indexer_cpu(caches[name], gather, pos,
+                                                              c_slots, weight, 1e-6, cos_sin,
+                                                              caches["index"], bs_c, ratio)
+    window = 8
+    w_local = pos[:, None] - window + 1 + torch.arange(window)
+    w_local = torch.where(w_local >= 0, w_local, -1)
+    w_slots = map_local_to_global_slots_cpu(w_local, req, table, bs_swa)
+    width = 16
+    n_comp = torch.div(pos + 1, ratio, rounding_mode="floor")
+    cols = torch.arange(width)
+    comp_local = torch.where(cols[None] < n_comp[:, None], cols[None], -1)
+    comp_slots = map_local_to_global_slots_cpu(comp_local, req, table, bs_c)
+    out = torch.empty_like(q_out)
+    torch.ops._C.flash_mla_with_kvcache_cpu(out, q_out, caches["swa"], w_slots, bs_swa,
+                                            caches["comp"], comp_slots, bs_c, sink, 512**-0.5)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_prefill_then_decode_equals_token_by_token(seed: int) -> None:
+    """Writers and readers agree across calls: one prefill call over all tokens and the
+    same tokens fed one at a time (decode) leave byte-identical caches (SWA and
+    compressed fp8_ds_mla, compressor states, indexer keys) and give the same attention
+    outputs; a chunked prefill (two calls) too."""
+    g = torch.Generator().manual_seed(seed)
+    n, h = 37, 4
+    table = torch.randperm(16, generator=g)[None].int()
+    cos_sin = ref_cos_sin(256, 64)
+    q = torch.randn(n, h, 512, generator=g).bfloat16()
+    kv = torch.randn(n, 512, generator=g).bfloat16()
+    kv_score = torch.randn(n, 2048, generator=g)
+    idx_score = torch.randn(n, 512, generator=g)
+    ape, idx_ape = torch.randn(4, 1024, generator=g), torch.randn(4, 256, generator=g)
+    sink = torch.randn(h, generator=g)
+
+    def fresh() -> dict[str, torch.Tensor]:
+        return {"swa": make_cache(16, 16, mla_page(16)), "comp": make_cache(16, 4, mla_page(4)),
+                "index": make_cache(16, 4, 4 * 132), "state": torch.zeros(16, 8, 2048),
+                "istate": torch.zeros(16, 8, 512)}
+
+    def run(splits: list[int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        caches, outs, start = fresh(), [], 0
+        for end in [*splits, n]:
+            sl = slice(start, end)
+            outs.append(_layer_step(caches, torch.arange(start, end), q[sl], kv[sl],
+                                    kv_score[sl], idx_score[sl], ape, idx_ape, table,
+                                    cos_sin, sink))
+            start = end
+        return caches, torch.cat(outs)
+
+    prefill_caches, prefill_out = run([])
+    for splits in ([*range(1, n)], [20]):
+        caches, out = run(splits)
+        for name in prefill_caches:
+            assert torch.equal(caches[name], prefill_caches[name]), (name, splits[:3])
+        torch.testing.assert_close(out.float(), prefill_out.float(), atol=1e-2, rtol=1e-2)
+    assert int((prefill_caches["index"] != 0).sum()) > 0
+    assert int((prefill_caches["comp"] != 0).sum()) > 0
