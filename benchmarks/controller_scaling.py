@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -84,6 +86,18 @@ def decide_ms(n: int, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+HEADROOM_MIB = 3000  # left free for the rest of the machine
+
+
+def fits(last: dict[str, Any], n: int, base_mem: float) -> bool:
+    """Whether N replicas fit, extrapolating the memory per replica measured so far."""
+    import psutil
+
+    per_replica = max(last["memory_mib_over_base"], 1) / last["replicas"]
+    more = per_replica * (n - last["replicas"])
+    return psutil.virtual_memory().available / 2**20 - more > HEADROOM_MIB
+
+
 def used_memory_mib() -> float:
     import psutil
 
@@ -117,7 +131,9 @@ async def _forced_checks(controller: Any, n: int, repeats: int) -> tuple[list, l
     return checks, calls
 
 
-def measure(counts: list[int], period_s: float, repeats: int) -> list[dict[str, Any]]:
+def measure(counts: list[int], period_s: float, repeats: int,
+            save: Any = None) -> list[dict[str, Any]]:
+    """Scale up through ``counts``; ``save(rows)`` after each row, so a timeout keeps data."""
     import ray
     from ray import serve
 
@@ -130,6 +146,10 @@ def measure(counts: list[int], period_s: float, repeats: int) -> list[dict[str, 
         base_mem = used_memory_mib()
         previous: set[str] = set()
         for n in counts:
+            if rows and not fits(rows[-1], n, base_mem):
+                print(f"{n:8d} skipped: would leave under {HEADROOM_MIB} MiB free", flush=True)
+                rows.append({"replicas": n, "skipped": "memory"})
+                break
             t0 = time.monotonic()
             serve.run(build(n, period_s, timeout_s=120.0), name=APP, route_prefix=None)
             running = time.monotonic()
@@ -153,6 +173,8 @@ def measure(counts: list[int], period_s: float, repeats: int) -> list[dict[str, 
             rows.append(row)
             previous = ids
             print(_fmt(row), flush=True)
+            if save is not None:
+                save(rows)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -180,21 +202,30 @@ def main() -> int:
     args = parser.parse_args()
     if args.counts != sorted(args.counts):
         parser.error("--counts must ascend: each step scales the running fleet up")
+    # SIGTERM (e.g. from `timeout`) unwinds through measure()'s finally: Serve and Ray stop.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(HEADER, flush=True)
-    rows = measure(args.counts, args.period, args.repeats)
-    first, last = rows[0], rows[-1]
-    growth = (last["check_s_p50"] / first["check_s_p50"]) if first["check_s_p50"] else None
-    result = {
-        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version()},
-        "period_s": args.period,
-        "repeats": args.repeats,
-        "rows": rows,
-        "check_growth_first_to_last": growth,
-        "replica_ratio_first_to_last": last["replicas"] / first["replicas"],
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+
+    def save(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        measured = [r for r in rows if "skipped" not in r]
+        first, last = measured[0], measured[-1]
+        growth = (last["check_s_p50"] / first["check_s_p50"]) if first["check_s_p50"] else None
+        result = {
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                        "python": platform.python_version()},
+            "period_s": args.period,
+            "repeats": args.repeats,
+            "rows": rows,
+            "check_growth_first_to_last": growth,
+            "replica_ratio_first_to_last": last["replicas"] / first["replicas"],
+            "decide_ms_at": {n: decide_ms(n) for n in (256, 512)},
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+        return result
+
+    result = save(measure(args.counts, args.period, args.repeats, save))
+    growth = result["check_growth_first_to_last"]
     if growth is not None:
         print(f"check time x{growth:.1f} for x{result['replica_ratio_first_to_last']:.0f} "
               "replicas")

@@ -39,7 +39,8 @@ class Load:
             "--max-concurrency", str(self.concurrency),
             "--num-warmups", str(self.warmups), "--seed", str(self.seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-            "--disable-tqdm",
+            # keep per-request errors and output lengths in the returned dict
+            "--save-detailed", "--disable-tqdm",
         ]
 
 
