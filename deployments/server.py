@@ -19,7 +19,6 @@ import copy
 import logging
 import os
 import time
-from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -29,7 +28,9 @@ from ray.serve.llm.deployment import DPServer
 
 from deployments import kvspec
 from deployments.config import WORKER_EXTENSION, DSv4Section, Policy
+from dsv4_patch import node as node_info
 from dsv4_patch import rules
+from dsv4_patch.node import NodeInfo
 
 logger = logging.getLogger("ray.serve")
 
@@ -38,21 +39,6 @@ KV_SPECS_METHOD = "dsv4_kv_specs"
 
 class KVLayoutMismatch(RuntimeError):
     """This replica's node or workers contradict the deployment's expected layout."""
-
-
-@dataclass(frozen=True)
-class NodeProbe:
-    """What this replica found out about its own node."""
-
-    platform: str
-    capability: tuple[int, int] | None
-    attention_backend: str | None
-    source: str  # where the capability came from: probe, nvml, declared
-
-    def as_dict(self) -> dict[str, Any]:
-        cap = None if self.capability is None else f"{self.capability[0]}.{self.capability[1]}"
-        return {"platform": self.platform, "compute_capability": cap,
-                "attention_backend": self.attention_backend, "source": self.source}
 
 
 def _dist_version(*names: str) -> str | None:
@@ -73,48 +59,14 @@ def versions() -> dict[str, str | None]:
     }
 
 
-def _nvml_capability() -> tuple[int, int] | None:
-    """Capability of GPU 0 through NVML, which ignores CUDA_VISIBLE_DEVICES.
-
-    The replica actor itself holds no GPU (its engine workers do), so CUDA in this
-    process may see no device while NVML still sees the node's GPUs.
-    """
-    import pynvml  # shipped with vLLM's CUDA wheels
-
-    pynvml.nvmlInit()
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
-        return int(major), int(minor)
-    finally:
-        pynvml.nvmlShutdown()
-
-
-def probe_node(settings: DSv4Section, engine_kwargs: dict[str, Any]) -> NodeProbe:
-    """Platform, capability and attention backend of the node this replica runs on."""
-    from vllm.platforms import current_platform
-
-    kind = str(current_platform.device_type or "unknown")
-    kind = {"cuda": "rocm"}.get(kind, kind) if current_platform.is_rocm() else kind
-    backend = (engine_kwargs.get("attention_backend")
-               or os.environ.get("VLLM_ATTENTION_BACKEND")
-               or settings.node.attention_backend)
-    if kind != "cuda":
-        return NodeProbe(kind, None, backend, "probe")
-    cap = current_platform.get_device_capability()
-    if cap is not None:
-        return NodeProbe(kind, (cap.major, cap.minor), backend, "probe")
-    try:
-        return NodeProbe(kind, _nvml_capability(), backend, "nvml")
-    except Exception as exc:  # the fallback below is logged, not silent
-        declared = settings.node.compute_capability
-        logger.warning("dsv4: could not probe the compute capability (%s); using the "
-                       "declared dsv4.node.compute_capability=%s", exc, declared)
-        return NodeProbe(kind, declared, backend, "declared")
+def probe_node(settings: DSv4Section, engine_kwargs: dict[str, Any]) -> NodeInfo:
+    """This replica's node; the backend from engine kwargs, the env, then the config."""
+    backend = node_info.attention_backend_of(engine_kwargs) or settings.node.attention_backend
+    return node_info.probe_node(backend, settings.node.compute_capability)
 
 
 def canonicalize(
-    llm_config: LLMConfig, settings: DSv4Section, node: NodeProbe
+    llm_config: LLMConfig, settings: DSv4Section, node: NodeInfo
 ) -> rules.Resolution:
     """Resolve kv_cache_dtype for this node and write the engine-safe value back.
 
@@ -122,25 +74,19 @@ def canonicalize(
     DeepSeek-V4, and it spares the buggy 0.20-0.29 resolver); any other value is
     passed as the user wrote it. Raises KVLayoutMismatch / KVCacheDtypeError.
     """
-    decision = rules.detect_layout(node.platform, node.capability, node.attention_backend)
+    canon = node_info.canonicalize(llm_config.engine_kwargs, node)
     expected = settings.expected_layout
-    if decision.layout is not expected:
+    if canon.decision.layout is not expected:
         raise KVLayoutMismatch(
             f"dsv4.expected_layout={expected.value!r} but this replica's node "
-            f"({node.as_dict()}) stores {decision.layout.value}: {decision.reason}. "
+            f"({node.as_dict()}) stores {canon.decision.layout.value}: {canon.decision.reason}. "
             f"Fix: schedule this deployment on nodes that give {expected.value}, or "
-            f"set expected_layout: {decision.layout.value} for the whole fleet."
+            f"set expected_layout: {canon.decision.layout.value} for the whole fleet."
         )
-    requested = llm_config.engine_kwargs.get("kv_cache_dtype", "auto")
-    resolution = rules.resolve_kv_cache_dtype(decision.layout, requested)
     # update_engine_kwargs also updates the engine config Ray Serve LLM cached at build time.
-    llm_config.update_engine_kwargs(kv_cache_dtype=resolution.engine_dtype)
-    logger.info(
-        "dsv4: kv_cache_dtype=%r on %s (backend %s) -> engine gets %r, workers store %s: %s",
-        requested, node.as_dict(), decision.backend, resolution.engine_dtype,
-        resolution.cache_dtype_str, resolution.reason,
-    )
-    return resolution
+    llm_config.update_engine_kwargs(kv_cache_dtype=canon.resolution.engine_dtype)
+    logger.info("dsv4: %s (node %s)", canon.describe(), node.as_dict())
+    return canon.resolution
 
 
 def _apply_override(llm_config: LLMConfig, settings: DSv4Section, rank: int | None) -> Any:

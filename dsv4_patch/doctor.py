@@ -75,7 +75,7 @@ def _node(args: argparse.Namespace) -> NodeInfo:
     node = probe_node(args.attention_backend)
     if args.platform or args.capability:
         cap = tuple(int(x) for x in args.capability.split(".")) if args.capability else None
-        node = NodeInfo(args.platform or node.platform, cap, node.attention_backend)  # type: ignore[arg-type]
+        node = NodeInfo(args.platform or node.platform, cap, node.attention_backend, "declared")  # type: ignore[arg-type]
     return node
 
 
@@ -118,11 +118,11 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
 def render(data: dict[str, Any]) -> str:
     """The report in plain words."""
     node, plugin = data["node"], data["plugin"]
-    cap = node["capability"]
+    cap = node["compute_capability"]
     lines = [
         f"dsv4-serve {data['dsv4_serve']} on vLLM {data['vllm_version']}",
         f"platform: {node['platform']}"
-        + (f", compute capability {cap[0]}.{cap[1]}" if cap else "")
+        + (f", compute capability {cap}" if cap else "")
         + (f", attention backend {node['attention_backend']}" if node["attention_backend"] else ""),
         "plugin entry point: "
         + ("installed" if plugin["installed"] else "MISSING (pip install dsv4-serve)")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from dsv4_patch import rules
@@ -22,15 +22,25 @@ ATTENTION_BACKEND_ENV = "VLLM_ATTENTION_BACKEND"
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """The facts that pick a DeepSeek-V4 KV layout on one node."""
+    """The facts that pick a DeepSeek-V4 KV layout on one node.
+
+    ``source`` says where the capability came from: ``probe`` (vLLM's platform),
+    ``nvml`` (the replica actor holds no GPU itself) or ``declared`` (config).
+    """
 
     platform: str
     capability: tuple[int, int] | None
     attention_backend: str | None
-    device_name: str | None = None
+    source: str = "probe"
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        cap = None if self.capability is None else f"{self.capability[0]}.{self.capability[1]}"
+        return {
+            "platform": self.platform,
+            "compute_capability": cap,
+            "attention_backend": self.attention_backend,
+            "source": self.source,
+        }
 
 
 def attention_backend_of(engine_kwargs: dict[str, Any]) -> str | None:
@@ -42,21 +52,54 @@ def attention_backend_of(engine_kwargs: dict[str, Any]) -> str | None:
     return backend or os.environ.get(ATTENTION_BACKEND_ENV) or None
 
 
-def probe_node(attention_backend: str | None = None) -> NodeInfo:
-    """Read platform and capability from vLLM on this machine (no engine needed)."""
+def _nvml_capability() -> tuple[int, int] | None:
+    """Capability of GPU 0 through NVML, which ignores CUDA_VISIBLE_DEVICES.
+
+    A Ray Serve replica actor holds no GPU (its engine workers do), so CUDA in
+    that process may see no device while NVML still sees the node's GPUs.
+    """
+    import pynvml  # shipped with vLLM's CUDA wheels
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+        return int(major), int(minor)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def probe_node(
+    attention_backend: str | None = None,
+    declared_capability: tuple[int, int] | None = None,
+) -> NodeInfo:
+    """Read platform and capability from vLLM on this machine (no engine needed).
+
+    ROCm reports device_type "cuda" in vLLM, so it is told apart explicitly. When
+    CUDA sees no device here, NVML is asked; failing that, the declared
+    capability is used and the fallback is logged.
+    """
     from vllm.platforms import current_platform
 
-    capability = current_platform.get_device_capability()
-    cap = (int(capability.major), int(capability.minor)) if capability is not None else None
-    name = None
+    kind = str(current_platform.device_type or "unknown")
+    if current_platform.is_rocm():
+        kind = "rocm"
+    backend = attention_backend or os.environ.get(ATTENTION_BACKEND_ENV) or None
+    if kind != "cuda":
+        return NodeInfo(kind, None, backend)
+    cap = current_platform.get_device_capability()
     if cap is not None:
-        name = str(current_platform.get_device_name())
-    return NodeInfo(
-        platform=str(current_platform.device_type),
-        capability=cap,
-        attention_backend=attention_backend or os.environ.get(ATTENTION_BACKEND_ENV) or None,
-        device_name=name,
-    )
+        return NodeInfo(kind, (int(cap.major), int(cap.minor)), backend)
+    try:
+        return NodeInfo(kind, _nvml_capability(), backend, "nvml")
+    except Exception as exc:  # logged, and the declared value says what was used instead
+        logger.warning(
+            "dsv4: could not probe the compute capability (%s); using the declared "
+            "node.compute_capability=%s",
+            exc,
+            declared_capability,
+        )
+        return NodeInfo(kind, declared_capability, backend, "declared")
 
 
 @dataclass(frozen=True)

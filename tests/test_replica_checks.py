@@ -6,8 +6,9 @@ import pytest
 from ray.serve.llm import LLMConfig
 
 from deployments.config import DSv4Section
-from deployments.server import KVLayoutMismatch, NodeProbe, canonicalize, probe_node
+from deployments.server import KVLayoutMismatch, canonicalize, probe_node
 from dsv4_patch import rules
+from dsv4_patch.node import NodeInfo
 
 
 def llm_config(**engine_kwargs: object) -> LLMConfig:
@@ -23,7 +24,7 @@ def test_probe_finds_this_cpu_node() -> None:
 def test_auto_becomes_fp8_on_fp8_ds_mla_and_reaches_the_cached_engine_config() -> None:
     config = llm_config(kv_cache_dtype="auto")
     cached = config.get_engine_config()  # Ray Serve LLM caches this at build time
-    res = canonicalize(config, DSv4Section(), NodeProbe("cpu", None, None, "probe"))
+    res = canonicalize(config, DSv4Section(), NodeInfo("cpu", None, None, "probe"))
     assert (res.engine_dtype, res.cache_dtype_str) == ("fp8", "fp8_ds_mla")
     assert config.engine_kwargs["kv_cache_dtype"] == "fp8"
     assert cached.engine_kwargs["kv_cache_dtype"] == "fp8"
@@ -32,15 +33,15 @@ def test_auto_becomes_fp8_on_fp8_ds_mla_and_reaches_the_cached_engine_config() -
 def test_explicit_fp8_is_kept_and_bf16_is_refused() -> None:
     config = llm_config(kv_cache_dtype="fp8_e4m3")
     assert canonicalize(config, DSv4Section(),
-                        NodeProbe("cpu", None, None, "probe")).engine_dtype == "fp8_e4m3"
+                        NodeInfo("cpu", None, None, "probe")).engine_dtype == "fp8_e4m3"
     with pytest.raises(rules.KVCacheDtypeError, match=r"bfloat16.*Fix"):
         canonicalize(llm_config(kv_cache_dtype="bfloat16"), DSv4Section(),
-                     NodeProbe("cpu", None, None, "probe"))
+                     NodeInfo("cpu", None, None, "probe"))
 
 
 def test_replica_refuses_a_node_that_contradicts_the_expectation() -> None:
     # Declared fp8_ds_mla, but this replica landed on a B200 told to use FlashInfer DSv4.
-    node = NodeProbe("cuda", (10, 0), "FLASHINFER_MLA_SPARSE_DSV4", "probe")
+    node = NodeInfo("cuda", (10, 0), "FLASHINFER_MLA_SPARSE_DSV4", "probe")
     config = llm_config(kv_cache_dtype="auto")
     with pytest.raises(KVLayoutMismatch) as info:
         canonicalize(config, DSv4Section(), node)
