@@ -1,0 +1,53 @@
+"""``dsv4-serve doctor`` as a user runs it: a subprocess, plain words and JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def _doctor(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deployments.cli", "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_json_report_of_this_cpu_node() -> None:
+    proc = _doctor("--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(proc.stdout)
+    assert data["vllm_version"] == "0.32.0"
+    assert data["node"]["platform"] == "cpu"
+    assert data["plugin"]["installed"] is True
+    assert data["layout"]["layout"] == "fp8_ds_mla"
+    assert (data["resolution"]["engine_dtype"], data["resolution"]["cache_dtype_str"]) == (
+        "fp8",
+        "fp8_ds_mla",
+    )
+    needed = {row["name"]: row["needed"] for row in data["patches"]}
+    assert needed["dsv4.resolve_kv_cache_dtype"] == "no"  # 0.32's resolver is fixed
+
+
+def test_refused_dtype_exits_nonzero_with_the_fix() -> None:
+    proc = _doctor("--platform", "cuda", "--capability", "9.0", "--kv-cache-dtype", "bfloat16")
+    assert proc.returncode == 1
+    assert "kv_cache_dtype='bfloat16' cannot be stored on the fp8_ds_mla" in proc.stdout
+    assert "kv_cache_dtype: auto (or fp8)" in proc.stdout
+
+
+def test_plain_rows_on_b200_flashinfer() -> None:
+    proc = _doctor(
+        "--platform",
+        "cuda",
+        "--capability",
+        "10.0",
+        "--attention-backend",
+        "FLASHINFER_MLA_SPARSE_DSV4",
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "KV layout: plain_rows" in proc.stdout
+    assert "workers store auto (bf16_rows)" in proc.stdout
