@@ -139,6 +139,7 @@ def arm_server(arm: str, port: int, replicas: int, log: Path,
                "--port", str(port), "--replicas", str(replicas)]
         env_vars = {}
     env = {**os.environ, **env_vars, "PYTHONUNBUFFERED": "1"}
+    wait_port_free(port)
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         started = time.monotonic()
@@ -162,6 +163,21 @@ def stop_group(proc: subprocess.Popen[Any], grace_s: float = 60.0) -> None:
             proc.wait(timeout=30)
     with contextlib.suppress(ProcessLookupError):  # the group may already be empty
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def wait_port_free(port: int, timeout_s: float = 120.0) -> None:
+    """Until nothing listens on ``port``: the previous arm's Ray proxy can outlive its
+    driver for a few seconds, and would answer the next arm's readiness probe."""
+    import socket
+
+    end = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) != 0:
+                return
+        if time.monotonic() > end:
+            raise RuntimeError(f"port {port} still in use after {timeout_s}s")
+        time.sleep(1)
 
 
 def wait_ready(base: str, proc: subprocess.Popen[Any], log: Path, timeout_s: float) -> None:
