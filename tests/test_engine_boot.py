@@ -34,7 +34,7 @@ def tiny_model_dir() -> Path:
 def _boot(model_dir: Path, plugins: str | None) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO / "tests" / "legacy_site"), str(REPO / "tests"), str(REPO)]
+        [str(REPO / "tests" / "engine_site"), str(REPO / "tests"), str(REPO)]
     )
     env["DSV4_TEST_LEGACY_RESOLVER"] = "1"
     env.pop("VLLM_PLUGINS", None)

@@ -1,0 +1,28 @@
+"""Test-only hooks for every Python process whose PYTHONPATH starts with this folder.
+
+Engine tests put this folder (and tests/) on PYTHONPATH; vLLM's engine core and
+workers are spawned, so this is how a hook reaches them, as it reaches a user's.
+Each hook is a post-import hook registered before vLLM loads general plugins,
+switched on by its own environment variable:
+
+- ``DSV4_TEST_LEGACY_RESOLVER=1``: the vLLM 0.24-0.29 asserting resolver
+  (tests/legacy_resolver.py), which the plugin must find and fix.
+- ``DSV4_TEST_SCALED_DUMMY_WEIGHTS=1``: dummy weights at fan-in scale
+  (tests/scaled_dummy.py), so outputs depend on the context.
+"""
+
+import os
+
+if os.environ.get("DSV4_TEST_LEGACY_RESOLVER") == "1":
+    import legacy_resolver
+
+    from dsv4_patch.import_hooks import when_imported
+
+    when_imported(legacy_resolver.ATTENTION_MODULE, legacy_resolver.install_into)
+
+if os.environ.get("DSV4_TEST_SCALED_DUMMY_WEIGHTS") == "1":
+    import scaled_dummy
+
+    from dsv4_patch.import_hooks import when_imported
+
+    when_imported(scaled_dummy.DUMMY_LOADER_MODULE, scaled_dummy.install_into)
