@@ -95,7 +95,9 @@ def test_sm120_validator_accepts_auto_after_patch(monkeypatch: pytest.MonkeyPatc
 
     module = pytest.importorskip(patches.SM120_MODULE)
     backend = getattr(module, patches.SM120_CLASS)
-    monkeypatch.setattr(backend, "supports_combination", backend.supports_combination)
+    # Start from the unpatched validator even if the plugin already ran in this process.
+    unpatched = getattr(backend.supports_combination, patches.PATCHED_MARK, None)
+    monkeypatch.setattr(backend, "supports_combination", unpatched or backend.supports_combination)
     args = (512, torch.bfloat16, "auto", 256, True, True, True, False)
     assert backend.supports_combination(*args, DeviceCapability(12, 0)) == (
         "kv_cache_dtype not supported"

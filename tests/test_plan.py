@@ -193,13 +193,15 @@ def test_weights_that_do_not_fit_are_refused():
 
 @pytest.mark.parametrize(("policy", "severity"), [("enforce", "error"), ("warn", "warning")])
 def test_replica_override_that_changes_pages_disagrees(policy, severity):
-    raw = yaml.safe_load((CONFIGS / "local-cpu.yaml").read_text())["applications"][0]["args"]
+    # A GPU preset: on CPU the config itself refuses block sizes other than 256.
+    raw = yaml.safe_load((CONFIGS / "flash-sm120.yaml").read_text())["applications"][0]["args"]
     raw["dsv4"]["policy"] = policy
     raw["dsv4"]["replica_overrides"] = [{"rank": 1, "engine_kwargs": {"block_size": 128}}]
-    cfg = plan.find_model_config(parse_app_args(raw), CONFIGS / "local-cpu.yaml")
+    cfg = plan.find_model_config(parse_app_args(raw), CONFIGS / "flash-sm120.yaml")
     p = plan.plan_application("canary", parse_app_args(raw), cfg)
     assert _codes(p)["replicas-disagree"] == severity
-    assert "block_size 128 vs 256" in p.problems[0].message
+    disagree = next(x for x in p.problems if x.code == "replicas-disagree")
+    assert "block_size 128 vs 256" in disagree.message
 
 
 def test_fleet_serving_one_model_with_two_layouts_disagrees():
