@@ -200,21 +200,29 @@ def quant_pow2_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _mla_views(cache_2d: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[num_blocks, bs, 576]`` token-data and ``[num_blocks, bs, 8]`` scale views of a
-    2-D uint8 fp8_ds_mla cache (any row stride: a page of a pooled allocation)."""
+def _paged_views(
+    cache_2d: torch.Tensor, block_size: int, data_bytes: int, scale_bytes: int, what: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[num_blocks, bs, data_bytes]`` and ``[num_blocks, bs, scale_bytes]`` views of a
+    2-D uint8 paged cache whose pages hold all tokens' data, then all their scales
+    (any row stride: a page of a pooled allocation)."""
     _check(cache_2d.dim() == 2 and cache_2d.dtype == torch.uint8,
-           f"fp8_ds_mla cache must be a 2-D uint8 tensor, got {tuple(cache_2d.shape)} "
+           f"{what} cache must be a 2-D uint8 tensor, got {tuple(cache_2d.shape)} "
            f"{cache_2d.dtype}")
-    need = block_size * (TOKEN_DATA_BYTES + SCALE_BYTES)
+    need = block_size * (data_bytes + scale_bytes)
     _check(block_size > 0 and cache_2d.shape[1] >= need,
-           f"fp8_ds_mla page of {cache_2d.shape[1]} B cannot hold {block_size} tokens "
+           f"{what} page of {cache_2d.shape[1]} B cannot hold {block_size} tokens "
            f"({need} B needed): block_size does not match the allocated cache")
     nb = cache_2d.shape[0]
-    data_end = block_size * TOKEN_DATA_BYTES
-    data = cache_2d[:, :data_end].view(nb, block_size, TOKEN_DATA_BYTES)
-    scales = cache_2d[:, data_end:need].view(nb, block_size, SCALE_BYTES)
+    data_end = block_size * data_bytes
+    data = cache_2d[:, :data_end].view(nb, block_size, data_bytes)
+    scales = cache_2d[:, data_end:need].view(nb, block_size, scale_bytes)
     return data, scales
+
+
+def _mla_views(cache_2d: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-data (576 B) and scale (8 B) views of an fp8_ds_mla cache."""
+    return _paged_views(cache_2d, block_size, TOKEN_DATA_BYTES, SCALE_BYTES, "fp8_ds_mla")
 
 
 def write_mla_records(
@@ -251,19 +259,8 @@ def read_mla_records(cache_2d: torch.Tensor, slots: torch.Tensor, block_size: in
 
 
 def _indexer_views(cache_2d: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[num_blocks, bs, 128]`` key and ``[num_blocks, bs, 4]`` scale-byte views."""
-    _check(cache_2d.dim() == 2 and cache_2d.dtype == torch.uint8,
-           f"indexer cache must be a 2-D uint8 tensor, got {tuple(cache_2d.shape)} "
-           f"{cache_2d.dtype}")
-    need = block_size * (INDEX_HEAD_DIM + INDEX_SCALE_BYTES)
-    _check(block_size > 0 and cache_2d.shape[1] >= need,
-           f"indexer page of {cache_2d.shape[1]} B cannot hold {block_size} keys "
-           f"({need} B needed)")
-    nb = cache_2d.shape[0]
-    k_end = block_size * INDEX_HEAD_DIM
-    keys = cache_2d[:, :k_end].view(nb, block_size, INDEX_HEAD_DIM)
-    scales = cache_2d[:, k_end:need].view(nb, block_size, INDEX_SCALE_BYTES)
-    return keys, scales
+    """Key (128 B) and scale-byte (4 B) views of an indexer cache."""
+    return _paged_views(cache_2d, block_size, INDEX_HEAD_DIM, INDEX_SCALE_BYTES, "indexer")
 
 
 # --------------------------------------------------------------------------- GEMM
