@@ -11,7 +11,8 @@ import pytest
 from dsv4_patch import rules
 from dsv4_patch.rules import KVCacheDtypeError, Layout, LayoutError, Storage
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "models"
+# The published configs, vendored in configs/models/ (copies of ../shared/reference/models).
+MODELS = Path(__file__).resolve().parents[1] / "configs" / "models" / "deepseek-ai"
 PACKED, ROWS = Layout.FP8_DS_MLA, Layout.PLAIN_ROWS
 
 # (layout, requested) -> (engine_dtype, cache_dtype_str, storage) or the error fragment.
@@ -130,9 +131,7 @@ def test_engine_resolver_contract() -> None:
 
 
 def _shape(model: str) -> rules.ModelShape:
-    path = REFERENCE / f"DeepSeek-V4-{model}" / "config.json"
-    if not path.exists():
-        pytest.skip(f"reference config {path} not present (it lives outside the repo)")
+    path = MODELS / f"DeepSeek-V4-{model}" / "config.json"
     return rules.ModelShape.from_hf_config(json.loads(path.read_text()), name=model)
 
 
