@@ -534,6 +534,23 @@ def compress_pool(
     return idx, normed * rms_norm_weight.float()
 
 
+def _pool_with_angles(
+    state_cache: torch.Tensor, gather_slots: torch.Tensor, positions: torch.Tensor,
+    kv_slot_mapping: torch.Tensor, rms_norm_weight: torch.Tensor, rms_norm_eps: float,
+    cos_sin_cache: torch.Tensor, compress_ratio: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Both compressors: pooled, normed states and the RoPE angles of each chunk's first
+    position; None when no chunk completes in this batch."""
+    pooled = compress_pool(state_cache, gather_slots, positions, kv_slot_mapping,
+                           rms_norm_weight, rms_norm_eps, compress_ratio)
+    if pooled is None:
+        return None
+    idx, normed = pooled
+    cpos = torch.div(positions[idx], compress_ratio, rounding_mode="floor") * compress_ratio
+    cos, sin = _cos_sin(cos_sin_cache, cpos)
+    return idx, normed, cos, sin
+
+
 def compress_norm_rope_store_cpu(
     state_cache: torch.Tensor, gather_slots: torch.Tensor, positions: torch.Tensor,
     kv_slot_mapping: torch.Tensor, rms_norm_weight: torch.Tensor, rms_norm_eps: float,
@@ -544,13 +561,11 @@ def compress_norm_rope_store_cpu(
     position, fp8_ds_mla insert (NoPE bf16-rounded before quant, RoPE stored bf16)."""
     _check(rms_norm_weight.numel() == HEAD_DIM,
            f"compress_norm_rope_store_cpu: rms_norm_weight must have {HEAD_DIM} entries")
-    pooled = compress_pool(state_cache, gather_slots, positions, kv_slot_mapping,
-                           rms_norm_weight, rms_norm_eps, compress_ratio)
+    pooled = _pool_with_angles(state_cache, gather_slots, positions, kv_slot_mapping,
+                               rms_norm_weight, rms_norm_eps, cos_sin_cache, compress_ratio)
     if pooled is None:
         return
-    idx, normed = pooled
-    cpos = torch.div(positions[idx], compress_ratio, rounding_mode="floor") * compress_ratio
-    cos, sin = _cos_sin(cos_sin_cache, cpos)
+    idx, normed, cos, sin = pooled
     rope = gptj_rope(normed[:, NOPE_DIM:], cos, sin)
     write_mla_records(kv_cache_2d, kv_slot_mapping[idx].long(), kv_cache_block_size,
                       bf16_round(normed[:, :NOPE_DIM]), rope)
@@ -567,13 +582,11 @@ def compress_norm_rope_store_indexer_cpu(
     _check(rms_norm_weight.numel() == INDEX_HEAD_DIM,
            f"compress_norm_rope_store_indexer_cpu: rms_norm_weight must have "
            f"{INDEX_HEAD_DIM} entries")
-    pooled = compress_pool(state_cache, gather_slots, positions, kv_slot_mapping,
-                           rms_norm_weight, rms_norm_eps, compress_ratio)
+    pooled = _pool_with_angles(state_cache, gather_slots, positions, kv_slot_mapping,
+                               rms_norm_weight, rms_norm_eps, cos_sin_cache, compress_ratio)
     if pooled is None:
         return
-    idx, normed = pooled
-    cpos = torch.div(positions[idx], compress_ratio, rounding_mode="floor") * compress_ratio
-    cos, sin = _cos_sin(cos_sin_cache, cpos)
+    idx, normed, cos, sin = pooled
     rot = cos.shape[-1] * 2
     nope = INDEX_HEAD_DIM - rot
     key = bf16_round(torch.cat((normed[:, :nope], gptj_rope(normed[:, nope:], cos, sin)), -1))
