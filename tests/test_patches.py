@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import types
 
@@ -163,3 +164,49 @@ def test_register_is_idempotent_and_publishes_a_record() -> None:
     names = {r["name"] for r in first.as_dict()["patches"]}
     assert {p.name for p in patches.PATCHES} <= names
     assert first.vllm_version == "0.32.0" and first.platform == "cpu"
+
+
+def test_register_installs_the_cpu_ops_with_the_dsv4_package() -> None:
+    """In this process the DeepSeek-V4 package is already imported: ops are in at once."""
+    from dsv4_patch import cpu_ops
+
+    rec = plugin.register()
+    statuses = {r.name: r.status for r in rec.results}
+    assert plugin.CPU_OPS_PENDING not in statuses
+    assert {f"{cpu_ops.PREFIX}{op.name}" for op in cpu_ops.REGISTRY} <= set(statuses)
+
+
+CPU_OPS_LAZY_PROBE = """
+import json, torch, vllm
+from dsv4_patch import plugin
+rec = plugin.register()
+before = {r.name: r.status for r in rec.results}
+had_op = hasattr(torch.ops._C, "hash_topk_cpu")
+import vllm.models.deepseek_v4  # what vLLM does before it builds the model
+after = {r.name: r.status for r in rec.results}
+print("RESULT", json.dumps({"before": before, "after": after, "had_op": had_op}))
+"""
+
+
+def test_cpu_ops_wait_for_the_dsv4_package_in_a_fresh_process() -> None:
+    """A process that never builds DeepSeek-V4 registers none of the 16 ops."""
+    import json
+    import subprocess
+
+    from dsv4_patch import cpu_ops
+
+    proc = subprocess.run([sys.executable, "-c", CPU_OPS_LAZY_PROBE], capture_output=True,
+                          text=True, timeout=300, check=True,
+                          env={**os.environ, "VLLM_PLUGINS": ""})
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result["before"][plugin.CPU_OPS_PENDING] == "pending"
+    assert [n for n in result["before"] if n.startswith(cpu_ops.PREFIX)] == [
+        plugin.CPU_OPS_PENDING]
+    assert plugin.CPU_OPS_PENDING not in result["after"]
+    op_statuses = {n: s for n, s in result["after"].items() if n.startswith(cpu_ops.PREFIX)}
+    assert len(op_statuses) == len(cpu_ops.REGISTRY)
+    # On an AVX512-BF16 host the real kernels are present: skipped, never missing.
+    assert set(op_statuses.values()) <= {"applied", "skipped"}
+    if not result["had_op"]:
+        assert "applied" in op_statuses.values()
