@@ -13,6 +13,7 @@ revision would), which changes its KV page sizes.
 from __future__ import annotations
 
 import copy
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import yaml
 
 from deployments.config import DEFAULT_CONFIG, ServeConfig, load_serve_config
 
+SERVING_LINE = "Serving; Ctrl-C to stop."
 MIXED_APP = "mixed"
 MIXED_ROUTE = "/mixed"
 # rank 1 of the mixed app: the tiny model's layer 2 (C128) compressed at ratio 4 instead.
@@ -38,6 +40,26 @@ class Stack:
     model: str
     running_s: dict[str, float]
     cluster_s: float
+
+
+def read_until_serving(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    """``dsv4-serve run``'s output up to its "Serving" line (or EOF, or ``timeout_s``).
+
+    The caller asserts ``SERVING_LINE`` is in the text; on a failed boot the text
+    ends with the error. The deadline is checked between lines: the run prints
+    progress while it boots.
+    """
+    assert proc.stdout is not None, "start the run with stdout=subprocess.PIPE"
+    lines: list[str] = []
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith(SERVING_LINE):
+            break
+    return "".join(lines)
 
 
 def mixed_app_args(base: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import SERVING_LINE, read_until_serving
+
 pytestmark = pytest.mark.slow
 
 BOOT_TIMEOUT_S = 420
@@ -61,19 +63,10 @@ def test_run_prints_url_consensus_first_token_and_stops_clean() -> None:
     proc = subprocess.Popen([str(exe), "run"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    lines: list[str] = []
     try:
-        assert proc.stdout is not None
-        while time.monotonic() - started < BOOT_TIMEOUT_S:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("Serving; Ctrl-C to stop."):
-                break
-        out = "".join(lines)
+        out = read_until_serving(proc, BOOT_TIMEOUT_S - (time.monotonic() - started))
         print(out)
-        assert "Serving; Ctrl-C to stop." in out, out[-4000:]
+        assert SERVING_LINE in out, out[-4000:]
         assert "OpenAI base URL: http://127.0.0.1:8000/v1" in out
         assert re.search(r"KV spec: agree \(policy enforce, expected fp8_ds_mla\); 2/2", out)
         first = re.search(r"first token after ([\d.]+) s \(request latency ([\d.]+) s\)", out)

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from deployments.config import DEFAULT_CONFIG
+from tests.conftest import SERVING_LINE, read_until_serving
 from tests.test_run_cli import alive, descendants
 
 pytestmark = pytest.mark.slow
@@ -101,19 +102,10 @@ def test_sigterm_drains_streaming_requests_and_leaves_nothing(tmp_path: Path) ->
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True,
                             env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    lines: list[str] = []
     streams: list[Stream] = []
     try:
-        assert proc.stdout is not None
-        started = time.monotonic()
-        while time.monotonic() - started < BOOT_TIMEOUT_S:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("Serving; Ctrl-C to stop."):
-                break
-        assert "Serving; Ctrl-C to stop." in "".join(lines), "".join(lines)[-4000:]
+        out = read_until_serving(proc, BOOT_TIMEOUT_S)
+        assert SERVING_LINE in out, out[-4000:]
         url = f"http://127.0.0.1:{PORT}/v1"
         streams = [Stream(url, "dsv4-tiny") for _ in range(STREAMS)]
         for s in streams:
