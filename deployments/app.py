@@ -30,6 +30,22 @@ logger = logging.getLogger("ray.serve")
 
 KV_SPEC_ROUTE = "/v1/kv-spec"
 CONTROLLER_NAME = "KVSpecController"
+INGRESS_NAME = "DSv4Ingress"  # Serve names the ingress deployment after its class
+# The controller holds no client requests; a check in progress may finish.
+CONTROLLER_DRAIN_S = 5.0
+# The ingress outlives the servers' drain by this much, so it relays their last chunks.
+INGRESS_DRAIN_MARGIN_S = 5.0
+
+
+def ingress_drain_timeout_s(args: AppArgs) -> float:
+    """Seconds the ingress may take to stop: the servers' drain plus a margin.
+
+    When an application is deleted, Serve stops all its deployments at once; each
+    replica waits for its own in-flight requests, up to its
+    ``graceful_shutdown_timeout_s``, before it is killed. A stream in flight is
+    in flight at the ingress and at a server, so the ingress must wait longer.
+    """
+    return args.llm.deployment_config.drain_timeout_s + INGRESS_DRAIN_MARGIN_S
 
 
 def _openai_fastapi_app() -> FastAPI:
@@ -116,13 +132,19 @@ def build_app(args: dict[str, Any]) -> Application:
                                      deployment_cls=DSv4DPServer)
     else:
         server = build_llm_deployment(llm_config, bind_kwargs={"dsv4": dsv4})
+    deploy = parsed.llm.deployment_config
     controller = serve.deployment(
         KVSpecController, name=CONTROLLER_NAME, num_replicas=1,
-        ray_actor_options={"num_cpus": 0},
+        ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=CONTROLLER_DRAIN_S,
+        graceful_shutdown_wait_loop_s=deploy.drain_poll_s,
     ).bind(server=server, dsv4=dsv4)
     ingress_cls = make_fastapi_ingress(DSv4Ingress, endpoint_map=_openai_endpoints(),
                                        app=_openai_fastapi_app())
-    options = DSv4Ingress.get_deployment_options([llm_config])
+    options = DSv4Ingress.get_deployment_options([llm_config]) | {
+        # The ingress relays the servers' streams: it may stop only after they have.
+        "graceful_shutdown_timeout_s": ingress_drain_timeout_s(parsed),
+        "graceful_shutdown_wait_loop_s": deploy.drain_poll_s,
+    }
     return serve.deployment(ingress_cls, **options).bind(
         llm_deployments={llm_config.model_id: server},
         model_cards=_model_cards(llm_config),

@@ -45,6 +45,11 @@ WORKER_EXTENSION = "dsv4_patch.worker_ext.DSv4WorkerExtension"
 TINY_MODEL_SOURCE = "dsv4-tiny"  # model_source alias: the tiny random-weight DSv4
 PLUGIN_NAME = "dsv4_patch"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-cpu.yaml"
+# Seconds a stopping DSv4 server replica waits for its in-flight requests (Serve's
+# graceful_shutdown_timeout_s; Serve's own default of 20 s cuts long generations).
+DEFAULT_DRAIN_TIMEOUT_S = 60.0
+# How often a draining replica re-counts its requests (Serve's default is 2 s).
+DEFAULT_DRAIN_POLL_S = 0.5
 
 
 class Policy(str, Enum):
@@ -176,6 +181,10 @@ class DeploymentConfig(_Open):
 
     num_replicas: int | None = Field(default=None, ge=1)
     autoscaling_config: AutoscalingConfig | None = None
+    # None = ours (DEFAULT_DRAIN_*), filled in by llm_config_dict; typed so a bad value
+    # fails validation before Ray starts.
+    graceful_shutdown_timeout_s: float | None = Field(default=None, ge=0)
+    graceful_shutdown_wait_loop_s: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _one_way_to_scale(self) -> DeploymentConfig:
@@ -192,6 +201,19 @@ class DeploymentConfig(_Open):
                     "group itself. Fix: move it to llm.placement_group_config."
                 )
         return self
+
+    @property
+    def drain_timeout_s(self) -> float:
+        """How long a stopping server replica may take to finish in-flight requests."""
+        if self.graceful_shutdown_timeout_s is None:
+            return DEFAULT_DRAIN_TIMEOUT_S
+        return self.graceful_shutdown_timeout_s
+
+    @property
+    def drain_poll_s(self) -> float:
+        if self.graceful_shutdown_wait_loop_s is None:
+            return DEFAULT_DRAIN_POLL_S
+        return self.graceful_shutdown_wait_loop_s
 
     @property
     def max_replicas(self) -> int:
@@ -464,7 +486,7 @@ class AppArgs(_Strict):
 
         ``model_source`` replaces the configured one (the tiny model alias becomes
         its directory); the worker extension is added because the controller
-        needs it in every worker.
+        needs it in every worker; the drain settings get our defaults.
         """
         data = self.llm.model_dump(mode="json", exclude_none=True)
         data["model_loading_config"]["model_source"] = (
@@ -472,6 +494,10 @@ class AppArgs(_Strict):
             or self.llm.model_loading_config.model_id
         )
         data["engine_kwargs"]["worker_extension_cls"] = WORKER_EXTENSION
+        # Drain settings always explicit: a stopping replica finishes in-flight requests.
+        deploy = self.llm.deployment_config
+        data["deployment_config"]["graceful_shutdown_timeout_s"] = deploy.drain_timeout_s
+        data["deployment_config"]["graceful_shutdown_wait_loop_s"] = deploy.drain_poll_s
         return data
 
 

@@ -4,8 +4,10 @@ Validates the config (before anything starts), builds the tiny model if the
 config serves it, starts a private local Ray cluster, deploys the Serve
 application(s), waits until the KV-spec controller has a verdict, sends one
 request to prove a token comes out, prints the OpenAI base URL and the
-consensus, and on Ctrl-C/SIGTERM shuts Serve and Ray down (Serve drains the
-replicas, which stop their vLLM engines).
+consensus, and on Ctrl-C/SIGTERM drains: the applications stop taking new
+requests, in-flight ones run to their end (bounded by the replicas'
+``graceful_shutdown_timeout_s``), the replicas stop their vLLM engines, then Serve
+and Ray shut down.
 
 The functions are reused by the test session fixture, so the tests boot the
 stack exactly the way users do.
@@ -160,8 +162,82 @@ def first_token(url: str, model: str) -> float:
     return round(time.monotonic() - started, 2)
 
 
+DRAIN_POLL_S = 0.5
+# Serve's controller force-stops a replica at the end of its grace period; give it
+# this long to do so before serve.shutdown() takes over.
+DRAIN_MARGIN_S = 10.0
+
+
+def drain_deadline_s(config: ServeConfig) -> float:
+    """The longest our apps may take to drain: the ingress's grace period plus a margin."""
+    from deployments.app import ingress_drain_timeout_s
+
+    longest = max((ingress_drain_timeout_s(args) for _, args in config.ours()), default=0.0)
+    return longest + DRAIN_MARGIN_S
+
+
+def in_flight_requests(app_names: list[str]) -> int:
+    """Requests the apps' ingress replicas are handling now (every client request
+    passes one), read from the replica actors; 0 once they have stopped."""
+    import ray
+    from ray.serve._private.common import ReplicaID
+
+    from deployments.app import INGRESS_NAME
+
+    handles = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if not ReplicaID.is_full_id_str(actor["name"]):
+            continue
+        replica = ReplicaID.from_full_id_str(actor["name"]).deployment_id
+        if replica.app_name in app_names and replica.name == INGRESS_NAME:
+            handles.append(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+    counts = ray.get([h.get_num_ongoing_requests.remote() for h in handles], timeout=10)
+    return int(sum(counts))
+
+
+def drain(timeout_s: float) -> None:
+    """Stop taking new requests and let in-flight ones finish, for at most ``timeout_s``.
+
+    ``serve.shutdown()`` alone stops the HTTP proxies together with the replicas,
+    so streams in flight are cut within a fraction of a second. Deleting the
+    applications first removes their routes (new requests get 404) while the
+    proxies keep relaying what is in flight; each replica waits for its requests
+    up to its ``graceful_shutdown_timeout_s`` (set by ``build_app``), then stops
+    (servers stop their vLLM engines). A second Ctrl-C/SIGTERM skips the wait.
+    """
+    from ray import serve
+
+    apps = list(serve.status().applications)
+    if not apps:
+        return
+    started = time.monotonic()
+    try:
+        try:
+            count: int | str = in_flight_requests(apps)
+        except Exception as exc:  # the count is for people; the drain goes on without it
+            count = "an unknown number of"
+            logger.warning("dsv4: could not count in-flight requests: %r", exc)
+        print(f"draining {count} in-flight request(s) of {apps} (at most {timeout_s:.0f} s; "
+              "new requests get 404)...", file=sys.stderr, flush=True)
+        for name in apps:
+            serve.delete(name, _blocking=False)
+        while set(apps) & set(serve.status().applications):
+            if time.monotonic() - started > timeout_s:
+                print(f"drain: {apps} still stopping after {timeout_s:.0f} s; "
+                      "shutting down anyway", file=sys.stderr, flush=True)
+                return
+            time.sleep(DRAIN_POLL_S)
+        print(f"drained in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("second signal: not waiting for in-flight requests", file=sys.stderr,
+              flush=True)
+
+
 def shutdown() -> None:
-    """Stop Serve (replicas drain and stop their engines), then Ray."""
+    """Stop Serve (proxies, controller, whatever replicas remain), then Ray.
+
+    Run ``drain`` first to let in-flight requests finish.
+    """
     import ray
     from ray import serve
 
@@ -196,10 +272,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @dataclass
 class StopSignal:
     """Set by Ctrl-C/SIGTERM. While serving it ends the wait loop; while booting it
-    aborts the boot (KeyboardInterrupt). Either way ``main`` shuts Serve and Ray down."""
+    aborts the boot (KeyboardInterrupt). Either way ``main`` drains and shuts Serve
+    and Ray down; a second signal while draining stops waiting (KeyboardInterrupt)."""
 
     event: threading.Event = field(default_factory=threading.Event)
     serving: bool = False
+    draining: bool = False
 
     def install(self) -> StopSignal:
         signal.signal(signal.SIGINT, self._handler)
@@ -210,7 +288,7 @@ class StopSignal:
         print(f"\n{signal.Signals(signum).name}: shutting down...", file=sys.stderr)
         first = not self.event.is_set()
         self.event.set()
-        if first and not self.serving:
+        if (first and not self.serving) or (not first and self.draining):
             raise KeyboardInterrupt
 
 
@@ -258,5 +336,21 @@ def main(args: argparse.Namespace) -> int:
         print(f"dsv4-serve run: {exc}", file=sys.stderr)
         return 1
     finally:
-        shutdown()
+        stop_everything(stop, config)
         print(f"stopped after {timings.mark('stopped')} s", file=sys.stderr)
+
+
+def stop_everything(stop: StopSignal, config: ServeConfig) -> None:
+    """Drain (only a stack that served has requests worth waiting for), then shut down.
+
+    Shutdown runs even if the drain fails, so no Ray or vLLM process outlives ``run``.
+    """
+    import ray
+
+    stop.draining = stop.serving and ray.is_initialized()
+    try:
+        if stop.draining:
+            drain(drain_deadline_s(config))
+    finally:
+        stop.draining = False
+        shutdown()

@@ -137,3 +137,29 @@ def test_serve_file_errors(tmp_path: Path) -> None:
     bad.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match=r"applications\[dsv4\]\.args\.dsv4\.controller_period_s"):
         load_serve_config(bad)
+
+
+def test_drain_settings_default_to_ours_and_keep_the_users() -> None:
+    """Serve's 20 s/2 s defaults would cut long generations at shutdown; ours are explicit."""
+    deploy = parse_app_args(local_args()).llm_config_dict("/m")["deployment_config"]
+    assert deploy["graceful_shutdown_timeout_s"] == 60.0
+    assert deploy["graceful_shutdown_wait_loop_s"] == 0.5
+    args = set_path(local_args(), "llm.deployment_config.graceful_shutdown_timeout_s", 300)
+    assert parse_app_args(args).llm_config_dict("/m")["deployment_config"][
+        "graceful_shutdown_timeout_s"] == 300
+    with pytest.raises(ConfigError, match="graceful_shutdown_timeout_s"):
+        parse_app_args(set_path(local_args(),
+                                "llm.deployment_config.graceful_shutdown_timeout_s", -1))
+
+
+def test_second_signal_while_draining_stops_the_wait() -> None:
+    import signal
+
+    from deployments.runner import StopSignal
+
+    stop = StopSignal(serving=True)
+    stop._handler(signal.SIGTERM, None)  # first: ends the serving loop, no exception
+    assert stop.event.is_set()
+    stop.draining = True
+    with pytest.raises(KeyboardInterrupt):
+        stop._handler(signal.SIGINT, None)
