@@ -14,12 +14,16 @@ import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import model_validator
+from pydantic_core import PydanticCustomError
 from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm import LLMConfig, build_dp_deployment, build_llm_deployment
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
+from ray.serve.llm.openai_api_models import ChatCompletionRequest, ErrorResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.config import AppArgs, parse_app_args
@@ -48,13 +52,102 @@ def ingress_drain_timeout_s(args: AppArgs) -> float:
     return args.llm.deployment_config.drain_timeout_s + INGRESS_DRAIN_MARGIN_S
 
 
-def _openai_fastapi_app() -> FastAPI:
-    """Ray Serve LLM's ingress FastAPI app, with HTTP errors in OpenAI's error format.
+# Bounds on what a 400 echoes back: pydantic repeats the offending input in every
+# error, and a hostile body must not turn into a large (or unserializable) answer.
+_MAX_REPORTED_ERRORS = 5
+_MAX_ECHO_CHARS = 80
+# pydantic-core schema markers that show up in ``loc`` for union/wrapped fields;
+# they are not field names a client could act on.
+_LOC_MARKERS = frozenset({"function-wrap", "function-after", "function-before",
+                          "function-plain", "json-or-python", "lax-or-strict", "chain",
+                          "default", "nullable", "tagged-union", "union", "str", "int",
+                          "float", "bool", "bytes", "list", "tuple", "dict", "none"})
 
-    Ray Serve LLM 2.60 raises ``HTTPException`` for an unknown model; FastAPI's
-    built-in handler answers ``{"detail": ...}``, which OpenAI clients cannot
-    parse. We render those with Ray Serve LLM's own ``get_response_for_error`` so
-    every 4xx has the ``{"error": {"message", "type", "code"}}`` body.
+
+def _echo(value: Any) -> str:
+    """A short, always JSON-safe description of a rejected input value.
+
+    Ray Serve LLM 2.60 echoes the raw input: raw ``bytes`` (a non-JSON body) and
+    ``NaN`` (which Python's JSON parser accepts) then fail to serialize and the
+    client gets a 500 instead of the 400 it earned.
+    """
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value)} bytes of non-JSON body>"
+    if isinstance(value, (list, tuple, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = repr(value)
+    return text if len(text) <= _MAX_ECHO_CHARS else text[:_MAX_ECHO_CHARS] + "..."
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """The client-facing field path of a pydantic ``loc`` (``"messages.0.role"``)."""
+    parts = [str(p) for p in loc[1:] if not (set(str(p)) & set("[](){}")
+                                              or str(p).lower() in _LOC_MARKERS)]
+    return ".".join(parts) or None
+
+
+def _error_param(error: dict[str, Any]) -> str | None:
+    """The field an error is about: our validators name it in ``ctx``, pydantic in ``loc``."""
+    if error.get("type") == "json_invalid":
+        return None
+    return (error.get("ctx") or {}).get("param") or _param(tuple(error.get("loc", ())))
+
+
+def _describe(error: dict[str, Any], content_type: str) -> str:
+    """One validation error as ``field: what was wrong (got value)``, with the fix."""
+    kind, ctx = error.get("type"), error.get("ctx") or {}
+    if kind == "json_invalid":
+        return (f"the body is not valid JSON ({ctx.get('error', '')} at character "
+                f"{error['loc'][-1]}). Fix: send one JSON object.")
+    if kind == "missing" and tuple(error.get("loc", ())) == ("body",):
+        return "the body is empty. Fix: send one JSON object."
+    where = _error_param(error) or "body"
+    if "param" in ctx:  # our own validators: the message names value and fix
+        return f"{where}: {error.get('msg')}"
+    text = f"{where}: {error.get('msg', 'invalid')}"
+    if kind != "missing":
+        text += f" (got {_echo(error.get('input'))})"
+    if isinstance(error.get("input"), (bytes, bytearray)):
+        text += (f". Fix: send a JSON object with Content-Type: application/json "
+                 f"(got Content-Type: {content_type or 'none'})")
+    return text
+
+
+async def _openai_validation_error(request: Request,
+                                   exc: RequestValidationError) -> JSONResponse:
+    """A request the schema rejects gets 400 with an OpenAI error, never a 500.
+
+    400 and ``invalid_request_error`` are what the OpenAI API and vLLM's own server
+    (``vllm.entrypoints.serve.exception_handling``) answer for a body that fails
+    validation, malformed JSON included. ``param`` names the first offending field.
+    """
+    errors = list(exc.errors())
+    content_type = request.headers.get("content-type", "")
+    lines = [_describe(e, content_type) for e in errors[:_MAX_REPORTED_ERRORS]]
+    if len(errors) > _MAX_REPORTED_ERRORS:
+        lines.append(f"...and {len(errors) - _MAX_REPORTED_ERRORS} more")
+    param = _error_param(errors[0]) if errors else None
+    error = ErrorResponse.model_validate({"error": {
+        "message": "Invalid request: " + ("; ".join(lines) or "validation failed"),
+        "type": "invalid_request_error", "param": param, "code": 400}})
+    return JSONResponse(error.model_dump(), status_code=400)
+
+
+def _openai_fastapi_app() -> FastAPI:
+    """Ray Serve LLM's ingress FastAPI app, with client errors in OpenAI's error format.
+
+    Two handlers replace Ray Serve LLM 2.60's (``add_exception_handler`` on the app
+    ``make_fastapi_ingress`` accepts is the supported hook; the dict entry for an
+    exception class is simply overwritten):
+
+    * ``HTTPException`` (e.g. an unknown model): FastAPI's built-in handler answers
+      ``{"detail": ...}``, which OpenAI clients cannot parse. We render those with
+      Ray Serve LLM's own ``get_response_for_error`` so every 4xx has the
+      ``{"error": {"message", "type", "code"}}`` body.
+    * ``RequestValidationError``: Ray's handler (``ingress/middleware.py
+      _handle_validation_error``) puts the raw input into ``param``; a non-JSON
+      body (bytes) or a ``NaN`` cannot be serialized and the client got a 500.
+      Ours (``_openai_validation_error``) answers 400 and never echoes raw input.
     """
     from ray.llm._internal.serve.core.ingress.ingress import init
     from ray.llm._internal.serve.core.ingress.middleware import get_request_id
@@ -68,7 +161,36 @@ def _openai_fastapi_app() -> FastAPI:
                             headers=getattr(exc, "headers", None))
 
     app.add_exception_handler(StarletteHTTPException, _openai_http_error)
+    app.add_exception_handler(RequestValidationError, _openai_validation_error)
     return app
+
+
+class DSv4ChatCompletionRequest(ChatCompletionRequest):
+    """vLLM's chat request, rejecting a non-list ``messages`` as a validation error.
+
+    vLLM's ``ChatCompletionRequest.check_system_message_content_type`` (a
+    ``mode="before"`` validator, vLLM 0.32) iterates ``data.get("messages", [])``:
+    ``"messages": null`` (or a number) raises ``TypeError``, which pydantic does
+    not turn into a validation error, so it escapes FastAPI's body parsing and
+    Ray Serve LLM answers 500. This validator runs first (pydantic runs a
+    subclass's before-validators before the parent's) and raises a pydantic error,
+    which becomes an ordinary 400. Delete it once vLLM guards that loop.
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _messages_must_be_a_list(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "messages" in data:
+            messages = data["messages"]
+            if not isinstance(messages, list):
+                # ctx "param" names the field for the 400 (a model validator has no loc).
+                raise PydanticCustomError(
+                    "messages_not_a_list",
+                    "got {got} ({kind}): expected a list of message objects. Fix: "
+                    'send e.g. "messages": [{"role": "user", "content": "Hi"}]',
+                    {"param": "messages", "got": _echo(messages),
+                     "kind": type(messages).__name__})
+        return data
 
 
 def _openai_endpoints() -> dict[str, Any]:
@@ -90,6 +212,14 @@ class DSv4Ingress(OpenAiIngress):
                  **kwargs: Any):
         super().__init__(llm_deployments, model_cards, **kwargs)
         self._kv_spec = kv_spec_controller
+
+    async def chat(self, body: DSv4ChatCompletionRequest, request: Request) -> Response:
+        """Ray Serve LLM's chat endpoint, parsing the body with ``DSv4ChatCompletionRequest``.
+
+        FastAPI takes the body model from this signature; the request itself is
+        handled by ``OpenAiIngress.chat`` unchanged.
+        """
+        return await super().chat(body, request)
 
     async def kv_spec(self, refresh: bool = False) -> JSONResponse:
         """The controller's verdict; ``?refresh=true`` checks every replica now.
