@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -76,11 +77,15 @@ def base_url(config: ServeConfig, route_prefix: str | None = "/") -> str:
     return f"http://{http.host}:{http.port}{prefix}/v1"
 
 
-def start_cluster(config: ServeConfig, num_cpus: float | None = None) -> float:
+def start_cluster(config: ServeConfig, num_cpus: float | None = None,
+                  metrics_port: int | None = None) -> float:
     """Start a private local Ray cluster and Serve's HTTP proxy; return the CPUs given.
 
     ``address="local"`` never attaches to someone else's cluster: ``run`` owns what
-    it starts and can shut all of it down.
+    it starts and can shut all of it down. ``metrics_port`` fixes the port of Ray's
+    Prometheus endpoint (``ray.util.metrics``/``ray.serve.metrics`` series, the
+    controller's ``ray_dsv4_kv_spec_*`` gauges among them); None takes a free one
+    (``metrics_url`` tells which). Ray serves it without the dashboard too.
     """
     import ray
     from ray import serve
@@ -97,11 +102,35 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None) -> float:
         logger.info("dsv4: offering Ray %s logical CPUs on %s cores: the replicas share them "
                     "(VLLM_CPU_OMP_THREADS_BIND=nobind)", cpus, os.cpu_count())
     ray.init(address="local", num_cpus=cpus, include_dashboard=False,
-             namespace="serve", log_to_driver=os.environ.get("DSV4_LOG_TO_DRIVER") == "1")
+             namespace="serve", log_to_driver=os.environ.get("DSV4_LOG_TO_DRIVER") == "1",
+             _metrics_export_port=metrics_port or free_port())
     extra = config.model_extra or {}
     serve.start(http_options=config.http_options.model_dump(),
                 proxy_location=extra.get("proxy_location", "HeadOnly"))
     return cpus
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now.
+
+    Passed to Ray explicitly so the port is ours to know and print (Ray's own
+    default, 0, leaves the choice to its metrics agent).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def metrics_url() -> str:
+    """Ray's Prometheus endpoint on this node (the local cluster has one node).
+
+    Series appear there one metrics report interval (~10 s) after they are set.
+    """
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    [node] = [n for n in ray.nodes() if n["NodeID"] == node_id]
+    return f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
 
 
 def deploy(config: ServeConfig, timings: Timings | None = None) -> dict[str, float]:
@@ -265,6 +294,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-cpus", type=float, default=None,
                         help="logical CPUs for the local Ray (default: enough for "
                         "max_replicas, at least the core count)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="port of Ray's Prometheus metrics endpoint (default: a "
+                        "free one; the URL is printed)")
     parser.add_argument("--no-smoke", action="store_true",
                         help="skip the one-token request after deploying")
 
@@ -303,7 +335,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     stop = StopSignal().install()
     try:
-        start_cluster(config, args.num_cpus)
+        start_cluster(config, args.num_cpus, args.metrics_port)
         # ray.init replaces the SIGTERM handler with one that kills Ray's processes and
         # exits 1, skipping Serve's drain (replicas never stop their vLLM engines). Ours
         # again: SIGTERM then takes the same clean path as Ctrl-C.
@@ -319,6 +351,7 @@ def main(args: argparse.Namespace) -> int:
                 latency = first_token(url, parsed.llm.model_loading_config.model_id)
                 print(f"[{app.name}] first token after {timings.mark('first token')} s "
                       f"(request latency {latency} s)")
+        print(f"Prometheus metrics: {metrics_url()}")
         stop.serving = True
         print("Serving; Ctrl-C to stop.", flush=True)
         while not stop.event.wait(1.0):
