@@ -342,20 +342,52 @@ def _live_columns(slots: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.
 
 
 def dedupe(ids: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(uniq, inverse)`` of non-negative ``ids < total``: ``uniq[inverse] == ids``.
+    """``(uniq, inverse)`` of non-negative ``ids < total``: ``uniq[inverse] == ids``, with
+    ``uniq`` in order of first appearance in ``ids`` (row-major).
+
+    Why that order: flash_mla reduces over ``uniq`` (GEMMs over the distinct keys) and
+    float sums depend on the order of their terms. Sorted by slot, the order would follow
+    the physical cache blocks a request happened to get, which depend on every earlier
+    request (the block pool's free list), so the same prompt gave different greedy tokens
+    run to run. First appearance depends only on the request's logical positions.
 
     Many ids (prefill): a presence bitmap, two linear passes instead of
     ``torch.unique``'s sort; few ids in a large cache (decode): the sort.
     """
     if ids.numel() * 16 < total:  # few ids in a large cache: sorting them is cheaper
         uniq, inverse = torch.unique(ids, return_inverse=True)
-        return uniq, inverse
-    mark = torch.zeros(total, dtype=torch.bool, device=ids.device)
-    mark[ids.reshape(-1)] = True
-    uniq = mark.nonzero().squeeze(1)
-    lut = torch.empty(total, dtype=torch.long, device=ids.device)
-    lut[uniq] = torch.arange(uniq.shape[0], device=ids.device)
-    return uniq, lut[ids]
+    else:
+        mark = torch.zeros(total, dtype=torch.bool, device=ids.device)
+        mark[ids.reshape(-1)] = True
+        uniq = mark.nonzero().squeeze(1)
+        lut = torch.empty(total, dtype=torch.long, device=ids.device)
+        lut[uniq] = torch.arange(uniq.shape[0], device=ids.device)
+        inverse = lut[ids]
+    return _first_appearance_order(uniq, inverse)
+
+
+def _first_appearance_order(
+    uniq: torch.Tensor, inverse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reorder ``uniq`` (and remap ``inverse``) by each value's first flat index in
+    ``inverse``: linear scatter plus a sort of the (few) distinct values."""
+    flat = inverse.reshape(-1)
+    first = torch.full((uniq.shape[0],), flat.numel(), dtype=torch.long, device=flat.device)
+    first.scatter_reduce_(0, flat, torch.arange(flat.numel(), device=flat.device), "amin")
+    order = torch.argsort(first)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.shape[0], device=order.device)
+    return uniq[order], rank[inverse]
+
+
+def _read_keys(cache_2d: torch.Tensor, uniq: torch.Tensor, block_size: int,
+               pad: int) -> torch.Tensor:
+    """Dequantized records of ``uniq`` slots; the ``pad`` id (masked columns) reads as
+    zeros. Why: a masked key still enters the GEMMs with probability 0, and 0 x NaN is
+    NaN; a page nobody wrote (vLLM's null block, a recycled block) may hold any bytes."""
+    is_pad = uniq == pad
+    keys = read_mla_records(cache_2d, torch.where(is_pad, 0, uniq), block_size)
+    return keys.masked_fill_(is_pad.unsqueeze(1), 0.0)
 
 
 def _softmax_with_sink(
@@ -382,7 +414,9 @@ def flash_mla_with_kvcache_cpu(
     Keys = values = the dequantized 512-dim records; invalid slots (-1 or past the
     cache) are masked; the per-head sink adds ``exp(sink)`` to the softmax denominator;
     a token with no valid key gets zeros (as the real kernel). Each distinct slot is
-    dequantized once. Per chunk of tokens, when the chunk's distinct keys are few
+    dequantized once; keys enter every reduction in the order the tokens list them
+    (``dedupe``), never in slot order, so the result does not depend on which cache
+    blocks the request was given. Per chunk of tokens, when the chunk's distinct keys are few
     (prefill: neighbours share their window and compressed keys; a single decode
     token) the chunk runs as two dense GEMMs against those keys with a mask;
     otherwise (decode batches of unrelated requests) keys are gathered per token.
@@ -406,9 +440,10 @@ def flash_mla_with_kvcache_cpu(
     keys, index, masks = [], [], []
     base = 0
     for cache, slots, bs in sources:
-        s, valid = _live_columns(slots.long(), cache.shape[0] * bs)
-        uniq, inverse = dedupe(torch.where(valid, s, 0), cache.shape[0] * bs)
-        keys.append(read_mla_records(cache, uniq, bs))
+        total = cache.shape[0] * bs  # slot id ``total``: the zero key of masked columns
+        s, valid = _live_columns(slots.long(), total)
+        uniq, inverse = dedupe(torch.where(valid, s, total), total + 1)
+        keys.append(_read_keys(cache, uniq, bs, total))
         index.append(inverse + base)
         masks.append(valid)
         base += uniq.shape[0]
@@ -525,7 +560,7 @@ def compress_pool(
     offset = (torch.arange(window, device=g.device) >= compress_ratio).long() * head_dim
     cols = (offset.unsqueeze(1) + torch.arange(head_dim, device=g.device)).expand(
         idx.shape[0], window, head_dim)
-    kv = rows.gather(2, cols)
+    kv = rows.gather(2, cols).masked_fill(~valid.unsqueeze(-1), 0.0)  # unwritten rows: any bytes
     score = rows.gather(2, cols + state_width).masked_fill(~valid.unsqueeze(-1), float("-inf"))
     weights = torch.softmax(score, dim=1)
     pooled = (weights * kv).sum(dim=1)

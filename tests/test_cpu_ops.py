@@ -248,6 +248,65 @@ def test_flash_mla_matches_dense_attention_with_sink(seed: int, nb: int) -> None
         assert bool((out[0] == 0).all())
 
 
+def _one_request_slots(table: torch.Tensor, bs: int, local: torch.Tensor) -> torch.Tensor:
+    """Slots of per-request positions ``local`` (-1 stays -1) through one block table."""
+    safe = local.clamp(min=0)
+    return torch.where(local >= 0, table[safe // bs] * bs + safe % bs, -1)
+
+
+def _attend_one_request(table: torch.Tensor, unwritten: int, seed: int) -> torch.Tensor:
+    """Prefill (all tokens) and decode (last token) attention of one request whose
+    pages are the blocks in ``table``; every byte nobody writes is ``unwritten``.
+    Slots are built as vLLM's CPU layer builds them (cpu_sparse.py forward_mqa)."""
+    g = torch.Generator().manual_seed(seed)
+    n, window, ratio, bs_w, bs_c, nb = 48, 40, 4, 16, 4, 16
+    win = make_cache(nb, bs_w, mla_page(bs_w)).fill_(unwritten)
+    comp = make_cache(nb, bs_c, mla_page(bs_c)).fill_(unwritten)
+    cos_sin = ref_cos_sin(4096, 64)
+    pos = torch.arange(n)
+    q = torch.randn(n, 4, 512, generator=g).bfloat16()
+    kv = (torch.randn(n, 512, generator=g) * 3).bfloat16()
+    ckv = (torch.randn(n // ratio, 512, generator=g) * 3).bfloat16()
+    q = torch.ops._C.fused_qnorm_rope_kv_insert_cpu(q, kv, pos, win, _one_request_slots(
+        table, bs_w, pos), cos_sin, 4, 1e-6, bs_w)
+    torch.ops._C.fused_qnorm_rope_kv_insert_cpu(ckv[:, None].expand(-1, 1, -1), ckv,
+                                                pos[: n // ratio], comp, _one_request_slots(
+                                                    table, bs_c, pos[: n // ratio]),
+                                                cos_sin, 1, 1e-6, bs_c)
+    start = (pos - window + 1).clamp(min=0)[:, None] + torch.arange(window)
+    wslots = _one_request_slots(table, bs_w, torch.where(start <= pos[:, None], start, -1))
+    cols = torch.arange(n // ratio)
+    clocal = torch.where(cols < torch.div(pos + 1, ratio, rounding_mode="floor")[:, None],
+                         cols, -1)
+    cslots = _one_request_slots(table, bs_c, clocal)
+    sink = torch.randn(4, generator=g)
+    outs = []
+    for rows in (slice(0, n), slice(n - 1, n)):  # prefill, then the last token alone
+        out = torch.empty_like(q[rows])
+        torch.ops._C.flash_mla_with_kvcache_cpu(out, q[rows], win, wslots[rows], bs_w, comp,
+                                                cslots[rows], bs_c, sink, 512**-0.5)
+        outs.append(out)
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("unwritten", [0x00, 0xFF])  # zeros / scale byte 0xFF: 2^128 = inf
+def test_flash_mla_does_not_depend_on_which_blocks_a_request_got(
+    seed: int, unwritten: int
+) -> None:
+    """Same request, same values, different physical blocks (the block pool hands out
+    whatever earlier requests freed): bit-identical output, whatever unwritten pages
+    hold. Block 0 is never used, like vLLM's null block. Regression: keys were summed in
+    slot order, so greedy decoding of one prompt changed from run to run; and masked
+    columns read block 0, whose garbage times probability 0 gave NaN."""
+    g = torch.Generator().manual_seed(100 + seed)
+    want = _attend_one_request(1 + torch.arange(15), unwritten, seed)
+    assert bool(torch.isfinite(want.float()).all())
+    for _ in range(3):
+        got = _attend_one_request(1 + torch.randperm(15, generator=g), unwritten, seed)
+        assert torch.equal(got, want)
+
+
 # --------------------------------------------------------------------------- compressor
 
 
@@ -334,6 +393,38 @@ def test_compressor_state_and_store(seed: int, ratio: int, head_dim: int, overla
         else:
             got = ref_read_index_key(cache, s, kbs)
             fp8_close(got, want, want.abs().max() / 448 * 2)
+
+
+@pytest.mark.parametrize("head_dim", [512, 128])
+def test_compressor_ignores_unwritten_state_rows(head_dim: int) -> None:
+    """The first chunk's window reaches before position 0: those entries are masked and
+    must add exact zeros, whatever the unwritten state rows hold (NaN here); the record
+    equals the one written with a zeroed state cache."""
+    g = torch.Generator().manual_seed(7)
+    ratio, width, sbs = 4, 2 * head_dim, 8
+    pos = torch.arange(8)
+    kv, score = torch.randn(8, width, generator=g), torch.randn(8, width, generator=g)
+    ape = torch.randn(ratio, width, generator=g)
+    slots = 8 + pos  # block 1; block 0 is never written, like vLLM's null block
+    local = pos[:, None] - 2 * ratio + 1 + torch.arange(2 * ratio)
+    gather = torch.where(local >= 0, 8 + local, -1)
+    weight = torch.rand(head_dim, generator=g) + 0.5
+    cos_sin = ref_cos_sin(64, 64)
+    records = []
+    for unwritten in (0.0, float("nan")):
+        state = torch.full((3, sbs, 2 * width), unwritten)
+        torch.ops._C.save_partial_states_cpu(kv, score, ape, pos, state, slots)
+        if head_dim == 512:
+            cache = make_cache(2, 4, mla_page(4))
+            torch.ops._C.compress_norm_rope_store_cpu(state, gather, pos, pos, weight, 1e-6,
+                                                      cos_sin, cache, 4, ratio)
+        else:
+            cache = make_cache(2, 4, 4 * 132)
+            torch.ops._C.compress_norm_rope_store_indexer_cpu(state, gather, pos, pos, weight,
+                                                              1e-6, cos_sin, cache, 4, ratio)
+        records.append(cache.clone())
+    assert int((records[0] != 0).sum()) > 0
+    assert torch.equal(records[1], records[0])
 
 
 # --------------------------------------------------------------------------- indexer
