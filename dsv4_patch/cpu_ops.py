@@ -414,12 +414,13 @@ def flash_mla_with_kvcache_cpu(
     Keys = values = the dequantized 512-dim records; invalid slots (-1 or past the
     cache) are masked; the per-head sink adds ``exp(sink)`` to the softmax denominator;
     a token with no valid key gets zeros (as the real kernel). Each distinct slot is
-    dequantized once; keys enter every reduction in the order the tokens list them
-    (``dedupe``), never in slot order, so the result does not depend on which cache
-    blocks the request was given. Per chunk of tokens, when the chunk's distinct keys are few
-    (prefill: neighbours share their window and compressed keys; a single decode
-    token) the chunk runs as two dense GEMMs against those keys with a mask;
-    otherwise (decode batches of unrelated requests) keys are gathered per token.
+    dequantized once. Batch-invariant and placement-invariant on purpose: tokens are
+    processed per request (``_request_segments``) and keys enter every reduction in the
+    order the request lists them (``dedupe``), never in slot order, so a prompt gives
+    the same bits alone or in a batch, whichever cache blocks it was given. Per chunk of
+    one request's tokens, when the chunk's distinct keys are few (neighbours share their
+    window and compressed keys; a single decode token) the chunk runs as two dense GEMMs
+    against those keys with a mask; otherwise keys are gathered per token.
     """
     _check(q.dim() == 3 and q.shape[2] == HEAD_DIM,
            f"flash_mla_with_kvcache_cpu: q must be [T, H, {HEAD_DIM}], got {tuple(q.shape)}")
@@ -450,17 +451,59 @@ def flash_mla_with_kvcache_cpu(
     all_keys = torch.cat(keys, dim=0)  # [U, 512] fp32, each distinct slot once
     index_all = torch.cat(index, dim=1)  # [T, n] rows of all_keys
     valid_all = torch.cat(masks, dim=1)  # [T, n]
-    n = index_all.shape[1]
-    if n == 0:  # no token has a valid key
+    if index_all.shape[1] == 0:  # no token has a valid key
         out.zero_()
         return
+    for first, stop in _request_segments(index_all, valid_all):
+        _attend_request(out, q, all_keys, index_all, valid_all, first, stop, sink, scale)
+
+
+def _request_segments(index: torch.Tensor, valid: torch.Tensor) -> list[tuple[int, int]]:
+    """``[first, stop)`` token ranges that share keys: one per request of the batch.
+
+    Why: a token's result must not depend on the rest of the batch (greedy output of a
+    prompt alone and in a batch agree), so chunking, column trimming and the dense/gather
+    choice happen per request. Consecutive tokens belong to one request when some valid
+    key is used both at or before the first and after it (a request's window keys
+    overlap from token to token); requests never share keys.
+    """
+    t = index.shape[0]
+    if t == 1:
+        return [(0, 1)]
+    rows = torch.arange(t).unsqueeze(1).expand_as(index)[valid]
+    keys = index[valid]
+    size = int(index.max()) + 1
+    first = torch.full((size,), t, dtype=torch.long).scatter_reduce_(0, keys, rows, "amin")
+    last = torch.full((size,), -1, dtype=torch.long).scatter_reduce_(0, keys, rows, "amax")
+    spans = first < last
+    cover = torch.zeros(t + 1, dtype=torch.long)
+    cover.index_add_(0, first[spans], torch.ones_like(first[spans]))
+    cover.index_add_(0, last[spans], -torch.ones_like(last[spans]))
+    joined = torch.cumsum(cover, 0)[: t - 1] > 0  # token i and i + 1: same request
+    starts = [0, *((~joined).nonzero().squeeze(1) + 1).tolist()]
+    return list(zip(starts, [*starts[1:], t], strict=True))
+
+
+def _attend_request(
+    out: torch.Tensor, q: torch.Tensor, all_keys: torch.Tensor, index_all: torch.Tensor,
+    valid_all: torch.Tensor, first: int, stop: int, sink: torch.Tensor, scale: float,
+) -> None:
+    """Attention of tokens ``[first, stop)`` (one request) over their own live columns,
+    in chunks of at most ``_ROW_BUDGET`` gathered rows."""
+    h = q.shape[1]
+    live = valid_all[first:stop].any(dim=0).nonzero().squeeze(1)
+    if live.shape[0] == 0:  # no valid key: zeros, as the real kernel
+        out[first:stop] = 0
+        return
+    n = live.shape[0]
     step = max(1, _ROW_BUDGET // n)
-    for start in range(0, t, step):
-        end = min(t, start + step)
+    for start in range(first, stop, step):
+        end = min(stop, start + step)
         tc = end - start
-        valid = valid_all[start:end]
+        valid = valid_all[start:end][:, live]
+        index = index_all[start:end][:, live]
         qc = q[start:end].float()
-        local, local_index = dedupe(index_all[start:end], base)
+        local, local_index = dedupe(index, all_keys.shape[0])
         if local.shape[0] <= 2 * n:
             k = all_keys[local]  # [uc, 512]
             seen = torch.zeros((tc, local.shape[0]), dtype=torch.int32)
@@ -471,7 +514,7 @@ def flash_mla_with_kvcache_cpu(
             probs, denom = _softmax_with_sink(logits, sink, seen.unsqueeze(1))
             res = (probs.view(tc * h, -1) @ k).view(tc, h, HEAD_DIM).div_(denom)
         else:
-            k = all_keys[index_all[start:end]]  # [tc, n, 512]
+            k = all_keys[index]  # [tc, n, 512]
             logits = torch.bmm(qc, k.transpose(1, 2)).mul_(scale)
             logits.masked_fill_(~valid.unsqueeze(1), float("-inf"))
             probs, denom = _softmax_with_sink(logits, sink)

@@ -395,6 +395,45 @@ def test_compressor_state_and_store(seed: int, ratio: int, head_dim: int, overla
             fp8_close(got, want, want.abs().max() / 448 * 2)
 
 
+def test_flash_mla_token_gives_the_same_bits_alone_and_in_a_batch() -> None:
+    """Two requests in disjoint blocks: each one's prefill and decode rows are
+    bit-identical whether it runs alone or batched with the other (mixed-length
+    prefill, then a decode batch). Regression: chunking and the dense/gather choice
+    were per batch, so batching changed the float sums and greedy tokens."""
+    g = torch.Generator().manual_seed(3)
+    bs, nb, window, h = 16, 16, 40, 4
+    cache = make_cache(nb, bs, mla_page(bs))
+    cos_sin = ref_cos_sin(4096, 64)
+    tables = (1 + torch.randperm(nb - 1, generator=g)).split([7, 8])
+    lengths = (45, 9)
+    rows = []
+    for table, n in zip(tables, lengths, strict=True):
+        pos = torch.arange(n)
+        q = torch.randn(n, h, 512, generator=g).bfloat16()
+        kv = (torch.randn(n, 512, generator=g) * 3).bfloat16()
+        q = torch.ops._C.fused_qnorm_rope_kv_insert_cpu(q, kv, pos, cache, _one_request_slots(
+            table, bs, pos), cos_sin, h, 1e-6, bs)
+        start = (pos - window + 1).clamp(min=0)[:, None] + torch.arange(window)
+        rows.append((q, _one_request_slots(table, bs, torch.where(start <= pos[:, None],
+                                                                   start, -1))))
+    sink = torch.randn(h, generator=g)
+    empty = torch.full((1, 0), -1)
+
+    def attend(q: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(q)
+        torch.ops._C.flash_mla_with_kvcache_cpu(out, q, cache, slots, bs, cache,
+                                                empty.expand(q.shape[0], 0), bs, sink,
+                                                512**-0.5)
+        return out
+
+    alone = [attend(q, sl) for q, sl in rows]
+    batched = attend(torch.cat([q for q, _ in rows]), torch.cat([sl for _, sl in rows]))
+    assert torch.equal(batched, torch.cat(alone))
+    last = [(q[-1:], sl[-1:]) for q, sl in rows]  # one decode token each
+    decode = attend(torch.cat([q for q, _ in last]), torch.cat([sl for _, sl in last]))
+    assert torch.equal(decode, torch.cat([attend(q, sl) for q, sl in last]))
+
+
 @pytest.mark.parametrize("head_dim", [512, 128])
 def test_compressor_ignores_unwritten_state_rows(head_dim: int) -> None:
     """The first chunk's window reaches before position 0: those entries are masked and
