@@ -137,7 +137,8 @@ def test_batch_of_four_lengths_matches_each_prompt_alone(
     Not token-for-token equality: vLLM's bf16 GEMMs/MoE pick kernels by batch size, so
     a request's rows round differently alone (e.g. a 2-token prefill) and batched;
     measured: chosen-token logprobs then differ by 0, 1 or 2 bf16 ulps of the logits
-    (multiples of ~0.0156) with rare one-step spikes (~0.25, an expert-routing near tie),
+    (multiples of ~0.0156) with rare one-step spikes (~0.25; cause not traced, likely an
+    expert-routing near tie),
     and with these flat random-weight logits a greedy near tie can flip late (one of 48
     steps here). What batching must not do, and what a real bug does (reading another
     request's blocks, per-batch attention): change the prefill token or move logprobs
