@@ -254,14 +254,14 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, floa
 def table(agg: dict[str, dict[str, float]]) -> str:
     arms = [a for a in ARMS if a in agg]
     others = [a for a in arms if a != "ours"]
-    head = f"{'metric':14}" + "".join(f"{a:>10}" for a in arms)
-    head += "".join(f"{'ours/' + o:>12}" for o in others if "ours" in agg)
+    head = f"{'metric':14}" + "".join(f"{a:>11}" for a in arms)
+    head += "".join(f"{'ours/' + o:>16}" for o in others if "ours" in agg)
     lines = [head]
     for key, label, _ in (*METRICS, ("boot_s", "boot s", False), ("failed", "failed", False)):
-        line = f"{label:14}" + "".join(f"{agg[a][key]:10.2f}" for a in arms)
+        line = f"{label:14}" + "".join(f"{agg[a][key]:11.2f}" for a in arms)
         if "ours" in agg:
-            line += "".join(f"{agg['ours'][key] / agg[o][key]:12.3f}" if agg[o][key] else
-                            f"{'-':>12}" for o in others)
+            line += "".join(f"{agg['ours'][key] / agg[o][key]:16.3f}" if agg[o][key] else
+                            f"{'-':>16}" for o in others)
         lines.append(line)
     return "\n".join(lines)
 

@@ -100,32 +100,31 @@ def test_refused_preset_is_rejected_by_the_config_model():
     assert "Fix:" in message
 
 
+def _assert_rejected(raw: dict, tmp_path, match: str) -> None:
+    """The edited preset, loaded from a file as a user would, fails naming ``match``."""
+    path = tmp_path / "edited.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=match):
+        load_serve_config(path)
+
+
 def test_dp_without_expert_parallel_is_rejected(tmp_path):
     raw = _raw("flash-h200")
     del raw["applications"][0]["args"]["llm"]["engine_kwargs"]["enable_expert_parallel"]
-    path = tmp_path / "dp.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    with pytest.raises(ConfigError, match="enable_expert_parallel"):
-        load_serve_config(path)
+    _assert_rejected(raw, tmp_path, "enable_expert_parallel")
 
 
 def test_strict_pack_across_nodes_is_rejected(tmp_path):
     raw = _raw("pro-h200-2node")
     raw["applications"][0]["args"]["llm"]["placement_group_config"]["strategy"] = "STRICT_PACK"
-    path = tmp_path / "pro.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    with pytest.raises(ConfigError, match="strategy: PACK"):
-        load_serve_config(path)
+    _assert_rejected(raw, tmp_path, "strategy: PACK")
 
 
 def test_replica_larger_than_its_nodes_is_rejected(tmp_path):
     raw = _raw("pro-h200-2node")
     raw["applications"][0]["args"]["dsv4"]["node"]["nodes_per_replica"] = 1
     raw["applications"][0]["args"]["llm"]["placement_group_config"]["strategy"] = "PACK"
-    path = tmp_path / "pro.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    with pytest.raises(ConfigError, match="raise nodes_per_replica"):
-        load_serve_config(path)
+    _assert_rejected(raw, tmp_path, "raise nodes_per_replica")
 
 
 @pytest.mark.parametrize("name", GPU_PRESETS)
