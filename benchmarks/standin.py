@@ -1,17 +1,26 @@
 """Stand-in Serve replicas for the KV-spec controller: the replica contract, no engine.
 
-The controller (``deployments.controller.KVSpecController``) only needs three
-methods from the server deployment it watches: ``kv_page_spec()``,
-``apply_kv_verdict(verdict)`` and ``check_health()``. A real ``DSv4Server``
-replica needs a vLLM engine (~1 GiB, ~25 s to boot on CPU), so a 2-core box
-fits two of them; a stand-in answers the same calls from recorded-shape worker
-specs, so real Ray Serve and the real controller can be measured at 256 replicas.
+The controller (``deployments.controller.KVSpecController``) needs four methods
+from the server deployment it watches: ``kv_page_spec()`` (a
+``deployments.wire.ReplicaSpec``), ``apply_kv_verdict(message)``,
+``record_routing_stats()`` and ``check_health()``. A real ``DSv4Server`` replica
+needs a vLLM engine (~1 GiB, ~25 s to boot on CPU), so a 2-core box fits two of
+them; a stand-in answers the same calls, so real Ray Serve and the real
+controller can be exercised and measured at 256 replicas.
 
-The spec a stand-in returns goes through the same ``deployments.kvspec``
-functions as a real replica's (``summarize_workers``), so the controller sees
-the same dict shape, fingerprints and field names. ``variant`` makes chosen
-ranks differ the way a mixed fleet does (bf16 plain rows instead of fp8_ds_mla),
-which is how tests inject a disagreeing replica without a second GPU type.
+The worker specs a stand-in reports are laid out layer by layer the way vLLM's
+DeepSeek-V4 layers register them (names, roles, block sizes: recorded from the
+real engine on the tiny model, ``tests/data/tiny_worker_specs.json``) for the
+real DeepSeek-V4-Flash ``config.json``, with page sizes from the byte model; its
+prediction comes from the same ``deployments.kvspec.predict`` a real replica
+uses. Knobs make chosen ranks differ the ways a fleet can:
+
+* ``variants``: rank -> cache dtype (``bfloat16``: a B200 with FlashInfer rows);
+* ``reordered``: ranks whose model has two layer kinds swapped (the
+  ``compress_ratios`` reorder: same multiset of caches, other layers);
+* ``canaries``: ranks that declare a ``replica_overrides`` entry;
+* ``split``: ranks whose second worker reports another spec (intra-replica);
+* ``hang_s``: rank -> seconds ``kv_page_spec`` stalls before answering.
 
 Deliberately free of vLLM, torch and ``ray.serve.llm`` imports: each replica
 is one Ray worker process, and at 256 of them every MiB per process counts.
@@ -19,135 +28,156 @@ is one Ray worker process, and at 256 of them every MiB per process counts.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 from ray import serve
 
 from deployments import kvspec
+from deployments.wire import ReplicaSpec, ReplicaVerdict
+from dsv4_patch import rules
 
-# DeepSeek-V4-Flash's layer pattern (reference/models/): 43 layers, every one has a
-# sliding-window cache; 21 are C4 (main + indexer cache + compressor states) and
-# 20 are C128 (main cache + compressor state); the first two are SWA-only.
-FLASH_C4_LAYERS = 21
-FLASH_C128_LAYERS = 20
-FLASH_SWA_ONLY_LAYERS = 2
-BLOCK_SIZE = 256
-
-# Page bytes per cache for a 256-token block (DESIGN.md section 1; 584 B per
-# fp8_ds_mla state padded to 576 B multiples; bf16 plain rows are 1024 B per state).
-# The sliding-window cache uses 64-token blocks (vLLM's DeepseekV4SWACache); the
-# indexer cache and compressor states carry no cache dtype (state-only specs).
-PAGES = {
-    "fp8_ds_mla": {"swa": 37440, "c4": 37440, "c4_indexer": 8640, "c128": 1728},
-    "bfloat16": {"swa": 65536, "c4": 65536, "c4_indexer": 8640, "c128": 2048},
-}
+FLASH_CONFIG = (Path(__file__).resolve().parent.parent / "configs" / "models" /
+                "deepseek-ai" / "DeepSeek-V4-Flash" / "config.json")
+STANDIN_VLLM = "0.32.0"
+BLOCK_SIZE = rules.DSV4_BLOCK_SIZE
+SWA_BLOCK = 64  # DeepseekV4SWACache block size (recorded)
+# Compressor-state caches as the real engine reports them (recorded; not predicted).
+STATE_PAGES = {"c4_state": (32832, 4, 2048), "c4_indexer_state": (8640, 4, 512),
+               "c128_state": (32832, 8, 1024)}
 
 
-def _row(layer: str, spec_type: str, dtype: str | None, page: int, ratio: int | None,
-         head_size: int, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
+def flash_config(reordered: bool = False) -> dict[str, Any]:
+    """DeepSeek-V4-Flash's config.json; ``reordered`` swaps layers 2 (C4) and 3 (C128)."""
+    cfg = json.loads(FLASH_CONFIG.read_text())
+    if reordered:
+        ratios = list(cfg["compress_ratios"])
+        ratios[2], ratios[3] = ratios[3], ratios[2]
+        cfg["compress_ratios"] = ratios
+    return cfg
+
+
+def _row(layer: str, spec_type: str, dtype: str | None, page: int, block: int,
+         head: int, ratio: int) -> dict[str, Any]:
     """One worker spec row as ``dsv4_patch.worker_ext.spec_to_dict`` emits it."""
-    return {
-        "layer": layer, "spec_type": spec_type, "cache_dtype_str": dtype,
-        "page_size_bytes": page, "real_page_size_bytes": page, "block_size": block_size,
-        "head_size": head_size, "num_kv_heads": 1, "dtype": "torch.bfloat16",
-        "alignment": 576 if dtype == "fp8_ds_mla" else None, "sliding_window": None,
-        "cache_role": None, "model_version": None, "compress_ratio": ratio,
-    }
+    return {"layer": layer, "spec_type": spec_type, "cache_dtype_str": dtype,
+            "page_size_bytes": page, "real_page_size_bytes": page, "block_size": block,
+            "head_size": head, "num_kv_heads": 1, "dtype": "torch.uint8",
+            "alignment": 576 if dtype == "fp8_ds_mla" else 512, "sliding_window": None,
+            "compress_ratio": ratio}
 
 
-def flash_worker_specs(cache_dtype: str = "fp8_ds_mla") -> list[dict[str, Any]]:
-    """Per-layer KV spec rows of one worker, shaped like DeepSeek-V4-Flash's.
+def flash_worker_specs(cache_dtype: str = "fp8_ds_mla",
+                       cfg: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Per-layer KV spec rows of one worker for a DeepSeek-V4 config (Flash by default).
 
     ``cache_dtype`` "fp8_ds_mla" is the FlashMLA/CPU layout; "bfloat16" is what a
-    B200 with the FlashInfer sparse override stores: the disagreement the
-    controller exists to catch.
+    B200 with the FlashInfer sparse override stores.
     """
-    pages = PAGES[cache_dtype]
+    cfg = cfg or flash_config()
+    shape = rules.ModelShape.from_hf_config(cfg)
+    storage = rules.Storage.FP8_DS_MLA if cache_dtype == "fp8_ds_mla" else \
+        rules.Storage.BF16_ROWS
+    pages = {r.ratio: r for r in rules.page_breakdown(shape, storage, BLOCK_SIZE)}
+    swa = rules.padded_page_bytes(SWA_BLOCK, rules.state_bytes(shape, storage),
+                                  576 if storage is rules.Storage.FP8_DS_MLA else 512)
     rows: list[dict[str, Any]] = []
-    layers = FLASH_SWA_ONLY_LAYERS + FLASH_C4_LAYERS + FLASH_C128_LAYERS
-    for i in range(layers):
-        prefix = f"model.layers.{i}.attn"
-        rows.append(_row(f"{prefix}.swa_cache", "SlidingWindowMLASpec", cache_dtype,
-                         pages["swa"], None, 512, block_size=64))
-        if i < FLASH_SWA_ONLY_LAYERS:
+    for i, ratio in enumerate(shape.compress_ratios):
+        attn = f"model.layers.{i}.attn"
+        rows.append(_row(f"{attn}.swa_cache", "SlidingWindowMLASpec", cache_dtype, swa,
+                         SWA_BLOCK, shape.head_dim, 1))
+        if ratio <= 1:
             continue
-        if (i - FLASH_SWA_ONLY_LAYERS) % 2 == 0 and i < FLASH_SWA_ONLY_LAYERS + 2 * 21:
-            rows.append(_row(f"{prefix}.mla_attn", "MLAAttentionSpec", cache_dtype,
-                             pages["c4"], 4, 512))
-            rows.append(_row(f"{prefix}.indexer.k_cache", "MLAAttentionSpec", None,
-                             pages["c4_indexer"], 4, 132))
-            rows.append(_row(f"{prefix}.compressor.state", "SlidingWindowMLASpec", None,
-                             4096, None, 1024, block_size=4))
-            rows.append(_row(f"{prefix}.indexer.compressor.state", "SlidingWindowMLASpec",
-                             None, 2048, None, 256, block_size=4))
-        else:
-            rows.append(_row(f"{prefix}.mla_attn", "MLAAttentionSpec", cache_dtype,
-                             pages["c128"], 128, 512))
-            rows.append(_row(f"{prefix}.compressor.state", "SlidingWindowMLASpec", None,
-                             4096, None, 1024, block_size=8))
+        rows.append(_row(attn, "MLAAttentionSpec", cache_dtype, pages[ratio].main_page_bytes,
+                         BLOCK_SIZE, shape.head_dim, ratio))
+        kind = "c4" if ratio == 4 else "c128"
+        page, block, head = STATE_PAGES[f"{kind}_state"]
+        rows.append(_row(f"{attn}.compressor.state_cache", "SlidingWindowMLASpec", None,
+                         page, block, head, 1))
+        if ratio == 4:
+            rows.append(_row(f"{attn}.indexer.k_cache", "MLAAttentionSpec", None,
+                             pages[4].indexer_page_bytes, BLOCK_SIZE,
+                             shape.index_head_dim + rules.INDEXER_SCALE_BYTES, 4))
+            page, block, head = STATE_PAGES["c4_indexer_state"]
+            rows.append(_row(f"{attn}.indexer.compressor.state_cache",
+                             "SlidingWindowMLASpec", None, page, block, head, 1))
     return rows
 
 
 def count_layer_kinds(rows: list[dict[str, Any]]) -> dict[str, int]:
     """How many C4 and C128 main caches the rows hold (a self-check of the shape)."""
-    main = [r for r in rows if r["layer"].endswith("mla_attn")]
+    main = [r for r in rows if kvspec.layer_role(r["layer"])[1] == rules.MAIN]
     return {"c4": sum(r["compress_ratio"] == 4 for r in main),
             "c128": sum(r["compress_ratio"] == 128 for r in main)}
 
 
+def standin_spec(replica_id: str, rank: int | None, *, dtype: str = "fp8_ds_mla",
+                 reordered: bool = False, canary: bool = False, split: bool = False,
+                 policy: str = "enforce", expected_layout: str = "fp8_ds_mla",
+                 workers: int = 1) -> ReplicaSpec:
+    """The ``ReplicaSpec`` a stand-in (or a unit test) reports, built the real way."""
+    cfg = flash_config(reordered)
+    answers = [{"rank": r, "pid": os.getpid(), "specs": flash_worker_specs(dtype, cfg)}
+               for r in range(max(workers, 2 if split else 1))]
+    if split:
+        answers[1]["specs"] = flash_worker_specs("bfloat16", cfg)
+    kv = kvspec.summarize_workers(answers)
+    deployment = kvspec.predict(flash_config(), rules.Layout(expected_layout), "auto",
+                                STANDIN_VLLM, source="DeepSeek-V4-Flash config.json (stand-in)")
+    own = kvspec.predict(cfg, rules.Layout(expected_layout), "auto", STANDIN_VLLM,
+                         source="stand-in override") if canary else None
+    return ReplicaSpec(
+        replica_id=replica_id, rank=rank, node_id=None, pid=os.getpid(),
+        policy=policy, expected_layout=expected_layout,
+        versions={"vllm": STANDIN_VLLM, "ray": None, "dsv4_serve": None},
+        node={"platform": "standin"}, kv_cache_dtype_requested="auto",
+        kv_cache_dtype_engine="fp8" if dtype == "fp8_ds_mla" else dtype,
+        override={"rank": rank, "engine_kwargs": {"hf_overrides": "stand-in"},
+                  "reason": "canary"} if canary else None,
+        prediction=deployment, own_prediction=own, **kv.fields())
+
+
 class StandInReplica:
-    """A Serve replica answering the controller's calls like ``DSv4Server`` does.
+    """A Serve replica answering the controller's calls like ``DSv4Server`` does."""
 
-    ``variants`` maps a replica rank to the cache dtype that rank stores; every
-    other rank stores ``cache_dtype``. Ranks are Serve's (0..N-1, reused when a
-    replica is replaced), exactly what ``DSv4Server`` reads for its overrides.
-    """
-
-    def __init__(self, cache_dtype: str = "fp8_ds_mla",
-                 variants: dict[int, str] | None = None):
+    def __init__(self, cache_dtype: str = "fp8_ds_mla", variants: dict[int, str] | None = None,
+                 reordered: tuple[int, ...] = (), canaries: tuple[int, ...] = (),
+                 split: tuple[int, ...] = (), hang_s: dict[int, float] | None = None,
+                 policy: str = "enforce", expected_layout: str = "fp8_ds_mla"):
         ctx = serve.get_replica_context()
         self._replica_id = ctx.replica_id.unique_id
         self._rank = ctx.rank.rank if ctx.rank is not None else None
-        dtype = (variants or {}).get(self._rank, cache_dtype) if self._rank is not None \
-            else cache_dtype
-        workers = [{"rank": 0, "pid": os.getpid(), "specs": flash_worker_specs(dtype),
-                    "patch_record": None}]
-        self._summary = kvspec.summarize_workers(workers) | {
-            "workers": [{"rank": 0, "pid": os.getpid(), "patch_record": None}],
-        }
-        self._dtype = dtype
-        self._verdict: dict[str, Any] = {}
+        self._dtype = (variants or {}).get(self._rank, cache_dtype) \
+            if self._rank is not None else cache_dtype
+        self._hang_s = (hang_s or {}).get(self._rank, 0.0) if self._rank is not None else 0.0
+        self._policy = policy
+        self._spec = standin_spec(
+            self._replica_id, self._rank, dtype=self._dtype, reordered=self._rank in reordered,
+            canary=self._rank in canaries, split=self._rank in split, policy=policy,
+            expected_layout=expected_layout).model_copy(
+                update={"deployment_version": getattr(ctx, "code_version", None)})
+        self._verdict = ReplicaVerdict()
 
     async def kv_page_spec(self) -> dict[str, Any]:
-        """The same keys ``DSv4Server.kv_page_spec`` returns (engine fields stand-in)."""
-        return self._summary | {
-            "replica_id": self._replica_id,
-            "rank": self._rank,
-            "node_id": None,
-            "pid": os.getpid(),
-            "versions": {"vllm": None, "ray": None, "dsv4_serve": None},
-            "node": {"platform": "standin", "compute_capability": None,
-                     "attention_backend": None, "source": "standin"},
-            "kv_cache_dtype_requested": "auto",
-            "kv_cache_dtype_engine": "fp8" if self._dtype == "fp8_ds_mla" else self._dtype,
-            "resolution_reason": "stand-in replica",
-            "override": None,
-            "verdict": self._verdict,
-        }
+        """The ``ReplicaSpec`` ``DSv4Server.kv_page_spec`` returns (stalls if told to)."""
+        if self._hang_s:
+            await asyncio.sleep(self._hang_s)
+        return self._spec.model_copy(update={"verdict": self._verdict}).model_dump(mode="json")
 
-    async def apply_kv_verdict(self, verdict: dict[str, Any]) -> dict[str, Any]:
-        """Remember whether the controller named this replica (``DSv4Server`` contract)."""
-        reason = verdict.get("odd_replicas", {}).get(self._replica_id)
-        self._verdict = {"policy": verdict.get("policy"), "reason": reason,
-                         "checked_at": verdict.get("checked_at")}
-        return {"replica_id": self._replica_id, "odd": bool(reason)}
+    async def apply_kv_verdict(self, message: dict[str, Any]) -> dict[str, Any]:
+        self._verdict = kvspec.take_verdict(message, self._replica_id, self._policy,
+                                            self._verdict)
+        return {"replica_id": self._replica_id, "odd": self._verdict.odd,
+                "action": self._verdict.action.value}
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        return kvspec.drain_stats(self._verdict)
 
     async def check_health(self) -> None:
-        """Fail under ``enforce`` when named odd, so Serve replaces this replica."""
-        reason = self._verdict.get("reason")
-        if reason and self._verdict.get("policy") == "enforce":
-            raise RuntimeError(f"stand-in replica {self._replica_id} named odd: {reason}")
+        kvspec.raise_if_enforced(self._verdict)
 
     async def __call__(self) -> dict[str, Any]:
         """Rank and dtype, so a test can see which replica answered a request."""

@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deployments.config import AppArgs, parse_app_args
 from deployments.controller import KVSpecController
+from deployments.router import with_kv_router
 from deployments.server import DSv4DPServer, DSv4Server
 
 logger = logging.getLogger("ray.serve")
@@ -253,8 +254,10 @@ def resolve_model_source(args: AppArgs) -> str | None:
 def build_app(args: dict[str, Any]) -> Application:
     """Validate ``args`` (``deployments.config.AppArgs``) and build the application."""
     parsed = parse_app_args(args)
-    llm_config = LLMConfig(**parsed.llm_config_dict(resolve_model_source(parsed)),
-                           server_cls=DSv4Server)
+    config_dict = parsed.llm_config_dict(resolve_model_source(parsed))
+    # The KV-spec router keeps requests off replicas the controller drains.
+    config_dict["deployment_config"] = with_kv_router(config_dict["deployment_config"])
+    llm_config = LLMConfig(**config_dict, server_cls=DSv4Server)
     dsv4 = parsed.dsv4.model_dump(mode="json")
     if parsed.llm.engine_kwargs.data_parallel_size > 1:
         # DP attention: Ray Serve LLM's gang-scheduled DPServer pattern, our checks on top.

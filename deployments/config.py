@@ -55,7 +55,8 @@ DEFAULT_DRAIN_POLL_S = 0.5
 class Policy(str, Enum):
     """What the controller does with a replica whose KV spec disagrees."""
 
-    ENFORCE = "enforce"  # the replica fails its health check; Serve replaces it
+    ENFORCE = "enforce"  # fails its health check (Serve replaces it), bounded, then drain
+    DRAIN = "drain"  # stays up for inspection; the request router sends it no requests
     WARN = "warn"  # reported over HTTP/metrics/logs; the replica keeps serving
 
 
@@ -349,9 +350,27 @@ class DSv4Section(_Strict):
     expected_layout: rules.Layout = rules.Layout.FP8_DS_MLA
     policy: Policy = Policy.ENFORCE
     controller_period_s: float = Field(default=10.0, gt=0, le=3600)
+    # Each replica's own deadline for kv_page_spec / the verdict: a hung replica is
+    # named no_answer after it while the others get their verdict in the same check.
     broadcast_timeout_s: float = Field(default=30.0, gt=0, le=600)
+    status_timeout_s: float = Field(default=10.0, gt=0, le=600,
+                                    description="bound on one serve.status() call")
+    stale_after_s: float | None = Field(
+        default=None, gt=0, description="a report older than this is `stale` and the "
+        "controller fails its health check; default 3 periods + 2 timeouts")
+    enforce_max_attempts: int = Field(default=3, ge=0, le=100, description="replacements "
+                                      "of one odd rank before enforce drains it instead")
+    enforce_backoff_s: float = Field(default=30.0, ge=0, le=3600, description="wait before "
+                                     "the next replacement, doubled per attempt")
     node: NodeSpec = Field(default_factory=NodeSpec)
     replica_overrides: list[ReplicaOverride] = Field(default_factory=list)
+
+    @property
+    def stale_bound_s(self) -> float:
+        """Age after which the last report is not to be trusted (and the controller restarts)."""
+        if self.stale_after_s is not None:
+            return self.stale_after_s
+        return 3 * self.controller_period_s + 2 * self.broadcast_timeout_s + self.status_timeout_s
 
     def override_for(self, rank: int | None) -> ReplicaOverride | None:
         return next((o for o in self.replica_overrides if o.rank == rank), None)

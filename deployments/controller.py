@@ -1,18 +1,34 @@
-"""The KV-spec controller: proves every RUNNING replica stores the same KV pages.
+"""The KV-spec controller: proves every RUNNING replica stores the KV pages its config predicts.
 
 vLLM checks that the ranks of one engine agree; nothing checks separate
 replicas (mixed GPU generations, a rolling vLLM upgrade, a node-local backend
 override). This Serve deployment does, periodically and on demand:
 
-1. count RUNNING replicas of the server deployment (``serve.status()``), so a
-   replica that silently does not answer makes the verdict ``incomplete``;
-2. ``broadcast("kv_page_spec")`` to every replica (new ones included: the
-   broadcast goes to the current replica set, so autoscaling is followed);
-3. decide with ``deployments.kvspec.decide`` and push the verdict back with
-   ``broadcast("apply_kv_verdict")``: under ``enforce`` a named replica fails
-   its health check and Serve replaces it;
-4. publish the report (``GET /v1/kv-spec`` through the ingress) and Prometheus
-   gauges (``ray.serve.metrics``).
+1. count RUNNING replicas of the server deployment (``serve.status()``, bounded
+   by ``dsv4.status_timeout_s``; at most one call in flight), so a replica that
+   silently does not answer makes the verdict ``incomplete``;
+2. call ``kv_page_spec`` on every replica, each under its own deadline
+   (``dsv4.broadcast_timeout_s``): a hung replica is ``no_answer`` while the
+   others are judged in the same check;
+3. judge with ``deployments.kvspec.decide`` (the byte-model prediction first,
+   peers second), choose each odd replica's action within its own policy
+   (``kvspec.EnforceBook``: enforce is bounded, then drains) and send every
+   replica its verdict (``apply_kv_verdict``, a ``wire.VerdictMessage``);
+4. publish the report (``GET /v1/kv-spec``, a ``wire.FleetReport``) and
+   Prometheus gauges. A report older than ``dsv4.stale_bound_s`` is served as
+   ``stale`` with its age, and the controller then fails its health check so
+   Serve restarts it.
+
+Ray internals touched (Ray 2.60; probed at start, logged, fallback below):
+
+* target ``ray.serve.handle.DeploymentBroadcastResponse._fetch_replica_results_async``
+  and ``ReplicaResult.get_async`` / ``cancel`` (``ray.serve._private.replica_result``).
+  Why: the public ``results_async(timeout_s=...)`` is all-or-nothing -- one hung
+  replica discards every answer. How: take the per-replica results and await each
+  under its own timeout; cancel the ones that miss it. Upstream: no per-replica
+  timeout in ``broadcast`` as of Ray 2.60 (alpha API). Affected: Ray 2.60.
+  Removal: when ``broadcast`` exposes per-replica results with timeouts.
+  Fallback when absent: ``results_async`` (all-or-nothing), logged once.
 """
 
 from __future__ import annotations
@@ -23,13 +39,25 @@ import time
 from typing import Any
 
 from ray import serve
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentBroadcastResponse, DeploymentHandle
 from ray.serve.metrics import Counter, Gauge
 
 from deployments import kvspec
 from deployments.config import DSv4Section, Policy
+from deployments.wire import (
+    Action,
+    Expected,
+    FleetReport,
+    Problem,
+    ReplicaSpec,
+    ReplicaVerdict,
+    State,
+    VerdictMessage,
+)
 
 logger = logging.getLogger("ray.serve")
+
+PER_REPLICA_RESULTS = hasattr(DeploymentBroadcastResponse, "_fetch_replica_results_async")
 
 
 def running_replicas(app_name: str, deployment_name: str) -> int | None:
@@ -40,6 +68,16 @@ def running_replicas(app_name: str, deployment_name: str) -> int | None:
     return int(app.deployments[deployment_name].replica_states.get("RUNNING", 0))
 
 
+def alive_replica_ids(app_name: str, deployment_name: str) -> set[str]:
+    """Replica ids of the deployment's live actors (Serve names them ``...#<id>``)."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app_name}#{deployment_name}#"
+    return {a["name"].removeprefix(prefix)
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)}
+
+
 class _Metrics:
     """Prometheus series; tagged by deployment so several apps can share a cluster."""
 
@@ -47,24 +85,45 @@ class _Metrics:
         tags = ("llm_deployment",)
         self._tags = {"llm_deployment": deployment}
         self.agree = Gauge("dsv4_kv_spec_agree", "1 if every RUNNING replica has the "
-                           "reference KV spec, else 0", tag_keys=tags)
+                           "predicted KV spec (fresh report), else 0", tag_keys=tags)
         self.running = Gauge("dsv4_kv_spec_running_replicas", "RUNNING replicas per Serve",
                              tag_keys=tags)
         self.answered = Gauge("dsv4_kv_spec_answered_replicas", "replicas that answered "
                               "kv_page_spec in the last check", tag_keys=tags)
         self.odd = Gauge("dsv4_kv_spec_odd_replicas", "replicas whose KV spec differs from "
-                         "the reference or the expected layout", tag_keys=tags)
+                         "the prediction, their peers or the expected layout", tag_keys=tags)
+        self.drained = Gauge("dsv4_kv_spec_drained_replicas", "odd replicas kept up but "
+                             "routed no requests (policy drain, or enforce gave up)",
+                             tag_keys=tags)
+        self.stale = Gauge("dsv4_kv_spec_stale", "1 if the last completed check is older "
+                           "than dsv4.stale_bound_s", tag_keys=tags)
+        self.age = Gauge("dsv4_kv_spec_report_age_seconds", "seconds since the last "
+                         "completed check", tag_keys=tags)
         self.checks = Counter("dsv4_kv_spec_checks_total", "KV-spec checks run",
                               tag_keys=(*tags, "state"))
-        for gauge in (self.agree, self.running, self.answered, self.odd):
+        self.replacements = Counter("dsv4_kv_spec_enforce_replacements_total", "odd "
+                                    "replicas told to fail health under enforce",
+                                    tag_keys=tags)
+        for gauge in (self.agree, self.running, self.answered, self.odd, self.drained,
+                      self.stale, self.age):
             gauge.set_default_tags(dict(self._tags))  # Serve adds its tags in place
 
-    def record(self, report: dict[str, Any]) -> None:
-        self.agree.set(1 if report["agree"] else 0)
-        self.running.set(report["running_replicas"] or 0)
-        self.answered.set(report["answered"])
-        self.odd.set(len(report["odd_replicas"]))
-        self.checks.inc(tags={**self._tags, "state": report["state"]})
+    def record(self, report: FleetReport) -> None:
+        self.agree.set(1 if report.agree else 0)
+        self.stale.set(1 if report.state is State.STALE else 0)
+        self.age.set(report.age_s or 0.0)
+        if report.state is State.STALE:
+            return  # the counts below are the last check's; leave them, flagged stale
+        self.running.set(report.running_replicas or 0)
+        self.answered.set(report.answered)
+        self.odd.set(len(report.odd_replicas))
+        self.drained.set(sum(r.action is Action.DRAIN and r.reason is not None
+                             for r in report.replicas))
+
+    def checked(self, report: FleetReport, replaced: int) -> None:
+        self.checks.inc(tags={**self._tags, "state": report.state.value})
+        if replaced:
+            self.replacements.inc(replaced, tags=dict(self._tags))
 
 
 class KVSpecController:
@@ -73,105 +132,274 @@ class KVSpecController:
     async def __init__(self, server: DeploymentHandle, dsv4: dict[str, Any]):
         self._settings = DSv4Section.model_validate(dsv4)
         self._server = server
-        self._policy = self._settings.policy
+        self._policy_override: str | None = None
         self._lock = asyncio.Lock()
-        self._report: dict[str, Any] = self._empty_report("not checked yet")
+        self._started = time.time()
+        self._completed_at: float | None = None
+        self._status_call: asyncio.Future[int | None] | None = None
+        self._status_since = 0.0
+        self._known: dict[str, int | None] = {}  # replica id -> rank, from past answers
+        self._book = kvspec.EnforceBook(self._settings.enforce_max_attempts,
+                                        self._settings.enforce_backoff_s)
+        self._report = self._not_checked()
         self._metrics = _Metrics(server.deployment_name)
+        if not PER_REPLICA_RESULTS:
+            logger.warning("dsv4: this Ray has no per-replica broadcast results; one hung "
+                           "replica will make a whole check incomplete")
         # Async constructor: the loop task lives on the replica's event loop.
         self._loop_task = asyncio.create_task(self._run())
 
-    def _empty_report(self, why: str) -> dict[str, Any]:
-        report = kvspec.decide([], [why], None, self._settings.expected_layout.value)
-        return self._decorate(report, started=time.time())
+    # ------------------------------------------------------------------ report
 
-    def _decorate(self, report: dict[str, Any], started: float) -> dict[str, Any]:
-        return report | {
-            "policy": self._policy.value,
-            "deployment": self._server.deployment_name,
-            "application": self._server.app_name,
-            "checked_at": started,
-            "check_seconds": round(time.time() - started, 3),
-        }
+    @property
+    def _policy(self) -> str:
+        return self._policy_override or self._settings.policy.value
+
+    def _not_checked(self) -> FleetReport:
+        return FleetReport(
+            state=State.NOT_CHECKED, agree=False, policy=self._policy,
+            deployment=self._server.deployment_name, application=self._server.app_name,
+            expected=Expected(layout=self._settings.expected_layout.value, reference="none"),
+            problems=[Problem(kind="not_checked", message="no check has completed since the "
+                              "controller started")])
+
+    def current(self) -> FleetReport:
+        """The last report, marked ``stale`` (with its age) when older than the bound."""
+        now = time.time()
+        since = self._completed_at or self._started
+        age = round(now - since, 3)
+        report = self._report.model_copy(update={"age_s": age})
+        if age <= self._settings.stale_bound_s:
+            return report
+        stale = Problem(kind="stale", message=(
+            f"no check completed in {age:.0f} s (bound {self._settings.stale_bound_s:.0f} s): "
+            "the verdict below is from then and may be wrong"))
+        return report.model_copy(update={
+            "state": State.STALE, "agree": False, "previous_state": self._report.state,
+            "problems": [stale, *report.problems]})
+
+    async def report(self, refresh: bool = False) -> dict[str, Any]:
+        """The latest verdict (a ``wire.FleetReport``); ``refresh`` checks now first."""
+        if refresh:
+            try:
+                await asyncio.wait_for(self.check(), self._check_bound_s())
+            except TimeoutError:
+                logger.warning("dsv4: on-demand KV-spec check did not finish in %.0f s",
+                               self._check_bound_s())
+        report = self.current()
+        self._metrics.record(report)
+        return report.model_dump(mode="json")
+
+    # ------------------------------------------------------------------ loop
+
+    def _check_bound_s(self) -> float:
+        s = self._settings
+        return s.status_timeout_s + 2 * s.broadcast_timeout_s + 5.0
 
     async def _run(self) -> None:
         """The periodic check; a failing check is logged and retried, never fatal."""
         while True:
             try:
-                await self.check()
+                await asyncio.wait_for(self.check(), self._check_bound_s())
+            except TimeoutError:
+                logger.warning("dsv4: KV-spec check exceeded %.0f s; report ages",
+                               self._check_bound_s())
             except Exception:
                 logger.exception("dsv4: KV-spec check failed; retrying in %ss",
                                  self._settings.controller_period_s)
+            self._metrics.record(self.current())
             await asyncio.sleep(self._settings.controller_period_s)
 
-    async def _collect(self) -> tuple[list[dict[str, Any]], list[str]]:
-        """Every replica's kv_page_spec; failures become named errors, not exceptions."""
+    async def _running(self) -> tuple[int | None, str | None]:
+        """RUNNING count from ``serve.status()``, bounded; never two calls in flight.
+
+        A call that missed its deadline keeps running in its thread; while it is
+        stuck no new one starts, so a wedged status call cannot pile up threads.
+        """
+        timeout = self._settings.status_timeout_s
+        if self._status_call is not None and not self._status_call.done():
+            stuck = time.time() - self._status_since
+            return None, f"serve.status() has not answered for {stuck:.0f} s"
+        loop = asyncio.get_running_loop()
+        self._status_call = loop.run_in_executor(
+            None, running_replicas, self._server.app_name, self._server.deployment_name)
+        self._status_since = time.time()
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._status_call), timeout), None
+        except TimeoutError:
+            return None, f"serve.status() did not answer within {timeout} s"
+
+    async def _call_each(self, method: str, *args: Any) -> tuple[list[Any], int, str | None]:
+        """``method`` on every replica, each under its own deadline.
+
+        Returns (answers or exceptions of the replicas that finished, how many
+        missed the deadline, an error reaching the replica set).
+        """
         timeout = self._settings.broadcast_timeout_s
         try:
-            answers = await self._server.broadcast("kv_page_spec").results_async(
-                timeout_s=timeout, return_exceptions=True)
+            response = self._server.broadcast(method, *args)
+            if not PER_REPLICA_RESULTS:
+                return await response.results_async(timeout_s=timeout,
+                                                    return_exceptions=True), 0, None
+            results = await asyncio.wait_for(
+                response._fetch_replica_results_async(), timeout)
         except TimeoutError:
-            return [], [f"broadcast kv_page_spec timed out after {timeout}s"]
+            return [], 0, f"{method}: could not reach the replica set within {timeout} s"
         except Exception as exc:  # DeploymentUnavailableError while (re)starting
-            return [], [f"broadcast kv_page_spec failed: {type(exc).__name__}: {exc}"]
-        specs = [a for a in answers if isinstance(a, dict)]
-        errors = [f"a replica failed kv_page_spec: {type(a).__name__}: {a}"
-                  for a in answers if not isinstance(a, dict)]
-        return specs, errors
+            return [], 0, f"{method} failed: {type(exc).__name__}: {exc}"
+
+        async def one(result: Any) -> Any:
+            try:
+                return await asyncio.wait_for(result.get_async(), timeout)
+            except TimeoutError as exc:
+                result.cancel()  # a hung call must not pile up on the replica
+                return exc
+            except Exception as exc:  # the replica raised: recorded as its no_answer
+                return exc
+
+        answers = await asyncio.gather(*(one(r) for r in results))
+        late = sum(isinstance(a, TimeoutError) for a in answers)
+        return [a for a in answers if not isinstance(a, TimeoutError)], late, None
+
+    async def _collect(self) -> tuple[list[ReplicaSpec], list[kvspec.NoAnswer]]:
+        """Every replica's validated ``ReplicaSpec``; failures become named gaps."""
+        answers, late, error = await self._call_each("kv_page_spec")
+        gaps = [kvspec.NoAnswer(None, error)] if error else []
+        specs = []
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                gaps.append(kvspec.NoAnswer(None, f"a replica failed kv_page_spec: "
+                                            f"{type(answer).__name__}: {answer}"))
+                continue
+            try:
+                specs.append(ReplicaSpec.model_validate(answer))
+            except ValueError as exc:
+                gaps.append(kvspec.NoAnswer(None, f"a replica answered kv_page_spec with "
+                                            f"something that is not a ReplicaSpec: {exc}"))
+        if late:
+            gaps += await self._name_late(late, {s.replica_id for s in specs})
+        return specs, gaps
+
+    async def _name_late(self, late: int, answered: set[str]) -> list[kvspec.NoAnswer]:
+        """Name the replicas that missed their deadline, where that can be known.
+
+        Broadcast results carry no replica id; a replica that answered before,
+        whose actor is still alive and that did not answer now, is a late one.
+        """
+        timeout = self._settings.broadcast_timeout_s
+        try:
+            alive = await asyncio.wait_for(asyncio.to_thread(
+                alive_replica_ids, self._server.app_name, self._server.deployment_name),
+                self._settings.status_timeout_s)
+        except (TimeoutError, Exception) as exc:  # naming is best effort; counted anyway
+            logger.warning("dsv4: cannot list replica actors to name late ones: %r", exc)
+            alive = set()
+        suspects = sorted((set(self._known) & alive) - answered)
+        msg = f"did not answer kv_page_spec within its {timeout} s deadline"
+        if len(suspects) <= late:
+            named = [kvspec.NoAnswer(r, f"replica {r} (rank {self._known[r]}) {msg}")
+                     for r in suspects]
+            return named + [kvspec.NoAnswer(None, f"a replica {msg}")] * (late - len(suspects))
+        return [kvspec.NoAnswer(None, f"a replica (one of {suspects}) {msg}")] * late
 
     async def check(self) -> dict[str, Any]:
-        """Run one check now, push the verdict to the replicas, return the report."""
+        """Run one check now, send each replica its verdict, return the report."""
         async with self._lock:
             started = time.time()
-            running = await asyncio.to_thread(
-                running_replicas, self._server.app_name, self._server.deployment_name)
-            specs, errors = await self._collect()
-            report = kvspec.decide(specs, errors, running,
-                                   self._settings.expected_layout.value)
-            report = self._decorate(report, started)
-            await self._push_verdict(report)
+            (running, status_error), (specs, gaps) = await asyncio.gather(
+                self._running(), self._collect())
+            report = kvspec.decide(specs, gaps, running, self._settings.expected_layout.value)
+            if status_error:
+                report.problems.append(Problem(kind="status", message=status_error))
+                if report.state is State.AGREE:
+                    report.state, report.agree = State.INCOMPLETE, False
+            replaced = self._plan_actions(report, specs, started)
+            report = report.model_copy(update={
+                "policy": self._policy, "policy_override": self._policy_override,
+                "deployment": self._server.deployment_name,
+                "application": self._server.app_name, "checked_at": started,
+                "check_seconds": round(time.time() - started, 3)})
+            await self._push_verdict(report, started)
             self._log_change(report)
-            self._report = report
-            self._metrics.record(report)
-            return report
+            self._known = {s.replica_id: s.rank for s in specs} | {
+                g.replica: self._known.get(g.replica) for g in gaps if g.replica}
+            self._report, self._completed_at = report, time.time()
+            self._metrics.checked(report, replaced)
+            self._metrics.record(self.current())
+            return self.current().model_dump(mode="json")
 
-    async def _push_verdict(self, report: dict[str, Any]) -> None:
-        """Tell every replica the verdict; each checks whether it is named."""
-        if not report["answered"]:
+    def _plan_actions(self, report: FleetReport, specs: list[ReplicaSpec], now: float) -> int:
+        """Each answered replica's action; returns how many were told to fail health."""
+        by_id = {s.replica_id: s for s in specs}
+        replaced = 0
+        for row in report.replicas:
+            spec = by_id.get(row.id)
+            if spec is None:
+                continue
+            policy = self._policy_override or spec.policy
+            before = self._book.ranks.get(spec.rank if spec.rank is not None else spec.replica_id)
+            attempts_before = before.attempts if before else 0
+            action, attempts, note = self._book.action(spec, row.reason is not None, policy, now)
+            row.action, row.attempts = action, attempts
+            replaced += int(action is Action.FAIL_HEALTH and attempts > attempts_before)
+            if note:
+                row.reason = f"{row.reason}; {note}"
+                report.odd_replicas[row.id] = row.reason
+                report.problems.append(Problem(kind="enforce_exhausted", replica=row.id,
+                                               message=f"replica {row.id}: {note}"))
+        return replaced
+
+    async def _push_verdict(self, report: FleetReport, checked_at: float) -> None:
+        """Tell every replica its verdict; each acts on its own entry."""
+        if not report.answered:
             return
-        verdict = {"policy": self._policy.value, "odd_replicas": report["odd_replicas"],
-                   "checked_at": report["checked_at"]}
-        acks = await self._server.broadcast("apply_kv_verdict", verdict).results_async(
-            timeout_s=self._settings.broadcast_timeout_s, return_exceptions=True)
+        message = VerdictMessage(checked_at=checked_at, policy_override=self._policy_override,
+                                 replicas={r.id: ReplicaVerdict(
+                                     odd=r.reason is not None, reason=r.reason, action=r.action,
+                                     policy=r.policy, attempts=r.attempts,
+                                     checked_at=checked_at)
+                                     for r in report.replicas if r.status.value != "no_answer"})
+        acks, late, error = await self._call_each("apply_kv_verdict",
+                                                   message.model_dump(mode="json"))
         failed = [a for a in acks if not isinstance(a, dict)]
-        if failed:
-            logger.warning("dsv4: %d replica(s) did not take the verdict: %s", len(failed),
-                           failed[0])
+        if failed or late or error:
+            logger.warning("dsv4: %d replica(s) did not take the verdict (%d late): %s",
+                           len(failed) + late, late, error or (failed[0] if failed else ""))
 
-    def _log_change(self, report: dict[str, Any]) -> None:
-        previous = (self._report["state"], sorted(self._report["odd_replicas"]))
-        if previous == (report["state"], sorted(report["odd_replicas"])):
+    def _log_change(self, report: FleetReport) -> None:
+        prev = self._report
+        if (prev.state, sorted(prev.odd_replicas.items())) == (
+                report.state, sorted(report.odd_replicas.items())):
             return
-        log = logger.info if report["agree"] else logger.warning
-        log("dsv4: KV spec %s: %d/%s replicas answered, policy %s; %s", report["state"],
-            report["answered"], report["running_replicas"], report["policy"],
-            "; ".join(p["message"] for p in report["problems"]) or "one fingerprint")
+        log = logger.info if report.agree else logger.warning
+        log("dsv4: KV spec %s: %d/%s replicas answered, reference %s; %s", report.state.value,
+            report.answered, report.running_replicas, report.expected.reference,
+            "; ".join(p.message for p in report.problems) or "one fingerprint, as predicted")
 
-    async def report(self, refresh: bool = False) -> dict[str, Any]:
-        """The latest verdict; ``refresh`` checks now instead of returning the cached one."""
-        if refresh:
-            return await self.check()
-        return self._report
+    # ------------------------------------------------------------------ control
 
     async def set_policy(self, policy: str) -> dict[str, Any]:
-        """Switch enforce/warn at run time (logged); the next check applies it."""
-        new = Policy(policy)
-        if new is not self._policy:
-            logger.warning("dsv4: KV-spec policy %s -> %s", self._policy.value, new.value)
-        self._policy = new
+        """An operator's run-time policy for every replica (logged); checks now.
+
+        Without it each replica obeys its own configured ``dsv4.policy``.
+        """
+        new = Policy(policy).value
+        if new != self._policy:
+            logger.warning("dsv4: KV-spec policy %s -> %s (operator override for every "
+                           "replica)", self._policy, new)
+        self._policy_override = new
         return await self.check()
 
     async def check_health(self) -> None:
-        """The controller is healthy while its loop runs; verdicts never make it unhealthy."""
+        """Unhealthy when the loop died or no check completed within the stale bound.
+
+        Serve then restarts the controller; verdicts themselves never make it unhealthy.
+        """
         if self._loop_task.done():
             exc = self._loop_task.exception()
             raise RuntimeError(f"dsv4: the KV-spec check loop stopped: {exc!r}")
+        report = self.current()
+        if report.state is State.STALE:
+            raise RuntimeError(f"dsv4: KV-spec report is stale ({report.age_s:.0f} s > "
+                               f"{self._settings.stale_bound_s:.0f} s): "
+                               f"{report.problems[0].message}")

@@ -8,19 +8,25 @@ and why, and refuses to start when the node contradicts the deployment's
 expected layout. After the engine is up it asks its workers for their real KV
 specs (the front-end keeps ``auto``; only workers know) and checks them too.
 
-``kv_page_spec()`` is what the KV-spec controller broadcasts; ``apply_kv_verdict``
-is how the controller tells a replica it disagrees, and ``check_health`` fails
-under ``enforce`` so Serve replaces the replica.
+``kv_page_spec()`` is what the KV-spec controller calls on every replica (a
+``deployments.wire.ReplicaSpec``: the real per-layer specs and the byte model's
+prediction for the deployment's config); ``apply_kv_verdict`` is how the
+controller tells a replica it is odd. The replica acts within its *own*
+configured policy: ``warn`` keeps serving, ``drain`` reports itself through
+``record_routing_stats`` so ``deployments.router.KVSpecRouter`` sends it nothing,
+``enforce`` fails ``check_health`` so Serve replaces it (bounded by the controller).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import json
 import logging
 import os
 import time
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -29,17 +35,17 @@ from ray.serve.llm.deployment import DPServer
 
 from deployments import kvspec
 from deployments.config import WORKER_EXTENSION, DSv4Section, Policy
+from deployments.kvspec import KVLayoutMismatch, drain_stats, raise_if_enforced, take_verdict
+from deployments.wire import Prediction, ReplicaSpec, ReplicaVerdict
 from dsv4_patch import node as node_info
 from dsv4_patch import rules
 from dsv4_patch.node import NodeInfo
 
 logger = logging.getLogger("ray.serve")
 
+__all__ = ["DSv4DPServer", "DSv4Server", "KVLayoutMismatch"]
+
 KV_SPECS_METHOD = "dsv4_kv_specs"
-
-
-class KVLayoutMismatch(RuntimeError):
-    """This replica's node or workers contradict the deployment's expected layout."""
 
 
 def _dist_version(*names: str) -> str | None:
@@ -117,7 +123,9 @@ class DSv4ServerMixin:
         ctx = serve.get_replica_context()
         self._replica_id = ctx.replica_id.unique_id
         self._rank = ctx.rank.rank if ctx.rank is not None else None
+        self._code_version = getattr(ctx, "code_version", None)
         self._node_id = _node_id()
+        base_config = llm_config
         llm_config = llm_config.model_copy(deep=True)
         self._override = _apply_override(llm_config, self._settings, self._rank)
         self._requested = llm_config.engine_kwargs.get("kv_cache_dtype", "auto")
@@ -130,80 +138,109 @@ class DSv4ServerMixin:
         llm_config.update_engine_kwargs(worker_extension_cls=WORKER_EXTENSION)
         self._node = probe_node(self._settings, llm_config.engine_kwargs)
         self._resolution = canonicalize(llm_config, self._settings, self._node)
-        self._verdict: dict[str, Any] = {}
-        self._spec_cache: dict[str, Any] | None = None
+        self._prediction, self._own_prediction = self._predictions(base_config, llm_config)
+        self._verdict = ReplicaVerdict()
+        self._kv: kvspec.ReplicaKV | None = None
         started = time.monotonic()
         await super().__init__(llm_config, **kwargs)  # type: ignore[misc]  # the server base
         self._engine_start_s = round(time.monotonic() - started, 1)
-        spec = await self.kv_page_spec()
+        spec = ReplicaSpec.model_validate(await self.kv_page_spec())
         self._self_check(spec)
 
-    def _self_check(self, spec: dict[str, Any]) -> None:
-        """Refuse to serve when the workers' real specs contradict the expectation."""
-        problem = kvspec.layout_problem(spec, self._settings.expected_layout.value)
+    def _predictions(self, base: LLMConfig,
+                     own: LLMConfig) -> tuple[Prediction, Prediction | None]:
+        """The byte model's KV spec for the deployment's config and, if overridden, for ours.
+
+        The deployment's (no replica override, the declared layout) is what the
+        controller judges this replica against; ours says whether a canary built
+        what its override asks for.
+        """
+        vllm = versions()["vllm"]
+        layout = self._settings.expected_layout
+        base_cfg, why = model_config(base)
+        deployment = kvspec.predict(base_cfg, layout, self._requested, vllm,
+                                    source=_source(base, vllm, why))
+        if self._override is None:
+            return deployment, None
+        own_cfg, why = model_config(own)
+        return deployment, kvspec.predict(own_cfg, self._resolution.layout, self._requested,
+                                          vllm, source=_source(own, vllm, why) + " + override "
+                                          f"rank {self._rank}")
+
+    def _self_check(self, spec: ReplicaSpec) -> None:
+        """Refuse to serve when the workers contradict the expectation or their own config.
+
+        A wrong layout always refuses. Split ranks, or caches other than this
+        replica's own config predicts, refuse under ``enforce``: the replica never
+        becomes RUNNING, so a rolling update to such a version is held back while
+        the old replicas keep serving. Under warn/drain it starts and is named.
+        """
+        problem = kvspec.layout_problem(spec.layers, self._settings.expected_layout.value)
         if problem:
             raise KVLayoutMismatch(
-                f"replica {self._replica_id}: workers report {spec['cache_dtypes']} but "
+                f"replica {self._replica_id}: workers report {spec.cache_dtypes} but "
                 f"dsv4.expected_layout={self._settings.expected_layout.value!r}: {problem}. "
                 "Fix: check that the dsv4_patch plugin loads in the engine workers "
                 "(`dsv4-serve doctor`) and that VLLM_PLUGINS, if set, lists dsv4_patch."
             )
-        logger.info("dsv4: replica %s (rank %s) KV spec %s: %s, pages %s B, blocks %s "
-                    "(engine up in %ss)", self._replica_id, self._rank, spec["fingerprint"][:19],
-                    spec["cache_dtypes"], spec["page_sizes"], spec["block_sizes"],
+        problem = kvspec.self_problem(spec)
+        if problem and self._settings.policy is Policy.ENFORCE:
+            raise KVLayoutMismatch(
+                f"replica {self._replica_id} (rank {self._rank}): {problem}. Refusing to "
+                "serve under dsv4.policy=enforce (a rolling update stops here; the old "
+                "replicas keep serving). Fix: make the engine build what the config "
+                "declares, or set dsv4.policy: warn to start it for inspection."
+            )
+        if problem:
+            logger.warning("dsv4: replica %s (rank %s) starts although %s (policy %s)",
+                           self._replica_id, self._rank, problem, self._settings.policy.value)
+        predicted = "unpredicted: " + (spec.prediction.reason or "") \
+            if spec.prediction.layers is None else "as predicted" if not \
+            kvspec.prediction_differences(spec.layers, spec.prediction) else "NOT as predicted"
+        logger.info("dsv4: replica %s (rank %s) KV spec %s: %s, pages %s B, blocks %s, %s "
+                    "(engine up in %ss)", self._replica_id, self._rank, spec.fingerprint[:19],
+                    spec.cache_dtypes, spec.page_sizes, spec.block_sizes, predicted,
                     self._engine_start_s)
 
     async def kv_page_spec(self) -> dict[str, Any]:
-        """This replica's KV spec: ids, versions, worker patch records, fingerprint.
+        """This replica's ``deployments.wire.ReplicaSpec``, dumped to plain JSON.
 
         Workers are asked once; the specs cannot change without a new engine,
         and a new engine means a new replica.
         """
-        if self._spec_cache is None:
+        if self._kv is None:
             workers = await self.collective_rpc(  # type: ignore[attr-defined]
                 KV_SPECS_METHOD, timeout=60.0)
-            summary = kvspec.summarize_workers(workers)
-            self._spec_cache = summary | {
-                "workers": [{"rank": w.get("rank"), "pid": w.get("pid"),
-                             "patch_record": w.get("patch_record")} for w in workers],
-            }
-        return self._spec_cache | {
-            "replica_id": self._replica_id,
-            "rank": self._rank,
-            "node_id": self._node_id,
-            "pid": os.getpid(),
-            "versions": versions(),
-            "node": self._node.as_dict(),
-            "kv_cache_dtype_requested": self._requested,
-            "kv_cache_dtype_engine": self._resolution.engine_dtype,
-            "resolution_reason": self._resolution.reason,
-            "override": None if self._override is None else self._override.model_dump(),
-            "verdict": self._verdict,
-        }
+            self._kv = kvspec.summarize_workers(workers)
+        spec = ReplicaSpec(
+            replica_id=self._replica_id, rank=self._rank, node_id=self._node_id,
+            pid=os.getpid(), deployment_version=self._code_version,
+            policy=self._settings.policy.value,
+            expected_layout=self._settings.expected_layout.value, versions=versions(),
+            node=self._node.as_dict(), kv_cache_dtype_requested=self._requested,
+            kv_cache_dtype_engine=self._resolution.engine_dtype,
+            resolution_reason=self._resolution.reason,
+            override=None if self._override is None else self._override.model_dump(),
+            prediction=self._prediction, own_prediction=self._own_prediction,
+            verdict=self._verdict, **self._kv.fields())
+        return spec.model_dump(mode="json")
 
-    async def apply_kv_verdict(self, verdict: dict[str, Any]) -> dict[str, Any]:
-        """Take the controller's verdict; remember whether it names this replica."""
-        reason = verdict.get("odd_replicas", {}).get(self._replica_id)
-        previous = self._verdict.get("reason")
-        self._verdict = {"policy": verdict.get("policy"), "reason": reason,
-                         "checked_at": verdict.get("checked_at")}
-        if reason and reason != previous:
-            action = ("failing health checks" if verdict.get("policy") == Policy.ENFORCE.value
-                      else "still serving (policy warn)")
-            logger.warning("dsv4: KV-spec controller marked this replica odd, %s: %s",
-                           action, reason)
-        return {"replica_id": self._replica_id, "odd": bool(reason)}
+    async def apply_kv_verdict(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Take the controller's verdict; act on it within this replica's own policy."""
+        self._verdict = take_verdict(message, self._replica_id, self._settings.policy.value,
+                                     self._verdict)
+        return {"replica_id": self._replica_id, "odd": self._verdict.odd,
+                "action": self._verdict.action.value}
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve LLM's routing stats plus whether the KV-spec router must skip us."""
+        stats = await super().record_routing_stats() or {}  # type: ignore[misc]
+        return dict(stats) | drain_stats(self._verdict)
 
     async def check_health(self) -> None:
-        """Engine health first; then, under enforce, the controller's verdict."""
+        """Engine health first; then, if our verdict says so, fail so Serve replaces us."""
         await super().check_health()  # type: ignore[misc]
-        reason = self._verdict.get("reason")
-        if reason and self._verdict.get("policy") == Policy.ENFORCE.value:
-            raise KVLayoutMismatch(
-                f"KV spec disagrees with the fleet under policy enforce: {reason}. "
-                "Fix: make every replica's node and engine_kwargs give the same KV spec, "
-                "or set dsv4.policy: warn to keep serving while you investigate."
-            )
+        raise_if_enforced(self._verdict)
 
 
 class DSv4Server(DSv4ServerMixin, LLMServer):
@@ -218,3 +255,38 @@ def _node_id() -> str | None:
     import ray
 
     return ray.get_runtime_context().get_node_id()
+
+
+def model_config(llm_config: LLMConfig) -> tuple[dict[str, Any] | None, str | None]:
+    """The model's ``config.json`` with the engine's ``hf_overrides`` applied, or why not.
+
+    A local directory is read directly; a Hub id from the local Hub cache (the
+    engine has downloaded it by the time predictions matter, and nothing here
+    may hit the network from a replica).
+    """
+    source = str(llm_config.model_loading_config.model_source or
+                 llm_config.model_loading_config.model_id)
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(source, "config.json")
+        except ValueError as exc:  # not a repo id either
+            return None, f"model_source {source!r}: {exc}"
+        if not isinstance(cached, str):
+            return None, f"model_source {source!r} has no config.json locally or in the Hub cache"
+        path = Path(cached)
+    cfg = json.loads(path.read_text())
+    overrides = llm_config.engine_kwargs.get("hf_overrides") or {}
+    if not isinstance(overrides, dict):
+        return None, f"engine_kwargs.hf_overrides is a {type(overrides).__name__}, not a dict"
+    return cfg | copy.deepcopy(overrides), None
+
+
+def _source(llm_config: LLMConfig, vllm: str | None, why: str | None) -> str:
+    overrides = llm_config.engine_kwargs.get("hf_overrides")
+    text = f"{llm_config.model_loading_config.model_id} config.json"
+    if overrides:
+        text += f" + hf_overrides {overrides}"
+    return f"{text}, vLLM {vllm}" + (f" ({why})" if why else "")

@@ -11,6 +11,7 @@ output thread when sent back through ``collective_rpc`` (DESIGN.md section 3).
 from __future__ import annotations
 
 import os
+import sys
 from enum import Enum
 from fractions import Fraction
 from typing import Any
@@ -54,6 +55,18 @@ def spec_to_dict(layer: str, spec: Any) -> dict[str, Any]:
     return row
 
 
+def ray_node_id() -> str | None:
+    """This process's Ray node id when it is a Ray worker (Ray executor), else None.
+
+    Read from an already-imported Ray only: dsv4_patch never imports Ray, and a
+    worker started by vLLM's multiprocess executor is not a Ray process at all.
+    """
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    return str(ray.get_runtime_context().get_node_id())
+
+
 class DSv4WorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
@@ -64,6 +77,7 @@ class DSv4WorkerExtension:
         return {
             "rank": int(getattr(self, "rank", 0)),
             "pid": os.getpid(),
+            "node_id": ray_node_id(),
             "specs": [spec_to_dict(layer, spec) for layer, spec in sorted(specs.items())],
             "patch_record": rec.as_dict() if rec is not None else None,
         }

@@ -1,92 +1,253 @@
-"""The fleet verdict on recorded-shape worker answers: fast, no Ray."""
+"""The fleet verdict on recorded and byte-model worker answers: fast, no Ray, no engine."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from deployments import kvspec
+from benchmarks.standin import flash_config, flash_worker_specs, standin_spec
+from deployments import kvspec, wire
+from deployments.wire import Action, FleetReport, ReplicaSpec, ReplicaVerdict, State
+from dsv4_patch import rules
+from dsv4_patch.tiny_model import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+# What a real vLLM 0.32 worker reported for the tiny model (tests.engine_boot, recorded).
+TINY_WORKERS = json.loads((REPO / "tests" / "data" / "tiny_worker_specs.json").read_text())
+MODELS = REPO / "configs" / "models" / "deepseek-ai"
+FP8 = rules.Layout.FP8_DS_MLA
 
 
-def spec(layer: str, dtype: str | None, page: int, block: int = 256,
-         ratio: int | None = None, kind: str = "MLAAttentionSpec") -> dict[str, Any]:
-    return {"layer": layer, "spec_type": kind, "cache_dtype_str": dtype,
-            "page_size_bytes": page, "block_size": block, "head_size": 512,
-            "compress_ratio": ratio}
+def tiny_prediction(**overrides: Any) -> wire.Prediction:
+    return kvspec.predict(tiny_config(1024) | overrides, FP8, "auto", "0.32.0", "tiny")
 
 
-def worker(block: int = 256, dtype: str = "fp8_ds_mla", rank: int = 0) -> dict[str, Any]:
-    specs = [spec(f"layers.{i}.attn", dtype, 37440 * block // 256, block, 4) for i in range(2)]
-    specs.append(spec("layers.2.attn", dtype, 1152 * block // 256, block, 128))
-    specs.append(spec("layers.0.state", None, 4096, block, None, "SlidingWindowSpec"))
-    return {"rank": rank, "pid": 100 + rank, "specs": specs, "patch_record": {"patches": []}}
+# ------------------------------------------------------------------ prediction
 
 
-def replica(rid: str, rank: int, **kw: Any) -> dict[str, Any]:
-    return kvspec.summarize_workers([worker(**kw)]) | {"replica_id": rid, "rank": rank}
+def test_prediction_equals_the_real_engine_specs_of_the_tiny_model() -> None:
+    kv = kvspec.summarize_workers(TINY_WORKERS)
+    prediction = tiny_prediction()
+    assert prediction.layers and len(prediction.layers) == 5  # 2 C4 (main+indexer) + 1 C128
+    assert kvspec.prediction_differences(kv.layers, prediction) == []
 
 
-def test_fingerprint_is_stable_and_order_free() -> None:
-    a = worker()
-    b = worker() | {"specs": list(reversed(worker()["specs"]))}
-    fa, fb = (kvspec.summarize_workers([w])["fingerprint"] for w in (a, b))
-    assert fa == fb and fa.startswith("sha256:")
-    assert kvspec.summarize_workers([worker(block=64)])["fingerprint"] != fa
+@pytest.mark.parametrize(("model", "per_token", "caches"),
+                         [("DeepSeek-V4-Flash", 3915.0, 21 * 2 + 20),
+                          ("DeepSeek-V4-Pro", 5609.25, 30 * 2 + 31)])
+def test_per_layer_prediction_sums_to_the_byte_model(model: str, per_token: float,
+                                                     caches: int) -> None:
+    cfg = json.loads((MODELS / model / "config.json").read_text())
+    prediction = kvspec.predict(cfg, FP8, "auto", "0.29.0", model)
+    assert prediction.cache_dtype_str == "fp8_ds_mla" and len(prediction.layers or []) == caches
+    total = sum(e.page_size_bytes or 0 for e in prediction.layers or []) / rules.DSV4_BLOCK_SIZE
+    shape = rules.ModelShape.from_hf_config(cfg)
+    assert total == per_token == rules.kv_bytes_per_token(shape, rules.Storage.FP8_DS_MLA)
 
 
-def test_summary_fields() -> None:
-    s = kvspec.summarize_workers([worker(rank=0), worker(rank=1)])
-    assert s["cache_dtypes"] == ["fp8_ds_mla"]  # state-only specs carry no dtype
-    assert s["block_sizes"] == [256]
-    assert s["page_sizes"] == [1152, 4096, 37440]
-    assert s["ranks_disagreeing_with_rank0"] == []
-    split = kvspec.summarize_workers([worker(rank=0), worker(block=64, rank=1)])
-    assert split["ranks_disagreeing_with_rank0"] == [1]
+def test_no_prediction_for_unknown_architectures_or_old_vllm() -> None:
+    llama = {"architectures": ["LlamaForCausalLM"]}
+    assert "LlamaForCausalLM" in (kvspec.predict(llama, FP8, "auto", "0.32.0", "x").reason or "")
+    assert "no DeepSeek-V4" in (kvspec.predict(tiny_config(1024), FP8, "auto", "0.19.0",
+                                               "x").reason or "")
+    assert kvspec.predict(None, FP8, "auto", "0.32.0", "x").layers is None
 
 
-def test_malformed_worker_answer_is_named() -> None:
-    with pytest.raises(kvspec.WorkerSpecError, match="no 'specs'"):
+# ------------------------------------------------------------------ fingerprint
+
+
+def test_fingerprint_covers_which_layer_has_which_spec() -> None:
+    # The issue's case: compress_ratios [0, 4, 128, 4, 0] vs [0, 4, 4, 128, 0] -- the same
+    # multiset of caches, a different model. The old multiset fingerprint said agree.
+    normal = kvspec.summarize_workers(TINY_WORKERS)
+    swapped = [dict(w, specs=_swap_layers(w["specs"], 2, 3)) for w in TINY_WORKERS]
+    odd = kvspec.summarize_workers(swapped)
+    assert sorted(json.dumps(e.model_dump(exclude={"layer", "index"}), sort_keys=True)
+                  for e in normal.layers) == sorted(
+        json.dumps(e.model_dump(exclude={"layer", "index"}), sort_keys=True)
+        for e in odd.layers)
+    assert odd.fingerprint != normal.fingerprint
+    diffs = kvspec.peer_differences(odd.layers, normal.layers)
+    assert {d.layer.split(".attn")[0] for d in diffs} == {"model.layers.2", "model.layers.3"}
+    reversed_order = kvspec.summarize_workers(
+        [dict(w, specs=list(reversed(w["specs"]))) for w in TINY_WORKERS])
+    assert reversed_order.fingerprint == normal.fingerprint  # order of the list is irrelevant
+
+
+def _swap_layers(specs: list[dict[str, Any]], a: int, b: int) -> list[dict[str, Any]]:
+    def rename(row: dict[str, Any]) -> dict[str, Any]:
+        name = row["layer"]
+        for x, y in ((a, b), (b, a)):
+            if name.startswith(f"model.layers.{x}."):
+                return row | {"layer": f"model.layers.{y}." + name.split(".", 3)[3]}
+        return row
+    return [rename(r) for r in specs]
+
+
+def test_split_ranks_and_malformed_answers_are_named() -> None:
+    one = TINY_WORKERS[0]
+    bad = dict(one, rank=1, specs=[dict(s, page_size_bytes=1) if i == 1 else s
+                                   for i, s in enumerate(one["specs"])])
+    assert kvspec.summarize_workers([one, bad]).ranks_disagreeing == [1]
+    # PP stages report different layers: that is not a disagreement.
+    stage0 = dict(one, specs=one["specs"][:6])
+    stage1 = dict(one, rank=1, specs=one["specs"][6:])
+    assert kvspec.summarize_workers([stage0, stage1]).ranks_disagreeing == []
+    with pytest.raises(kvspec.WorkerSpecError, match=r"worker answer 0 .*specs"):
         kvspec.summarize_workers([{"rank": 0}])
     with pytest.raises(kvspec.WorkerSpecError, match="no worker answered"):
         kvspec.summarize_workers([])
 
 
-def test_agree() -> None:
-    report = kvspec.decide([replica("a", 0), replica("b", 1)], [], 2, "fp8_ds_mla")
-    assert report["agree"] and report["state"] == "agree" and report["problems"] == []
-    assert [r["status"] for r in report["replicas"]] == ["ok", "ok"]
+# ------------------------------------------------------------------ verdicts
 
 
-def test_disagree_names_the_odd_replica_and_field() -> None:
-    report = kvspec.decide([replica("a", 0), replica("b", 1, block=64)], [], 2, "fp8_ds_mla")
-    assert report["state"] == "disagree" and not report["agree"]
-    assert list(report["odd_replicas"]) == ["b"]  # tie: the lowest rank is the reference
-    [problem] = report["problems"]
-    assert problem["replica"] == "b" and problem["field"] == "page_sizes"
-    assert [d["field"] for d in problem["differences"]] == ["page_sizes", "block_sizes",
-                                                            "layer_groups"]
-    assert "block_sizes=[64] vs [256]" in problem["message"]
+def test_agree_against_the_prediction() -> None:
+    report = kvspec.decide([standin_spec("a", 0), standin_spec("b", 1)], [], 2, "fp8_ds_mla")
+    assert report.state is State.AGREE and report.agree and report.problems == []
+    assert report.expected.reference == "prediction"
+    assert report.expected.fingerprint == report.replicas[0].fingerprint
 
 
-def test_majority_wins_over_rank() -> None:
-    specs = [replica("a", 0, block=64), replica("b", 1), replica("c", 2)]
+def test_rank0_canary_is_named_not_the_correct_rank1() -> None:
+    """Issue test 1: a 1-1 tie where rank 0 is the odd one (the old vote named rank 1)."""
+    specs = [standin_spec("a", 0, reordered=True, canary=True), standin_spec("b", 1)]
+    report = kvspec.decide(specs, [], 2, "fp8_ds_mla")
+    assert report.state is State.DISAGREE and list(report.odd_replicas) == ["a"]
+    [problem] = report.problems
+    assert problem.kind == "prediction" and problem.replica == "a"
+    assert {d.layer for d in problem.layers} >= {"model.layers.2.attn", "model.layers.3.attn"}
+    assert "canary" in problem.message and "model.layers.2.attn" in problem.message
+
+
+def test_a_wrong_majority_does_not_win() -> None:
+    """Issue test 2: 3 replicas, 2 odd the same way; the conforming one is kept."""
+    specs = [standin_spec("a", 0, reordered=True), standin_spec("b", 1, reordered=True),
+             standin_spec("c", 2)]
     report = kvspec.decide(specs, [], 3, "fp8_ds_mla")
-    assert list(report["odd_replicas"]) == ["a"]
+    assert sorted(report.odd_replicas) == ["a", "b"]
+    assert "its own config does not explain it" in report.odd_replicas["a"]
+    assert {r.id: r.status.value for r in report.replicas} == {"a": "odd", "b": "odd",
+                                                               "c": "ok"}
+
+
+def _unpredicted(spec: ReplicaSpec) -> ReplicaSpec:
+    return spec.model_copy(update={"prediction": wire.Prediction(
+        source="x", reason="architectures=['Other']: unknown")})
+
+
+def test_without_a_prediction_the_majority_decides_and_ties_go_against_canaries() -> None:
+    tie = [_unpredicted(standin_spec("a", 0, reordered=True, canary=True)),
+           _unpredicted(standin_spec("b", 1))]
+    report = kvspec.decide(tie, [], 2, "fp8_ds_mla")
+    assert list(report.odd_replicas) == ["a"] and report.expected.reference == "majority"
+    assert "no prediction" in (report.expected.note or "")
+    assert report.problems[0].kind == "mismatch" and report.problems[0].layers
+    # Without canaries the majority wins, ties to the lowest rank.
+    three = [_unpredicted(standin_spec("a", 0, reordered=True)),
+             _unpredicted(standin_spec("b", 1)), _unpredicted(standin_spec("c", 2))]
+    assert list(kvspec.decide(three, [], 3, "fp8_ds_mla").odd_replicas) == ["a"]
+
+
+def test_intra_replica_disagreement_makes_the_replica_odd() -> None:
+    """Issue test 7."""
+    report = kvspec.decide([standin_spec("a", 0, split=True), standin_spec("b", 1)], [], 2,
+                           "fp8_ds_mla")
+    assert report.state is State.DISAGREE and list(report.odd_replicas) == ["a"]
+    assert report.problems[0].kind == "intra_replica"
 
 
 def test_wrong_layout_is_odd_even_when_alone() -> None:
-    report = kvspec.decide([replica("a", 0, dtype="auto")], [], 1, "fp8_ds_mla")
-    assert report["state"] == "disagree"
-    assert report["problems"][0]["kind"] == "expected"
-    assert "expected fp8_ds_mla" in report["odd_replicas"]["a"]
+    report = kvspec.decide([standin_spec("a", 0, dtype="bfloat16")], [], 1, "fp8_ds_mla")
+    assert report.state is State.DISAGREE
+    assert report.problems[0].kind == "expected"
+    assert "expected fp8_ds_mla" in report.odd_replicas["a"]
 
 
-def test_silent_replica_makes_it_incomplete() -> None:
-    report = kvspec.decide([replica("a", 0)], [], 2, "fp8_ds_mla")
-    assert report["state"] == "incomplete" and not report["agree"]
-    assert "1 RUNNING replica(s) did not answer" in report["problems"][0]["message"]
-    errored = kvspec.decide([replica("a", 0)], ["a replica failed kv_page_spec: boom"], 2,
-                            "fp8_ds_mla")
-    assert errored["state"] == "incomplete"
-    assert kvspec.decide([], [], 0, "fp8_ds_mla")["state"] == "incomplete"
+def test_no_answer_is_incomplete_and_named() -> None:
+    gap = kvspec.NoAnswer("b", "replica b did not answer within its 3 s deadline")
+    report = kvspec.decide([standin_spec("a", 0)], [gap], 2, "fp8_ds_mla")
+    assert report.state is State.INCOMPLETE and not report.agree
+    assert {r.id: r.status.value for r in report.replicas} == {"a": "ok", "b": "no_answer"}
+    silent = kvspec.decide([standin_spec("a", 0)], [], 2, "fp8_ds_mla")
+    assert silent.state is State.INCOMPLETE
+    assert "1 RUNNING replica(s) did not answer" in silent.problems[0].message
+    assert kvspec.decide([], [], 0, "fp8_ds_mla").state is State.INCOMPLETE
+
+
+def test_a_rollout_judges_each_replica_by_its_own_config() -> None:
+    """Old replicas keep their expected_layout and prediction while new ones arrive."""
+    old = [standin_spec("a", 0), standin_spec("b", 1)]
+    new = standin_spec("c", 0, dtype="bfloat16", expected_layout="plain_rows")
+    new = new.model_copy(update={"prediction": kvspec.predict(
+        flash_config(), rules.Layout.PLAIN_ROWS, "auto", "0.32.0", "new version")})
+    # bf16 rows: cache_dtype_str is "auto" in the prediction; the stand-in says bfloat16.
+    rows = [e.model_copy(update={"cache_dtype_str": "auto"}) if e.cache_dtype_str else e
+            for e in new.layers]
+    new = new.model_copy(update={"layers": rows, "fingerprint": kvspec.fingerprint(rows)})
+    report = kvspec.decide([*old, new], [], 3, "plain_rows")
+    assert report.state is State.AGREE, [p.message for p in report.problems]
+    assert "2 deployment configs are live" in (report.expected.note or "")
+
+
+# ------------------------------------------------------------------ policies
+
+
+def test_enforce_is_bounded_with_backoff_then_drains() -> None:
+    book = kvspec.EnforceBook(max_attempts=2, backoff_s=10)
+    first = standin_spec("r1", 1, reordered=True)
+    assert book.action(first, True, "enforce", now=0) == (Action.FAIL_HEALTH, 1, None)
+    assert book.action(first, True, "enforce", now=1)[0] is Action.FAIL_HEALTH  # still it
+    second = first.model_copy(update={"replica_id": "r2"})  # Serve's replacement, same rank
+    action, attempts, note = book.action(second, True, "enforce", now=5)
+    assert (action, attempts) == (Action.DRAIN, 1) and "backoff" in (note or "")
+    assert book.action(second, True, "enforce", now=11)[:2] == (Action.FAIL_HEALTH, 2)
+    third = first.model_copy(update={"replica_id": "r3"})
+    action, attempts, note = book.action(third, True, "enforce", now=100)
+    assert (action, attempts) == (Action.DRAIN, 2) and "gave up" in (note or "")
+    # A conforming replica at that rank clears the book; warn/drain never replace.
+    assert book.action(standin_spec("r4", 1), False, "enforce", now=101)[0] is Action.SERVE
+    assert 1 not in book.ranks
+    assert book.action(third, True, "warn", now=0)[0] is Action.SERVE
+    assert book.action(third, True, "drain", now=0)[0] is Action.DRAIN
+
+
+def test_a_replica_obeys_its_own_policy_unless_an_operator_overrides() -> None:
+    told = {"checked_at": 1.0, "replicas": {"x": ReplicaVerdict(
+        odd=True, reason="r", action=Action.FAIL_HEALTH).model_dump(mode="json")}}
+    own = kvspec.take_verdict(told, "x", "warn", ReplicaVerdict())
+    assert own.odd and own.action is Action.SERVE and own.policy == "warn"
+    drained = kvspec.take_verdict(told, "x", "drain", ReplicaVerdict())
+    assert drained.action is Action.DRAIN and kvspec.drain_stats(drained)["dsv4_kv_drain"]
+    forced = kvspec.take_verdict(told | {"policy_override": "enforce"}, "x", "warn",
+                                 ReplicaVerdict())
+    with pytest.raises(kvspec.KVLayoutMismatch, match="attempt"):
+        kvspec.raise_if_enforced(forced)
+    kept = kvspec.take_verdict({"checked_at": 2.0, "replicas": {}}, "x", "drain", drained)
+    assert kept == drained  # not judged this time: the last word stands
+
+
+# ------------------------------------------------------------------ wire format
+
+
+def test_published_schema_is_current() -> None:
+    published = (REPO / "docs" / "kv-spec.schema.json").read_text()
+    assert published == wire.schema_json(), "run: python -m deployments.wire > " \
+        "docs/kv-spec.schema.json"
+
+
+def test_report_round_trips_through_json() -> None:
+    report = kvspec.decide([standin_spec("a", 0, reordered=True, canary=True),
+                            standin_spec("b", 1)], [], 2, "fp8_ds_mla")
+    again = FleetReport.model_validate(json.loads(json.dumps(report.model_dump(mode="json"))))
+    assert again == report
+    spec = standin_spec("a", 0)
+    assert ReplicaSpec.model_validate(spec.model_dump(mode="json")) == spec
+
+
+def test_flash_standin_has_flash_layer_kinds() -> None:
+    rows = flash_worker_specs()
+    assert sum(1 for r in rows if r["layer"].endswith(".attn")) == 41
