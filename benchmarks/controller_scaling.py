@@ -13,8 +13,8 @@ replica count N, scaled up in place (same deployment version, only
   replicas via ``serve.status()``, broadcast ``kv_page_spec``, decide, broadcast
   the verdict back. Measured inside the controller (``check_seconds``) and at the
   caller (``call_s``, adds one handle round trip).
-* ``decide_ms``: ``deployments.kvspec.decide`` alone on N recorded specs (the
-  pure part), to show where the time goes.
+* ``decide_ms``: ``deployments.kvspec.decide`` alone on N stand-in specs (the
+  pure part: per-layer prediction check + peer check), to show where the time goes.
 
 Also the system memory the stand-ins took (the limit on N here). Prints a table,
 writes JSON (``--out``). Heavy: run alone, e.g.
@@ -71,18 +71,18 @@ def build(n: int, period_s: float, timeout_s: float) -> Any:
 
 def decide_ms(n: int, repeats: int = 5) -> float:
     """Median wall time of ``kvspec.decide`` over N stand-in-shaped specs, in ms."""
-    from benchmarks.standin import flash_worker_specs
+    from benchmarks.standin import standin_spec
     from deployments import kvspec
 
-    summary = kvspec.summarize_workers([{"rank": 0, "specs": flash_worker_specs()}])
-    specs = [summary | {"replica_id": f"r{i}", "rank": i} for i in range(n)]
+    one = standin_spec("r0", 0)
+    specs = [one.model_copy(update={"replica_id": f"r{i}", "rank": i}) for i in range(n)]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         report = kvspec.decide(specs, [], n, "fp8_ds_mla")
         times.append((time.perf_counter() - t0) * 1e3)
-        if report["state"] != "agree":
-            raise RuntimeError(f"decide on {n} identical specs said {report['state']}")
+        if report.state.value != "agree":
+            raise RuntimeError(f"decide on {n} identical specs said {report.state}")
     return statistics.median(times)
 
 

@@ -15,12 +15,19 @@ real DeepSeek-V4-Flash ``config.json``, with page sizes from the byte model; its
 prediction comes from the same ``deployments.kvspec.predict`` a real replica
 uses. Knobs make chosen ranks differ the ways a fleet can:
 
-* ``variants``: rank -> cache dtype (``bfloat16``: a B200 with FlashInfer rows);
+* ``variants``: rank -> cache dtype (``auto``/``bfloat16``: bf16 rows, a B200 with
+  FlashInfer rows; under ``expected_layout: fp8_ds_mla`` such a replica refuses
+  to start under enforce, as ``DSv4Server`` does);
 * ``reordered``: ranks whose model has two layer kinds swapped (the
   ``compress_ratios`` reorder: same multiset of caches, other layers);
 * ``canaries``: ranks that declare a ``replica_overrides`` entry;
 * ``split``: ranks whose second worker reports another spec (intra-replica);
-* ``hang_s``: rank -> seconds ``kv_page_spec`` stalls before answering.
+* ``hang_s``: rank -> seconds ``kv_page_spec`` stalls, from its second call on
+  (the first answers, so the controller knows the replica it then waits for).
+
+Like ``DSv4Server``, a stand-in refuses to start under ``enforce`` when it
+contradicts its own config (split ranks, caches its own prediction rules out):
+that is what holds a rolling update back.
 
 Deliberately free of vLLM, torch and ``ray.serve.llm`` imports: each replica
 is one Ray worker process, and at 256 of them every MiB per process counts.
@@ -160,10 +167,16 @@ class StandInReplica:
             expected_layout=expected_layout).model_copy(
                 update={"deployment_version": getattr(ctx, "code_version", None)})
         self._verdict = ReplicaVerdict()
+        self._calls = 0
+        problem = kvspec.self_problem(self._spec)
+        if problem and policy == "enforce":
+            raise kvspec.KVLayoutMismatch(f"stand-in {self._replica_id} (rank {self._rank}) "
+                                          f"refuses to start under enforce: {problem}")
 
     async def kv_page_spec(self) -> dict[str, Any]:
         """The ``ReplicaSpec`` ``DSv4Server.kv_page_spec`` returns (stalls if told to)."""
-        if self._hang_s:
+        self._calls += 1
+        if self._hang_s and self._calls > 1:
             await asyncio.sleep(self._hang_s)
         return self._spec.model_copy(update={"verdict": self._verdict}).model_dump(mode="json")
 

@@ -222,12 +222,16 @@ class KVSpecController:
             return None, f"serve.status() has not answered for {stuck:.0f} s"
         loop = asyncio.get_running_loop()
         self._status_call = loop.run_in_executor(
-            None, running_replicas, self._server.app_name, self._server.deployment_name)
+            None, self._status_target, self._server.app_name, self._server.deployment_name)
         self._status_since = time.time()
         try:
             return await asyncio.wait_for(asyncio.shield(self._status_call), timeout), None
         except TimeoutError:
             return None, f"serve.status() did not answer within {timeout} s"
+
+    def _status_target(self, app_name: str, deployment_name: str) -> int | None:
+        """What the status thread runs (a seam: tests make it block like a wedged GCS)."""
+        return running_replicas(app_name, deployment_name)
 
     async def _call_each(self, method: str, *args: Any) -> tuple[list[Any], int, str | None]:
         """``method`` on every replica, each under its own deadline.
@@ -272,10 +276,17 @@ class KVSpecController:
                                             f"{type(answer).__name__}: {answer}"))
                 continue
             try:
-                specs.append(ReplicaSpec.model_validate(answer))
+                spec = ReplicaSpec.model_validate(answer)
             except ValueError as exc:
                 gaps.append(kvspec.NoAnswer(None, f"a replica answered kv_page_spec with "
                                             f"something that is not a ReplicaSpec: {exc}"))
+                continue
+            if kvspec.fingerprint(spec.layers) != spec.fingerprint:
+                gaps.append(kvspec.NoAnswer(spec.replica_id, (
+                    f"replica {spec.replica_id} sent fingerprint {spec.fingerprint[:19]} that "
+                    "does not hash its own layers: not judged")))
+                continue
+            specs.append(spec)
         if late:
             gaps += await self._name_late(late, {s.replica_id for s in specs})
         return specs, gaps
@@ -323,7 +334,11 @@ class KVSpecController:
             self._log_change(report)
             self._known = {s.replica_id: s.rank for s in specs} | {
                 g.replica: self._known.get(g.replica) for g in gaps if g.replica}
-            self._report, self._completed_at = report, time.time()
+            # Without the RUNNING count a check is not complete: its answers still
+            # drive the verdicts, but the report keeps ageing toward `stale`.
+            self._report = report
+            if status_error is None:
+                self._completed_at = time.time()
             self._metrics.checked(report, replaced)
             self._metrics.record(self.current())
             return self.current().model_dump(mode="json")

@@ -276,16 +276,11 @@ def shutdown() -> None:
 
 
 def describe(report: dict[str, Any]) -> str:
-    """The consensus in a few lines, for people."""
-    lines = [f"KV spec: {report['state']} (policy {report['policy']}, expected "
-             f"{report['expected']['layout']}); {report['answered']}/"
-             f"{report['running_replicas']} replicas answered"]
-    for rep in report["replicas"]:
-        lines.append(f"  {rep['id']} rank {rep['rank']}: {rep['cache_dtype']}, blocks "
-                     f"{rep['block_sizes']}, pages {rep['page_sizes']} B, "
-                     f"{rep['fingerprint'][:19]} [{rep['status']}]")
-    lines += [f"  problem: {p['message']}" for p in report["problems"]]
-    return "\n".join(lines)
+    """The consensus in a few lines, for people (``deployments.status.describe``)."""
+    from deployments.status import describe as describe_report
+    from deployments.wire import FleetReport
+
+    return describe_report(FleetReport.model_validate(report))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,8 +2,9 @@
 
 Reads ``GET /v1/kv-spec`` (the same port as the OpenAI API), so it works
 against ``dsv4-serve run``, ``serve run`` or a KubeRay service alike, without
-joining the Ray cluster. Exit code: 0 agree, 1 disagree, 3 incomplete or
-unreachable: scripts can gate on it.
+joining the Ray cluster. The answer is validated as the controller's own
+``deployments.wire.FleetReport``. Exit code: 0 agree, 1 disagree, 3 incomplete,
+not_checked, stale or unreachable: scripts can gate on it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import json
 import sys
 import urllib.error
 
-from deployments.runner import describe, http_json
+from pydantic import ValidationError
+
+from deployments.runner import http_json
+from deployments.wire import FleetReport
 
 EXIT = {"agree": 0, "disagree": 1}
 EXIT_INCOMPLETE = 3
@@ -35,9 +39,37 @@ def main(args: argparse.Namespace) -> int:
         print(f"dsv4-serve status: cannot read {url}: {exc}. Is the app running "
               "(`dsv4-serve run`) and is --url its OpenAI base URL?", file=sys.stderr)
         return EXIT_INCOMPLETE
-    if "state" not in report:
-        print(f"dsv4-serve status: {url} answered without a verdict: {report}",
+    try:
+        parsed = FleetReport.model_validate(report)
+    except ValidationError as exc:
+        print(f"dsv4-serve status: {url} answered something that is not a KV-spec report "
+              f"({exc.errors(include_url=False)[0]['loc']}: "
+              f"{exc.errors(include_url=False)[0]['msg']}): {str(report)[:300]}",
               file=sys.stderr)
         return EXIT_INCOMPLETE
-    print(json.dumps(report, indent=2) if args.json else describe(report))
-    return EXIT.get(report["state"], EXIT_INCOMPLETE)
+    print(json.dumps(report, indent=2) if args.json else describe(parsed))
+    return EXIT.get(parsed.state.value, EXIT_INCOMPLETE)
+
+
+def describe(report: FleetReport) -> str:
+    """The verdict in a few lines, for people: state, reference, each replica, problems."""
+    age = f", {report.age_s:.0f} s old" if report.age_s is not None else ""
+    head = (f"KV spec: {report.state.value}"
+            + (f" (last completed check: {report.previous_state.value})"
+               if report.previous_state else "")
+            + f" (policy {report.policy}, expected {report.expected.layout}, reference "
+              f"{report.expected.reference}{age}); {report.answered}/"
+              f"{report.running_replicas} replicas answered")
+    lines = [head]
+    if report.expected.note:
+        lines.append(f"  note: {report.expected.note}")
+    for rep in report.replicas:
+        if rep.fingerprint is None:
+            lines.append(f"  {rep.id}: [{rep.status.value}] {rep.reason or ''}")
+            continue
+        action = "" if rep.action.value == "serve" else f", action {rep.action.value}"
+        lines.append(f"  {rep.id} rank {rep.rank}: {rep.cache_dtype}, blocks "
+                     f"{rep.block_sizes}, pages {rep.page_sizes} B, {rep.fingerprint[:19]} "
+                     f"[{rep.status.value}{action}]")
+    lines += [f"  problem: {p.message}" for p in report.problems]
+    return "\n".join(lines)

@@ -3,11 +3,13 @@
 ``serve_stack`` starts the cluster and deploys ``configs/local-cpu.yaml`` through
 ``deployments.runner`` (the code behind ``dsv4-serve run``), once per session.
 ``mixed_app`` adds a second small application to the same cluster, once, only
-when a test asks for it: two replicas where rank 1 runs another block size,
-under policy ``warn``, so the controller has something to catch. On CPU vLLM pins
-DeepSeek-V4's block size to 256, so rank 1 differs the way a mixed fleet can on
-CPU: another layer mix (one C128 layer compressed at ratio 4, as a different model
-revision would), which changes its KV page sizes.
+when a test asks for it: two replicas where rank 0 (a canary, declared in
+``replica_overrides``) runs the tiny model with two layer kinds swapped
+(``compress_ratios`` [0, 4, 4, 128, 0] instead of [0, 4, 128, 4, 0]), under
+policy ``warn``, so the controller has something to catch. The two replicas hold
+the same multiset of KV caches -- same page sizes, same counts -- but not layer
+for layer: only a per-layer fingerprint or the prediction tells them apart, and
+rank 0 loses a 1-1 tie only because it is judged against the prediction.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from deployments.config import DEFAULT_CONFIG, ServeConfig, load_serve_config
 SERVING_LINE = "Serving; Ctrl-C to stop."
 MIXED_APP = "mixed"
 MIXED_ROUTE = "/mixed"
-# rank 1 of the mixed app: the tiny model's layer 2 (C128) compressed at ratio 4 instead.
-ODD_ENGINE_KWARGS = {"hf_overrides": {"compress_ratios": [0, 4, 4, 4, 0]}}
+# rank 0 of the mixed app: the tiny model's layers 2 (C128) and 3 (C4) swapped.
+ODD_RANK = 0
+ODD_ENGINE_KWARGS = {"hf_overrides": {"compress_ratios": [0, 4, 4, 128, 0]}}
 
 
 @dataclass
@@ -63,12 +66,13 @@ def read_until_serving(proc: subprocess.Popen[str], timeout_s: float) -> str:
 
 
 def mixed_app_args(base: dict[str, Any]) -> dict[str, Any]:
-    """The local app, with rank 1 on another layer mix, under policy warn."""
+    """The local app, with rank 0 on another layer order, under policy warn."""
     args = copy.deepcopy(base)
     args["dsv4"].update(
         policy="warn",
         controller_period_s=2,
-        replica_overrides=[{"rank": 1, "engine_kwargs": ODD_ENGINE_KWARGS,
+        enforce_backoff_s=600,  # one replacement, then drained: a boot per test, not a loop
+        replica_overrides=[{"rank": ODD_RANK, "engine_kwargs": ODD_ENGINE_KWARGS,
                             "reason": "test: a replica configured to differ"}],
     )
     return args

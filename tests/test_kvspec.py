@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.standin import flash_config, flash_worker_specs, standin_spec
+from benchmarks.standin import flash_worker_specs, standin_spec
 from deployments import kvspec, wire
 from deployments.wire import Action, FleetReport, ReplicaSpec, ReplicaVerdict, State
 from dsv4_patch import rules
@@ -181,13 +181,8 @@ def test_no_answer_is_incomplete_and_named() -> None:
 def test_a_rollout_judges_each_replica_by_its_own_config() -> None:
     """Old replicas keep their expected_layout and prediction while new ones arrive."""
     old = [standin_spec("a", 0), standin_spec("b", 1)]
-    new = standin_spec("c", 0, dtype="bfloat16", expected_layout="plain_rows")
-    new = new.model_copy(update={"prediction": kvspec.predict(
-        flash_config(), rules.Layout.PLAIN_ROWS, "auto", "0.32.0", "new version")})
-    # bf16 rows: cache_dtype_str is "auto" in the prediction; the stand-in says bfloat16.
-    rows = [e.model_copy(update={"cache_dtype_str": "auto"}) if e.cache_dtype_str else e
-            for e in new.layers]
-    new = new.model_copy(update={"layers": rows, "fingerprint": kvspec.fingerprint(rows)})
+    new = standin_spec("c", 0, dtype="auto", expected_layout="plain_rows")  # bf16 rows
+    assert kvspec.self_problem(new) is None
     report = kvspec.decide([*old, new], [], 3, "plain_rows")
     assert report.state is State.AGREE, [p.message for p in report.problems]
     assert "2 deployment configs are live" in (report.expected.note or "")

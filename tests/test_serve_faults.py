@@ -282,10 +282,10 @@ PERIOD_S = 3.0
 
 
 def _standin_app(replicas: int) -> Any:
-    """Stand-in replicas (rank 2 stores bf16 rows) watched by the real controller.
+    """Stand-in replicas (rank 2 a canary with two layer kinds swapped), real controller.
 
     Real engines cannot differ in KV layout on one CPU box without a second model
-    (``test_serving.py`` covers that with a layer-mix override); stand-ins make the
+    (``test_serving.py`` covers that with a layer-order override); stand-ins make the
     newcomer of a scale-up differ, which is the event this test is about.
     """
     from ray import serve
@@ -297,7 +297,7 @@ def _standin_app(replicas: int) -> Any:
         StandInReplica, name="StandInReplica", num_replicas=replicas,
         ray_actor_options={"num_cpus": 0}, health_check_period_s=1,
         health_check_timeout_s=10,
-    ).options(version="v1", _internal=True).bind(variants={2: "bfloat16"})
+    ).options(version="v1", _internal=True).bind(reordered=(2,), canaries=(2,))
     dsv4 = {"expected_layout": "fp8_ds_mla", "policy": "enforce",
             "controller_period_s": PERIOD_S, "broadcast_timeout_s": 30}
     return serve.deployment(
@@ -328,10 +328,10 @@ def test_disagreeing_replica_in_a_scale_up_is_named_and_removed(serve_stack: Sta
         old = {r["id"] for r in first["replicas"]}
         assert old <= {r["id"] for r in rep["replicas"]}, "the scale-up restarted replicas"
         [odd] = [r for r in rep["replicas"] if r["status"] == "odd"]
-        assert odd["rank"] == 2 and odd["cache_dtype"] == "bfloat16"
+        assert odd["rank"] == 2 and odd["cache_dtype"] == "fp8_ds_mla"
         assert list(rep["odd_replicas"]) == [odd["id"]]
-        assert "bfloat16" in rep["odd_replicas"][odd["id"]]
-        assert any(p["replica"] == odd["id"] and p["field"] == "cache_dtypes"
+        assert "model.layers.2.attn" in rep["odd_replicas"][odd["id"]]
+        assert any(p["replica"] == odd["id"] and p["kind"] == "prediction"
                    for p in rep["problems"]), rep["problems"]
         # Within one controller period of the newcomer RUNNING (plus the check itself).
         assert detected_s <= PERIOD_S + rep["check_seconds"] + 1.0

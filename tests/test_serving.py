@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MIXED_APP, Stack
+from tests.conftest import MIXED_APP, ODD_RANK, Stack
 
 pytestmark = pytest.mark.slow
 
@@ -172,6 +172,9 @@ def test_kv_spec_agrees_on_fp8_ds_mla(http: httpx.Client) -> None:
     assert report["agree"] is True and report["state"] == "agree"
     assert report["policy"] == "enforce"
     assert report["expected"]["layout"] == "fp8_ds_mla"
+    # Judged against the byte model's prediction from the tiny model's config.json: the
+    # real engines' main and indexer caches equal it layer for layer.
+    assert report["expected"]["reference"] == "prediction"
     assert report["running_replicas"] == report["answered"] == 2
     assert report["problems"] == []
     replicas = report["replicas"]
@@ -182,7 +185,8 @@ def test_kv_spec_agrees_on_fp8_ds_mla(http: httpx.Client) -> None:
         assert rep["kv_cache_dtype_requested"] == "auto"
         assert rep["kv_cache_dtype_engine"] == "fp8"
         assert rep["page_sizes"] and all(p % 576 == 0 for p in rep["page_sizes"])
-        assert rep["status"] == "ok"
+        assert rep["status"] == "ok" and rep["action"] == "serve"
+        assert rep["predicted_fingerprint"] and rep["node_id"]
 
 
 def test_kv_spec_cached_read_matches_refresh(http: httpx.Client) -> None:
@@ -220,15 +224,20 @@ def test_differing_replica_is_named_and_warn_keeps_serving(mixed_app: str) -> No
     assert report["policy"] == "warn"
     by_rank = {r["rank"]: r for r in report["replicas"]}
     assert set(by_rank) == {0, 1}
-    odd = by_rank[1]
-    assert odd["status"] == "odd" and by_rank[0]["status"] == "ok"
-    assert odd["cache_dtype"] == by_rank[0]["cache_dtype"] == "fp8_ds_mla"
-    assert odd["page_sizes"] != by_rank[0]["page_sizes"]
-    assert odd["fingerprint"] != by_rank[0]["fingerprint"]
+    odd, good = by_rank[ODD_RANK], by_rank[1 - ODD_RANK]
+    assert odd["status"] == "odd" and good["status"] == "ok"
+    assert odd["cache_dtype"] == good["cache_dtype"] == "fp8_ds_mla"
+    # The same multiset of caches (the old fingerprint said agree), not layer for layer.
+    assert odd["page_sizes"] == good["page_sizes"]
+    assert odd["fingerprint"] != good["fingerprint"]
+    assert good["fingerprint"] == report["expected"]["fingerprint"]
+    assert report["expected"]["reference"] == "prediction"
     assert list(report["odd_replicas"]) == [odd["id"]]
-    [problem] = [p for p in report["problems"] if p["kind"] == "mismatch"]
-    assert problem["replica"] == odd["id"] and problem["field"] == "page_sizes"
-    assert odd["id"] in problem["message"] and "page_sizes" in problem["message"]
+    [problem] = report["problems"]
+    assert problem["kind"] == "prediction" and problem["replica"] == odd["id"]
+    layers = {d["layer"] for d in problem["layers"]}
+    assert {"model.layers.2.attn", "model.layers.3.attn"} <= layers, problem
+    assert "canary" in problem["message"] and "model.layers.2.attn" in problem["message"]
 
     # Under warn the odd replica keeps serving: it stays RUNNING through several
     # health-check periods and requests keep succeeding.
@@ -270,7 +279,10 @@ def test_enforce_makes_the_differing_replica_unhealthy(mixed_app: str) -> None:
     while time.monotonic() < deadline and newcomer is None:
         report = _mixed_report(mixed_app)
         newcomer = next((r for r in report["replicas"]
-                         if r["id"] not in before["odd_replicas"] and r["rank"] == 1), None)
+                         if r["id"] not in before["odd_replicas"] and r["rank"] == ODD_RANK),
+                        None)
         time.sleep(2)
     assert newcomer is not None, "the replacement replica never answered the controller"
     assert newcomer["status"] == "odd" and report["state"] == "disagree"
+    # Odd again with the same config: enforce backs off (drains it) instead of looping.
+    assert newcomer["action"] == "drain" and newcomer["attempts"] == 1, newcomer
