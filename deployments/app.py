@@ -302,6 +302,23 @@ def _model_cards(llm_config: LLMConfig) -> dict[str, Any]:
     return {llm_config.model_id: to_model_metadata(llm_config.model_id, llm_config)}
 
 
+# Room above http.max_in_flight for cheap requests (models, kv-spec, 401/404 answers).
+INGRESS_HEADROOM = 64
+
+
+def ingress_queue_options(http: HTTPEdge) -> dict[str, Any]:
+    """Bounded queues in front of the edge, so overload is a 503 at every layer.
+
+    Ray Serve LLM's ingress default is ``max_ongoing_requests`` 1e9 with an unbounded
+    proxy queue. The edge refuses generation above ``http.max_in_flight`` itself
+    (an OpenAI 503 body); these bounds make Serve's proxy refuse the rest (503 with
+    ``Retry-After``, Ray 2.60 ``backpressure_config``) instead of queueing without end.
+    """
+    return {"max_ongoing_requests": 2 * http.max_in_flight + INGRESS_HEADROOM,
+            "max_queued_requests": http.max_in_flight,
+            "backpressure_config": {"status_code": 503, "retry_after_s": http.retry_after_s}}
+
+
 def resolve_model_source(args: AppArgs) -> str | None:
     """The tiny-model alias becomes the directory ``ensure_tiny_model`` builds (logged)."""
     if not args.llm.model_loading_config.is_tiny:
@@ -338,7 +355,7 @@ def build_app(args: dict[str, Any]) -> Application:
         # The ingress relays the servers' streams: it may stop only after they have.
         "graceful_shutdown_timeout_s": ingress_drain_timeout_s(parsed),
         "graceful_shutdown_wait_loop_s": deploy.drain_poll_s,
-    }
+    } | ingress_queue_options(parsed.http)
     return serve.deployment(ingress_cls, **options).bind(
         llm_deployments={llm_config.model_id: server},
         model_cards=_model_cards(llm_config),

@@ -34,14 +34,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from deployments.config import AuthConfig
+from deployments.config import AuthConfig, ConfigError, ServeConfig
 
 MIN_KEY_CHARS = 16
 # How often the key file's modification time is looked at (a stat, not a read).
 FILE_RECHECK_S = 1.0
 
 
-class AuthConfigError(ValueError):
+class AuthConfigError(ConfigError):
     """The auth settings cannot be honoured; the message names the setting and the fix."""
 
 
@@ -192,3 +192,24 @@ def bearer_token(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
+
+
+def preflight(config: ServeConfig, environ: dict[str, str] | None = None) -> None:
+    """The ingress's startup refusal, checked before anything starts (``dsv4-serve run``).
+
+    Same rule, same message; the ingress checks again where it runs (its
+    environment is the one that counts on a remote cluster).
+    """
+    for _, args in config.ours():
+        KeyStore(args.http.auth, environ).check_startup(config.http_options.host)
+
+
+def client_headers(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``Authorization`` for our own requests (``dsv4-serve run``'s checks, the tests).
+
+    The first configured key, from the same default sources the ingress reads;
+    no header when none is configured (a loopback server without keys).
+    """
+    store = KeyStore(AuthConfig(), environ)
+    keys = store.keys()
+    return {"Authorization": f"Bearer {keys[0]}"} if keys else {}

@@ -53,6 +53,8 @@ DEFAULT_DRAIN_POLL_S = 0.5
 # Where the HTTP edge reads API keys (deployments/auth.py); never from the YAML.
 DEFAULT_API_KEYS_ENV = "DSV4_API_KEYS"
 DEFAULT_API_KEYS_FILE_ENV = "DSV4_API_KEYS_FILE"
+# Secrets that must never sit in runtime_env (the state API echoes runtime_env back).
+SECRET_ENV_VARS = (DEFAULT_API_KEYS_ENV, "VLLM_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 
 class Policy(str, Enum):
@@ -293,13 +295,13 @@ class LLMSection(_Strict):
                     f"runtime_env.env_vars.{key}={value!r} is a {type(value).__name__}; "
                     f"Ray takes strings only. Fix: quote it ({key}: \"{value}\")."
                 )
-        for key in (DEFAULT_API_KEYS_ENV, "VLLM_API_KEY"):
+        for key in SECRET_ENV_VARS:
             if key in env:
                 raise ValueError(
-                    f"runtime_env.env_vars.{key} is set: an API key in the config leaks "
-                    "with the config (git, `serve status`, manifests). Fix: remove it and "
-                    f"export {DEFAULT_API_KEYS_ENV} in the environment that starts Ray (a "
-                    "Kubernetes Secret on KubeRay).")
+                    f"runtime_env.env_vars.{key} is set: a secret in the config leaks with "
+                    "the config (git, `serve status`, manifests, and Ray's state API shows "
+                    "every actor's runtime_env). Fix: remove it and export it in the "
+                    "environment that starts Ray (a Kubernetes Secret on KubeRay).")
         plugins = env.get("VLLM_PLUGINS")
         if plugins is not None and PLUGIN_NAME not in plugins.split(","):
             raise ValueError(
