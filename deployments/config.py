@@ -403,6 +403,17 @@ class AuthConfig(_Strict):
     keys_file: str | None = Field(default=None, min_length=1,
                                   description="key file (one per line), e.g. a mounted Secret")
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML 1.1 reads an unquoted ``mode: off`` as ``false``: that is the word off."""
+        if value is False:
+            return "off"
+        if value is True:
+            raise ValueError("mode: true (YAML reads on/yes/true as a boolean): expected "
+                             "auto, keys or off. Fix: write mode: keys.")
+        return value
+
 
 class HTTPEdge(_Strict):
     """The HTTP edge of the ingress: auth, CORS, body and request bounds, overload.

@@ -432,3 +432,13 @@ def test_public_report_has_no_pids_paths_or_tracebacks() -> None:
         assert secret not in text, (secret, text)
     assert public["replicas"][0] == {"id": "abc", "rank": 0}
     assert "RayActorError" in public["problems"][0]["message"]
+
+
+def test_yaml_off_is_the_word_off() -> None:
+    """Unquoted `mode: off` is YAML 1.1 `false`; it must mean off, and `on` must not pass."""
+    import yaml
+
+    args = {"llm": LLM, "http": yaml.safe_load("auth: {mode: off}")}
+    assert parse_app_args(args).http.auth.mode == "off"
+    with pytest.raises(ConfigError, match="expected auto, keys or off"):
+        parse_app_args({"llm": LLM, "http": yaml.safe_load("auth: {mode: on}")})

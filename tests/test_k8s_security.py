@@ -158,8 +158,10 @@ def test_rule_secrets_only_from_secrets(docs: Docs) -> None:
         [keys] = [v for v in pod["spec"]["volumes"] if v["name"] == "api-keys"]
         assert keys["secret"] == {"secretName": "dsv4-api-keys", "optional": False,
                                   "defaultMode": 0o440}
-    serve = kind(docs, "RayService")["spec"]["serveConfigV2"]
-    assert "HF_TOKEN" not in serve and "DSV4_API_KEYS" not in serve
+    serve = yaml.safe_load(kind(docs, "RayService")["spec"]["serveConfigV2"])
+    for app in serve["applications"]:
+        env = app["args"]["llm"].get("runtime_env", {}).get("env_vars", {})
+        assert not {"HF_TOKEN", "DSV4_API_KEYS", "VLLM_API_KEY"} & set(env)
 
     def inline(d: Docs) -> None:
         env = containers(d)[0]["env"]
