@@ -339,8 +339,8 @@ _SSE_ERROR = re.compile(rb'^data: (\{"error".*\})\s*$', re.M)
 class _Response:
     """Watches what the app sends: scrubs 5xx bodies and 5xx stream errors, times chunks."""
 
-    def __init__(self, send: Send, request_id: str):
-        self._send, self.request_id = send, request_id
+    def __init__(self, send: Send, request_id: str, retry_after_s: int = 1):
+        self._send, self.request_id, self.retry_after_s = send, request_id, retry_after_s
         self.started = self.finished = self.streaming = False
         self.last_chunk = time.monotonic()
         self._held: Message | None = None  # the start of a 5xx answer, sent with a new body
@@ -377,6 +377,9 @@ class _Response:
                    if k.lower() not in (b"content-length", b"content-type")]
         headers += [(b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode())]
+        if status == 503 and not any(k.lower() == b"retry-after" for k, _ in headers):
+            # e.g. no replica available while Serve replaces one: a retry will do
+            headers.append((b"retry-after", str(self.retry_after_s).encode()))
         self._held = None
         self.finished = True
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
@@ -404,7 +407,7 @@ class _Response:
 async def _run_bounded(app: ASGIApp, scope: Scope, receive: Receive, send: Send,
                        settings: HTTPEdge, request_id: str) -> None:
     """Run the app under the stream limits; a 5xx body never leaves with internals in it."""
-    response = _Response(send, request_id)
+    response = _Response(send, request_id, settings.retry_after_s)
     task = asyncio.ensure_future(app(scope, receive, response.send))
     started = time.monotonic()
     try:

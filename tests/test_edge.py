@@ -59,9 +59,10 @@ def build(settings: HTTPEdge, probe: Probe) -> FastAPI:
         mode = body.get("mode")
         if mode == "boom":
             raise RuntimeError("secret internal detail /opt/secret/path.py")
-        if mode == "five-hundred":
-            return JSONResponse({"error": {"message": "engine died: secret", "code": 500}},
-                                status_code=500)
+        if mode in ("five-hundred", "five-oh-three"):
+            code = 500 if mode == "five-hundred" else 503
+            return JSONResponse({"error": {"message": "engine died: secret", "code": code}},
+                                status_code=code)
         if mode == "block":
             await probe.release.wait()
         if mode in ("stream", "stall", "stream-error"):
@@ -343,6 +344,13 @@ def test_500_bodies_carry_only_a_request_id(probe: Probe) -> None:
         err = error(data)
         assert status == 500 and "secret" not in data.decode(), data
         assert "req-42" in err["message"] and err["type"] == "internal_server_error"
+
+
+def test_a_503_from_behind_the_edge_is_scrubbed_and_says_when_to_retry(probe: Probe) -> None:
+    app = build(HTTPEdge(retry_after_s=2), probe)
+    guard(HTTPEdge(retry_after_s=2))
+    status, hdrs, data = post(app, {"mode": "five-oh-three"})
+    assert status == 503 and hdrs["retry-after"] == "2" and b"secret" not in data
 
 
 def test_stream_error_events_are_scrubbed(probe: Probe) -> None:

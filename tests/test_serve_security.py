@@ -53,12 +53,14 @@ def http(serve_stack: Stack) -> Iterator[httpx.Client]:
     """A client of the session app; the same replicas must be there afterwards."""
     from tests.test_serve_faults import wait_agree
 
-    before = wait_agree(serve_stack.url, 2)
+    def replica_ids(timeout_s: float) -> set[str]:
+        report = wait_agree(serve_stack.url, 2, timeout_s=timeout_s)
+        return {r["id"] for r in report["replicas"]}
+
+    before = replica_ids(300)
     with httpx.Client(base_url=serve_stack.url, timeout=120) as client:
         yield client
-    after = wait_agree(serve_stack.url, 2, timeout_s=60)
-    assert {r["id"] for r in after["replicas"]} == {r["id"] for r in before["replicas"]}, \
-        "a replica was restarted by a client"
+    assert replica_ids(60) == before, "a replica was restarted by a client"
 
 
 def set_keys(stack: Stack, *keys: str) -> None:
