@@ -291,6 +291,8 @@ class DSv4Ingress(OpenAiIngress):
         """
         report, how = await self._refresh.report(
             refresh, lambda fresh: self._kv_spec.report.remote(refresh=fresh))
+        if hasattr(report, "model_dump"):  # a typed report: its plain-JSON form
+            report = report.model_dump(mode="json")
         status = {"agree": 200, "disagree": 409}.get(report["state"], 503)
         return JSONResponse(public_report(report), status_code=status,
                             headers={"x-dsv4-refresh": how})

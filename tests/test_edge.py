@@ -450,3 +450,28 @@ def test_yaml_off_is_the_word_off() -> None:
     assert parse_app_args(args).http.auth.mode == "off"
     with pytest.raises(ConfigError, match="expected auto, keys or off"):
         parse_app_args({"llm": LLM, "http": yaml.safe_load("auth: {mode: on}")})
+
+
+def test_run_refuses_a_reachable_bind_without_a_key_before_ray_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    import yaml
+
+    from deployments import runner
+    from deployments.config import DEFAULT_CONFIG
+
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    raw["http_options"]["host"] = "0.0.0.0"
+    path = tmp_path / "reachable.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    for name in ("DSV4_API_KEYS", "DSV4_API_KEYS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    args = argparse.Namespace(config=path, num_cpus=None, metrics_port=None, no_smoke=True)
+    started = time.monotonic()
+    assert runner.main(args) == 2
+    assert time.monotonic() - started < 5  # refused before any cluster starts
+    err = capsys.readouterr().err
+    assert "http_options.host='0.0.0.0' answers beyond this machine" in err
+    assert "Fix: put keys in DSV4_API_KEYS" in err
