@@ -41,6 +41,7 @@ def standin_app(replicas: int, dsv4: dict[str, Any], controller: Any = None,
         StandInReplica, name=SERVER, num_replicas=replicas,
         ray_actor_options={"num_cpus": 0}, health_check_period_s=1,
         health_check_timeout_s=10, request_router_config=router_config(),
+        graceful_shutdown_timeout_s=0.5, graceful_shutdown_wait_loop_s=0.1,
         **(server_options or {}),
     ).options(version=version, _internal=True).bind(**standin)
     settings = {"expected_layout": "fp8_ds_mla", "controller_period_s": PERIOD_S,
@@ -48,7 +49,8 @@ def standin_app(replicas: int, dsv4: dict[str, Any], controller: Any = None,
     return serve.deployment(
         controller or KVSpecController, name=CONTROLLER, num_replicas=1,
         ray_actor_options={"num_cpus": 0}, health_check_period_s=1,
-        health_check_timeout_s=10,
+        health_check_timeout_s=10, graceful_shutdown_timeout_s=0.5,
+        graceful_shutdown_wait_loop_s=0.1,
     ).options(version=version, _internal=True).bind(server=server, dsv4=settings)
 
 
@@ -277,13 +279,14 @@ def test_a_non_conforming_rollout_is_held_back(app_name: str) -> None:
     from ray import serve
 
     serve.run(standin_app(3, {"policy": "enforce"}), name=app_name, route_prefix=None)
-    before = {r["id"] for r in wait_report(app_name, lambda r: r["state"] == "agree")
-              ["replicas"]}
+    before = {r["id"] for r in wait_report(
+        app_name, lambda r: r["state"] == "agree" and r["answered"] == 3, refresh=True)
+        ["replicas"]}
     # v2's replicas disagree with themselves (split worker ranks): under enforce they
     # refuse to start, so the rolling update never gets a RUNNING v2 replica.
     deploy_in_background(standin_app(3, {"policy": "enforce"}, version="v2",
                                      split=(0, 1, 2)), app_name)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 10
     failures = 0
     while time.monotonic() < deadline:
         try:
