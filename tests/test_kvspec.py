@@ -246,3 +246,16 @@ def test_report_round_trips_through_json() -> None:
 def test_flash_standin_has_flash_layer_kinds() -> None:
     rows = flash_worker_specs()
     assert sum(1 for r in rows if r["layer"].endswith(".attn")) == 41
+
+
+def test_status_describes_stale_and_silent_replicas() -> None:
+    from deployments.status import EXIT, EXIT_INCOMPLETE, describe
+
+    gap = kvspec.NoAnswer("b", "replica b did not answer within its 3 s deadline")
+    report = kvspec.decide([standin_spec("a", 0)], [gap], 2, "fp8_ds_mla")
+    stale = report.model_copy(update={"state": State.STALE, "previous_state": report.state,
+                                      "policy": "enforce", "age_s": 95.0})
+    text = describe(FleetReport.model_validate(stale.model_dump(mode="json")))
+    assert "KV spec: stale (last completed check: incomplete)" in text
+    assert "95 s old" in text and "b: [no_answer]" in text
+    assert EXIT.get(stale.state.value, EXIT_INCOMPLETE) == EXIT_INCOMPLETE
