@@ -107,8 +107,9 @@ def main() -> int:
     import ray
     from ray import serve
 
-    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False,
-             object_store_memory=200 * 2**20)
+    # address="local": a private cluster, never someone else's that happens to run.
+    ray.init(address="local", include_dashboard=False, logging_level="ERROR",
+             log_to_driver=False, object_store_memory=200 * 2**20)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8012},
                     proxy_location="Disabled", logging_config={"log_level": "WARNING"})
