@@ -152,7 +152,8 @@ def _env_of(pid: int, name: str) -> str | None:
                 None)
 
 
-def _cmdline(pid: int) -> bytes:
+def cmdline(pid: int) -> bytes:
+    """The raw command line of ``pid`` (NUL-separated), empty once it is gone."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
@@ -164,7 +165,7 @@ def worker_raylets(session: int) -> dict[str, int]:
     provider gives each node its id through RAY_OVERRIDE_NODE_ID_FOR_TESTING)."""
     out = {}
     for pid in session_pids(session):
-        if _cmdline(pid).split(b"\0")[0].endswith(b"/raylet/raylet"):
+        if cmdline(pid).split(b"\0")[0].endswith(b"/raylet/raylet"):
             node = _env_of(pid, "RAY_OVERRIDE_NODE_ID_FOR_TESTING")
             if node and node != FAKE_HEAD_NODE_ID:
                 out[node] = pid
@@ -263,7 +264,7 @@ class LocalCluster:
         # The nodes' processes first; then `ray start --block` and Ray's reaper, which
         # wait for their children (and need a nudge once those are gone).
         keepers = {self.head.pid} | {p for p in session_pids(self.session)
-                                     if b"ray_process_reaper" in _cmdline(p)}
+                                     if b"ray_process_reaper" in cmdline(p)}
         _signal_all([p for p in session_pids(self.session) if p not in keepers],
                     signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -279,7 +280,7 @@ class LocalCluster:
             self.head.wait(10)
         if stubborn:
             logger.warning("dsv4: %d process(es) of the local cluster needed SIGKILL: %s",
-                           len(stubborn), {p: _cmdline(p)[:60] for p in stubborn})
+                           len(stubborn), {p: cmdline(p)[:60] for p in stubborn})
         self.config_path.unlink(missing_ok=True)
         self.config_path.with_suffix(".token").unlink(missing_ok=True)
         return stubborn

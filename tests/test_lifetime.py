@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from dsv4_patch import lifetime, patches
+from tests.test_serve_faults import pid_alive
 
 ROOT = Path(__file__).resolve().parents[1]
 OWNER = textwrap.dedent("""
@@ -38,14 +39,6 @@ OWNER = textwrap.dedent("""
 """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _orphan_outlives(tmp_path: Path, ignore_term: bool, grace_s: float,
                      within_s: float) -> bool:
     script = tmp_path / "owner.py"
@@ -57,15 +50,15 @@ def _orphan_outlives(tmp_path: Path, ignore_term: bool, grace_s: float,
     child = int(owner.stdout.readline())
     try:
         time.sleep(1.0)  # the child is up and watching
-        assert _alive(child)
+        assert pid_alive(child)
         os.kill(owner.pid, signal.SIGKILL)
         owner.wait(10)
         deadline = time.monotonic() + within_s
-        while _alive(child) and time.monotonic() < deadline:
+        while pid_alive(child) and time.monotonic() < deadline:
             time.sleep(0.1)
-        return _alive(child)
+        return pid_alive(child)
     finally:
-        if _alive(child):
+        if pid_alive(child):
             os.kill(child, signal.SIGKILL)
 
 
