@@ -75,6 +75,24 @@ def _needs(spec: patches.PatchSpec, module: Any) -> tuple[str, str]:
     return ("yes", "validator rejects auto on SM12x") if rejects else ("no", "accepts auto")
 
 
+def probe_cpu_ops(node: NodeInfo) -> dict[str, Any] | None:
+    """On the CPU platform: which implementation each DeepSeek-V4 CPU op runs here.
+
+    The same decision ``cpu_ops.install()`` makes in the engine's worker (native kernel
+    where the loaded library has it, ours otherwise, ``DSV4_CPU_OPS=torch`` forcing ours).
+    """
+    if node.platform != "cpu":
+        return None
+    from dsv4_patch import cpu_ops
+
+    try:
+        mode = cpu_ops.requested_mode()
+    except ValueError as exc:
+        return {"error": str(exc)}
+    impls = cpu_ops.probe()
+    return {"mode": mode, "library": cpu_ops._loaded_library(), "ops": impls}
+
+
 def _node(args: argparse.Namespace) -> NodeInfo:
     node = probe_node(args.attention_backend)
     if args.platform or args.capability:
@@ -94,6 +112,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "node": node.as_dict(),
         "plugin": plugin_status(),
         "patches": probe_patches(),
+        "cpu_ops": probe_cpu_ops(node),
     }
     try:
         canon = canonicalize({"kv_cache_dtype": args.kv_cache_dtype}, node)
@@ -147,7 +166,23 @@ def render(data: dict[str, Any]) -> str:
             lines.append("  stock vLLM of this version crashes on this without the plugin")
     for row in data["patches"]:
         lines.append(f"patch {row['name']}: needed={row['needed']} ({row['why']})")
+    lines.extend(_render_cpu_ops(data.get("cpu_ops")))
     return "\n".join(lines)
+
+
+def _render_cpu_ops(ops: dict[str, Any] | None) -> list[str]:
+    if ops is None:
+        return []
+    if "error" in ops:
+        return [f"cpu ops: REFUSED: {ops['error']}"]
+    by_impl: dict[str, list[str]] = {}
+    for name, impl in ops["ops"].items():
+        by_impl.setdefault(impl, []).append(name)
+    lines = [f"cpu ops ({len(ops['ops'])}, DSV4_CPU_OPS={ops['mode']}, loaded "
+             f"{ops['library']}):"]
+    for impl, names in sorted(by_impl.items()):
+        lines.append(f"  {impl}: {', '.join(names)}")
+    return lines
 
 
 def main(args: argparse.Namespace) -> int:
