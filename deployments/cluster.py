@@ -283,6 +283,8 @@ class LocalCluster:
                            len(stubborn), {p: cmdline(p)[:60] for p in stubborn})
         self.config_path.unlink(missing_ok=True)
         self.config_path.with_suffix(".token").unlink(missing_ok=True)
+        if not stubborn:  # kept otherwise: the head's output tells why
+            self.log_path.unlink(missing_ok=True)
         return stubborn
 
 
