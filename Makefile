@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dsv4-setup-stamp
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test test-faults lint clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ run: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -v
+
+# The fault steps that each cost one more engine boot (a replica killed and replaced,
+# a node lost under traffic and replaced): not in `make test`/CI, run them here.
+test-faults: setup
+	DSV4_FULL_FAULTS=1 $(BIN)/python -m pytest -v -s tests/test_run_cli.py tests/test_multinode.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -484,6 +484,31 @@ def _check_cpu_block_size(where: str, block_size: Any) -> None:
         )
 
 
+def _check_cpu_engine_on_one_node(ek: EngineKwargs, node: NodeSpec) -> None:
+    """A CPU engine cannot span nodes: reject what would be ignored or never start.
+
+    vLLM's CPU platform has no Ray device key (``CpuPlatform.ray_device_key == ""``),
+    so its Ray executor raises "current platform cpu does not support ray"
+    (``vllm/v1/executor/ray_utils.py``, ``initialize_ray_cluster``), and Ray Serve
+    LLM 2.60 runs every CPU engine with the multiprocess executor, overriding
+    ``distributed_executor_backend`` silently (``LLMConfig.get_initialization_kwargs``).
+    Pipeline parallelism on CPU therefore lives inside one node.
+    """
+    backend = (ek.model_extra or {}).get("distributed_executor_backend")
+    if backend not in (None, "mp"):
+        raise ValueError(
+            f"llm.engine_kwargs.distributed_executor_backend={backend!r} on a CPU node: "
+            "Ray Serve LLM runs CPU engines with vLLM's multiprocess executor (vLLM's CPU "
+            "platform has no Ray executor). Fix: remove it (or set 'mp')."
+        )
+    if node.nodes_per_replica > 1:
+        raise ValueError(
+            f"dsv4.node.nodes_per_replica={node.nodes_per_replica} on a CPU node: a CPU "
+            "engine cannot span nodes (no Ray executor on CPU). Fix: nodes_per_replica: 1; "
+            "pipeline_parallel_size > 1 runs its stages on one node."
+        )
+
+
 class AppArgs(_Strict):
     """``args`` of ``deployments.app:build_app``: one DeepSeek-V4 model."""
 
@@ -542,6 +567,7 @@ class AppArgs(_Strict):
                     f"llm.accelerator_type={self.llm.accelerator_type!r} on a CPU node. "
                     "Fix: remove accelerator_type."
                 )
+            _check_cpu_engine_on_one_node(ek, node)
             return self
         if pg is not None:
             per_worker = [b.get("GPU", 0) for b in pg.bundles]

@@ -28,9 +28,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deployments.config import DEFAULT_CONFIG, AppArgs, ConfigError, ServeConfig, load_serve_config
+
+if TYPE_CHECKING:
+    from deployments.cluster import LocalCluster
 
 logger = logging.getLogger("dsv4_serve.run")
 
@@ -78,7 +81,7 @@ def base_url(config: ServeConfig, route_prefix: str | None = "/") -> str:
 
 
 def start_cluster(config: ServeConfig, num_cpus: float | None = None,
-                  metrics_port: int | None = None) -> float:
+                  metrics_port: int | None = None, address: str | None = None) -> float:
     """Start a private local Ray cluster and Serve's HTTP proxy; return the CPUs given.
 
     ``address="local"`` never attaches to someone else's cluster: ``run`` owns what
@@ -88,8 +91,12 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
     (``metrics_url`` tells which). Ray serves it without the dashboard too.
     """
     import ray
-    from ray import serve
 
+    if address is not None:  # a cluster someone else started (--nodes: deployments.cluster)
+        ray.init(address=address, namespace="serve",
+                 log_to_driver=os.environ.get("DSV4_LOG_TO_DRIVER") == "1")
+        _start_serve(config)
+        return float(ray.cluster_resources().get("CPU", 0))
     needed = logical_cpus_needed(config)
     cpus = num_cpus if num_cpus is not None else max(float(os.cpu_count() or 1), needed)
     if cpus < needed:
@@ -104,10 +111,16 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
     ray.init(address="local", num_cpus=cpus, include_dashboard=False,
              namespace="serve", log_to_driver=os.environ.get("DSV4_LOG_TO_DRIVER") == "1",
              _metrics_export_port=metrics_port or free_port())
+    _start_serve(config)
+    return cpus
+
+
+def _start_serve(config: ServeConfig) -> None:
+    from ray import serve
+
     extra = config.model_extra or {}
     serve.start(http_options=config.http_options.model_dump(),
                 proxy_location=extra.get("proxy_location", "HeadOnly"))
-    return cpus
 
 
 def free_port() -> int:
@@ -119,6 +132,22 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def gcs_reachable(timeout_s: float = 2.0) -> bool:
+    """Whether this driver's GCS still accepts TCP connections (no RPC, no waiting).
+
+    Serve and Ray calls against a dead GCS block for ~60 s, after which Ray ends
+    the driver with "Failed to connect to GCS within 60 seconds".
+    """
+    import ray
+
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def metrics_url() -> str:
@@ -244,25 +273,46 @@ def drain(timeout_s: float) -> None:
         return
     started = time.monotonic()
     try:
-        try:
-            count: int | str = in_flight_requests(apps)
-        except Exception as exc:  # the count is for people; the drain goes on without it
-            count = "an unknown number of"
-            logger.warning("dsv4: could not count in-flight requests: %r", exc)
-        print(f"draining {count} in-flight request(s) of {apps} (at most {timeout_s:.0f} s; "
-              "new requests get 404)...", file=sys.stderr, flush=True)
-        for name in apps:
-            serve.delete(name, _blocking=False)
-        while set(apps) & set(serve.status().applications):
-            if time.monotonic() - started > timeout_s:
-                print(f"drain: {apps} still stopping after {timeout_s:.0f} s; "
-                      "shutting down anyway", file=sys.stderr, flush=True)
-                return
-            time.sleep(DRAIN_POLL_S)
-        print(f"drained in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+        count: int | str = in_flight_requests(apps)
+    except Exception as exc:  # the count is for people; the drain goes on without it
+        count = "an unknown number of"
+        logger.warning("dsv4: could not count in-flight requests: %r", exc)
+    print(f"draining {count} in-flight request(s) of {apps} (at most {timeout_s:.0f} s; "
+          "new requests get 404)...", file=sys.stderr, flush=True)
+    for name in apps:
+        serve.delete(name, _blocking=False)
+    while set(apps) & set(serve.status().applications):
+        if time.monotonic() - started > timeout_s:
+            print(f"drain: {apps} still stopping after {timeout_s:.0f} s; "
+                  "shutting down anyway", file=sys.stderr, flush=True)
+            return
+        time.sleep(DRAIN_POLL_S)
+    print(f"drained in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+
+
+GCS_POLL_S = 0.5
+
+
+def drain_while_cluster_lives(timeout_s: float) -> bool:
+    """``drain`` in a thread, watched: False as soon as the GCS is gone.
+
+    A process-group SIGTERM (``kill -TERM -PGID``, systemd's ``KillMode=control-group``)
+    stops gcs_server and the raylet together with us, possibly while the drain is
+    under way; a Serve call then blocks for 60 s before Ray ends this process with
+    an error. Nothing is left to drain then: the replicas died with the raylet and
+    their engines with them (``dsv4_patch.lifetime``). A second signal stops waiting.
+    """
+    worker = threading.Thread(target=drain, args=(timeout_s,), name="dsv4-drain", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(GCS_POLL_S)
+            if worker.is_alive() and not gcs_reachable():
+                return False
     except KeyboardInterrupt:
         print("second signal: not waiting for in-flight requests", file=sys.stderr,
               flush=True)
+    return True
 
 
 def shutdown() -> None:
@@ -297,6 +347,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "free one; the URL is printed)")
     parser.add_argument("--no-smoke", action="store_true",
                         help="skip the one-token request after deploying")
+    parser.add_argument("--nodes", type=int, default=None, metavar="N",
+                        help="a local multi-node cluster instead of one node: a head that "
+                        "takes no replicas and up to N worker nodes (separate raylets, each "
+                        "standing in for a GPU node) added and removed by Ray's autoscaler; "
+                        "one replica per node")
+    parser.add_argument("--node-idle-timeout-s", type=float, default=60.0,
+                        help="with --nodes: seconds a worker node may sit idle before the "
+                        "autoscaler removes it (default: %(default)s)")
 
 
 @dataclass
@@ -335,8 +393,13 @@ def main(args: argparse.Namespace) -> int:
         print(f"dsv4-serve run: {exc}", file=sys.stderr)
         return 2
     stop = StopSignal().install()
+    nodes: LocalCluster | None = None
     try:
-        start_cluster(config, args.num_cpus, args.metrics_port)
+        if args.nodes is not None:
+            nodes = start_nodes(config, args)
+            timings.mark("head up")
+        start_cluster(config, args.num_cpus, args.metrics_port,
+                      address=nodes.address if nodes else None)
         # ray.init replaces the SIGTERM handler with one that kills Ray's processes and
         # exits 1, skipping Serve's drain (replicas never stop their vLLM engines). Ours
         # again: SIGTERM then takes the same clean path as Ctrl-C.
@@ -370,21 +433,71 @@ def main(args: argparse.Namespace) -> int:
         print(f"dsv4-serve run: {exc}", file=sys.stderr)
         return 1
     finally:
-        stop_everything(stop, config)
+        try:
+            stop_everything(stop, config)
+        finally:
+            if nodes is not None:
+                nodes.stop()
         print(f"stopped after {timings.mark('stopped')} s", file=sys.stderr)
+
+
+def start_nodes(config: ServeConfig, args: argparse.Namespace) -> LocalCluster:
+    """``--nodes N``: place one replica per worker node and start the cluster's head.
+
+    Worker nodes come later, from the autoscaler, as the replicas ask for them.
+    """
+    from deployments import cluster
+
+    if args.nodes < 1:
+        raise ConfigError(f"--nodes={args.nodes}: expected at least 1 worker node. Fix: "
+                          "--nodes 2, or leave it out for the one-node cluster.")
+    if args.num_cpus is not None or args.metrics_port is not None:
+        raise ConfigError("--num-cpus and --metrics-port apply to the one-node cluster; with "
+                          "--nodes each worker node gets one replica's CPUs. Fix: drop them.")
+    ours = config.ours()
+    for app, parsed in ours:
+        top = parsed.llm.deployment_config.max_replicas
+        if top > args.nodes:
+            raise ConfigError(
+                f"applications[{app.name}] max_replicas={top} but --nodes={args.nodes}: "
+                "one replica per node. Fix: --nodes "
+                f"{top}, or lower autoscaling_config.max_replicas.")
+    try:
+        changes = cluster.place_one_replica_per_node([app.args for app, _ in ours])
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    for change in changes:
+        logger.info("dsv4: --nodes: %s", change)
+    spec = cluster.ClusterSpec(
+        max_nodes=args.nodes,
+        node_cpus=max(replica_cpus(parsed) for _, parsed in config.ours()),
+        head_cpus=INGRESS_CPUS * len(ours),
+        idle_timeout_s=args.node_idle_timeout_s,
+    )
+    return cluster.LocalCluster.start(spec)
 
 
 def stop_everything(stop: StopSignal, config: ServeConfig) -> None:
     """Drain (only a stack that served has requests worth waiting for), then shut down.
 
     Shutdown runs even if the drain fails, so no Ray or vLLM process outlives ``run``.
+    When the GCS is already gone (see ``drain_while_cluster_lives``), Serve cannot be
+    asked anything: only Ray's own processes are stopped.
     """
     import ray
 
-    stop.draining = stop.serving and ray.is_initialized()
+    if not ray.is_initialized():
+        return
+    stop.draining = stop.serving
+    cluster_alive = gcs_reachable()
     try:
-        if stop.draining:
-            drain(drain_deadline_s(config))
+        if stop.draining and cluster_alive:
+            cluster_alive = drain_while_cluster_lives(drain_deadline_s(config))
     finally:
         stop.draining = False
-        shutdown()
+        if cluster_alive and gcs_reachable():
+            shutdown()
+        else:
+            print("Ray's GCS is gone (stopped by the same signal?): nothing left to drain; "
+                  "stopping what remains of the local cluster", file=sys.stderr, flush=True)
+            ray.shutdown()

@@ -68,7 +68,7 @@ def describe(report: FleetReport) -> str:
             lines.append(f"  {rep.id}: [{rep.status.value}] {rep.reason or ''}")
             continue
         action = "" if rep.action.value == "serve" else f", action {rep.action.value}"
-        lines.append(f"  {rep.id} rank {rep.rank}: {rep.cache_dtype}, blocks "
+        lines.append(f"  {rep.id} rank {rep.rank} on node {rep.node_id}: {rep.cache_dtype}, blocks "
                      f"{rep.block_sizes}, pages {rep.page_sizes} B, {rep.fingerprint[:19]} "
                      f"[{rep.status.value}{action}]")
     lines += [f"  problem: {p.message}" for p in report.problems]

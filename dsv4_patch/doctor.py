@@ -63,6 +63,10 @@ def _needs(spec: patches.PatchSpec, module: Any) -> tuple[str, str]:
             resolver = getattr(resolver, patches.PATCHED_MARK)
         failure = patches.probe_resolver(resolver)
         return ("yes", failure) if failure else ("no", "resolver maps auto -> fp8_ds_mla")
+    if spec is patches.PARENT_WATCH:
+        if patches.upstream_parent_monitor():
+            return "no", f"vLLM has {patches.UPSTREAM_PARENT_MONITOR}"
+        return "yes", "the engine core does not watch its parent; applied in spawned processes"
     backend = getattr(module, patches.SM120_CLASS, None)
     if backend is None:
         return "no", "SM120 backend not present"

@@ -11,6 +11,7 @@ symbol and changes it only where it is broken, so a fixed vLLM is left alone.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 import sys
@@ -203,7 +204,58 @@ SM120_PATCH = PatchSpec(
     apply=apply_sm120_validator_patch,
 )
 
-PATCHES: tuple[PatchSpec, ...] = (RESOLVER_PATCH, SM120_PATCH)
+# ------------------------------------------------------- engine process lifetime
+
+LIFETIME_MODULE = "vllm"  # imported in every process that loads the plugin
+UPSTREAM_PARENT_MONITOR = "vllm.utils.system_utils.monitor_parent_death"
+
+
+def upstream_parent_monitor() -> bool:
+    """True when the installed vLLM's engine core watches its parent itself (#55846)."""
+    module_name, _, attr = UPSTREAM_PARENT_MONITOR.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return False
+    return hasattr(module, attr)
+
+
+def apply_parent_watch(module: ModuleType) -> PatchResult:
+    """Start ``lifetime.watch_parent`` in processes vLLM spawned (engine core, workers)."""
+    from dsv4_patch import lifetime
+
+    name = PARENT_WATCH.name
+    if upstream_parent_monitor():
+        return PatchResult(name, "skipped", f"vLLM has {UPSTREAM_PARENT_MONITOR}")
+    parent = lifetime.watch_parent()
+    if parent is None:
+        return PatchResult(name, "skipped", "not started by multiprocessing: no owner to watch")
+    return PatchResult(name, "applied", f"ends with its parent, process {parent}")
+
+
+PARENT_WATCH = PatchSpec(
+    name="dsv4.engine_dies_with_owner",
+    module=LIFETIME_MODULE,
+    target="vllm: the lifetime of the VLLM::EngineCore and VLLM::Worker processes",
+    why=(
+        "vLLM's engine core does not watch the process that spawned it: when a Serve "
+        "replica dies without its shutdown (raylet/GCS killed, node lost, SIGKILL, OOM), "
+        "its EngineCore and Workers live on under PID 1 with their memory and CPU."
+    ),
+    how=(
+        "In a process multiprocessing spawned, a daemon thread waits on the parent "
+        "sentinel; when the parent is gone it sends SIGTERM to its own process (vLLM's "
+        "shutdown runs: requests aborted, workers stopped), SIGKILL after a grace period."
+    ),
+    upstream="vllm-project/vllm#55510 (bug), #55846 (death pipe for EngineCore, open), "
+             "#34816 (PR_SET_PDEATHSIG, open)",
+    affected="vLLM 0.20.0-0.33.x (no parent monitor in the engine core)",
+    remove_when=f"{UPSTREAM_PARENT_MONITOR} (or an equivalent) exists in the oldest "
+                "supported vLLM",
+    apply=apply_parent_watch,
+)
+
+PATCHES: tuple[PatchSpec, ...] = (RESOLVER_PATCH, SM120_PATCH, PARENT_WATCH)
 
 
 def install(record: PatchRecord, patches: tuple[PatchSpec, ...] = PATCHES) -> None:

@@ -14,9 +14,11 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.conftest import SERVING_LINE, read_until_serving
+from tests.multinode import FULL_FAULTS
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +59,55 @@ def alive(pids: set[int]) -> list[str]:
     return out
 
 
-def test_run_prints_url_consensus_first_token_and_stops_clean() -> None:
+def processes_named(pids: set[int], fragment: bytes) -> list[int]:
+    """The pids among ``pids`` whose command line contains ``fragment``."""
+    found = []
+    for pid in sorted(pids):
+        try:
+            if fragment in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+def wait_for_agreement(url: str, replicas: int, replaced: set[str] = frozenset(),
+                       timeout_s: float = 300) -> dict:
+    """Until /v1/kv-spec agrees over ``replicas`` replicas, one of them not in ``replaced``
+    when that is given (a replacement has joined)."""
+    deadline = time.monotonic() + timeout_s
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            resp = httpx.get(f"{url}/kv-spec", params={"refresh": "true"}, timeout=60)
+            body = resp.json()
+            ids = {r["id"] for r in body.get("replicas", [])}
+            last = (resp.status_code, body.get("state"), sorted(ids))
+            if (resp.status_code == 200 and len(ids) == replicas
+                    and (not replaced or ids - replaced)):
+                return body
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        time.sleep(2)
+    raise AssertionError(f"no agreement over {replicas} replicas in {timeout_s} s: {last}")
+
+
+def kill_one_replica_and_wait_for_its_replacement(url: str, run_pid: int) -> None:
+    before = wait_for_agreement(url, 2)
+    [replica, *_] = processes_named(descendants(run_pid), b"ServeReplica:dsv4:DSv4Server")
+    killed_at = time.monotonic()
+    os.kill(replica, signal.SIGKILL)
+    wait_for_agreement(url, 2, replaced={r["id"] for r in before["replicas"]})
+    print(f"replica {replica} SIGKILLed: replaced and agreeing after "
+          f"{time.monotonic() - killed_at:.1f} s")
+
+
+def test_run_serves_heals_a_killed_replica_and_a_group_sigterm_leaves_nothing() -> None:
+    """Boot as a user does; SIGKILL a replica, Serve replaces it (``make test-faults``
+    only: one more engine boot); then SIGTERM to the
+    whole process group (``kill -TERM -PGID``, systemd's control-group stop): gcs_server
+    and the raylet die with ``run``, the replicas with the raylet, and every engine
+    (``VLLM::EngineCore``/``VLLM::Worker``) with its replica; ``run`` exits 0."""
     exe = Path(sys.executable).with_name("dsv4-serve")
     started = time.monotonic()
     proc = subprocess.Popen([str(exe), "run"], stdout=subprocess.PIPE,
@@ -73,21 +123,32 @@ def test_run_prints_url_consensus_first_token_and_stops_clean() -> None:
         assert first, out[-4000:]
         print(f"dsv4-serve run: first token after {first.group(1)} s, "
               f"request latency {first.group(2)} s")
+        engines_before = set(processes_named(descendants(proc.pid), b"VLLM::EngineCore"))
+        if FULL_FAULTS:
+            kill_one_replica_and_wait_for_its_replacement("http://127.0.0.1:8000/v1", proc.pid)
     finally:
         started_pids = descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
+        engines = set(processes_named(started_pids, b"VLLM::"))
+        os.killpg(proc.pid, signal.SIGTERM)
+        stop_at = time.monotonic()
         try:
             rest, _ = proc.communicate(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             raise
+    print(rest[-2000:])
     assert proc.returncode == 0, rest[-4000:]
     assert "SIGTERM: shutting down" in rest
     assert len(started_pids) > 5, f"expected Ray + replicas + engines, saw {started_pids}"
-    deadline = time.monotonic() + 30
-    while alive(started_pids) and time.monotonic() < deadline:
+    assert len(engines) >= 4, f"expected 2 engines x (EngineCore + Worker), saw {engines}"
+    assert engines_before, "no engine seen before the kill"
+    # Engines are not in the run's process group (Ray puts each worker in its own):
+    # only their owners' deaths can stop them.
+    deadline = stop_at + 45
+    while alive(started_pids | engines_before) and time.monotonic() < deadline:
         time.sleep(1)
-    leftovers = alive(started_pids)
+    leftovers = alive(started_pids | engines_before)
+    print(f"group SIGTERM: run exited 0, nothing left after {time.monotonic() - stop_at:.1f} s")
     assert not leftovers, f"processes left after dsv4-serve run stopped: {leftovers}"
 
 

@@ -1,0 +1,95 @@
+"""Autoscaling end to end on ``dsv4-serve run --nodes 3``, timed step by step.
+
+Load from ``vllm bench serve`` (``benchmarks.load``) drives Serve's autoscaling
+1 -> 2 -> 3 replicas; Ray's autoscaler adds a worker node for each; the KV-spec
+verdict includes every new replica. The load ends: Serve scales down to 1 and
+the autoscaler removes the idle nodes. Then SIGTERM to the run's process group.
+Each step's time (seconds since the load started / since it ended) is printed
+as a table for docs/benchmarks.md.
+
+    flock /tmp/dsv4-heavy.lock .venv/bin/python -m benchmarks.multinode
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks import load as bench_load
+from tests import multinode as mn
+
+NODES = 3
+IDLE_TIMEOUT_S = 5.0
+
+
+def _watch(run: mn.Run, t0: float, marks: dict[str, float], stop: threading.Event) -> None:
+    """Record when the replica and node counts first reach each value."""
+    while not stop.is_set():
+        try:
+            rep = mn.report()
+        except Exception:  # the ingress may be busy; the next poll tells
+            rep = {}
+        now = round(time.monotonic() - t0, 1)
+        replicas = rep.get("running_replicas") or 0
+        if rep.get("state") == "agree":
+            marks.setdefault(f"verdict agrees over {replicas} replica(s)", now)
+        marks.setdefault(f"{replicas} replica(s) RUNNING", now)
+        marks.setdefault(f"{len(mn.worker_nodes(run))} worker node(s)", now)
+        marks["pss_mib"] = max(marks.get("pss_mib", 0.0), mn.pss_mib(run.all_pids()))
+        time.sleep(1)
+
+
+def main() -> dict[str, Any]:
+    from dsv4_patch.tiny_model import ensure_tiny_model
+
+    config = mn.autoscaling_config_file(Path(tempfile.mkdtemp()), max_replicas=NODES)
+    started = time.monotonic()
+    run = mn.start_run(config, NODES, IDLE_TIMEOUT_S)
+    print(f"boot: serving after {time.monotonic() - started:.1f} s")
+    up: dict[str, float] = {}
+    down: dict[str, float] = {}
+    try:
+        mn.wait_report(mn.agreeing(1), "1 replica")
+        stop = threading.Event()
+        t0 = time.monotonic()
+        watcher = threading.Thread(target=_watch, args=(run, t0, up, stop), daemon=True)
+        watcher.start()
+        load = bench_load.Load(num_prompts=600, concurrency=12, input_len=32, output_len=64)
+        result = bench_load.run(load, mn.URL.removesuffix("/v1"), "dsv4-tiny",
+                                str(ensure_tiny_model()))
+        up["load ended"] = round(time.monotonic() - t0, 1)
+        stop.set()
+        watcher.join()
+        stop = threading.Event()
+        t1 = time.monotonic()
+        watcher = threading.Thread(target=_watch, args=(run, t1, down, stop), daemon=True)
+        watcher.start()
+        mn.wait_report(mn.agreeing(1), "scale-down to 1")
+        deadline = time.monotonic() + mn.STEP_TIMEOUT_S
+        while len(mn.worker_nodes(run)) > 1 and time.monotonic() < deadline:
+            time.sleep(1)
+        time.sleep(2)
+        stop.set()
+        watcher.join()
+    finally:
+        code, _, stop_s = mn.stop_run(run)
+    print(f"load: {result['completed']} completed, {result['failed']} failed, "
+          f"{result['output_throughput']:.1f} out tok/s")
+    print("| step (under load; s since load start) | s |\n|---|---|")
+    for name, sec in sorted(up.items(), key=lambda kv: kv[1]):
+        if name != "pss_mib":
+            print(f"| {name} | {sec} |")
+    print("| step (after load; s since load end) | s |\n|---|---|")
+    for name, sec in sorted(down.items(), key=lambda kv: kv[1]):
+        if name != "pss_mib":
+            print(f"| {name} | {sec} |")
+    peak = max(up.get("pss_mib", 0), down.get("pss_mib", 0)) / 1024
+    print(f"SIGTERM: exit {code} after {stop_s:.1f} s; peak PSS of the run {peak:.1f} GiB")
+    return {"up": up, "down": down, "load": bench_load.summary(result), "exit": code}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""The multi-node scenario, step by step: shared by tests/test_multinode.py (in CI) and
+benchmarks/multinode.py (timings for docs/benchmarks.md).
+
+Everything runs the way a user runs it: ``dsv4-serve run --nodes N`` in its own
+process group, real HTTP on 127.0.0.1, Ray's autoscaler adding and removing
+worker nodes (separate raylets), real vLLM engines. Faults are real signals to
+real processes of the cluster's session, found through ``/proc``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from deployments.cluster import FAKE_HEAD_NODE_ID, session_pids, worker_raylets
+from deployments.config import DEFAULT_CONFIG
+from tests.conftest import SERVING_LINE, read_until_serving
+
+PORT = 8020
+URL = f"http://127.0.0.1:{PORT}/v1"
+BOOT_TIMEOUT_S = 420
+STEP_TIMEOUT_S = 300
+PERIOD_S = 3  # the KV-spec controller's period: the verdict follows within it
+# The steps that cost one more engine boot each (a replica killed and replaced, a node
+# lost and replaced) run with `make test-faults`; `make test` stays within its budget.
+FULL_FAULTS = os.environ.get("DSV4_FULL_FAULTS") == "1"
+FULL_FAULTS_REASON = "one more engine boot: run with `make test-faults` (DSV4_FULL_FAULTS=1)"
+
+
+def autoscaling_config_file(tmp: Path, max_replicas: int = 2) -> Path:
+    """The local app, autoscaled 1..max_replicas, reacting within seconds (for tests)."""
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    raw["http_options"]["port"] = PORT
+    args = raw["applications"][0]["args"]
+    args["llm"]["deployment_config"]["autoscaling_config"] = {
+        "min_replicas": 1, "initial_replicas": 1, "max_replicas": max_replicas,
+        "target_ongoing_requests": 2, "upscale_delay_s": 2, "downscale_delay_s": 8,
+        "metrics_interval_s": 1, "look_back_period_s": 3,
+    }
+    args["dsv4"]["controller_period_s"] = PERIOD_S
+    path = tmp / "autoscaled.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@dataclass
+class Run:
+    """A running ``dsv4-serve run --nodes N`` and its cluster's session."""
+
+    proc: subprocess.Popen[str]
+    boot_output: str
+    session: int
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def all_pids(self) -> set[int]:
+        """Every live process of the run: its own tree plus the cluster's session."""
+        from tests.test_run_cli import descendants
+
+        return {self.proc.pid} | descendants(self.proc.pid) | set(session_pids(self.session))
+
+
+def start_run(config: Path, nodes: int, idle_timeout_s: float) -> Run:
+    exe = Path(sys.executable).with_name("dsv4-serve")
+    proc = subprocess.Popen(
+        [str(exe), "run", str(config), "--nodes", str(nodes), "--no-smoke",
+         "--node-idle-timeout-s", str(idle_timeout_s)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    try:
+        out = read_until_serving(proc, BOOT_TIMEOUT_S)
+        assert SERVING_LINE in out, out[-4000:]
+        session = re.search(r"local cluster head at \S+ \(session (\d+)", out)
+        assert session, out[-4000:]
+        return Run(proc, out, int(session.group(1)))
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def report() -> dict[str, Any]:
+    resp = httpx.get(f"{URL}/kv-spec", params={"refresh": "true"}, timeout=120)
+    return resp.json() | {"http_status": resp.status_code}
+
+
+def wait_report(predicate: Any, what: str, timeout_s: float = STEP_TIMEOUT_S) -> dict[str, Any]:
+    """Poll /v1/kv-spec until ``predicate(report)``; the last report in the error."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = report()
+            if predicate(last):
+                return last
+        except httpx.HTTPError as exc:  # the ingress answers again shortly
+            last = repr(exc)
+        time.sleep(1)
+    raise AssertionError(f"{what}: not reached in {timeout_s} s; last report {last}")
+
+
+def agreeing(count: int, *, new_node_besides: set[str] | None = None) -> Any:
+    """A predicate: agree over ``count`` replicas on ``count`` distinct worker nodes
+    (and, if given, on at least one node not in ``new_node_besides``)."""
+    def check(rep: dict[str, Any]) -> bool:
+        nodes = [r.get("node_id") for r in rep.get("replicas", [])]
+        return (rep.get("state") == "agree" and rep["answered"] == rep["running_replicas"]
+                == count and len(set(nodes)) == count and FAKE_HEAD_NODE_ID not in nodes
+                and (new_node_besides is None or bool(set(nodes) - new_node_besides)))
+    return check
+
+
+def replica_nodes(rep: dict[str, Any]) -> dict[str, str]:
+    """Replica id -> Ray node id, from a report."""
+    return {r["id"]: r["node_id"] for r in rep["replicas"]}
+
+
+def pss_mib(pids: set[int]) -> float:
+    """Proportional set size of ``pids`` together (shared pages counted once), MiB."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total / 1024
+
+
+def stop_run(run: Run, timeout_s: float = 120) -> tuple[int, str, float]:
+    """SIGTERM to the run's process group; (exit code, output, seconds)."""
+    started = time.monotonic()
+    os.killpg(run.proc.pid, signal.SIGTERM)
+    try:
+        rest, _ = run.proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.proc.pid, signal.SIGKILL)
+        raise
+    return run.proc.returncode, rest, time.monotonic() - started
+
+
+def worker_nodes(run: Run) -> dict[str, int]:
+    """Ray node id -> raylet pid of the live worker nodes of the run's cluster."""
+    return worker_raylets(run.session)

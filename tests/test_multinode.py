@@ -1,0 +1,147 @@
+"""``dsv4-serve run --nodes 3``: one replica per node, autoscaling with node add/remove,
+node loss under traffic, and a clean stop after it -- on ONE cluster, in order.
+
+The module boots one run (``tests.multinode``): a head that takes no replicas and
+worker nodes from Ray's autoscaler, the local app autoscaled 1..2. The tests are
+steps of one story and run in file order, each starting from where the previous
+left the cluster: 1 replica -> load: 2 replicas on 2 nodes -> the first node's
+raylet SIGKILLed under traffic: a replacement on a third node (``make test-faults``
+only: one more engine boot) -> load stops:
+back to 1 replica and its idle node removed -> SIGTERM: nothing left, exit 0.
+Step times are printed (``-s``); ``benchmarks/multinode.py`` runs the same steps
+for docs/benchmarks.md. The file sorts before the session stack's tests, so the
+two never share the cores.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from deployments.cluster import cmdline
+from tests import multinode as mn
+from tests.test_run_cli import alive
+from tests.test_serve_faults import Traffic
+
+pytestmark = pytest.mark.slow
+
+NODES = 3
+IDLE_TIMEOUT_S = 5.0
+MODEL = "dsv4-tiny"
+STATE: dict[str, object] = {}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[mn.Run]:
+    config = mn.autoscaling_config_file(tmp_path_factory.mktemp("multinode"))
+    started = time.monotonic()
+    the_run = mn.start_run(config, NODES, IDLE_TIMEOUT_S)
+    the_run.marks["boot"] = time.monotonic() - started
+    try:
+        yield the_run
+    finally:
+        if the_run.proc.poll() is None:
+            os.killpg(the_run.proc.pid, signal.SIGKILL)
+        for pid in mn.session_pids(the_run.session):  # only if a step failed midway
+            os.kill(pid, signal.SIGKILL)
+
+
+def _peak_memory(run: mn.Run) -> None:
+    STATE["pss_mib"] = max(float(STATE.get("pss_mib", 0.0)), mn.pss_mib(run.all_pids()))
+
+
+def test_one_replica_per_node_none_on_the_head(run: mn.Run) -> None:
+    rep = mn.wait_report(mn.agreeing(1), "1 replica agreeing on a worker node")
+    [node] = mn.replica_nodes(rep).values()
+    assert node in mn.worker_nodes(run), (node, mn.worker_nodes(run))
+    assert "on node " + node in run.boot_output, "run did not print the replica's node"
+    print(f"boot with --nodes {NODES}: serving on 1 worker node after "
+          f"{run.marks['boot']:.1f} s")
+    STATE["first"] = rep
+    _peak_memory(run)
+
+
+def test_load_scales_to_two_replicas_on_two_nodes(run: mn.Run) -> None:
+    before = STATE["first"]
+    assert isinstance(before, dict)
+    with Traffic(mn.URL, MODEL, threads=4) as traffic:
+        started = time.monotonic()
+        rep = mn.wait_report(mn.agreeing(2), "scale-up to 2 replicas on 2 nodes")
+        scaled_s = time.monotonic() - started
+        traffic.wait_for(6)
+        _peak_memory(run)
+    nodes = set(mn.replica_nodes(rep).values())
+    assert set(mn.replica_nodes(before).values()) < nodes, "the first replica moved"
+    assert nodes <= set(mn.worker_nodes(run))
+    failed = [o for o in traffic.outcomes if not o.ok]
+    print(f"scale-up 1->2 under load: new node + replica agreeing after {scaled_s:.1f} s; "
+          f"{len(traffic.outcomes)} requests, {len(failed)} failed")
+    assert not failed, [o.error for o in failed[:3]]
+    STATE["two"] = rep
+
+
+@pytest.mark.skipif(not mn.FULL_FAULTS, reason=mn.FULL_FAULTS_REASON)
+def test_node_loss_under_traffic_is_confined_and_replaced_on_a_new_node(run: mn.Run) -> None:
+    two = STATE["two"]
+    assert isinstance(two, dict)
+    placed = mn.replica_nodes(two)
+    first = STATE["first"]
+    assert isinstance(first, dict)
+    [victim_node] = mn.replica_nodes(first).values()
+    [survivor] = [rid for rid, node in placed.items() if node != victim_node]
+    raylet = mn.worker_nodes(run)[victim_node]
+    with Traffic(mn.URL, MODEL, threads=4) as traffic:
+        traffic.wait_for(8)
+        killed_at = time.monotonic()
+        os.kill(raylet, signal.SIGKILL)
+        rep = mn.wait_report(mn.agreeing(2, new_node_besides=set(placed.values())),
+                             "a replacement replica on a new node")
+        recovery_s = time.monotonic() - killed_at
+        traffic.wait_for(6)
+        _peak_memory(run)
+    now = mn.replica_nodes(rep)
+    assert survivor in now and now[survivor] == placed[survivor], "the other node was touched"
+    assert victim_node not in now.values()
+    outcomes = traffic.outcomes
+    failed = [o for o in outcomes if not o.ok]
+    print(f"node loss (raylet SIGKILL) under traffic: replacement on a new node agreeing "
+          f"after {recovery_s:.1f} s; {len(outcomes)} requests, {len(failed)} failed")
+    for o in failed:  # only what was in flight on (or routed to) the lost node
+        assert o.started < killed_at + 15 and o.ended - o.started < 60, o
+    assert len(failed) <= 8, [o.error for o in failed]
+    assert sum(o.ok for o in outcomes if o.started > killed_at) >= 4
+    STATE["after_loss"] = rep
+
+
+def test_load_stops_scale_down_and_the_idle_node_is_removed(run: mn.Run) -> None:
+    started = time.monotonic()
+    rep = mn.wait_report(mn.agreeing(1), "scale-down to 1 replica")
+    down_s = time.monotonic() - started
+    deadline = time.monotonic() + mn.STEP_TIMEOUT_S
+    while len(mn.worker_nodes(run)) > 1 and time.monotonic() < deadline:
+        time.sleep(1)
+    removed_s = time.monotonic() - started
+    [node] = mn.replica_nodes(rep).values()
+    assert set(mn.worker_nodes(run)) == {node}, mn.worker_nodes(run)
+    print(f"load stopped: 1 replica agreeing after {down_s:.1f} s, idle node removed after "
+          f"{removed_s:.1f} s (node idle timeout {IDLE_TIMEOUT_S} s)")
+
+
+def test_sigterm_after_node_loss_leaves_nothing_and_exits_0(run: mn.Run) -> None:
+    pids = run.all_pids()
+    engines = [p for p in pids if b"VLLM::" in cmdline(p)]
+    assert engines, "no engine process seen before the stop"
+    code, out, stop_s = mn.stop_run(run)
+    assert code == 0, out[-4000:]
+    deadline = time.monotonic() + 30
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not alive(pids), alive(pids)
+    assert not mn.session_pids(run.session)
+    print(f"SIGTERM to the run's process group: exit 0 after {stop_s:.1f} s, nothing left; "
+          f"peak memory of the whole run {float(STATE.get('pss_mib', 0)) / 1024:.1f} GiB PSS")
+
