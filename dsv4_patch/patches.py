@@ -189,7 +189,7 @@ def probe_resolver(resolver: Callable[..., Any]) -> str | None:
 
 
 def _probe_resolver_module(module: ModuleType) -> Verdict:
-    resolver = getattr(module, RESOLVER_NAME, None)
+    resolver = _unwrap(getattr(module, RESOLVER_NAME, None))
     if resolver is None:
         return Verdict(False, f"{module.__name__}.{RESOLVER_NAME} not in this vLLM")
     try:
@@ -415,6 +415,8 @@ def _probe_sm120(module: ModuleType) -> Verdict:
         return Verdict(False, f"{SM120_CLASS} inherits a generic supports_combination "
                        "(no DeepSeek-V4 dtype check on SM12x in this vLLM)")
     function = own.__func__
+    if hasattr(function, PATCHED_MARK):  # probe vLLM's own validator, not ours
+        function = getattr(function, PATCHED_MARK).__func__
     verdict = function(backend, **_sm120_probe_args(function))
     if verdict is not None and "kv_cache_dtype" in verdict:
         return Verdict(True, f"SM120 validator rejects auto ({verdict!r})")
