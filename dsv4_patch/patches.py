@@ -247,11 +247,6 @@ def _patch_resolver(module: ModuleType) -> str:
     return f"replaced {', '.join(sorted(set(sites)))}"
 
 
-def apply_resolver_patch(module: ModuleType) -> PatchResult:
-    """Replace ``_resolve_dsv4_kv_cache_dtype`` where it decides unlike upstream 0.30+."""
-    return RESOLVER_PATCH.apply(module)
-
-
 RESOLVER_PATCH = PatchSpec(
     name="dsv4.resolve_kv_cache_dtype",
     module=RESOLVER_MODULE,
@@ -444,11 +439,6 @@ def _patch_sm120(module: ModuleType) -> str:
 def _sm120_patched(module: ModuleType) -> bool:
     own = vars(getattr(module, SM120_CLASS, object)).get("supports_combination")
     return hasattr(getattr(own, "__func__", None), PATCHED_MARK)
-
-
-def apply_sm120_validator_patch(module: ModuleType) -> PatchResult:
-    """Let the SM120 DSv4 FlashInfer validator accept ``auto`` (it resolves to fp8)."""
-    return SM120_PATCH.apply(module)
 
 
 SM120_PATCH = PatchSpec(

@@ -22,19 +22,17 @@ machine run the tests that use these under ``flock /tmp/dsv4-heavy.lock``.
 
 from __future__ import annotations
 
-import fcntl
 import importlib.metadata as md
 import os
 import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from packaging.requirements import Requirement
 
+from dsv4_patch.tiny_model import _build_lock
 from tests import release_sources as rs
 
 REPO = Path(__file__).resolve().parent.parent
@@ -44,23 +42,11 @@ BREAKS_VLLM = frozenset({"torchvision", "torchaudio", "torchcodec"})
 ALSO = ("gguf",)  # imported by some releases' model loaders without being declared
 
 
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """One builder per cached folder at a time (concurrent test runs wait, then reuse)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _pip_target(folder: Path, *specs: str) -> None:
     """``pip install --no-deps --target folder specs`` once; the stamp marks it complete."""
     if (folder / STAMP).exists():
         return
-    with _file_lock(folder.parent / f"{folder.name}.lock"):
+    with _build_lock(folder):
         if (folder / STAMP).exists():
             return
         shutil.rmtree(folder, ignore_errors=True)

@@ -31,7 +31,7 @@ def _cache_config(dtype: str):  # a real vLLM CacheConfig, as the layer receives
 
 def test_installed_032_resolver_is_left_alone() -> None:
     before = attention._resolve_dsv4_kv_cache_dtype
-    result = patches.apply_resolver_patch(attention)
+    result = patches.RESOLVER_PATCH.apply(attention)
     assert result.status == "skipped"
     assert "decides like upstream 0.30+" in result.reason
     assert attention._resolve_dsv4_kv_cache_dtype is before
@@ -43,7 +43,7 @@ def test_legacy_resolver_fails_on_auto_without_patch(legacy_module: types.Module
 
 
 def test_patch_resolves_auto_with_write_back(legacy_module: types.ModuleType) -> None:
-    result = patches.apply_resolver_patch(legacy_module)
+    result = patches.RESOLVER_PATCH.apply(legacy_module)
     assert result.status == "applied" and "AssertionError" in result.reason
     cfg = _cache_config("auto")
     dtype_str, torch_dtype = legacy_module._resolve_dsv4_kv_cache_dtype(True, "auto", cfg)
@@ -55,7 +55,7 @@ def test_patch_resolves_auto_with_write_back(legacy_module: types.ModuleType) ->
 
 
 def test_patch_rejects_bfloat16_with_our_error(legacy_module: types.ModuleType) -> None:
-    patches.apply_resolver_patch(legacy_module)
+    patches.RESOLVER_PATCH.apply(legacy_module)
     cfg = _cache_config("bfloat16")
     with pytest.raises(KVCacheDtypeError, match="kv_cache_dtype: auto \\(or fp8\\)"):
         legacy_module._resolve_dsv4_kv_cache_dtype(True, "bfloat16", cfg)
@@ -65,16 +65,16 @@ def test_patch_rejects_bfloat16_with_our_error(legacy_module: types.ModuleType) 
 def test_patch_keeps_plain_rows_behaviour(legacy_module: types.ModuleType) -> None:
     import torch
 
-    patches.apply_resolver_patch(legacy_module)
+    patches.RESOLVER_PATCH.apply(legacy_module)
     resolve = legacy_module._resolve_dsv4_kv_cache_dtype
     assert resolve(False, "auto", None) == ("auto", torch.bfloat16)
     assert resolve(False, "fp8", None) == ("fp8", torch.float8_e4m3fn)
 
 
 def test_patch_is_idempotent(legacy_module: types.ModuleType) -> None:
-    patches.apply_resolver_patch(legacy_module)
+    patches.RESOLVER_PATCH.apply(legacy_module)
     patched = legacy_module._resolve_dsv4_kv_cache_dtype
-    again = patches.apply_resolver_patch(legacy_module)
+    again = patches.RESOLVER_PATCH.apply(legacy_module)
     assert again.status == "applied" and "already patched" in again.reason
     assert legacy_module._resolve_dsv4_kv_cache_dtype is patched
 
@@ -85,7 +85,7 @@ def test_patch_rebinds_copies_imported_by_name(
     copy = types.ModuleType("vllm.models.deepseek_v4.fake_importer")
     copy._resolve_dsv4_kv_cache_dtype = legacy_resolver.legacy_resolve
     monkeypatch.setitem(sys.modules, copy.__name__, copy)
-    result = patches.apply_resolver_patch(legacy_module)
+    result = patches.RESOLVER_PATCH.apply(legacy_module)
     assert f"{copy.__name__}._resolve_dsv4_kv_cache_dtype" in result.reason
     assert copy._resolve_dsv4_kv_cache_dtype("", "auto", None)[0] == "auto"  # plain-row path
     assert copy._resolve_dsv4_kv_cache_dtype(True, "auto", None)[0] == "fp8_ds_mla"
@@ -104,7 +104,7 @@ def test_sm120_validator_accepts_auto_after_patch(monkeypatch: pytest.MonkeyPatc
     assert backend.supports_combination(*args, DeviceCapability(12, 0)) == (
         "kv_cache_dtype not supported"
     )
-    result = patches.apply_sm120_validator_patch(module)
+    result = patches.SM120_PATCH.apply(module)
     assert result.status == "applied"
     verdict = backend.supports_combination(*args, device_capability=DeviceCapability(12, 0))
     assert verdict is None or "kv_cache_dtype" not in verdict  # past the dtype check
@@ -114,7 +114,7 @@ def test_sm120_validator_accepts_auto_after_patch(monkeypatch: pytest.MonkeyPatc
     assert backend.supports_combination(*bf16, DeviceCapability(12, 0)) == (
         "kv_cache_dtype not supported"
     )
-    assert patches.apply_sm120_validator_patch(module).reason == "already patched in this process"
+    assert patches.SM120_PATCH.apply(module).reason == "already patched in this process"
 
 
 def test_every_patch_is_documented() -> None:
