@@ -26,8 +26,11 @@ from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, ErrorResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments.config import AppArgs, parse_app_args
+from deployments import edge
+from deployments.config import AppArgs, HTTPEdge, parse_app_args
 from deployments.controller import KVSpecController
+from deployments.edge import EdgeMiddleware
+from deployments.public import RefreshGate, public_report
 from deployments.server import DSv4DPServer, DSv4Server
 
 logger = logging.getLogger("ray.serve")
@@ -133,8 +136,40 @@ async def _openai_validation_error(request: Request,
     return JSONResponse(error.model_dump(), status_code=400)
 
 
-def _openai_fastapi_app() -> FastAPI:
-    """Ray Serve LLM's ingress FastAPI app, with client errors in OpenAI's error format.
+def _ingress_fastapi_app(edge: HTTPEdge) -> FastAPI:
+    """Ray Serve LLM 2.60's ingress app (``ingress.init``) rebuilt with a closed CORS policy.
+
+    ``init()`` adds ``CORSMiddleware(allow_origins=["*"], allow_credentials=True)``:
+    any web page could call the API from a visitor's browser. The same middleware
+    stack in the same order (LIFO: the request-id middleware runs first), CORS only
+    for ``http.cors_allow_origins``, and ``deployments.edge.EdgeMiddleware`` outermost
+    so auth and the bounds run before anything reads the body.
+    """
+    from fastapi.middleware.cors import CORSMiddleware
+    from ray.llm._internal.serve.core.ingress.middleware import (
+        SetRequestIdMiddleware,
+        add_exception_handling_middleware,
+    )
+    from ray.llm._internal.serve.observability.metrics.fast_api_metrics import (
+        add_http_metrics_middleware,
+        metrics_lifespan,
+    )
+
+    app = FastAPI(lifespan=metrics_lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    add_exception_handling_middleware(app)
+    if edge.cors_allow_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(edge.cors_allow_origins),
+                           allow_credentials=True, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+    add_http_metrics_middleware(app)
+    app.add_middleware(SetRequestIdMiddleware)
+    app.add_middleware(EdgeMiddleware)
+    return app
+
+
+def _openai_fastapi_app(edge: HTTPEdge | None = None) -> FastAPI:
+    """The ingress FastAPI app, with client errors in OpenAI's error format.
 
     Two handlers replace Ray Serve LLM 2.60's (``add_exception_handler`` on the app
     ``make_fastapi_ingress`` accepts is the supported hook; the dict entry for an
@@ -149,11 +184,10 @@ def _openai_fastapi_app() -> FastAPI:
       body (bytes) or a ``NaN`` cannot be serialized and the client got a 500.
       Ours (``_openai_validation_error``) answers 400 and never echoes raw input.
     """
-    from ray.llm._internal.serve.core.ingress.ingress import init
     from ray.llm._internal.serve.core.ingress.middleware import get_request_id
     from ray.llm._internal.serve.utils.server_utils import get_response_for_error
 
-    app = init()
+    app = _ingress_fastapi_app(edge or HTTPEdge())
 
     async def _openai_http_error(request: Request, exc: Exception) -> JSONResponse:
         error = get_response_for_error(exc, get_request_id(request) or "")
@@ -193,25 +227,50 @@ class DSv4ChatCompletionRequest(ChatCompletionRequest):
         return data
 
 
+# Ray Serve LLM routes a DeepSeek-V4 chat model cannot serve: not mounted (and the
+# edge answers them 404 before their body is read).
+UNSERVED_ENDPOINTS = ("embeddings", "transcriptions", "score", "tokenize", "detokenize")
+
+
 def _openai_endpoints() -> dict[str, Any]:
-    """Ray Serve LLM's own OpenAI routes plus ours.
+    """Ray Serve LLM's own generative OpenAI routes plus ours.
 
     ``DEFAULT_ENDPOINTS`` is what ``build_openai_app`` mounts; it is not
     re-exported publicly in Ray 2.60 (pinned in pyproject), hence the internal import.
     """
     from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS
 
-    return {**DEFAULT_ENDPOINTS, "kv_spec": lambda app: app.get(KV_SPEC_ROUTE)}
+    served = {k: v for k, v in DEFAULT_ENDPOINTS.items() if k not in UNSERVED_ENDPOINTS}
+    return {**served, "kv_spec": lambda app: app.get(KV_SPEC_ROUTE)}
+
+
+def proxy_host() -> str | None:
+    """The address Serve's HTTP proxies bind, asked from the Serve controller.
+
+    None when it cannot be told; the edge then treats the bind as reachable.
+    """
+    try:
+        from ray.serve.context import _get_global_client
+
+        return _get_global_client().http_config.host
+    except Exception as exc:  # the answer decides a refusal; an unknown host is not loopback
+        logger.warning("dsv4: could not read Serve's http_options.host (%r); treating the "
+                       "proxy as reachable beyond this machine", exc)
+        return None
 
 
 class DSv4Ingress(OpenAiIngress):
-    """Ray Serve LLM's OpenAI ingress with ``GET /v1/kv-spec``."""
+    """Ray Serve LLM's OpenAI ingress with ``GET /v1/kv-spec`` and our HTTP edge."""
 
     def __init__(self, llm_deployments: dict[str, DeploymentHandle],
                  model_cards: dict[str, Any], *, kv_spec_controller: DeploymentHandle,
-                 **kwargs: Any):
+                 http: dict[str, Any] | None = None, **kwargs: Any):
+        settings = HTTPEdge.model_validate(http or {})
+        # Refuses (the deployment fails with the message) before serving anything.
+        edge.install(edge.EdgeGuard.start(settings, proxy_host()))
         super().__init__(llm_deployments, model_cards, **kwargs)
         self._kv_spec = kv_spec_controller
+        self._refresh = RefreshGate(settings.kv_spec_refresh_interval_s)
 
     async def chat(self, body: DSv4ChatCompletionRequest, request: Request) -> Response:
         """Ray Serve LLM's chat endpoint, parsing the body with ``DSv4ChatCompletionRequest``.
@@ -226,16 +285,40 @@ class DSv4Ingress(OpenAiIngress):
 
         200 when the replicas agree, 409 when they disagree, 503 when the check is
         incomplete, so probes and scripts can branch on the status alone.
+        Concurrent refreshes share one check and refreshes are rate-limited
+        (``RefreshGate``; header ``x-dsv4-refresh`` says which); the body is the
+        public report (``public_report``: no pids, paths or tracebacks).
         """
-        report = await self._kv_spec.report.remote(refresh=refresh)
+        report, how = await self._refresh.report(
+            refresh, lambda fresh: self._kv_spec.report.remote(refresh=fresh))
+        if hasattr(report, "model_dump"):  # a typed report: its plain-JSON form
+            report = report.model_dump(mode="json")
         status = {"agree": 200, "disagree": 409}.get(report["state"], 503)
-        return JSONResponse(report, status_code=status)
+        return JSONResponse(public_report(report), status_code=status,
+                            headers={"x-dsv4-refresh": how})
 
 
 def _model_cards(llm_config: LLMConfig) -> dict[str, Any]:
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
 
     return {llm_config.model_id: to_model_metadata(llm_config.model_id, llm_config)}
+
+
+# Room above http.max_in_flight for cheap requests (models, kv-spec, 401/404 answers).
+INGRESS_HEADROOM = 64
+
+
+def ingress_queue_options(http: HTTPEdge) -> dict[str, Any]:
+    """Bounded queues in front of the edge, so overload is a 503 at every layer.
+
+    Ray Serve LLM's ingress default is ``max_ongoing_requests`` 1e9 with an unbounded
+    proxy queue. The edge refuses generation above ``http.max_in_flight`` itself
+    (an OpenAI 503 body); these bounds make Serve's proxy refuse the rest (503 with
+    ``Retry-After``, Ray 2.60 ``backpressure_config``) instead of queueing without end.
+    """
+    return {"max_ongoing_requests": 2 * http.max_in_flight + INGRESS_HEADROOM,
+            "max_queued_requests": http.max_in_flight,
+            "backpressure_config": {"status_code": 503, "retry_after_s": http.retry_after_s}}
 
 
 def resolve_model_source(args: AppArgs) -> str | None:
@@ -269,14 +352,15 @@ def build_app(args: dict[str, Any]) -> Application:
         graceful_shutdown_wait_loop_s=deploy.drain_poll_s,
     ).bind(server=server, dsv4=dsv4)
     ingress_cls = make_fastapi_ingress(DSv4Ingress, endpoint_map=_openai_endpoints(),
-                                       app=_openai_fastapi_app())
+                                       app=_openai_fastapi_app(parsed.http))
     options = DSv4Ingress.get_deployment_options([llm_config]) | {
         # The ingress relays the servers' streams: it may stop only after they have.
         "graceful_shutdown_timeout_s": ingress_drain_timeout_s(parsed),
         "graceful_shutdown_wait_loop_s": deploy.drain_poll_s,
-    }
+    } | ingress_queue_options(parsed.http)
     return serve.deployment(ingress_cls, **options).bind(
         llm_deployments={llm_config.model_id: server},
         model_cards=_model_cards(llm_config),
         kv_spec_controller=controller,
+        http=parsed.http.model_dump(mode="json"),
     )

@@ -50,6 +50,11 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-cpu
 DEFAULT_DRAIN_TIMEOUT_S = 60.0
 # How often a draining replica re-counts its requests (Serve's default is 2 s).
 DEFAULT_DRAIN_POLL_S = 0.5
+# Where the HTTP edge reads API keys (deployments/auth.py); never from the YAML.
+DEFAULT_API_KEYS_ENV = "DSV4_API_KEYS"
+DEFAULT_API_KEYS_FILE_ENV = "DSV4_API_KEYS_FILE"
+# Secrets that must never sit in runtime_env (the state API echoes runtime_env back).
+SECRET_ENV_VARS = (DEFAULT_API_KEYS_ENV, "VLLM_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 
 
 class Policy(str, Enum):
@@ -104,6 +109,24 @@ class EngineKwargs(_Open):
     block_size: int | None = Field(default=None, ge=1)
     attention_backend: str | None = None
     worker_extension_cls: str | None = None
+    api_key: Any = Field(default=None, exclude=True)
+
+    @field_validator("api_key")
+    @classmethod
+    def _no_key_in_yaml(cls, value: Any) -> None:
+        """vLLM's ``--api-key`` is not honoured by Ray Serve LLM: refuse it, never ignore it.
+
+        Ray Serve LLM 2.60 moves it into frontend kwargs its ingress never reads, so
+        the server would run open while the config says it is protected; and a key
+        in the YAML is a key in git, in ``serve status`` and in KubeRay manifests.
+        """
+        if value is not None:
+            raise ValueError(
+                "engine_kwargs.api_key is set: Ray Serve LLM's ingress ignores it and a "
+                "key in the config leaks with the config. Fix: remove it and put the key "
+                f"in the {DEFAULT_API_KEYS_ENV} environment variable (or a file named by "
+                f"{DEFAULT_API_KEYS_FILE_ENV}); dsv4-serve checks it on every request.")
+        return None
 
     @field_validator("kv_cache_dtype")
     @classmethod
@@ -272,6 +295,13 @@ class LLMSection(_Strict):
                     f"runtime_env.env_vars.{key}={value!r} is a {type(value).__name__}; "
                     f"Ray takes strings only. Fix: quote it ({key}: \"{value}\")."
                 )
+        for key in SECRET_ENV_VARS:
+            if key in env:
+                raise ValueError(
+                    f"runtime_env.env_vars.{key} is set: a secret in the config leaks with "
+                    "the config (git, `serve status`, manifests, and Ray's state API shows "
+                    "every actor's runtime_env). Fix: remove it and export it in the "
+                    "environment that starts Ray (a Kubernetes Secret on KubeRay).")
         plugins = env.get("VLLM_PLUGINS")
         if plugins is not None and PLUGIN_NAME not in plugins.split(","):
             raise ValueError(
@@ -357,6 +387,68 @@ class DSv4Section(_Strict):
         return next((o for o in self.replica_overrides if o.rank == rank), None)
 
 
+# -------------------------------------------------------------------- http part
+
+
+class AuthConfig(_Strict):
+    """Who may call the API: the key *sources* (names and paths), never the keys."""
+
+    mode: Literal["auto", "keys", "off"] = Field(
+        default="auto", description="auto: keys required unless the proxy binds a loopback "
+        "address; keys: always; off: never (explicit opt-out, no key may be configured)")
+    keys_env: str = Field(default=DEFAULT_API_KEYS_ENV, min_length=1,
+                          description="env var holding comma/space-separated keys")
+    keys_file_env: str = Field(default=DEFAULT_API_KEYS_FILE_ENV, min_length=1,
+                               description="env var holding the path of a key file")
+    keys_file: str | None = Field(default=None, min_length=1,
+                                  description="key file (one per line), e.g. a mounted Secret")
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML 1.1 reads an unquoted ``mode: off`` as ``false``: that is the word off."""
+        if value is False:
+            return "off"
+        if value is True:
+            raise ValueError("mode: true (YAML reads on/yes/true as a boolean): expected "
+                             "auto, keys or off. Fix: write mode: keys.")
+        return value
+
+
+class HTTPEdge(_Strict):
+    """The HTTP edge of the ingress: auth, CORS, body and request bounds, overload.
+
+    Every bound answers a client error (4xx) or an overload (503 + Retry-After) that
+    names the limit, so no client input can make the server answer 5xx or run away.
+    """
+
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    cors_allow_origins: list[str] = Field(
+        default_factory=list, description="origins browsers may call from; empty = CORS off")
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20)
+    max_json_depth: int = Field(default=32, ge=4, le=256)
+    max_n: int = Field(default=4, ge=1, le=128)
+    max_prompts: int = Field(default=16, ge=1, le=4096)
+    max_tokens: int = Field(default=8192, ge=1, le=1 << 24)
+    # Requests one ingress replica holds at once (running + waiting); above: 503.
+    max_in_flight: int = Field(default=256, ge=1)
+    retry_after_s: int = Field(default=1, ge=1, le=3600)
+    stream_max_s: float = Field(default=1800.0, gt=0)
+    stream_idle_s: float = Field(default=120.0, gt=0)
+    # A refresh of /v1/kv-spec runs 2N RPCs: at most one per interval per ingress replica.
+    kv_spec_refresh_interval_s: float = Field(default=1.0, ge=0, le=3600)
+
+    @field_validator("cors_allow_origins")
+    @classmethod
+    def _no_wildcard(cls, origins: list[str]) -> list[str]:
+        if "*" in origins:
+            raise ValueError(
+                "cors_allow_origins contains '*': any web page could then call the API "
+                "with a visitor's browser. Fix: list the origins, e.g. "
+                "[\"https://chat.example.com\"].")
+        return origins
+
+
 # ------------------------------------------------------------------ app args
 
 
@@ -378,6 +470,7 @@ class AppArgs(_Strict):
 
     llm: LLMSection
     dsv4: DSv4Section = Field(default_factory=DSv4Section)
+    http: HTTPEdge = Field(default_factory=HTTPEdge)
 
     @model_validator(mode="after")
     def _layout_and_dtype(self) -> AppArgs:
@@ -517,8 +610,14 @@ class ServeApplication(_Open):
         return self.import_path == IMPORT_PATH
 
 
+# Serve's own default bind address for a config file (ray.serve.schema.HTTPOptionsSchema:
+# what `serve deploy` and KubeRay use when http_options.host is absent). `dsv4-serve run`
+# uses the same, so one file binds one address whichever launcher runs it.
+SERVE_DEFAULT_HOST = "0.0.0.0"
+
+
 class HTTPOptions(_Open):
-    host: str = "127.0.0.1"
+    host: str = SERVE_DEFAULT_HOST
     port: int = Field(default=8000, ge=1, le=65535)
 
 

@@ -159,8 +159,11 @@ def http_json(url: str, method: str = "GET", body: dict[str, Any] | None = None,
               timeout: float = 60.0) -> tuple[int, dict[str, Any]]:
     """(status, JSON body) for a request; HTTP errors are answers, not exceptions."""
     data = None if body is None else json.dumps(body).encode()
+    from deployments.auth import client_headers
+
     req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json",
+                                          **client_headers()})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
@@ -330,6 +333,9 @@ def main(args: argparse.Namespace) -> int:
     timings = Timings()
     try:
         config = load_serve_config(args.config)
+        from deployments.auth import preflight
+
+        preflight(config)  # refuses a reachable bind without an API key, before Ray starts
     except ConfigError as exc:
         print(f"dsv4-serve run: {exc}", file=sys.stderr)
         return 2

@@ -1045,8 +1045,7 @@ PAIRED = ("convert_weight_packed", "bmm_cpu")
 # library has it, ours where it does not (what serving uses). "torch": ours for every op,
 # also over a native kernel -- a diagnostic and test switch, so the torch path is exercised
 # on AVX512-BF16 hosts too (tests/test_engine_generation.py runs both). Forcing overrides
-# the ops' CPU kernels for the whole process: another model's AMX fp8 linear layers, which
-# pair the native convert_weight_packed with fp8_scaled_mm_cpu, must not run under it.
+# the ops' CPU kernels for the whole process, except the packed-weight pair (see choose()).
 MODE_ENV = "DSV4_CPU_OPS"
 MODES = ("auto", "torch")
 
@@ -1075,9 +1074,18 @@ def requested_mode() -> str:
     return mode
 
 
-def choose(native_present: bool, mode: str) -> Implementation:
-    """Which implementation an op runs: pure, so doctor and install() cannot disagree."""
-    return "native" if native_present and mode == "auto" else "torch"
+def choose(native_present: bool, mode: str, name: str = "") -> Implementation:
+    """Which implementation an op runs: pure, so doctor and install() cannot disagree.
+
+    Even forced, the packed-weight pair stays native where the library has it: the
+    native ``convert_weight_packed`` also feeds native consumers we do not replace
+    (``weight_packed_linear_cpu`` for small bf16 linears on AMX hosts, the fp8/int8
+    scaled-mm kernels), and our packing (a plain fp32 copy) crashes them (measured: the
+    worker died at the first forward with the pair forced on an AMX host).
+    """
+    if not native_present:
+        return "torch"
+    return "native" if mode == "auto" or name in PAIRED else "torch"
 
 
 def _loaded_library() -> str:
@@ -1111,13 +1119,11 @@ def probe() -> dict[str, Implementation]:
     import vllm._custom_ops  # noqa: F401  loads the ISA library
 
     mode = requested_mode()
-    return {op.name: choose(_native_present(op.name), mode) for op in REGISTRY}
+    return {op.name: choose(_native_present(op.name), mode, op.name) for op in REGISTRY}
 
 
 def _check_pair(library: str, mode: str) -> None:
     """Refuse a library with half of the packed-weight pair (formats are private)."""
-    if mode == "torch":
-        return  # both ours, whatever the library has
     native = [n for n in PAIRED if _native_present(n)]
     if native and len(native) != len(PAIRED):
         raise RuntimeError(
@@ -1170,9 +1176,11 @@ def install() -> list[PatchResult]:
         for op in REGISTRY:
             if op.name not in _installed:
                 native = _native_present(op.name)
-                if choose(native, mode) == "native":
+                if choose(native, mode, op.name) == "native":
+                    why = (f"; kept under {MODE_ENV}={mode}: the packed format is shared with "
+                           "native consumers" if mode == "torch" else "")
                     results.append(PatchResult(op.patch_name, "skipped",
-                                               f"{NATIVE}present in loaded _C ({library})"))
+                                               f"{NATIVE}present in loaded _C ({library}){why}"))
                     continue
                 _installed[op.name] = _register(op, native, library, mode)
             results.append(PatchResult(op.patch_name, "applied", _installed[op.name]))

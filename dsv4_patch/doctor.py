@@ -82,6 +82,28 @@ def cpu_path() -> dict[str, str]:
     return {"present": "no", "why": missing + "; the CPU fallbacks and ops are skipped"}
 
 
+def probe_cpu_ops(node: NodeInfo) -> dict[str, Any] | None:
+    """On the CPU platform: which implementation each DeepSeek-V4 CPU op runs here.
+
+    The same decision ``cpu_ops.install()`` makes in the engine's worker (native kernel
+    where the loaded library has it, ours otherwise, ``DSV4_CPU_OPS=torch`` forcing ours).
+    """
+    if node.platform != "cpu":
+        return None
+    from dsv4_patch import cpu_compat, cpu_ops
+
+    missing = cpu_compat.cpu_path_missing()
+    if missing is not None:  # 0.20-0.29: the plugin skips the ops there too
+        return {"skipped": missing}
+
+    try:
+        mode = cpu_ops.requested_mode()
+    except ValueError as exc:
+        return {"error": str(exc)}
+    impls = cpu_ops.probe()
+    return {"mode": mode, "library": cpu_ops._loaded_library(), "ops": impls}
+
+
 def _node(args: argparse.Namespace) -> NodeInfo:
     node = probe_node(args.attention_backend)
     if args.platform or args.capability:
@@ -101,6 +123,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "node": node.as_dict(),
         "plugin": plugin_status(),
         "patches": probe_patches(),
+        "cpu_ops": probe_cpu_ops(node),
     }
     if node.platform == "cpu":
         out["cpu_path"] = cpu_path()
@@ -160,7 +183,25 @@ def render(data: dict[str, Any]) -> str:
     if "cpu_path" in data:
         lines.append(f"CPU DeepSeek-V4 path: {data['cpu_path']['present']} "
                      f"({data['cpu_path']['why']})")
+    lines.extend(_render_cpu_ops(data.get("cpu_ops")))
     return "\n".join(lines)
+
+
+def _render_cpu_ops(ops: dict[str, Any] | None) -> list[str]:
+    if ops is None:
+        return []
+    if "error" in ops:
+        return [f"cpu ops: REFUSED: {ops['error']}"]
+    if "skipped" in ops:
+        return [f"cpu ops: skipped ({ops['skipped']})"]
+    by_impl: dict[str, list[str]] = {}
+    for name, impl in ops["ops"].items():
+        by_impl.setdefault(impl, []).append(name)
+    lines = [f"cpu ops ({len(ops['ops'])}, DSV4_CPU_OPS={ops['mode']}, loaded "
+             f"{ops['library']}):"]
+    for impl, names in sorted(by_impl.items()):
+        lines.append(f"  {impl}: {', '.join(names)}")
+    return lines
 
 
 def main(args: argparse.Namespace) -> int:

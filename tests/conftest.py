@@ -13,10 +13,13 @@ revision would), which changes its KV page sizes.
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,6 +43,9 @@ class Stack:
     model: str
     running_s: dict[str, float]
     cluster_s: float
+    # The API-key file the session's ingress re-reads (DSV4_API_KEYS_FILE): empty, so the
+    # loopback app is open; tests/test_serve_security.py writes keys into it and empties it.
+    keys_file: Path | None = None
 
 
 def read_until_serving(proc: subprocess.Popen[str], timeout_s: float) -> str:
@@ -80,6 +86,11 @@ def serve_stack() -> Iterator[Stack]:
 
     config = load_serve_config(DEFAULT_CONFIG)
     [(app, args)] = config.ours()
+    # Ray's processes inherit this environment: the ingress reads its keys from the file.
+    keys_file = Path(tempfile.mkdtemp(prefix="dsv4-keys-")) / "api-keys"
+    keys_file.write_text("")
+    os.environ.pop("DSV4_API_KEYS", None)  # a developer's own key would close the app
+    os.environ["DSV4_API_KEYS_FILE"] = str(keys_file)
     started = time.monotonic()
     # Room for the mixed app too: Ray places replicas by logical CPUs.
     runner.start_cluster(config, num_cpus=2 * runner.logical_cpus_needed(config))
@@ -88,7 +99,8 @@ def serve_stack() -> Iterator[Stack]:
         running = runner.deploy(config)
         url = runner.base_url(config, app.route_prefix)
         runner.wait_for_verdict(url)
-        yield Stack(config, url, args.llm.model_loading_config.model_id, running, cluster_s)
+        yield Stack(config, url, args.llm.model_loading_config.model_id, running, cluster_s,
+                    keys_file)
     finally:
         runner.shutdown()
 

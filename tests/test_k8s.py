@@ -41,8 +41,14 @@ def schema() -> dict[str, Any]:
     return version["schema"]["openAPIV3Schema"]
 
 
+def _docs(path: Path) -> list[dict[str, Any]]:
+    return list(yaml.safe_load_all(path.read_text()))
+
+
 def _load(path: Path) -> dict[str, Any]:
-    return yaml.safe_load(path.read_text())
+    """The RayService document of a manifest (the other one is its NetworkPolicy)."""
+    [doc] = [d for d in _docs(path) if d["kind"] == "RayService"]
+    return doc
 
 
 def _schema_errors(schema: Mapping[str, Any], doc: Mapping[str, Any]) -> list[str]:
@@ -177,7 +183,7 @@ def test_pod_plumbing(path):
     assert spec["nodeSelector"] and spec["tolerations"]
     assert any(p["containerPort"] == k8s.METRICS_PORT for p in container["ports"])
     head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
-    assert {p["name"] for p in head["ports"]} >= {"serve", "metrics", "dashboard", "gcs"}
+    assert {p["name"] for p in head["ports"]} == {"serve", "metrics", "dashboard", "gcs"}
     # readiness is KubeRay's injected raylet + Serve-proxy probe (see deployments/k8s.py)
     assert "readinessProbe" not in container and "readinessProbe" not in head
     assert doc["spec"]["serveService"]["spec"]["ports"][0]["port"] == k8s.SERVE_PORT
@@ -212,6 +218,12 @@ def test_cpu_config_cannot_be_rendered():
 
 def test_bad_params_name_the_fix(tmp_path):
     params = yaml.safe_load((K8S / "params.yaml").read_text())
+    params["image_digest"] = "latest"
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    with pytest.raises(ConfigError, match="buildx imagetools inspect"):
+        k8s.load_params(path)
+    params["image_digest"] = "sha256:" + "a" * 64
     params["upgrade_strategy"] = "BlueGreen"
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))

@@ -1,0 +1,477 @@
+"""The HTTP edge without Ray: keys, refusals, bounds, overload, stream limits, 5xx scrubbing.
+
+The app is the ingress FastAPI app exactly as ``deployments.app`` builds it (Ray
+Serve LLM's middleware stack, our CORS policy, ``EdgeMiddleware`` outermost) with
+stand-in routes on the served paths, driven through raw ASGI calls so each case
+runs in milliseconds and can see what the app read, sent and when it was
+cancelled. ``test_serve_security.py`` checks the same against the live stack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from deployments import auth, edge
+from deployments.app import _openai_fastapi_app
+from deployments.config import (
+    SERVE_DEFAULT_HOST,
+    AppArgs,
+    ConfigError,
+    HTTPEdge,
+    parse_app_args,
+)
+from deployments.public import RefreshGate, public_report
+
+KEY = "k" * 20
+OTHER = "o" * 20
+LLM = {"model_loading_config": {"model_id": "m", "model_source": "dsv4-tiny"}}
+
+
+# ------------------------------------------------------------------ harness
+
+
+class Probe:
+    """What the stand-in routes saw."""
+
+    def __init__(self) -> None:
+        self.body_reads = 0
+        self.cancelled = 0
+        self.release = asyncio.Event()
+
+
+def build(settings: HTTPEdge, probe: Probe) -> FastAPI:
+    app = _openai_fastapi_app(settings)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:
+        probe.body_reads += 1
+        body = await request.json()
+        mode = body.get("mode")
+        if mode == "boom":
+            raise RuntimeError("secret internal detail /opt/secret/path.py")
+        if mode in ("five-hundred", "five-oh-three"):
+            code = 500 if mode == "five-hundred" else 503
+            return JSONResponse({"error": {"message": "engine died: secret", "code": code}},
+                                status_code=code)
+        if mode == "block":
+            await probe.release.wait()
+        if mode in ("stream", "stall", "stream-error"):
+            return StreamingResponse(_events(mode, probe), media_type="text/event-stream")
+        return {"choices": [], "n": body.get("n")}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        probe.body_reads += 1
+        return {"choices": []}
+
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return {"data": []}
+
+    return app
+
+
+async def _events(mode: str, probe: Probe) -> AsyncIterator[bytes]:
+    try:
+        yield b'data: {"choices": []}\n\n'
+        if mode == "stream-error":
+            yield b'data: {"error": {"message": "Traceback: /x/y.py secret", "code": 500}}\n\n'
+            yield b"data: [DONE]\n\n"
+            return
+        if mode == "stall":
+            await asyncio.sleep(30)
+        yield b"data: [DONE]\n\n"
+    except asyncio.CancelledError:
+        probe.cancelled += 1
+        raise
+
+
+async def call(app: Any, method: str, path: str, body: bytes = b"",
+               headers: dict[str, str] | None = None, chunks: list[bytes] | None = None,
+               read_forbidden: bool = False) -> tuple[int, dict[str, str], bytes]:
+    """One raw ASGI request; ``read_forbidden`` fails if anyone reads the body."""
+    hdrs = {"content-type": "application/json", **(headers or {})}
+    if chunks is None:
+        chunks = [body]
+        hdrs.setdefault("content-length", str(len(body)))
+    scope = {"type": "http", "method": method, "path": path, "root_path": "",
+             "headers": [(k.lower().encode(), v.encode()) for k, v in hdrs.items()],
+             "query_string": b"", "http_version": "1.1", "scheme": "http",
+             "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000)}
+    pending = list(chunks)
+    out: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if read_forbidden:
+            raise AssertionError("the body was read")
+        if pending:
+            chunk = pending.pop(0)
+            return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        out.append(message)
+
+    await asyncio.wait_for(app(scope, receive, send), timeout=20)
+    start = next(m for m in out if m["type"] == "http.response.start")
+    data = b"".join(m.get("body", b"") for m in out if m["type"] == "http.response.body")
+    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, data
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def guard(settings: HTTPEdge, host: str = "127.0.0.1", **env: str) -> edge.EdgeGuard:
+    g = edge.EdgeGuard.start(settings, host, environ=env)
+    edge.install(g)
+    return g
+
+
+def error(data: bytes) -> dict[str, Any]:
+    payload = json.loads(data)
+    assert set(payload) == {"error"}, payload
+    assert isinstance(payload["error"]["message"], str)
+    return payload["error"]
+
+
+def post(app: Any, body: dict[str, Any] | bytes, **kw: Any) -> tuple[int, dict[str, str], bytes]:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return run(call(app, "POST", "/v1/completions", raw, **kw))
+
+
+# ------------------------------------------------------------------ keys
+
+
+def test_keys_from_env_and_file_with_rotation(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text(f"# rotated monthly\n{KEY}\n")
+    store = auth.KeyStore(HTTPEdge().auth, {"DSV4_API_KEYS": f"{OTHER}, {'e' * 16}",
+                                            "DSV4_API_KEYS_FILE": str(keys_file)})
+    assert store.matches(KEY) and store.matches(OTHER) and store.matches("e" * 16)
+    assert not store.matches(KEY[:-1]) and not store.matches(KEY + "x")
+    new = "n" * 24
+    keys_file.write_text(f"{new}\n")
+    os.utime(keys_file, ns=(time.time_ns(), time.time_ns() + 10**9))  # a new mtime
+    time.sleep(auth.FILE_RECHECK_S + 0.05)
+    assert store.matches(new) and not store.matches(KEY), "the file was not re-read"
+    keys_file.unlink()
+    time.sleep(auth.FILE_RECHECK_S + 0.05)
+    assert not store.matches(new), "a deleted key file must hold no key"
+    assert store.matches(OTHER)
+
+
+def test_short_keys_are_refused() -> None:
+    with pytest.raises(auth.AuthConfigError, match="shorter than 16 characters"):
+        auth.KeyStore(HTTPEdge().auth, {"DSV4_API_KEYS": "hunter2"})
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("::1", True), ("[::1]", True), ("localhost", True),
+    ("127.0.0.2", True), ("0.0.0.0", False), ("::", False), ("10.0.0.5", False),
+    ("example.com", False), (None, False)])
+def test_loopback(host: str | None, loopback: bool) -> None:
+    assert auth.is_loopback(host) is loopback
+
+
+def test_startup_refused_beyond_loopback_without_a_key() -> None:
+    with pytest.raises(auth.AuthConfigError, match=r"http_options.host='0.0.0.0'.*Fix:"):
+        edge.EdgeGuard.start(HTTPEdge(), "0.0.0.0", environ={})
+    with pytest.raises(auth.AuthConfigError, match="mode=keys but no API key"):
+        edge.EdgeGuard.start(HTTPEdge(auth={"mode": "keys"}), "127.0.0.1", environ={})
+    with pytest.raises(auth.AuthConfigError, match="mode=off but 1 key"):
+        edge.EdgeGuard.start(HTTPEdge(auth={"mode": "off"}), "0.0.0.0",
+                             environ={"DSV4_API_KEYS": KEY})
+    # explicit opt-out, or a key: starts
+    assert not edge.EdgeGuard.start(HTTPEdge(auth={"mode": "off"}), "0.0.0.0",
+                                    environ={}).keys.required("0.0.0.0")
+    assert edge.EdgeGuard.start(HTTPEdge(), "0.0.0.0",
+                                environ={"DSV4_API_KEYS": KEY}).keys.required("0.0.0.0")
+
+
+def test_api_key_in_engine_kwargs_is_refused_not_ignored() -> None:
+    args = {"llm": {**LLM, "engine_kwargs": {"api_key": "sk-123"}}}
+    with pytest.raises(ConfigError, match=r"engine_kwargs.api_key is set.*Fix: remove it"):
+        parse_app_args(args)
+    env = {"llm": {**LLM, "runtime_env": {"env_vars": {"VLLM_API_KEY": "x"}}}}
+    with pytest.raises(ConfigError, match="VLLM_API_KEY is set"):
+        parse_app_args(env)
+
+
+def test_cors_wildcard_is_refused_and_defaults_are_closed() -> None:
+    with pytest.raises(ConfigError, match="cors_allow_origins contains"):
+        parse_app_args({"llm": LLM, "http": {"cors_allow_origins": ["*"]}})
+    assert AppArgs.model_validate({"llm": LLM}).http.cors_allow_origins == []
+
+
+def test_default_bind_is_serves_own_default() -> None:
+    """`dsv4-serve run` and `serve deploy` bind one address for a file without http_options."""
+    from ray.serve.schema import HTTPOptionsSchema
+
+    assert HTTPOptionsSchema.model_fields["host"].default == SERVE_DEFAULT_HOST
+
+
+# ------------------------------------------------------------------ middleware
+
+
+@pytest.fixture
+def probe() -> Probe:
+    return Probe()
+
+
+def test_auth_on_every_route(probe: Probe) -> None:
+    app = build(HTTPEdge(), probe)
+    guard(HTTPEdge(), "0.0.0.0", DSV4_API_KEYS=KEY)
+    for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"),
+                         ("POST", "/v1/chat/completions"), ("GET", "/v1/kv-spec"),
+                         ("POST", "/v1/embeddings"), ("GET", "/docs")]:
+        for headers in ({}, {"authorization": f"Bearer {OTHER}"},
+                        {"authorization": KEY}, {"authorization": f"Basic {KEY}"}):
+            status, hdrs, data = run(call(app, method, path, b"{}", headers,
+                                          read_forbidden=True))
+            assert status == 401 and hdrs["www-authenticate"] == "Bearer", (path, headers)
+            assert error(data)["type"] == "authentication_error"
+    status, _, data = post(app, {"prompt": "x"}, headers={"authorization": f"Bearer {KEY}"})
+    assert status == 200, data
+
+
+def test_open_on_loopback_until_a_key_is_configured(probe: Probe, tmp_path: Path) -> None:
+    app = build(HTTPEdge(), probe)
+    keys = tmp_path / "keys"
+    guard(HTTPEdge(), "127.0.0.1", DSV4_API_KEYS_FILE=str(keys))
+    assert post(app, {"prompt": "x"})[0] == 200
+    keys.write_text(KEY)
+    time.sleep(auth.FILE_RECHECK_S + 0.05)
+    assert post(app, {"prompt": "x"})[0] == 401
+    assert post(app, {"prompt": "x"}, headers={"authorization": f"Bearer {KEY}"})[0] == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/score", "/v1/audio/transcriptions",
+                                  "/tokenize", "/detokenize", "/docs", "/openapi.json"])
+def test_unserved_routes_are_404_before_the_body_is_read(probe: Probe, path: str) -> None:
+    app = build(HTTPEdge(), probe)
+    guard(HTTPEdge())
+    status, _, data = run(call(app, "POST", path, b"x" * 10, read_forbidden=True))
+    assert status == 404 and "/v1/chat/completions" in error(data)["message"]
+
+
+def test_wrong_method_is_405(probe: Probe) -> None:
+    app = build(HTTPEdge(), probe)
+    guard(HTTPEdge())
+    status, hdrs, _ = run(call(app, "GET", "/v1/completions", read_forbidden=True))
+    assert status == 405 and hdrs["allow"] == "POST"
+
+
+def test_body_size_is_413_declared_or_counted(probe: Probe) -> None:
+    settings = HTTPEdge(max_body_bytes=2048)
+    app = build(settings, probe)
+    guard(settings)
+    status, _, data = post(app, b"x" * 4096, read_forbidden=True)
+    assert status == 413 and "http.max_body_bytes=2048" in error(data)["message"]
+    status, _, data = run(call(app, "POST", "/v1/completions", chunks=[b"x" * 1500] * 3))
+    assert status == 413 and probe.body_reads == 0
+
+
+def test_nesting_depth_is_a_400_naming_the_limit(probe: Probe) -> None:
+    app = build(HTTPEdge(), probe)
+    guard(HTTPEdge())
+    deep = b'{"prompt": "x", "extra": ' + b"[" * 600 + b"]" * 600 + b"}"
+    status, _, data = post(app, deep)
+    assert status == 400 and "http.max_json_depth=32" in error(data)["message"]
+    assert probe.body_reads == 0
+    # brackets inside strings are text, not nesting
+    status, _, _ = post(app, {"prompt": "[" * 500 + "{" * 500})
+    assert status == 200
+    assert edge.json_depth(b'{"a": [{"b": "]]]\\"[[["}]}') == 3
+
+
+@pytest.mark.parametrize(("body", "param", "limit"), [
+    ({"prompt": "x", "n": 5000}, "n", "http.max_n=4"),
+    ({"prompt": "x", "max_tokens": 10**7}, "max_tokens", "http.max_tokens=8192"),
+    ({"messages": [], "max_completion_tokens": 10**6}, "max_completion_tokens",
+     "http.max_tokens=8192"),
+    ({"prompt": ["a"] * 17}, "prompt", "http.max_prompts=16"),
+])
+def test_request_bounds_are_400s_naming_the_limit(probe: Probe, body: dict[str, Any],
+                                                  param: str, limit: str) -> None:
+    app = build(HTTPEdge(), probe)
+    guard(HTTPEdge())
+    status, _, data = post(app, body)
+    err = error(data)
+    assert status == 400 and err["param"] == param and limit in err["message"], err
+    assert post(app, {"prompt": "x", "n": 4, "max_tokens": 8192})[0] == 200
+
+
+def test_overload_is_503_with_retry_after(probe: Probe) -> None:
+    settings = HTTPEdge(max_in_flight=2, retry_after_s=3)
+    app = build(settings, probe)
+    g = guard(settings)
+
+    async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
+        held = [asyncio.ensure_future(call(app, "POST", "/v1/completions",
+                                           b'{"mode": "block"}')) for _ in range(2)]
+        while g.in_flight < 2:
+            await asyncio.sleep(0.01)
+        extra = await call(app, "POST", "/v1/completions", b'{"prompt": "x"}',
+                           read_forbidden=True)
+        models = await call(app, "GET", "/v1/models")  # reads are not queued
+        probe.release.set()
+        return [extra, models, *await asyncio.gather(*held)]
+
+    (status, hdrs, data), models, *admitted = run(scenario())
+    assert status == 503 and hdrs["retry-after"] == "3"
+    assert "http.max_in_flight" in error(data)["message"]
+    assert models[0] == 200 and [a[0] for a in admitted] == [200, 200]
+    assert g.in_flight == 0
+
+
+def test_500_bodies_carry_only_a_request_id(probe: Probe) -> None:
+    app = build(HTTPEdge(), probe)
+    guard(HTTPEdge())
+    for mode in ("boom", "five-hundred"):
+        status, _, data = post(app, {"mode": mode}, headers={"x-request-id": "req-42"})
+        err = error(data)
+        assert status == 500 and "secret" not in data.decode(), data
+        assert "req-42" in err["message"] and err["type"] == "internal_server_error"
+
+
+def test_a_503_from_behind_the_edge_is_scrubbed_and_says_when_to_retry(probe: Probe) -> None:
+    app = build(HTTPEdge(retry_after_s=2), probe)
+    guard(HTTPEdge(retry_after_s=2))
+    status, hdrs, data = post(app, {"mode": "five-oh-three"})
+    assert status == 503 and hdrs["retry-after"] == "2" and b"secret" not in data
+
+
+def test_stream_error_events_are_scrubbed(probe: Probe) -> None:
+    app = build(HTTPEdge(), probe)
+    guard(HTTPEdge())
+    status, _, data = post(app, {"mode": "stream-error"}, headers={"x-request-id": "r-7"})
+    assert status == 200 and b"secret" not in data and b"r-7" in data, data
+    assert data.endswith(b"data: [DONE]\n\n")
+
+
+def test_stream_idle_limit_ends_the_stream_and_cancels_generation(probe: Probe) -> None:
+    settings = HTTPEdge(stream_idle_s=0.3)
+    app = build(settings, probe)
+    guard(settings)
+    started = time.monotonic()
+    status, _, data = post(app, {"mode": "stall"})
+    assert time.monotonic() - started < 5
+    events = [line for line in data.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "data: [DONE]"
+    assert "http.stream_idle_s" in json.loads(events[-2][6:])["error"]["message"]
+    assert probe.cancelled == 1, "the generation was not cancelled"
+
+
+def test_stream_duration_limit(probe: Probe) -> None:
+    settings = HTTPEdge(stream_max_s=0.3)
+    app = build(settings, probe)
+    guard(settings)
+    _, _, data = post(app, {"mode": "stall"})
+    assert b"http.stream_max_s" in data and probe.cancelled == 1
+
+
+def test_cors_closed_unless_configured(probe: Probe) -> None:
+    preflight = {"origin": "https://evil.example", "access-control-request-method": "POST"}
+    app = build(HTTPEdge(), probe)
+    guard(HTTPEdge())
+    _, hdrs, _ = run(call(app, "GET", "/v1/models", headers={"origin": "https://evil.example"}))
+    assert "access-control-allow-origin" not in hdrs
+    status, hdrs, _ = run(call(app, "OPTIONS", "/v1/models", headers=preflight))
+    assert "access-control-allow-origin" not in hdrs and status >= 400
+    settings = HTTPEdge(cors_allow_origins=["https://chat.example"])
+    app = build(settings, probe)
+    guard(settings, "0.0.0.0", DSV4_API_KEYS=KEY)
+    good = {**preflight, "origin": "https://chat.example"}
+    status, hdrs, _ = run(call(app, "OPTIONS", "/v1/models", headers=good))
+    assert status == 200 and hdrs["access-control-allow-origin"] == "https://chat.example"
+    _, hdrs, _ = run(call(app, "OPTIONS", "/v1/models", headers=preflight))
+    assert "access-control-allow-origin" not in hdrs
+
+
+# ------------------------------------------------------------------ /v1/kv-spec
+
+
+def test_concurrent_refreshes_coalesce_and_are_rate_limited() -> None:
+    checks: list[float] = []
+
+    async def fetch(fresh: bool) -> dict[str, Any]:
+        if fresh:
+            checks.append(time.monotonic())
+            await asyncio.sleep(0.2)
+        return {"checked_at": len(checks)}
+
+    async def scenario() -> list[tuple[dict[str, Any], str]]:
+        gate = RefreshGate(interval_s=0.5)
+        first = await asyncio.gather(*[gate.report(True, fetch) for _ in range(20)])
+        soon = await gate.report(True, fetch)
+        await asyncio.sleep(0.6)
+        later = await gate.report(True, fetch)
+        return [*first, soon, later]
+
+    results = run(scenario())
+    assert len(checks) == 2
+    assert {r["checked_at"] for r, _ in results[:20]} == {1}
+    assert sorted(how for _, how in results[:20]) == ["coalesced"] * 19 + ["ran"]
+    assert results[20][1] == "rate-limited" and results[21] == ({"checked_at": 2}, "ran")
+
+
+def test_public_report_has_no_pids_paths_or_tracebacks() -> None:
+    report = {"state": "incomplete", "replicas": [{"id": "abc", "pid": 1234, "rank": 0,
+                                                   "workers": [{"pid": 9}]}],
+              "problems": [{"message": "a replica failed kv_page_spec: RayActorError: "
+                            "The actor died (pid=4242, ip=10.0.0.1) in "
+                            "/home/ray/anaconda3/lib/python3.11/site-packages/x.py\n"
+                            "Traceback (most recent call last):\n  File \"/a/b.py\""}]}
+    public = public_report(report)
+    text = json.dumps(public)
+    for secret in ("1234", "4242", "/home/ray", "Traceback", "b.py", '"workers"'):
+        assert secret not in text, (secret, text)
+    assert public["replicas"][0] == {"id": "abc", "rank": 0}
+    assert "RayActorError" in public["problems"][0]["message"]
+
+
+def test_yaml_off_is_the_word_off() -> None:
+    """Unquoted `mode: off` is YAML 1.1 `false`; it must mean off, and `on` must not pass."""
+    import yaml
+
+    args = {"llm": LLM, "http": yaml.safe_load("auth: {mode: off}")}
+    assert parse_app_args(args).http.auth.mode == "off"
+    with pytest.raises(ConfigError, match="expected auto, keys or off"):
+        parse_app_args({"llm": LLM, "http": yaml.safe_load("auth: {mode: on}")})
+
+
+def test_run_refuses_a_reachable_bind_without_a_key_before_ray_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    import yaml
+
+    from deployments import runner
+    from deployments.config import DEFAULT_CONFIG
+
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    raw["http_options"]["host"] = "0.0.0.0"
+    path = tmp_path / "reachable.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    for name in ("DSV4_API_KEYS", "DSV4_API_KEYS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    args = argparse.Namespace(config=path, num_cpus=None, metrics_port=None, no_smoke=True)
+    started = time.monotonic()
+    assert runner.main(args) == 2
+    assert time.monotonic() - started < 5  # refused before any cluster starts
+    err = capsys.readouterr().err
+    assert "http_options.host='0.0.0.0' answers beyond this machine" in err
+    assert "Fix: put keys in DSV4_API_KEYS" in err
