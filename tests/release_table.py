@@ -58,7 +58,9 @@ def _import_cell(version: str) -> str:
         return "import failed"
     auto = on["auto"]
     got = auto.get("cache_dtype_str") or auto.get("kv_cache_dtype") or auto.get("error")
-    return f"imports; auto → {got}"
+    changed = [p["name"] for p in on["record"]["patches"] if p["status"] == "error"]
+    note = f"; {len(changed)} CPU fallbacks left alone (kernel changed)" if changed else ""
+    return f"imports; auto → {got}{note}"
 
 
 def _e2e_cell(version: str) -> str:
@@ -70,9 +72,10 @@ def _e2e_cell(version: str) -> str:
     if on["booted"]:
         with_plugin = f"{'/'.join(on['spec_dtypes'])} layers, generates"
     elif on["cuda_only_stop"]:
-        with_plugin = f"{'/'.join(on['spec_dtypes'])} layers, stops at CUDA-only o_proj"
+        with_plugin = (f"{'/'.join(on.get('layer_dtypes', []))} layers, then stops at the "
+                       "CUDA-only o_proj recipe (FlashMLA subclass __init__)")
     else:
-        with_plugin = "fails"
+        with_plugin = f"{'/'.join(on.get('layer_dtypes', []))} layers, then fails"
     return f"off: {stock}; on: {with_plugin}"
 
 

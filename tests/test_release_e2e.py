@@ -11,8 +11,9 @@ Proves, on the real release: plugin off, 0.27-0.29 fail with the upstream
 AssertionError in the worker (the bug is real there; 0.30+ are recorded: without the
 plugin's CPU fallbacks they have no Triton CPU backend). Plugin on, every worker
 constructs every compressed layer with an fp8_ds_mla spec from ``auto``; 0.32.0 boots
-and generates; 0.27-0.29 stop at the first forward pass in the CUDA-only ``o_proj`` (no
-CPU DeepSeek-V4 attention there; the CPU fallbacks record why they step aside);
+and generates; 0.27-0.29 then stop in the FlashMLA subclass ``__init__``, which computes
+its CUDA-only ``o_proj`` recipe (no CPU DeepSeek-V4 attention there; the CPU fallbacks
+record why they step aside);
 0.30/0.31 changed some metadata kernels, so those fallbacks record ``error`` and the
 run stops at the first Triton launch (recorded in docs/versions.md).
 Cannot prove: anything about the CUDA kernels or real weights.
@@ -58,8 +59,10 @@ def run_release(version: str, plugin: bool, tmp: Path) -> dict[str, object]:
     output = proc.stdout + proc.stderr  # vLLM logs (the workers' tracebacks) go to stdout
     specs = [json.loads(line.split("DSV4_SPECS ", 1)[1])
              for line in output.splitlines() if "DSV4_SPECS " in line]
+    layers = [json.loads(line.split("DSV4_LAYER ", 1)[1])
+              for line in output.splitlines() if "DSV4_LAYER " in line]
     assert result is not None, output[-8000:]
-    run = {"result": result, "workers": specs, "stderr": output}
+    run = {"result": result, "workers": specs, "layers": layers, "stderr": output}
     _save(version, plugin, run)
     return run
 
@@ -73,11 +76,13 @@ def _save(version: str, plugin: bool, run: dict) -> None:
         "cuda_only_stop": CUDA_ONLY in stderr,
         "spec_dtypes": sorted({s["cache_dtype_str"] for w in run["workers"]
                                for s in _compressed(w)}),
+        "layer_dtypes": sorted({la["kv_cache_dtype"] for la in run["layers"]}),
         "text": run["result"].get("text"),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"e2e-{version}-{'on' if plugin else 'off'}.json").write_text(
-        json.dumps(summary))
+    stem = f"e2e-{version}-{'on' if plugin else 'off'}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(summary))
+    (RESULTS / f"{stem}.log").write_text(stderr)  # the whole run, for a failing check
 
 
 def _compressed(worker: dict) -> list[dict]:
@@ -91,32 +96,37 @@ def test_plugin_off_reproduces_the_release(version: str, tmp_path: Path) -> None
     if version in ASSERTING:
         assert run["result"]["booted"] is False
         assert f"AssertionError: {UPSTREAM_ASSERTION}" in run["stderr"], run["stderr"][-4000:]
-        assert run["workers"] == []  # died building layers, before any spec existed
+        assert run["workers"] == [] and run["layers"] == []  # died in the first layer
 
 
 @pytest.mark.parametrize("version", _params())
 def test_plugin_on_builds_fp8_ds_mla_layers(version: str, tmp_path: Path) -> None:
-    """With the plugin: fp8_ds_mla specs from ``auto`` on every worker; 0.30+ generate,
-    0.27-0.29 stop at the CUDA-only o_proj of the first forward, for that reason only."""
+    """With the plugin, ``auto`` becomes fp8_ds_mla in every DeepSeek-V4 attention layer
+    (its base ``__init__``: resolver, SWA cache); 0.32.0 boots and generates; 0.27-0.29
+    then stop in the FlashMLA subclass ``__init__`` at the CUDA-only o_proj recipe."""
     run = run_release(version, plugin=True, tmp=tmp_path)
-    assert run["workers"], run["stderr"][-4000:]
-    for worker in run["workers"]:
-        compressed = _compressed(worker)
-        assert compressed and {s["cache_dtype_str"] for s in compressed} == {"fp8_ds_mla"}
-        statuses = {p["name"]: p["status"] for p in worker["record"]["patches"]}
+    assert run["layers"], run["stderr"][-4000:]
+    assert {la["kv_cache_dtype"] for la in run["layers"]} == {"fp8_ds_mla"}, run["layers"]
+    records = [la["record"] for la in run["layers"]] + [w["record"] for w in run["workers"]]
+    for rec in records:
+        statuses = {p["name"]: p["status"] for p in rec["patches"]}
         fix = "applied" if version in ASSERTING else "skipped"
-        assert statuses["dsv4.resolve_kv_cache_dtype"] == fix, worker["record"]
+        assert statuses["dsv4.resolve_kv_cache_dtype"] == fix, rec
         errors = [n for n, st in statuses.items() if st == "error"]
         # 0.30/0.31 changed some metadata kernels: those fallbacks are recorded, not applied.
         assert errors == [] or (version not in (*ASSERTING, VERIFIED)
-                                and all(n.startswith("cpu.") for n in errors)), worker["record"]
+                                and all(n.startswith("cpu.") for n in errors)), rec
         if version in ASSERTING:
-            cpu = [p for p in worker["record"]["patches"] if p["name"].startswith("cpu")]
+            cpu = [p for p in rec["patches"] if p["name"].startswith("cpu")]
             assert cpu and all(p["status"] == "skipped" and "no CPU DeepSeek-V4" in p["reason"]
                                for p in cpu), cpu
+    for worker in run["workers"]:  # 0.30+: every layer built, KV specs collected
+        compressed = _compressed(worker)
+        assert compressed and {s["cache_dtype_str"] for s in compressed} == {"fp8_ds_mla"}
     if version in ASSERTING:
         assert run["result"]["booted"] is False
         assert CUDA_ONLY in run["stderr"], run["stderr"][-4000:]
         assert UPSTREAM_ASSERTION not in run["stderr"]
     elif version == VERIFIED:
-        assert run["result"]["booted"] is True and run["result"]["text"], run["result"]
+        assert run["workers"] and run["result"]["booted"] is True, run["result"]
+        assert run["result"]["text"], run["result"]

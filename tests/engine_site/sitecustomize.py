@@ -36,3 +36,4 @@ if os.environ.get("DSV4_TEST_REPORT_SPECS") == "1":
     from dsv4_patch.import_hooks import when_imported
 
     when_imported(spec_report.RUNNER_MODULE, spec_report.install_into)
+    when_imported(spec_report.ATTENTION_MODULE, spec_report.install_layer_report)
