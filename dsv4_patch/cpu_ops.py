@@ -20,6 +20,14 @@ registrations), then defines only the ops still missing: on an AVX512-BF16 host 
 the real kernels it installs nothing. The mHC ops route to vLLM's own torch reference
 (``vllm/model_executor/kernels/mhc/torch.py``) instead of new math.
 
+Which implementation runs is recorded per op (reason ``native: ...`` or ``torch: ...``,
+read back by ``implementation_of``) and printed by ``dsv4-serve doctor``.
+``DSV4_CPU_OPS=torch`` registers ours as the CPU kernel even over a native one (all but
+the packed-weight pair, see ``choose``), so the torch path is exercised on AVX512-BF16
+hosts too. Ours agree with the native kernels within rounding on a real engine's inputs
+(tests/test_cpu_ops_native.py: bit-exact state rows and top-k sets, fp8 bytes but for a
+few ties, bf16 outputs within one ulp, fp32 within fp32 rounding).
+
 Cache formats (writers and readers are all here on such a host, but they follow the
 real kernels' byte layout so pages vLLM allocates are never overrun):
   * fp8_ds_mla (SWA and compressed main-attention caches), per block of ``bs`` tokens:
