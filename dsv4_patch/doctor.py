@@ -17,6 +17,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from dsv4_patch import __version__, patches, rules
+from dsv4_patch.import_hooks import module_exists
 from dsv4_patch.node import NodeInfo, canonicalize, probe_node
 
 PLUGIN_NAME = "dsv4_patch"
@@ -40,39 +41,45 @@ def plugin_status() -> dict[str, Any]:
     return {"installed": installed, "VLLM_PLUGINS": allow, "allowed": allowed}
 
 
+_PLUGIN_DOES = {
+    "yes": "the plugin applies this patch",
+    "no": "the plugin leaves it alone",
+    "unknown": "the plugin records error and leaves it alone",
+}
+
+
 def probe_patches() -> list[dict[str, str]]:
-    """Import each patch target and report whether the installed vLLM needs it."""
+    """Run every registry patch's own probe on the installed vLLM (as the plugin does).
+
+    A patch whose modules this release does not ship is ``needed=no``; one whose
+    probe cannot run here is ``needed=unknown`` (the plugin records ``error``).
+    """
     rows = []
     for spec in patches.PATCHES:
-        try:
-            module = importlib.import_module(spec.module)
-        except ImportError as exc:
-            rows.append({"name": spec.name, "needed": "no", "why": f"{spec.module}: {exc}"})
+        row = {"name": spec.name, "target": spec.target, "affected": spec.affected}
+        present = [name for name in spec.modules if module_exists(name)]
+        if not present:
+            rows.append({**row, "needed": "no", "why": f"no module {' or '.join(spec.modules)} "
+                         "in this vLLM", "plugin_does": _PLUGIN_DOES["no"]})
             continue
-        needed, why = _needs(spec, module)
-        rows.append({"name": spec.name, "needed": needed, "why": why, "target": spec.target})
+        try:
+            verdict = spec.probe(importlib.import_module(present[0]))
+        except Exception as exc:  # reported as unknown, like the plugin's error record
+            verdict = patches.Verdict(None, f"probe could not run: {type(exc).__name__}: {exc}")
+        needed = {True: "yes", False: "no", None: "unknown"}[verdict.needed]
+        rows.append({**row, "needed": needed, "why": verdict.reason,
+                     "plugin_does": _PLUGIN_DOES[needed]})
     return rows
 
 
-def _needs(spec: patches.PatchSpec, module: Any) -> tuple[str, str]:
-    if spec is patches.RESOLVER_PATCH:
-        resolver = getattr(module, patches.RESOLVER_NAME, None)
-        if resolver is None:
-            return "no", "resolver not present"
-        if hasattr(resolver, patches.PATCHED_MARK):
-            resolver = getattr(resolver, patches.PATCHED_MARK)
-        failure = patches.probe_resolver(resolver)
-        return ("yes", failure) if failure else ("no", "resolver maps auto -> fp8_ds_mla")
-    if spec is patches.PARENT_WATCH:
-        if patches.upstream_parent_monitor():
-            return "no", f"vLLM has {patches.UPSTREAM_PARENT_MONITOR}"
-        return "yes", "the engine core does not watch its parent; applied in spawned processes"
-    backend = getattr(module, patches.SM120_CLASS, None)
-    if backend is None:
-        return "no", "SM120 backend not present"
-    check = getattr(backend.supports_combination, patches.PATCHED_MARK, None)
-    rejects = patches._sm120_rejects_auto(backend) if check is None else True
-    return ("yes", "validator rejects auto on SM12x") if rejects else ("no", "accepts auto")
+def cpu_path() -> dict[str, str]:
+    """Whether this vLLM has DeepSeek-V4's CPU path (else the CPU fallbacks step aside)."""
+    from dsv4_patch import cpu_compat
+
+    missing = cpu_compat.cpu_path_missing()
+    if missing is None:
+        return {"present": "yes", "why": f"{cpu_compat.CPU_DSV4_MODULE} ships with this vLLM"}
+    return {"present": "no", "why": missing + "; the CPU fallbacks and ops are skipped"}
 
 
 def probe_cpu_ops(node: NodeInfo) -> dict[str, Any] | None:
@@ -83,7 +90,11 @@ def probe_cpu_ops(node: NodeInfo) -> dict[str, Any] | None:
     """
     if node.platform != "cpu":
         return None
-    from dsv4_patch import cpu_ops
+    from dsv4_patch import cpu_compat, cpu_ops
+
+    missing = cpu_compat.cpu_path_missing()
+    if missing is not None:  # 0.20-0.29: the plugin skips the ops there too
+        return {"skipped": missing}
 
     try:
         mode = cpu_ops.requested_mode()
@@ -114,6 +125,8 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "patches": probe_patches(),
         "cpu_ops": probe_cpu_ops(node),
     }
+    if node.platform == "cpu":
+        out["cpu_path"] = cpu_path()
     try:
         canon = canonicalize({"kv_cache_dtype": args.kv_cache_dtype}, node)
     except (rules.LayoutError, rules.KVCacheDtypeError) as exc:
@@ -165,7 +178,11 @@ def render(data: dict[str, Any]) -> str:
         if res["stock_vllm_crashes"]:
             lines.append("  stock vLLM of this version crashes on this without the plugin")
     for row in data["patches"]:
-        lines.append(f"patch {row['name']}: needed={row['needed']} ({row['why']})")
+        lines.append(f"patch {row['name']}: needed={row['needed']} ({row['why']}); "
+                     f"{row['plugin_does']}")
+    if "cpu_path" in data:
+        lines.append(f"CPU DeepSeek-V4 path: {data['cpu_path']['present']} "
+                     f"({data['cpu_path']['why']})")
     lines.extend(_render_cpu_ops(data.get("cpu_ops")))
     return "\n".join(lines)
 
@@ -175,6 +192,8 @@ def _render_cpu_ops(ops: dict[str, Any] | None) -> list[str]:
         return []
     if "error" in ops:
         return [f"cpu ops: REFUSED: {ops['error']}"]
+    if "skipped" in ops:
+        return [f"cpu ops: skipped ({ops['skipped']})"]
     by_impl: dict[str, list[str]] = {}
     for name, impl in ops["ops"].items():
         by_impl.setdefault(impl, []).append(name)

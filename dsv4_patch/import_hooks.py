@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -99,3 +100,23 @@ def pending() -> list[str]:
     """Module names still waited for (for the doctor and tests)."""
     with _lock:
         return sorted(_callbacks)
+
+
+def module_exists(name: str) -> bool:
+    """Whether module ``name`` is installed, judged from files without importing it.
+
+    ``importlib.util.find_spec("a.b.c")`` would import the packages ``a`` and ``a.b``;
+    for vLLM's DeepSeek-V4 package that builds the whole model stack. Only the top-level
+    package is located (that imports nothing); the rest is looked up on disk.
+    """
+    if name in sys.modules:
+        return True
+    top, *rest = name.split(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None:
+        return False
+    if not rest:
+        return True
+    roots = list(spec.submodule_search_locations or [])
+    return any(os.path.isfile(os.path.join(root, *rest) + ".py")
+               or os.path.isfile(os.path.join(root, *rest, "__init__.py")) for root in roots)

@@ -1,27 +1,46 @@
 """The registry of every touch dsv4_patch makes to vLLM internals (besides cpu_compat).
 
 Each patch is documented in its ``PatchSpec`` (target symbol, why, how, upstream
-PR/issue, affected versions, when to delete it), in the style of
+PR/issue, affected releases, when to delete it), in the style of
 ``vllm_ascend/patch/__init__.py``. Patches are installed lazily: a post-import
 hook fires when vLLM itself imports the target module, so processes that never
 build a DeepSeek-V4 layer pay nothing. Each patch first *probes* the installed
 symbol and changes it only where it is broken, so a fixed vLLM is left alone.
+
+The contract on every release (docs/versions.md, proven per release by
+tests/test_release_matrix.py): with the plugin, DeepSeek-V4's KV cache dtype is
+decided exactly like the fixed upstream resolver of vLLM 0.30-0.33
+(``rules.upstream_resolver_decision``): same result string, torch dtype,
+``cache_config`` write-back, error or not. Only the error texts are ours.
+
+Safety: a probe that cannot run on a release (missing symbol, another signature)
+records ``skipped``/``error`` with the reason and leaves the symbol alone; it never
+raises out of vLLM's import. A patch that is needed but cannot be applied raises
+``PatchError``: a DeepSeek-V4 that would crash later must fail here, loudly.
+
+``python -O``: the asserting releases lose their assert, so stock vLLM then maps
+every value (``bfloat16`` too) to fp8_ds_mla (0.23-0.29) or keeps it unconverted
+(0.20-0.22). The probes compare decisions with upstream on every input, not just
+``auto``, so they still see the difference and the patches make those releases
+refuse non-fp8 values like upstream does; nothing in dsv4_patch relies on ``assert``.
 """
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import inspect
 import logging
 import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 from dsv4_patch import rules
-from dsv4_patch.import_hooks import when_imported
+from dsv4_patch.import_hooks import module_exists, when_imported
 from dsv4_patch.record import PatchRecord, PatchResult
 
 logger = logging.getLogger("dsv4_patch")
@@ -29,9 +48,27 @@ logger = logging.getLogger("dsv4_patch")
 PATCHED_MARK = "__dsv4_patch__"
 
 
+class PatchError(RuntimeError):
+    """A patch is needed on this vLLM but cannot be applied safely."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a probe found: ``needed`` True/False, or None when it could not run here."""
+
+    needed: bool | None
+    reason: str
+
+
 @dataclass(frozen=True)
 class PatchSpec:
-    """Documentation and entry point of one patch."""
+    """Documentation and entry points of one patch.
+
+    ``module`` is the target module; ``also`` older releases' paths of the same code
+    (the first that exists in the installed vLLM is hooked). ``probe(module)`` decides
+    whether the loaded code needs the patch; ``patch(module)`` applies it and says what
+    it changed; ``patched(module)`` tells whether this process already did.
+    """
 
     name: str
     module: str
@@ -41,55 +78,36 @@ class PatchSpec:
     upstream: str
     affected: str
     remove_when: str
-    apply: Callable[[ModuleType], PatchResult]
+    probe: Callable[[ModuleType], Verdict]
+    patch: Callable[[ModuleType], str]
+    patched: Callable[[ModuleType], bool]
+    also: tuple[str, ...] = ()
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return (self.module, *self.also)
+
+    def apply(self, module: ModuleType) -> PatchResult:
+        """Probe, then patch where needed; a probe that cannot run leaves the code alone."""
+        if self.patched(module):
+            return PatchResult(self.name, "applied", "already patched in this process")
+        try:
+            verdict = self.probe(module)
+        except Exception as exc:  # recorded, with the symbol left unchanged (see module doc)
+            logger.warning("dsv4_patch: %s: probe failed: %r", self.name, exc)
+            return PatchResult(self.name, "error", f"probe could not run on this vLLM "
+                               f"({type(exc).__name__}: {exc}); {self.target} left unchanged")
+        if verdict.needed is None:
+            return PatchResult(self.name, "error", f"{verdict.reason}; {self.target} left "
+                               "unchanged")
+        if not verdict.needed:
+            return PatchResult(self.name, "skipped", verdict.reason)
+        return PatchResult(self.name, "applied", f"{verdict.reason}; {self.patch(module)}")
 
 
-# ------------------------------------------------------------------ resolver
-
-RESOLVER_MODULE = "vllm.models.deepseek_v4.attention"
-RESOLVER_NAME = "_resolve_dsv4_kv_cache_dtype"
-
-
-def probe_resolver(resolver: Callable[..., Any]) -> str | None:
-    """Return None when ``resolver`` maps ``auto`` to fp8_ds_mla, else the failure text."""
-    try:
-        cache_dtype, _ = resolver(True, "auto", None)
-    except (AssertionError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    if cache_dtype != "fp8_ds_mla":
-        return f"auto resolved to {cache_dtype!r}, expected 'fp8_ds_mla'"
-    return None
-
-
-def make_resolver(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Build the replacement resolver around ``original``.
-
-    fp8_ds_mla layout: decided by ``rules.engine_resolver_result`` (auto and the
-    fp8 aliases -> fp8_ds_mla, written back onto ``cache_config`` so the page
-    specs pick the 576 B slot; anything else -> KVCacheDtypeError naming the fix).
-    Plain rows: the installed vLLM's own code, unchanged.
-    """
-    import torch  # vLLM is importing us from its attention module: torch is loaded.
-
-    @functools.wraps(original)
-    def resolve(
-        use_fp8_ds_mla_layout: bool, kv_cache_dtype: str, cache_config: Any = None, *args: Any
-    ) -> tuple[str, Any]:
-        if not use_fp8_ds_mla_layout:
-            return original(use_fp8_ds_mla_layout, kv_cache_dtype, cache_config, *args)
-        cache_dtype, torch_name = rules.engine_resolver_result(True, kv_cache_dtype)
-        if cache_config is not None and cache_config.cache_dtype != cache_dtype:
-            logger.info(
-                "dsv4_patch: kv_cache_dtype=%s on the fp8_ds_mla layout resolves to %s "
-                "(written back to cache_config)",
-                kv_cache_dtype,
-                cache_dtype,
-            )
-            cache_config.cache_dtype = cache_dtype
-        return cache_dtype, getattr(torch, torch_name)
-
-    setattr(resolve, PATCHED_MARK, original)
-    return resolve
+def _unwrap(obj: Any) -> Any:
+    """The original vLLM object behind one of our replacements (or ``obj`` itself)."""
+    return getattr(obj, PATCHED_MARK, obj)
 
 
 def _rebind_everywhere(original: object, replacement: object, prefix: str) -> list[str]:
@@ -108,20 +126,126 @@ def _rebind_everywhere(original: object, replacement: object, prefix: str) -> li
     return rebound
 
 
-def apply_resolver_patch(module: ModuleType) -> PatchResult:
-    """Replace ``_resolve_dsv4_kv_cache_dtype`` where it fails on ``auto``."""
-    name = RESOLVER_PATCH.name
-    original = getattr(module, RESOLVER_NAME, None)
-    if original is None:
-        return PatchResult(name, "skipped", f"{RESOLVER_MODULE}.{RESOLVER_NAME} not in this vLLM")
-    if hasattr(original, PATCHED_MARK):
-        return PatchResult(name, "applied", "already patched in this process")
-    failure = probe_resolver(original)
+# ------------------------------------------------------------------ resolver
+
+RESOLVER_MODULE = "vllm.models.deepseek_v4.attention"
+RESOLVER_NAME = "_resolve_dsv4_kv_cache_dtype"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one resolver call did: return value, ``cache_config`` afterwards, or the error."""
+
+    cache_dtype_str: str | None
+    torch_dtype: str | None
+    cache_config_after: Any
+    error: str | None
+
+    def same_decision(self, decision: rules.UpstreamDecision, before: Any) -> bool:
+        """Equal to upstream's decision: result, torch dtype, write-back, error or not."""
+        if (self.error is None) != (decision.error is None):
+            return False
+        if self.error is not None:
+            return True
+        after = before if decision.write_back is None else decision.write_back
+        return (self.cache_dtype_str, self.torch_dtype, self.cache_config_after) == (
+            decision.cache_dtype_str, decision.torch_dtype, after)
+
+
+def call_resolver(resolver: Callable[..., Any], layout: bool, value: Any) -> Outcome:
+    """Call ``resolver(layout, value, cache_config)`` like a layer does; catch its decision.
+
+    The cache config is a plain object holding ``cache_dtype`` = ``value`` (the resolver
+    only reads and writes that attribute), so any input, garbage included, can be tried.
+    """
+    config = SimpleNamespace(cache_dtype=value)
+    try:
+        cache_dtype_str, dtype = resolver(layout, value, config)
+    except Exception as exc:  # the resolver's decision is "error"; which one is recorded
+        return Outcome(None, None, config.cache_dtype, f"{type(exc).__name__}: {exc}")
+    return Outcome(cache_dtype_str, str(dtype).removeprefix("torch."), config.cache_dtype, None)
+
+
+def resolver_mismatches(
+    resolver: Callable[..., Any], layouts: tuple[bool, ...] = (True,)
+) -> list[str]:
+    """Inputs (of ``rules.PROBE_DTYPES``) where ``resolver`` decides unlike upstream 0.30+."""
+    found = []
+    for layout in layouts:
+        for value in rules.PROBE_DTYPES:
+            outcome = call_resolver(resolver, layout, value)
+            decision = rules.upstream_resolver_decision(layout, value)
+            if not outcome.same_decision(decision, value):
+                got = outcome.error or f"{outcome.cache_dtype_str}/{outcome.torch_dtype}"
+                want = "an error" if decision.error else decision.cache_dtype_str
+                where = "" if layout else " (plain rows)"
+                found.append(f"{value!r}{where}: {got}, upstream {want}")
+    return found
+
+
+def probe_resolver(resolver: Callable[..., Any]) -> str | None:
+    """None when ``resolver`` decides like upstream 0.30+ on fp8_ds_mla, else the differences."""
+    mismatches = resolver_mismatches(resolver)
+    return "; ".join(mismatches) if mismatches else None
+
+
+def _probe_resolver_module(module: ModuleType) -> Verdict:
+    resolver = _unwrap(getattr(module, RESOLVER_NAME, None))
+    if resolver is None:
+        return Verdict(False, f"{module.__name__}.{RESOLVER_NAME} not in this vLLM")
+    try:
+        inspect.signature(resolver).bind(True, "auto", None)
+    except TypeError as exc:
+        return Verdict(None, f"{RESOLVER_NAME}{inspect.signature(resolver)} does not take "
+                       f"(layout, kv_cache_dtype, cache_config): {exc}")
+    failure = probe_resolver(resolver)
     if failure is None:
-        return PatchResult(name, "skipped", "installed resolver already maps auto -> fp8_ds_mla")
+        return Verdict(False, "installed resolver decides like upstream 0.30+ on "
+                       f"{len(rules.PROBE_DTYPES)} inputs (auto -> fp8_ds_mla)")
+    return Verdict(True, f"probe failed ({failure})")
+
+
+def make_resolver(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Build the replacement resolver around ``original``.
+
+    fp8_ds_mla layout: decided by ``rules.upstream_resolver_decision`` (the fixed
+    upstream resolver, input for input), with its ``cache_config`` write-back so the
+    page specs pick the 576 B slot; a refusal raises KVCacheDtypeError naming the fix.
+    Plain rows: the installed vLLM's own code, unchanged (same in every release).
+    """
+    import torch  # vLLM is importing us from its attention module: torch is loaded.
+
+    @functools.wraps(original)
+    def resolve(
+        use_fp8_ds_mla_layout: bool, kv_cache_dtype: str, cache_config: Any = None, *args: Any
+    ) -> tuple[str, Any]:
+        if not use_fp8_ds_mla_layout:
+            return original(use_fp8_ds_mla_layout, kv_cache_dtype, cache_config, *args)
+        decision = rules.upstream_resolver_decision(True, kv_cache_dtype)
+        if decision.error is not None:
+            raise rules.KVCacheDtypeError(decision.error)
+        if decision.write_back is not None and cache_config is not None:
+            _write_back(cache_config, kv_cache_dtype, decision.write_back)
+        return str(decision.cache_dtype_str), getattr(torch, str(decision.torch_dtype))
+
+    setattr(resolve, PATCHED_MARK, original)
+    return resolve
+
+
+def _write_back(cache_config: Any, requested: Any, value: str) -> None:
+    if cache_config.cache_dtype != value:
+        logger.info("dsv4_patch: kv_cache_dtype=%s on the fp8_ds_mla layout resolves to %s "
+                    "(written back to cache_config)", requested, value)
+    cache_config.cache_dtype = value
+
+
+def _patch_resolver(module: ModuleType) -> str:
+    original = getattr(module, RESOLVER_NAME)
     replacement = make_resolver(original)
-    sites = _rebind_everywhere(original, replacement, "vllm.models.deepseek_v4")
-    return PatchResult(name, "applied", f"probe failed ({failure}); replaced {', '.join(sites)}")
+    setattr(module, RESOLVER_NAME, replacement)
+    sites = [f"{module.__name__}.{RESOLVER_NAME}"]
+    sites += _rebind_everywhere(original, replacement, "vllm.models.deepseek_v4")
+    return f"replaced {', '.join(sorted(set(sites)))}"
 
 
 RESOLVER_PATCH = PatchSpec(
@@ -129,19 +253,127 @@ RESOLVER_PATCH = PatchSpec(
     module=RESOLVER_MODULE,
     target=f"{RESOLVER_MODULE}.{RESOLVER_NAME}",
     why=(
-        "vLLM 0.20-0.29 assert kv_cache_dtype.startswith('fp8') on the fp8_ds_mla layout, "
-        "so the default kv_cache_dtype='auto' crashes DeepSeek-V4 at layer construction."
+        "vLLM 0.23-0.29 assert kv_cache_dtype.startswith('fp8') in this resolver on the "
+        "fp8_ds_mla layout, so the default kv_cache_dtype='auto' crashes DeepSeek-V4 at layer "
+        "construction (and under python -O every value, bfloat16 too, becomes fp8_ds_mla)."
     ),
     how=(
-        "Post-import hook on the attention module; probe the resolver with 'auto'; if it "
-        "fails, rebind the name (and every copy under vllm.models.deepseek_v4) to a wrapper "
-        "that resolves auto/fp8/fp8_e4m3 -> fp8_ds_mla with cache_config write-back, "
-        "rejects other dtypes with a clear error, and delegates plain rows to the original."
+        "Post-import hook on the attention module; probe the resolver on 11 inputs against "
+        "the fixed upstream decision (rules.upstream_resolver_decision); where any differs, "
+        "rebind the name (and every copy under vllm.models.deepseek_v4) to a wrapper that "
+        "decides fp8_ds_mla like upstream 0.30+ (auto and every fp8* -> fp8_ds_mla with "
+        "cache_config write-back, anything else refused with a clear error) and delegates "
+        "plain rows to the original."
     ),
     upstream="vllm-project/vllm#47174 (bug), #45091 (fix), #55134 (duplicate fix, seed)",
-    affected="vLLM 0.20.0-0.29.x and any later commit where the probe fails",
+    affected=(
+        "vLLM 0.23.0-0.29.x (the resolver asserts; 0.20.0-0.22.x have no resolver: see "
+        "dsv4.layer_init_kv_cache_dtype) and any later commit where the probe fails"
+    ),
     remove_when="the oldest supported vLLM (Ray Serve LLM's pin) is >= 0.30",
-    apply=apply_resolver_patch,
+    probe=_probe_resolver_module,
+    patch=_patch_resolver,
+    patched=lambda module: hasattr(getattr(module, RESOLVER_NAME, None), PATCHED_MARK),
+)
+
+
+# ----------------------------------------------- layer __init__ (0.20.0-0.22.x)
+
+LAYER_CLASS = "DeepseekV4MLAAttention"
+LEGACY_LAYER_MODULE = "vllm.model_executor.layers.deepseek_v4_attention"
+
+
+def inline_fp8_assert_line(function: Callable[..., Any]) -> int | None:
+    """Line (in its file) of an ``assert <x>.startswith("fp8")`` in ``function``, or None.
+
+    Read from the source, not from running it: the layer ``__init__`` needs a whole
+    vLLM config and CUDA events, and under ``python -O`` the assert is compiled out
+    while the unconverted dtype still reaches the KV specs.
+    """
+    source = textwrap.dedent(inspect.getsource(function))
+    first = inspect.getsourcelines(function)[1]
+    for node in ast.walk(ast.parse(source)):
+        test = node.test if isinstance(node, ast.Assert) else None
+        if (isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute)
+                and test.func.attr == "startswith" and test.args
+                and isinstance(test.args[0], ast.Constant) and test.args[0].value == "fp8"):
+            return first + node.lineno - 1
+    return None
+
+
+def _probe_layer(module: ModuleType) -> Verdict:
+    cls = getattr(module, LAYER_CLASS, None)
+    if cls is None:
+        return Verdict(False, f"{module.__name__}.{LAYER_CLASS} not in this vLLM")
+    line = inline_fp8_assert_line(_unwrap(vars(cls).get("__init__", cls.__init__)))
+    if line is None:
+        return Verdict(False, f"{LAYER_CLASS}.__init__ has no inline fp8 assert (this vLLM "
+                       f"decides in {RESOLVER_NAME})")
+    return Verdict(True, f"{LAYER_CLASS}.__init__ asserts kv_cache_dtype.startswith('fp8') "
+                   f"inline (line {line}), so auto fails")
+
+
+def canonicalize_cache_config(cache_config: Any) -> None:
+    """Decide ``cache_config.cache_dtype`` like upstream 0.30+ before the inline assert runs.
+
+    fp8_ds_mla is the only layout of the 0.20-0.22 layer (FlashMLA / ROCm Aiter). A value
+    upstream refuses raises KVCacheDtypeError here (it would otherwise hit the assert, or
+    under ``python -O`` slip through unconverted); one it accepts becomes ``fp8_ds_mla``,
+    which the layer's own code then keeps, as upstream writes it back.
+    """
+    requested = cache_config.cache_dtype
+    decision = rules.upstream_resolver_decision(True, requested)
+    if decision.error is not None:
+        raise rules.KVCacheDtypeError(decision.error)
+    if decision.write_back is not None:
+        _write_back(cache_config, requested, decision.write_back)
+
+
+def _patch_layer(module: ModuleType) -> str:
+    cls = getattr(module, LAYER_CLASS)
+    original = vars(cls)["__init__"]
+    signature = inspect.signature(original)
+    if "cache_config" not in signature.parameters:
+        raise PatchError(
+            f"{module.__name__}.{LAYER_CLASS}.__init__{signature} asserts an fp8 kv cache "
+            "dtype but takes no cache_config, so dsv4_patch cannot decide it before the "
+            "assert. Fix: set kv_cache_dtype: fp8, or update dsv4_patch for this vLLM.")
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        cache_config = signature.bind(self, *args, **kwargs).arguments.get("cache_config")
+        if cache_config is not None:
+            canonicalize_cache_config(cache_config)
+        original(self, *args, **kwargs)
+
+    setattr(__init__, PATCHED_MARK, original)
+    cls.__init__ = __init__
+    return f"{module.__name__}.{LAYER_CLASS}.__init__ decides cache_config.cache_dtype first"
+
+
+LAYER_PATCH = PatchSpec(
+    name="dsv4.layer_init_kv_cache_dtype",
+    module=RESOLVER_MODULE,
+    also=(LEGACY_LAYER_MODULE,),
+    target=f"{RESOLVER_MODULE}.{LAYER_CLASS}.__init__ (0.20-0.21: {LEGACY_LAYER_MODULE})",
+    why=(
+        "vLLM 0.20.0-0.22.x have no resolver: DeepseekV4MLAAttention.__init__ reads "
+        "cache_config.cache_dtype and asserts it starts with 'fp8', so kv_cache_dtype='auto' "
+        "crashes at layer construction under plain `vllm serve` / LLM(...)."
+    ),
+    how=(
+        "Post-import hook on the layer module; probe the __init__ source for the inline "
+        "assert; where present, wrap __init__ so the worker's cache_config.cache_dtype is "
+        "decided like upstream 0.30+ before the original runs (auto/fp8* -> fp8_ds_mla, "
+        "written back; anything else refused with a clear error)."
+    ),
+    upstream="vllm-project/vllm#47174 (bug), #45091 (fix, moved the decision into a resolver)",
+    affected="vLLM 0.20.0-0.22.1 (inline assert in the layer __init__)",
+    remove_when="the oldest supported vLLM is >= 0.23 (then the resolver patch covers it)",
+    probe=_probe_layer,
+    patch=_patch_layer,
+    patched=lambda module: hasattr(
+        vars(getattr(module, LAYER_CLASS, object)).get("__init__"), PATCHED_MARK),
 )
 
 
@@ -151,29 +383,45 @@ SM120_MODULE = "vllm.models.deepseek_v4.nvidia.flashinfer_sparse"
 SM120_CLASS = "DeepseekV4FlashInferMLASparseBackend"
 
 
-def _sm120_rejects_auto(backend: type) -> bool:
-    """True when the SM120 validator refuses 'auto' for a dtype reason."""
+def _sm120_probe_args(function: Callable[..., Any]) -> dict[str, Any]:
+    """Keyword arguments for an SM120 ``auto`` query, by parameter name.
+
+    Raises TypeError when the validator has a required parameter we cannot fill.
+    """
     import torch
     from vllm.platforms.interface import DeviceCapability
 
-    verdict = backend.supports_combination(
-        512, torch.bfloat16, "auto", 256, True, True, True, False, DeviceCapability(12, 0)
-    )
-    return verdict is not None and "kv_cache_dtype" in verdict
+    known = {"head_size": 512, "dtype": torch.bfloat16, "kv_cache_dtype": "auto",
+             "block_size": 256, "use_mla": True, "has_sink": True, "use_sparse": True,
+             "use_mm_prefix": False, "device_capability": DeviceCapability(12, 0)}
+    params = list(inspect.signature(function).parameters.values())[1:]  # after cls
+    unknown = [p.name for p in params if p.name not in known and p.default is p.empty]
+    if unknown or not {"kv_cache_dtype", "device_capability"} <= {p.name for p in params}:
+        raise TypeError(f"validator parameters {[p.name for p in params]} are not the "
+                        "known (head_size, ..., kv_cache_dtype, ..., device_capability)")
+    return {p.name: known[p.name] for p in params if p.name in known}
 
 
-def apply_sm120_validator_patch(module: ModuleType) -> PatchResult:
-    """Let the SM120 DSv4 FlashInfer validator accept ``auto`` (it resolves to fp8)."""
-    name = SM120_PATCH.name
+def _probe_sm120(module: ModuleType) -> Verdict:
     backend = getattr(module, SM120_CLASS, None)
-    if backend is None or not hasattr(backend, "supports_combination"):
-        return PatchResult(name, "skipped", f"{SM120_MODULE}.{SM120_CLASS} not in this vLLM")
-    original = backend.supports_combination
-    if hasattr(original, PATCHED_MARK):
-        return PatchResult(name, "applied", "already patched in this process")
-    if not _sm120_rejects_auto(backend):
-        return PatchResult(name, "skipped", "SM120 validator already accepts auto")
+    if backend is None:
+        return Verdict(False, f"{SM120_MODULE}.{SM120_CLASS} not in this vLLM")
+    own = vars(backend).get("supports_combination")
+    if own is None:
+        return Verdict(False, f"{SM120_CLASS} inherits a generic supports_combination "
+                       "(no DeepSeek-V4 dtype check on SM12x in this vLLM)")
+    function = own.__func__
+    if hasattr(function, PATCHED_MARK):  # probe vLLM's own validator, not ours
+        function = getattr(function, PATCHED_MARK).__func__
+    verdict = function(backend, **_sm120_probe_args(function))
+    if verdict is not None and "kv_cache_dtype" in verdict:
+        return Verdict(True, f"SM120 validator rejects auto ({verdict!r})")
+    return Verdict(False, "SM120 validator already accepts auto")
 
+
+def _patch_sm120(module: ModuleType) -> str:
+    backend = getattr(module, SM120_CLASS)
+    original = vars(backend)["supports_combination"]
     signature = inspect.signature(original.__func__)
 
     def supports_combination(cls: type, *args: Any, **kwargs: Any) -> str | None:
@@ -186,7 +434,12 @@ def apply_sm120_validator_patch(module: ModuleType) -> PatchResult:
 
     setattr(supports_combination, PATCHED_MARK, original)
     backend.supports_combination = classmethod(supports_combination)
-    return PatchResult(name, "applied", "SM120 validator rejected auto; auto now checked as fp8")
+    return "auto now checked as fp8 on SM12x"
+
+
+def _sm120_patched(module: ModuleType) -> bool:
+    own = vars(getattr(module, SM120_CLASS, object)).get("supports_combination")
+    return hasattr(getattr(own, "__func__", None), PATCHED_MARK)
 
 
 SM120_PATCH = PatchSpec(
@@ -197,11 +450,17 @@ SM120_PATCH = PatchSpec(
         "On SM12x the DSv4 FlashInfer sparse backend stores fp8_ds_mla, yet its validator "
         "refuses kv_cache_dtype='auto', so the default config is rejected at backend selection."
     ),
-    how="On capability 12.x, validate auto/None as fp8 (what the resolver turns them into).",
+    how=(
+        "Probe the class's own validator with an SM12x auto query (arguments by parameter "
+        "name; a class without its own validator, as in 0.23.0, is left alone); on 12.x, "
+        "validate auto/None as fp8 (what the resolver turns them into)."
+    ),
     upstream="vllm-project/vllm#55134 (relaxes the validator; closed as duplicate of #45091)",
     affected="vLLM 0.24.0-0.33.x (validator present and refusing auto)",
     remove_when="the validator accepts auto upstream (probe reports skipped)",
-    apply=apply_sm120_validator_patch,
+    probe=_probe_sm120,
+    patch=_patch_sm120,
+    patched=_sm120_patched,
 )
 
 # ------------------------------------------------------- engine process lifetime
@@ -220,17 +479,28 @@ def upstream_parent_monitor() -> bool:
     return hasattr(module, attr)
 
 
-def apply_parent_watch(module: ModuleType) -> PatchResult:
+def _probe_parent_watch(module: ModuleType) -> Verdict:
+    """Needed on every vLLM without an engine-core parent monitor (what doctor reports)."""
+    if upstream_parent_monitor():
+        return Verdict(False, f"vLLM has {UPSTREAM_PARENT_MONITOR}")
+    return Verdict(True, "the engine core does not watch its parent")
+
+
+def _patch_parent_watch(module: ModuleType) -> str:
     """Start ``lifetime.watch_parent`` in processes vLLM spawned (engine core, workers)."""
     from dsv4_patch import lifetime
 
-    name = PARENT_WATCH.name
-    if upstream_parent_monitor():
-        return PatchResult(name, "skipped", f"vLLM has {UPSTREAM_PARENT_MONITOR}")
     parent = lifetime.watch_parent()
     if parent is None:
-        return PatchResult(name, "skipped", "not started by multiprocessing: no owner to watch")
-    return PatchResult(name, "applied", f"ends with its parent, process {parent}")
+        return ("not started by multiprocessing: no owner to watch in this process (the "
+                "watch runs in the engine core and workers vLLM spawns)")
+    return f"ends with its parent, process {parent}"
+
+
+def _parent_watched(module: ModuleType) -> bool:
+    from dsv4_patch import lifetime
+
+    return lifetime.watching()
 
 
 PARENT_WATCH = PatchSpec(
@@ -252,23 +522,31 @@ PARENT_WATCH = PatchSpec(
     affected="vLLM 0.20.0-0.33.x (no parent monitor in the engine core)",
     remove_when=f"{UPSTREAM_PARENT_MONITOR} (or an equivalent) exists in the oldest "
                 "supported vLLM",
-    apply=apply_parent_watch,
+    probe=_probe_parent_watch,
+    patch=_patch_parent_watch,
+    patched=_parent_watched,
 )
 
-PATCHES: tuple[PatchSpec, ...] = (RESOLVER_PATCH, SM120_PATCH, PARENT_WATCH)
+PATCHES: tuple[PatchSpec, ...] = (RESOLVER_PATCH, LAYER_PATCH, SM120_PATCH, PARENT_WATCH)
 
 
 def install(record: PatchRecord, patches: tuple[PatchSpec, ...] = PATCHES) -> None:
     """Register every patch to apply when vLLM imports its target module.
 
-    The record shows ``pending`` until then; a patch that raises propagates (a
-    half-patched DeepSeek-V4 must not start silently).
+    The record shows ``pending`` until then, ``skipped`` at once when this vLLM has
+    none of the patch's modules; a ``PatchError`` propagates (a DeepSeek-V4 that
+    cannot be fixed must not start silently).
     """
     for spec in patches:
         if record.status_of(spec.name) is not None:
             continue
-        record.set(PatchResult(spec.name, "pending", f"waiting for import of {spec.module}"))
-        when_imported(spec.module, functools.partial(_apply_and_record, spec, record))
+        present = [name for name in spec.modules if module_exists(name)]
+        if not present:
+            record.set(PatchResult(spec.name, "skipped", f"no module {' or '.join(spec.modules)} "
+                                   "in this vLLM"))
+            continue
+        record.set(PatchResult(spec.name, "pending", f"waiting for import of {present[0]}"))
+        when_imported(present[0], functools.partial(_apply_and_record, spec, record))
 
 
 def _apply_and_record(spec: PatchSpec, record: PatchRecord, module: ModuleType) -> None:

@@ -63,7 +63,11 @@ def register() -> record.PatchRecord:
 
             for result in cpu_compat.install():
                 rec.set(result)
-            _install_cpu_ops_later(rec)
+            missing = cpu_compat.cpu_path_missing()
+            if missing is None:
+                _install_cpu_ops_later(rec)
+            else:  # 0.20-0.29: no CPU DeepSeek-V4 path for the ops to serve
+                rec.set(record.PatchResult(CPU_OPS_PENDING, "skipped", missing))
         record.publish(rec)
     logger.info(rec.summary())
     return rec

@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 # pending: waiting for the target module to be imported (DSv4 not built yet here).
-Status = Literal["pending", "applied", "skipped"]
+# error: the probe could not run on this vLLM; the target was left unchanged.
+Status = Literal["pending", "applied", "skipped", "error"]
 
 
 @dataclass(frozen=True)

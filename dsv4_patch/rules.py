@@ -183,7 +183,12 @@ def _resolve_packed(requested: str | None, value: str | None) -> Resolution:
             Storage.FP8_DS_MLA,
             f"{value} on the fp8_ds_mla layout is stored as DeepSeek's packed fp8 record",
         )
-    raise KVCacheDtypeError(
+    raise KVCacheDtypeError(packed_refusal(requested))
+
+
+def packed_refusal(requested: object) -> str:
+    """The error text for a dtype the fp8_ds_mla record cannot hold (names value and fix)."""
+    return (
         f"kv_cache_dtype={requested!r} cannot be stored on the fp8_ds_mla KV layout: "
         "DeepSeek-V4's fp8_ds_mla record is fp8 e4m3 with UE8M0 block scales "
         "(448 B NoPE + 128 B bf16 RoPE + 8 B scales per token) and its kernels have no "
@@ -239,6 +244,55 @@ def engine_resolver_result(use_fp8_ds_mla_layout: bool, kv_cache_dtype: str) -> 
         Storage.BF16_ROWS: "bfloat16",
     }[res.storage]
     return res.cache_dtype_str, torch_name
+
+
+@dataclass(frozen=True)
+class UpstreamDecision:
+    """What the fixed upstream resolver (vLLM 0.30-0.33) decides for one input.
+
+    ``cache_dtype_str`` and ``torch_dtype`` (a ``torch`` attribute name) are its
+    return value; ``write_back`` the value it stores on ``cache_config.cache_dtype``
+    (None: it leaves it alone); ``error`` the text of the error it raises instead.
+    """
+
+    cache_dtype_str: str | None
+    torch_dtype: str | None
+    write_back: str | None
+    error: str | None = None
+
+
+def upstream_resolver_decision(
+    use_fp8_ds_mla_layout: bool, kv_cache_dtype: Any
+) -> UpstreamDecision:
+    """Decide like ``_resolve_dsv4_kv_cache_dtype`` of vLLM 0.30-0.33, input for input.
+
+    The oracle the engine patches reproduce on older releases (vllm-project/vllm#45091):
+    on fp8_ds_mla, ``auto`` means ``fp8``; every value starting with ``fp8`` (case
+    sensitive, so ``fp8_e5m2`` too, not ``FP8``) is stored as ``fp8_ds_mla`` (written back
+    unless it already is), anything else raises. Plain rows: ``fp8*`` keep their name
+    with float8_e4m3fn, everything else is returned unchanged as bf16. ``None`` raises
+    on both (upstream: ``AttributeError`` from ``None.startswith``).
+    Pinned to the real 0.30-0.33 code by tests/test_release_matrix.py.
+    """
+    if not isinstance(kv_cache_dtype, str):
+        return UpstreamDecision(None, None, None, f"kv_cache_dtype={kv_cache_dtype!r} is not "
+                                "a string. Fix: set kv_cache_dtype: auto (or fp8).")
+    if use_fp8_ds_mla_layout:
+        value = "fp8" if kv_cache_dtype == "auto" else kv_cache_dtype
+        if not value.startswith("fp8"):
+            return UpstreamDecision(None, None, None, packed_refusal(kv_cache_dtype))
+        write_back = None if value == "fp8_ds_mla" else "fp8_ds_mla"
+        return UpstreamDecision("fp8_ds_mla", "uint8", write_back)
+    if kv_cache_dtype.startswith("fp8"):
+        return UpstreamDecision(kv_cache_dtype, "float8_e4m3fn", None)
+    return UpstreamDecision(kv_cache_dtype, "bfloat16", None)
+
+
+# Inputs every equivalence check runs (the patches' probes and the release matrix).
+PROBE_DTYPES: tuple[Any, ...] = (
+    "auto", None, "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "bfloat16", "float16",
+    "FP8", "", "garbage",
+)
 
 
 # ---------------------------------------------------------------- vLLM versions

@@ -29,7 +29,13 @@ def test_json_report_of_this_cpu_node() -> None:
         "fp8_ds_mla",
     )
     needed = {row["name"]: row["needed"] for row in data["patches"]}
-    assert needed["dsv4.resolve_kv_cache_dtype"] == "no"  # 0.32's resolver is fixed
+    assert needed == {  # 0.32's resolver is fixed, its layer has no inline assert
+        "dsv4.resolve_kv_cache_dtype": "no",
+        "dsv4.layer_init_kv_cache_dtype": "no",
+        "dsv4.sm120_validator_accepts_auto": "yes",
+        "dsv4.engine_dies_with_owner": "yes",  # 0.32's engine core watches no parent
+    }
+    assert data["cpu_path"]["present"] == "yes"
 
 
 def test_refused_dtype_exits_nonzero_with_the_fix() -> None:

@@ -74,8 +74,9 @@ def test_not_watching_where_multiprocessing_did_not_start_us() -> None:
     # pytest's own process: started by a shell, owned by nobody we know.
     assert lifetime.watch_parent() is None
     assert not lifetime.watching()
-    result = patches.apply_parent_watch(patches)  # the module argument is unused
-    assert result.status == "skipped" and "multiprocessing" in result.reason
+    result = patches.PARENT_WATCH.apply(patches)  # the module argument is unused
+    assert "not started by multiprocessing" in result.reason, result
+    assert not lifetime.watching()
 
 
 def test_the_watch_is_in_the_registry_and_the_doctor() -> None:

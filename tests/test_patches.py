@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import types
@@ -30,9 +31,9 @@ def _cache_config(dtype: str):  # a real vLLM CacheConfig, as the layer receives
 
 def test_installed_032_resolver_is_left_alone() -> None:
     before = attention._resolve_dsv4_kv_cache_dtype
-    result = patches.apply_resolver_patch(attention)
+    result = patches.RESOLVER_PATCH.apply(attention)
     assert result.status == "skipped"
-    assert "already maps auto -> fp8_ds_mla" in result.reason
+    assert "decides like upstream 0.30+" in result.reason
     assert attention._resolve_dsv4_kv_cache_dtype is before
 
 
@@ -42,7 +43,7 @@ def test_legacy_resolver_fails_on_auto_without_patch(legacy_module: types.Module
 
 
 def test_patch_resolves_auto_with_write_back(legacy_module: types.ModuleType) -> None:
-    result = patches.apply_resolver_patch(legacy_module)
+    result = patches.RESOLVER_PATCH.apply(legacy_module)
     assert result.status == "applied" and "AssertionError" in result.reason
     cfg = _cache_config("auto")
     dtype_str, torch_dtype = legacy_module._resolve_dsv4_kv_cache_dtype(True, "auto", cfg)
@@ -54,7 +55,7 @@ def test_patch_resolves_auto_with_write_back(legacy_module: types.ModuleType) ->
 
 
 def test_patch_rejects_bfloat16_with_our_error(legacy_module: types.ModuleType) -> None:
-    patches.apply_resolver_patch(legacy_module)
+    patches.RESOLVER_PATCH.apply(legacy_module)
     cfg = _cache_config("bfloat16")
     with pytest.raises(KVCacheDtypeError, match="kv_cache_dtype: auto \\(or fp8\\)"):
         legacy_module._resolve_dsv4_kv_cache_dtype(True, "bfloat16", cfg)
@@ -64,16 +65,16 @@ def test_patch_rejects_bfloat16_with_our_error(legacy_module: types.ModuleType) 
 def test_patch_keeps_plain_rows_behaviour(legacy_module: types.ModuleType) -> None:
     import torch
 
-    patches.apply_resolver_patch(legacy_module)
+    patches.RESOLVER_PATCH.apply(legacy_module)
     resolve = legacy_module._resolve_dsv4_kv_cache_dtype
     assert resolve(False, "auto", None) == ("auto", torch.bfloat16)
     assert resolve(False, "fp8", None) == ("fp8", torch.float8_e4m3fn)
 
 
 def test_patch_is_idempotent(legacy_module: types.ModuleType) -> None:
-    patches.apply_resolver_patch(legacy_module)
+    patches.RESOLVER_PATCH.apply(legacy_module)
     patched = legacy_module._resolve_dsv4_kv_cache_dtype
-    again = patches.apply_resolver_patch(legacy_module)
+    again = patches.RESOLVER_PATCH.apply(legacy_module)
     assert again.status == "applied" and "already patched" in again.reason
     assert legacy_module._resolve_dsv4_kv_cache_dtype is patched
 
@@ -84,7 +85,7 @@ def test_patch_rebinds_copies_imported_by_name(
     copy = types.ModuleType("vllm.models.deepseek_v4.fake_importer")
     copy._resolve_dsv4_kv_cache_dtype = legacy_resolver.legacy_resolve
     monkeypatch.setitem(sys.modules, copy.__name__, copy)
-    result = patches.apply_resolver_patch(legacy_module)
+    result = patches.RESOLVER_PATCH.apply(legacy_module)
     assert f"{copy.__name__}._resolve_dsv4_kv_cache_dtype" in result.reason
     assert copy._resolve_dsv4_kv_cache_dtype("", "auto", None)[0] == "auto"  # plain-row path
     assert copy._resolve_dsv4_kv_cache_dtype(True, "auto", None)[0] == "fp8_ds_mla"
@@ -103,7 +104,7 @@ def test_sm120_validator_accepts_auto_after_patch(monkeypatch: pytest.MonkeyPatc
     assert backend.supports_combination(*args, DeviceCapability(12, 0)) == (
         "kv_cache_dtype not supported"
     )
-    result = patches.apply_sm120_validator_patch(module)
+    result = patches.SM120_PATCH.apply(module)
     assert result.status == "applied"
     verdict = backend.supports_combination(*args, device_capability=DeviceCapability(12, 0))
     assert verdict is None or "kv_cache_dtype" not in verdict  # past the dtype check
@@ -113,7 +114,7 @@ def test_sm120_validator_accepts_auto_after_patch(monkeypatch: pytest.MonkeyPatc
     assert backend.supports_combination(*bf16, DeviceCapability(12, 0)) == (
         "kv_cache_dtype not supported"
     )
-    assert patches.apply_sm120_validator_patch(module).reason == "already patched in this process"
+    assert patches.SM120_PATCH.apply(module).reason == "already patched in this process"
 
 
 def test_every_patch_is_documented() -> None:
@@ -138,24 +139,66 @@ def test_post_import_hook_fires_on_import_and_immediately(tmp_path, monkeypatch)
     monkeypatch.delitem(sys.modules, "dsv4_hook_probe")
 
 
-def test_record_reports_pending_then_final() -> None:
+def test_record_reports_pending_then_final(tmp_path, monkeypatch) -> None:
+    (tmp_path / "dsv4_never_imported_module.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     rec = record.PatchRecord(vllm_version="0.32.0", platform="cpu")
     spec = patches.PatchSpec(
         name="test.probe",
         module="dsv4_never_imported_module",
-        target="dsv4_never_imported_module.x",
+        target="dsv4_never_imported_module.X",
         why="w",
         how="h",
         upstream="u",
         affected="a",
         remove_when="r",
-        apply=lambda m: record.PatchResult("test.probe", "applied", "ok"),
+        probe=lambda m: patches.Verdict(True, "X is 1"),
+        patch=lambda m: "ok",
+        patched=lambda m: False,
     )
     patches.install(rec, (spec,))
     assert rec.status_of("test.probe") == "pending"
     patches._apply_and_record(spec, rec, types.ModuleType("x"))
     assert rec.status_of("test.probe") == "applied"
-    assert "test.probe=applied (ok)" in rec.summary()
+    assert "test.probe=applied (X is 1; ok)" in rec.summary()
+    import_hooks._callbacks.pop("dsv4_never_imported_module", None)
+
+
+def test_install_skips_a_patch_whose_modules_do_not_exist() -> None:
+    """0.20-0.21 have no vllm.models.deepseek_v4.attention: skipped at once, not pending."""
+    rec = record.PatchRecord(vllm_version="0.20.0", platform="cpu")
+    spec = dataclasses.replace(patches.RESOLVER_PATCH, module="vllm.no_such_module_here")
+    patches.install(rec, (spec,))
+    assert rec.status_of(spec.name) == "skipped"
+    assert "no module vllm.no_such_module_here" in rec.summary()
+
+
+def test_a_probe_that_raises_leaves_the_symbol_alone() -> None:
+    """No probe may crash an import: the failure is recorded as ``error`` instead."""
+    module = types.ModuleType("vllm.models.deepseek_v4.attention")
+    sentinel = object()
+    module._resolve_dsv4_kv_cache_dtype = sentinel  # not callable: the probe raises
+
+    result = patches.RESOLVER_PATCH.apply(module)
+    assert result.status == "error" and "left unchanged" in result.reason, result
+    assert module._resolve_dsv4_kv_cache_dtype is sentinel
+
+
+def test_layer_patch_that_cannot_apply_fails_loudly() -> None:
+    """Needed (inline fp8 assert) but no cache_config parameter: PatchError, not a skip."""
+    src = types.ModuleType("dsv4_fake_layer")
+    exec(compile(
+        "class DeepseekV4MLAAttention:\n"
+        "    def __init__(self, kv_cache_dtype='auto'):\n"
+        "        assert kv_cache_dtype.startswith('fp8')\n",
+        __file__, "exec"), src.__dict__)
+    src.DeepseekV4MLAAttention.__init__ = _layer_init_without_config
+    with pytest.raises(patches.PatchError, match="takes no cache_config"):
+        patches.LAYER_PATCH.apply(src)
+
+
+def _layer_init_without_config(self, kv_cache_dtype="auto"):  # its source has the assert
+    assert kv_cache_dtype.startswith("fp8")
 
 
 def test_register_is_idempotent_and_publishes_a_record() -> None:

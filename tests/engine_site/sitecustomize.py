@@ -9,6 +9,9 @@ switched on by its own environment variable:
   (tests/legacy_resolver.py), which the plugin must find and fix.
 - ``DSV4_TEST_SCALED_DUMMY_WEIGHTS=1``: dummy weights at fan-in scale
   (tests/scaled_dummy.py), so outputs depend on the context.
+- ``DSV4_TEST_REPORT_SPECS=1``: each worker prints its KV cache specs and plugin
+  record when vLLM collects them (tests/spec_report.py), for releases whose run ends
+  before a worker extension could be asked (the release end-to-end checks).
 """
 
 import os
@@ -26,3 +29,11 @@ if os.environ.get("DSV4_TEST_SCALED_DUMMY_WEIGHTS") == "1":
     from dsv4_patch.import_hooks import when_imported
 
     when_imported(scaled_dummy.DUMMY_LOADER_MODULE, scaled_dummy.install_into)
+
+if os.environ.get("DSV4_TEST_REPORT_SPECS") == "1":
+    import spec_report
+
+    from dsv4_patch.import_hooks import when_imported
+
+    when_imported(spec_report.RUNNER_MODULE, spec_report.install_into)
+    when_imported(spec_report.ATTENTION_MODULE, spec_report.install_layer_report)

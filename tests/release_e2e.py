@@ -1,0 +1,44 @@
+"""Run the tiny DeepSeek-V4 with ``kv_cache_dtype="auto"`` on a released vLLM; report.
+
+Run as ``python -m tests.release_e2e MODEL_DIR`` by a release venv's interpreter
+(tests/release_venvs.py), with ``tests/engine_site`` first on PYTHONPATH and
+``DSV4_TEST_REPORT_SPECS=1``: every worker then prints its layers' KV cache specs and
+its plugin record when vLLM asks for them (``DSV4_SPECS {...}`` lines on stderr), which
+happens after the layers are constructed and before the first forward pass. Prints one
+``DSV4_E2E {...}`` line: booted or the error, and the generated text on releases that
+run DeepSeek-V4 on CPU (0.30+).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from tests.engine_boot import CPU_ENV
+
+
+def run(model: str) -> dict[str, object]:
+    for key, value in CPU_ENV.items():
+        os.environ.setdefault(key, value)
+    from vllm import LLM, SamplingParams
+
+    try:
+        llm = LLM(model=model, load_format="dummy", kv_cache_dtype="auto", enforce_eager=True,
+                  max_model_len=1024, max_num_seqs=2)
+    except Exception as exc:  # the release's own failure is the result we report
+        return {"booted": False, "error": f"{type(exc).__name__}: {exc}"}
+    try:
+        out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0))
+        text = out[0].outputs[0].text
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    return {"booted": True, "text": text,
+            "frontend_cache_dtype": llm.llm_engine.vllm_config.cache_config.cache_dtype}
+
+
+if __name__ == "__main__":
+    result = run(sys.argv[1])
+    sys.stdout.write("DSV4_E2E " + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # engine already shut down (or never started); skip slow teardown
