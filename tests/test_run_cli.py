@@ -118,7 +118,8 @@ def test_run_serves_heals_a_killed_replica_and_a_group_sigterm_leaves_nothing() 
         print(out)
         assert SERVING_LINE in out, out[-4000:]
         assert "OpenAI base URL: http://127.0.0.1:8000/v1" in out
-        assert re.search(r"KV spec: agree \(policy enforce, expected fp8_ds_mla\); 2/2", out)
+        assert re.search(r"KV spec: agree \(policy enforce, expected fp8_ds_mla, "
+                         r"reference prediction[^)]*\); 2/2", out), out[-4000:]
         first = re.search(r"first token after ([\d.]+) s \(request latency ([\d.]+) s\)", out)
         assert first, out[-4000:]
         print(f"dsv4-serve run: first token after {first.group(1)} s, "
