@@ -1118,6 +1118,13 @@ def _native_present(name: str) -> bool:
     return _has_op(name) and name not in _defined
 
 
+def native_kernels_loaded() -> bool:
+    """Does the loaded ``vllm/_C`` itself have every DeepSeek-V4 CPU op (AVX512-BF16)?"""
+    import vllm._custom_ops  # noqa: F401  loads the ISA library
+
+    return all(_native_present(op.name) for op in REGISTRY)
+
+
 def probe() -> dict[str, Implementation]:
     """Per op, the implementation this process runs (or would, once ``install()`` ran).
 

@@ -43,21 +43,15 @@ EXACT = {"save_partial_states_cpu.state_cache", "biased_topk_cpu.ids", "hash_top
          "topk_transform_512_cpu.out_page_indices", "topk_transform_512_cpu.out_raw_indices"}
 
 
-def _native_library_present() -> bool:
-    import vllm._custom_ops  # noqa: F401  loads the ISA library
-
-    from dsv4_patch import cpu_ops
-
-    return all(cpu_ops._native_present(op.name) for op in cpu_ops.REGISTRY)
-
-
 @pytest.fixture(scope="module")
 def compared() -> dict[str, Any]:
     import os
 
     if os.environ.get("DSV4_CPU_OPS", "auto") != "auto":
         pytest.skip("DSV4_CPU_OPS forces our ops: nothing native to compare against")
-    if not _native_library_present():
+    from dsv4_patch import cpu_ops
+
+    if not cpu_ops.native_kernels_loaded():
         pytest.skip("the loaded vllm/_C has no native DeepSeek-V4 kernels on this host "
                     "(AVX512-BF16 only): ours are the only implementation here")
     proc = subprocess.run([sys.executable, str(HERE / "native_compare.py")],

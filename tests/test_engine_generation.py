@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from dsv4_patch import tiny_model
+from dsv4_patch import cpu_ops, tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -57,15 +57,6 @@ def corpus_ids(model_dir: Path) -> list[int]:
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     return tok.encode(tiny_model.read_corpus(), add_special_tokens=False).ids
-
-
-def _native_ops_here() -> bool:
-    """Does this host's vllm/_C have the native DeepSeek-V4 kernels (AVX512-BF16 only)?"""
-    import vllm._custom_ops  # noqa: F401  loads the ISA library
-
-    from dsv4_patch import cpu_ops
-
-    return all(cpu_ops._native_present(op.name) for op in cpu_ops.REGISTRY)
 
 
 def _amx_host() -> bool:
@@ -132,7 +123,7 @@ def backend(request: pytest.FixtureRequest) -> str:
     """``auto``: native kernels where the library has them (what users run); ``torch``:
     ours forced (``DSV4_CPU_OPS=torch``). Where the library has no native kernels the two
     are the same engine, so the second is skipped rather than booted twice."""
-    if request.param == "torch" and not _native_ops_here():
+    if request.param == "torch" and not cpu_ops.native_kernels_loaded():
         pytest.skip("no native DeepSeek-V4 kernels on this host: the auto arm already runs "
                     "every op in torch")
     return request.param
@@ -324,7 +315,7 @@ def test_decode_logprobs_match_one_prefill(
 
 
 def test_workers_report_fp8_ds_mla_and_the_cpu_fallbacks(llm: Any, backend: str) -> None:
-    from dsv4_patch import cpu_compat, cpu_ops, record
+    from dsv4_patch import cpu_compat, record
 
     workers = llm.collective_rpc("dsv4_kv_specs")
     assert workers, "no worker answered collective_rpc"
@@ -344,7 +335,7 @@ def test_workers_report_fp8_ds_mla_and_the_cpu_fallbacks(llm: Any, backend: str)
                      cpu_ops.PREFIX)}
         assert len(impls) == len(cpu_ops.REGISTRY), impls
         pair = {cpu_ops.PREFIX + n for n in cpu_ops.PAIRED}
-        native = _native_ops_here()
+        native = cpu_ops.native_kernels_loaded()
         for name, impl in impls.items():
             forced = backend == "torch" and name not in pair
             assert impl == ("native" if native and not forced else "torch"), (name, impls)
