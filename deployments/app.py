@@ -337,6 +337,10 @@ def resolve_model_source(args: AppArgs) -> str | None:
 def build_app(args: dict[str, Any]) -> Application:
     """Validate ``args`` (``deployments.config.AppArgs``) and build the application."""
     parsed = parse_app_args(args)
+    if "pd" in type(parsed).model_fields:  # prefill/decode pools: deployments.pd_app
+        from deployments.pd_app import build_pd_app
+
+        return build_pd_app(parsed)  # type: ignore[arg-type]  # a PDAppArgs
     config_dict = parsed.llm_config_dict(resolve_model_source(parsed))
     # The KV-spec router keeps requests off replicas the controller drains.
     config_dict["deployment_config"] = with_kv_router(config_dict["deployment_config"])

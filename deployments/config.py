@@ -613,6 +613,11 @@ class AppArgs(_Strict):
                 )
         return self
 
+    @property
+    def max_replicas_total(self) -> int:
+        """Server replicas at most, over every pool (P/D apps have two)."""
+        return self.llm.deployment_config.max_replicas
+
     def predicted_layout(self) -> rules.LayoutDecision:
         """The layout the declared node gives (the replica re-checks on its real node)."""
         node = self.dsv4.node
@@ -724,10 +729,19 @@ def format_validation_error(exc: ValidationError, prefix: str) -> str:
     return "\n".join(lines)
 
 
+def args_model(args: Mapping[str, Any]) -> type[AppArgs]:
+    """``AppArgs``, or its P/D form when ``args`` has a ``pd`` section."""
+    if "pd" in args:
+        from deployments.pd_config import PDAppArgs  # imports this module
+
+        return PDAppArgs
+    return AppArgs
+
+
 def parse_app_args(args: Mapping[str, Any], where: str = "args") -> AppArgs:
     """Validate ``build_app`` args or raise ConfigError naming each bad field."""
     try:
-        return AppArgs.model_validate(dict(args))
+        return args_model(args).model_validate(dict(args))
     except ValidationError as exc:
         raise ConfigError(f"invalid {where}:\n{format_validation_error(exc, where)}") from exc
 
@@ -756,7 +770,7 @@ def load_serve_config(path: str | Path) -> ServeConfig:
     for app in config.applications:
         if app.is_ours:
             try:
-                AppArgs.model_validate(app.args)
+                args_model(app.args).model_validate(app.args)
             except ValidationError as exc:
                 where = f"applications[{app.name}].args"
                 raise ConfigError(

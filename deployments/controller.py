@@ -139,6 +139,7 @@ class KVSpecController:
         self._status_call: asyncio.Future[int | None] | None = None
         self._status_since = 0.0
         self._known: dict[str, int | None] = {}  # replica id -> rank, from past answers
+        self.specs: list[ReplicaSpec] = []  # the last check's answers (P/D compares them)
         self._book = kvspec.EnforceBook(self._settings.enforce_max_attempts,
                                         self._settings.enforce_backoff_s)
         self._report = self._not_checked()
@@ -338,6 +339,7 @@ class KVSpecController:
             # Without the RUNNING count a check is not complete: its answers still
             # drive the verdicts, but the report keeps ageing toward `stale`.
             self._report = report
+            self.specs = specs
             if status_error is None:
                 self._completed_at = time.time()
             self._metrics.checked(report, replaced)

@@ -61,7 +61,7 @@ def logical_cpus_needed(config: ServeConfig) -> float:
     """
     total = 0.0
     for _, args in config.ours():
-        total += INGRESS_CPUS + args.llm.deployment_config.max_replicas * replica_cpus(args)
+        total += INGRESS_CPUS + args.max_replicas_total * replica_cpus(args)
     return total
 
 
@@ -337,8 +337,10 @@ def describe(report: dict[str, Any]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", type=Path, default=DEFAULT_CONFIG,
+    parser.add_argument("config", nargs="?", type=Path, default=None,
                         help=f"Serve config YAML (default: {DEFAULT_CONFIG})")
+    parser.add_argument("--config", dest="config_option", type=Path, default=None,
+                        help="the same, as an option")
     parser.add_argument("--num-cpus", type=float, default=None,
                         help="logical CPUs for the local Ray (default: enough for "
                         "max_replicas, at least the core count)")
@@ -380,12 +382,21 @@ class StopSignal:
             raise KeyboardInterrupt
 
 
+def config_path(args: argparse.Namespace) -> Path:
+    """The config named positionally or by ``--config`` (not both), else the default."""
+    given = [p for p in (args.config, getattr(args, "config_option", None)) if p is not None]
+    if len(given) > 1 and given[0] != given[1]:
+        raise ConfigError(f"two configs given ({given[0]} and --config {given[1]}). Fix: "
+                          "name one.")
+    return given[0] if given else DEFAULT_CONFIG
+
+
 def main(args: argparse.Namespace) -> int:
     """Deploy, report, serve until a signal, shut down."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     timings = Timings()
     try:
-        config = load_serve_config(args.config)
+        config = load_serve_config(config_path(args))
         from deployments.auth import preflight
 
         preflight(config)  # refuses a reachable bind without an API key, before Ray starts

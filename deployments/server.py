@@ -36,7 +36,7 @@ from ray.serve.llm.deployment import DPServer
 from deployments import kvspec
 from deployments.config import WORKER_EXTENSION, DSv4Section, Policy
 from deployments.kvspec import KVLayoutMismatch, drain_stats, raise_if_enforced, take_verdict
-from deployments.wire import Prediction, ReplicaSpec, ReplicaVerdict
+from deployments.wire import Prediction, ReplicaSpec, ReplicaVerdict, TransferSpec
 from dsv4_patch import node as node_info
 from dsv4_patch import rules
 from dsv4_patch.node import NodeInfo
@@ -222,8 +222,13 @@ class DSv4ServerMixin:
             resolution_reason=self._resolution.reason,
             override=None if self._override is None else self._override.model_dump(),
             prediction=self._prediction, own_prediction=self._own_prediction,
-            verdict=self._verdict, **self._kv.fields())
+            verdict=self._verdict, transfer=await self._transfer_spec(),
+            **self._kv.fields())
         return spec.model_dump(mode="json")
+
+    async def _transfer_spec(self) -> TransferSpec | None:
+        """What a KV transfer depends on; only the P/D pools' servers have one."""
+        return None
 
     async def apply_kv_verdict(self, message: dict[str, Any]) -> dict[str, Any]:
         """Take the controller's verdict; act on it within this replica's own policy."""

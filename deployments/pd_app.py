@@ -1,0 +1,102 @@
+"""The P/D application: ingress -> decode pool -> prefill pool, plus one controller.
+
+Ray Serve LLM 2.60's P/D pattern (``serving_patterns/prefill_decode/builder.py``,
+``build_pd_openai_app``): the ingress binds the decode deployment only (the model the
+client sees), and each decode replica calls the prefill deployment through a handle.
+We build the same graph from the same blocks -- ``PDServingArgs`` validates the two
+``LLMConfig``s and applies its defaults (the decode pool's NIXL side-channel port base
+moves off prefill's), ``build_llm_deployment`` builds each pool with the
+``Prefill:``/``Decode:`` name prefixes -- because three things differ: our servers in
+both pools, our ingress (``/v1/kv-spec``, the HTTP edge), and ``PDController`` bound to
+both pools. The prefill deployment routes with ``deployments.pd_route.PDPrefillRouter``
+(only proven-compatible replicas), the decode deployment with ``KVSpecRouter`` (drain).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ray import serve
+from ray.serve.deployment import Application
+from ray.serve.llm import LLMConfig, build_llm_deployment
+
+from deployments import pd_route
+from deployments.app import (
+    CONTROLLER_DRAIN_S,
+    CONTROLLER_NAME,
+    DSv4Ingress,
+    _model_cards,
+    _openai_endpoints,
+    _openai_fastapi_app,
+    ingress_drain_timeout_s,
+    ingress_queue_options,
+    resolve_model_source,
+)
+from deployments.pd_config import PDAppArgs
+from deployments.pd_controller import PDController
+from deployments.pd_server import DSv4PDDecodeServer, DSv4PDPrefillServer
+from deployments.router import with_kv_router
+
+logger = logging.getLogger("ray.serve")
+
+PREWARM_KEY = "_prewarm_prefill_decode"
+
+
+def pool_configs(parsed: PDAppArgs) -> tuple[LLMConfig, LLMConfig]:
+    """The prefill and decode ``LLMConfig``s, validated by Ray Serve LLM's ``PDServingArgs``."""
+    from ray.llm._internal.serve.serving_patterns.prefill_decode.builder import PDServingArgs
+
+    source = resolve_model_source(parsed)
+    configs = {}
+    for pool, server_cls in (("prefill", DSv4PDPrefillServer), ("decode", DSv4PDDecodeServer)):
+        data = parsed.pool_llm_config_dict(pool, source)
+        if data.get("experimental_configs", {}).get(PREWARM_KEY):
+            raise ValueError(
+                f"llm.experimental_configs.{PREWARM_KEY}=true: Ray Serve LLM's pre-warm "
+                "sends a request through every prefill replica before the P/D check has "
+                "compared them. Fix: remove it (the first checked request does the NIXL "
+                "handshake).")
+        router = pd_route.router_config() if pool == "prefill" else None
+        data["deployment_config"] = (data["deployment_config"] | {
+            "request_router_config": router}) if router else with_kv_router(
+            data["deployment_config"])
+        configs[pool] = LLMConfig(**data, server_cls=server_cls)
+    args = PDServingArgs.model_validate({"prefill_config": configs["prefill"],
+                                         "decode_config": configs["decode"]})
+    return args.prefill_config, args.decode_config
+
+
+def build_pd_app(parsed: PDAppArgs) -> Application:
+    """Ingress -> decode (our ``DSv4PDDecodeServer``) -> prefill, and the controller."""
+    prefill_config, decode_config = pool_configs(parsed)
+    prefill = build_llm_deployment(prefill_config, name_prefix="Prefill:",
+                                   bind_kwargs={"dsv4": parsed.pool_dsv4("prefill")})
+    decode = build_llm_deployment(decode_config, name_prefix="Decode:", bind_kwargs={
+        "dsv4": parsed.pool_dsv4("decode"), "prefill_server": prefill,
+        "compat_check": parsed.pd.compat_check})
+    deploy = parsed.llm.deployment_config
+    controller = serve.deployment(
+        PDController, name=CONTROLLER_NAME, num_replicas=1,
+        ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=CONTROLLER_DRAIN_S,
+        graceful_shutdown_wait_loop_s=deploy.drain_poll_s,
+    ).bind(prefill=prefill, decode=decode, dsv4_prefill=parsed.pool_dsv4("prefill"),
+           dsv4_decode=parsed.pool_dsv4("decode"))
+    from ray.serve.llm.ingress import make_fastapi_ingress
+
+    ingress_cls = make_fastapi_ingress(DSv4Ingress, endpoint_map=_openai_endpoints(),
+                                       app=_openai_fastapi_app(parsed.http))
+    options = DSv4Ingress.get_deployment_options([decode_config]) | {
+        "graceful_shutdown_timeout_s": ingress_drain_timeout_s(parsed),
+        "graceful_shutdown_wait_loop_s": deploy.drain_poll_s,
+    } | ingress_queue_options(parsed.http)
+    logger.info("dsv4: P/D app: %s prefill + %s decode replica(s), connector %s, compat "
+                "check %s", parsed.pool_deployment_config("prefill").max_replicas,
+                parsed.pool_deployment_config("decode").max_replicas,
+                parsed.pd.kv_transfer_config.get("kv_connector"),
+                "on" if parsed.pd.compat_check else "OFF")
+    return serve.deployment(ingress_cls, **options).bind(
+        llm_deployments={decode_config.model_id: decode},
+        model_cards=_model_cards(decode_config),
+        kv_spec_controller=controller,
+        http=parsed.http.model_dump(mode="json"),
+    )
