@@ -45,6 +45,7 @@ from typing import Any
 
 import yaml
 
+from deployments import pd_plan
 from deployments.config import (
     AppArgs,
     ConfigError,
@@ -248,6 +249,7 @@ class ReplicaPlan:
     fp8_ds_mla_capacity: Capacity | None = None  # the counterfactual, when rows
     # DP presets: the same GPUs as one tensor-parallel engine (KV replicated per rank)
     tp_alternative: Capacity | None = None
+    pd: dict[str, Any] | None = None  # P/D apps: deployments.pd_plan.summary
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -455,6 +457,9 @@ def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
         as_tp = Parallel(par.tp * par.dp, par.pp, 1, par.ep, par.nodes)
         plan.tp_alternative = capacity(args, shape, weights, resolution.storage, block,
                                        reserve_gib, as_tp)
+    if hasattr(args, "pd"):  # a PDAppArgs
+        plan.pd = pd_plan.summary(args, cap.kv_bytes_per_token, block,
+                                  cap.kv_tokens_per_replica, plan.max_model_len)
     plan.problems = find_problems(plan, args, shape)
     return plan
 
@@ -693,7 +698,7 @@ def table_rows(plan: ReplicaPlan) -> list[tuple[str, str]]:
     if plan.fp8_ds_mla_capacity is not None:
         rows.append(("  on fp8_ds_mla", _tokens(plan.fp8_ds_mla_capacity.kv_tokens_per_replica)
                      + " tokens/replica"))
-    return rows
+    return rows + pd_plan.rows(plan.pd)
 
 
 def render_table(report: PlanReport) -> str:
