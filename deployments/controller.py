@@ -183,9 +183,15 @@ class KVSpecController:
             "state": State.STALE, "agree": False, "previous_state": self._report.state,
             "problems": [stale, *report.problems]})
 
-    async def report(self, refresh: bool = False) -> dict[str, Any]:
-        """The latest verdict (a ``wire.FleetReport``); ``refresh`` checks now first."""
-        if refresh:
+    async def report(self, refresh: bool = False, full: bool = False) -> dict[str, Any]:
+        """The latest verdict (a ``wire.FleetReport``); ``refresh`` checks now first.
+
+        ``full`` forgets the specs held, so every replica sends its whole spec
+        again: the cost of the first check of a restarted controller.
+        """
+        if full:
+            self._held = {}
+        if refresh or full:
             await self._bounded_check("on-demand")
         report = self.current()
         self._metrics.record(report)
