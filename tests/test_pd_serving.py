@@ -78,8 +78,13 @@ def pd_app(serve_stack: Stack) -> Iterator[str]:
         serve.delete("pd")
 
 
-def engine_samples(app: str) -> dict[tuple[str, str], float]:
-    """(series, source|deployment) -> value of the vLLM engine series of one app's pools."""
+def engine_samples(pools: dict[str, str]) -> dict[tuple[str, str], float]:
+    """(series, "pool:source") -> value of vLLM's engine series of the given replicas.
+
+    vLLM's stat loggers run in the replica actor and export through Ray with the
+    replica's ``ReplicaId`` label; ``pools`` maps those ids to prefill/decode (from
+    ``/v1/kv-spec``'s ``pd.pools``).
+    """
     from deployments import runner
 
     with urllib.request.urlopen(runner.metrics_url(), timeout=10) as resp:
@@ -89,20 +94,24 @@ def engine_samples(app: str) -> dict[tuple[str, str], float]:
         for s in family.samples:
             if "nixl" not in s.name and "prompt_tokens_by_source" not in s.name:
                 continue
-            if s.labels.get("application", app) != app:
+            pool = pools.get(s.labels.get("ReplicaId", ""))
+            if pool is None:
                 continue
-            pool = "prefill" if "Prefill" in str(s.labels) else "decode" \
-                if "Decode" in str(s.labels) else "?"
             key = (s.name, f"{pool}:{s.labels.get('source', '')}")
             out[key] = out.get(key, 0.0) + s.value
     return out
 
 
-def wait_for(app: str, pred: Any) -> dict[tuple[str, str], float]:
+def pool_of(report: dict[str, Any]) -> dict[str, str]:
+    return {rid: name for name, pool in report["pd"]["pools"].items()
+            for rid in pool["replicas"]}
+
+
+def wait_for(pools: dict[str, str], pred: Any) -> dict[tuple[str, str], float]:
     deadline = time.monotonic() + SCRAPE_TIMEOUT_S
     samples: dict[tuple[str, str], float] = {}
     while time.monotonic() < deadline:
-        samples = engine_samples(app)
+        samples = engine_samples(pools)
         if pred(samples):
             return samples
         time.sleep(2)
@@ -138,17 +147,18 @@ def test_a_request_is_prefilled_remotely_and_decoded_without_recompute(pd_app: s
     assert set(pd["pools"]["decode"]["replicas"]) == {decode}
     assert set(pd["pools"]["prefill"]["replicas"]) == {prefill}
     assert {r["pool"] for r in report["replicas"]} == {"prefill", "decode"}
-    before = engine_samples("pd")
+    pools = pool_of(report)
+    before = engine_samples(pools)
     body = complete(pd_app)
     usage = body["usage"]
     assert usage["completion_tokens"] == 4 and usage["prompt_tokens"] > 600, usage
     prompt = usage["prompt_tokens"]
 
     def moved(s: dict[tuple[str, str], float]) -> bool:
-        return value(s, "external_kv_transfer_total", "decode:external_kv_transfer") > \
-            value(before, "external_kv_transfer_total", "decode:external_kv_transfer")
+        return value(s, "prompt_tokens_by_source_total", "decode:external_kv_transfer") > \
+            value(before, "prompt_tokens_by_source_total", "decode:external_kv_transfer")
 
-    after = wait_for("pd", moved)
+    after = wait_for(pools, moved)
     print({k: v for k, v in after.items() if v != before.get(k)})
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
     external = sum(v for (n, w), v in delta.items()
@@ -161,7 +171,11 @@ def test_a_request_is_prefilled_remotely_and_decoded_without_recompute(pd_app: s
     assert external >= prompt - 256, delta  # the decode engine got it over NIXL ...
     assert local < 256, delta  # ... and recomputed at most the last, partial block
     failed = sum(v for (n, _), v in delta.items() if "nixl_num_failed" in n)
-    assert failed == 0, delta
+    transfers = delta.get(("ray_vllm_nixl_xfer_time_seconds_count", "decode:"), 0.0)
+    moved_bytes = delta.get(("ray_vllm_nixl_bytes_transferred_sum", "decode:"), 0.0)
+    print(f"P/D request: {prompt} prompt tokens, {transfers:g} transfer(s), "
+          f"{moved_bytes / 1e6:.2f} MB, decode external {external:g} / local {local:g}")
+    assert failed == 0 and transfers >= 1 and moved_bytes > 0, delta
 
 
 @pytest.mark.skipif(not FULL, reason="make test-pd (DSV4_FULL_PD=1): one more engine pair")
@@ -180,9 +194,10 @@ def test_a_decode_pool_with_another_layer_mix_gets_no_transfers(serve_stack: Sta
         assert any(d["field"] == "fingerprint" for d in pd["differences"]), pd["differences"]
         assert list(pd["allowed"].values()) == [[]] and pd["blocked_prefill"], pd
         assert "fingerprint" in pd["message"]
-        before = engine_samples("pdodd")
+        pools = pool_of(report)
+        before = engine_samples(pools)
         usage = complete(url)["usage"]
-        after = wait_for("pdodd", lambda s: value(s, "local_compute_total",
+        after = wait_for(pools, lambda s: value(s, "prompt_tokens_by_source_total",
                                                   "decode:local_compute") > 0)
         delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
         local = sum(v for (n, w), v in delta.items()
@@ -212,13 +227,14 @@ def test_a_byte_identical_model_at_another_path_is_compatible(serve_stack: Stack
     try:
         report = verdict(url)
         assert report["pd"]["verdict"] == "compatible", report["pd"]
-        before = engine_samples("pdcopy")
+        pools = pool_of(report)
+        before = engine_samples(pools)
         complete(url)
-        after = wait_for("pdcopy", lambda s: value(
-            s, "external_kv_transfer_total", "decode:external_kv_transfer") > value(
-            before, "external_kv_transfer_total", "decode:external_kv_transfer"))
-        assert value(after, "external_kv_transfer_total", "decode:external_kv_transfer") > \
-            value(before, "external_kv_transfer_total", "decode:external_kv_transfer"), after
+        after = wait_for(pools, lambda s: value(
+            s, "prompt_tokens_by_source_total", "decode:external_kv_transfer") > value(
+            before, "prompt_tokens_by_source_total", "decode:external_kv_transfer"))
+        assert value(after, "prompt_tokens_by_source_total", "decode:external_kv_transfer") > \
+            value(before, "prompt_tokens_by_source_total", "decode:external_kv_transfer"), after
     finally:
         serve.delete("pdcopy")
         shutil.rmtree(copy_dir.parent, ignore_errors=True)
