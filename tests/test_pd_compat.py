@@ -161,3 +161,46 @@ def test_connectors_without_hybrid_kv_support_and_roles_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"replica_overrides\[0\].rank=1.*at most 1"):
         parse_app_args(pd_args(decode={"replica_overrides": [
             {"rank": 1, "engine_kwargs": {"hf_overrides": {}}}]}))
+
+
+# ------------------------------------------------------------------ routing, status, plan
+
+
+def test_the_decode_whitelist_is_empty_until_checked_and_then_exact() -> None:
+    from deployments import pd_route
+    from deployments.wire import PDRouteMessage
+
+    route = pd_route.Route()
+    assert not route.may_transfer() and not route.permits("p0")  # not checked: no transfer
+    saved = pd_route.ROUTE
+    try:
+        pd_route.ROUTE = route
+        message = PDRouteMessage(checked_at=1.0, verdict=PDVerdict.PARTIAL,
+                                 allowed={"d0": ["p0"], "d1": []})
+        taken = pd_route.take(message, "d0")
+        assert taken.may_transfer() and taken.permits("p0") and not taken.permits("p1")
+        assert pd_route.live_route() is route
+        assert not pd_route.take(message, "d1").may_transfer()  # stranded: prefill locally
+    finally:
+        pd_route.ROUTE = saved
+    assert pd_route.Route(check=False).permits("anything")
+
+
+def test_status_and_plan_show_the_pools_and_the_verdict() -> None:
+    from deployments import pd_plan
+    from deployments.status import describe
+    from deployments.wire import Expected, FleetReport, PDPool
+
+    prefill = [replica("p0", "prefill"), replica("p1", "prefill", kernel_block_size=64)]
+    pools = {"prefill": PDPool(deployment="Prefill:m", state=State.AGREE, replicas=["p0", "p1"]),
+             "decode": PDPool(deployment="Decode:m", state=State.AGREE, replicas=["d0"])}
+    pd = pd_compat.judge(prefill, [replica("d0", "decode")], pools)
+    report = FleetReport(state=State.DISAGREE, agree=False, policy="enforce",
+                         expected=Expected(layout="fp8_ds_mla", reference="prediction"), pd=pd)
+    text = describe(report)
+    assert "P/D: partial" in text and "decode d0 takes KV from prefill ['p0']" in text
+    [(_, args)] = load_serve_config(PD_CONFIG).ours()
+    summary = pd_plan.summary(args, 3915.0, 256, 1000, 2048)
+    assert summary["bytes_moved_per_request"] == {"1024": 1024 * 3915, "2048": 2048 * 3915}
+    rows = dict(pd_plan.rows(summary))
+    assert "NixlConnector" in rows["P/D connector"] and "prefill 1 x 1,000" in rows["P/D pools"]
