@@ -39,6 +39,7 @@ PD_CONFIG = REPO / "configs" / "local-cpu-pd.yaml"
 FULL = os.environ.get("DSV4_FULL_PD") == "1"
 PROMPT = " ".join(["hello world"] * 350)  # ~700 tokens: several 256-token blocks
 SCRAPE_TIMEOUT_S = 60.0
+SOURCE = "prompt_tokens_by_source_total"  # vllm:prompt_tokens_by_source, Ray-prefixed
 
 
 def pd_args(**changes: Any) -> dict[str, Any]:
@@ -155,18 +156,15 @@ def test_a_request_is_prefilled_remotely_and_decoded_without_recompute(pd_app: s
     prompt = usage["prompt_tokens"]
 
     def moved(s: dict[tuple[str, str], float]) -> bool:
-        return value(s, "prompt_tokens_by_source_total", "decode:external_kv_transfer") > \
-            value(before, "prompt_tokens_by_source_total", "decode:external_kv_transfer")
+        return value(s, SOURCE, "decode:external_kv_transfer") > \
+            value(before, SOURCE, "decode:external_kv_transfer")
 
     after = wait_for(pools, moved)
     print({k: v for k, v in after.items() if v != before.get(k)})
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
-    external = sum(v for (n, w), v in delta.items()
-                   if "prompt_tokens_by_source" in n and w == "decode:external_kv_transfer")
-    local = sum(v for (n, w), v in delta.items()
-                if "prompt_tokens_by_source" in n and w == "decode:local_compute")
-    prefilled = sum(v for (n, w), v in delta.items()
-                    if "prompt_tokens_by_source" in n and w == "prefill:local_compute")
+    external = value(delta, SOURCE, "decode:external_kv_transfer")
+    local = value(delta, SOURCE, "decode:local_compute")
+    prefilled = value(delta, SOURCE, "prefill:local_compute")
     assert prefilled >= prompt - 1, delta  # the prefill engine computed the prompt
     assert external >= prompt - 256, delta  # the decode engine got it over NIXL ...
     assert local < 256, delta  # ... and recomputed at most the last, partial block
@@ -197,15 +195,12 @@ def test_a_decode_pool_with_another_layer_mix_gets_no_transfers(serve_stack: Sta
         pools = pool_of(report)
         before = engine_samples(pools)
         usage = complete(url)["usage"]
-        after = wait_for(pools, lambda s: value(s, "prompt_tokens_by_source_total",
+        after = wait_for(pools, lambda s: value(s, SOURCE,
                                                   "decode:local_compute") > 0)
         delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
-        local = sum(v for (n, w), v in delta.items()
-                    if "prompt_tokens_by_source" in n and w == "decode:local_compute")
-        external = sum(v for (n, w), v in delta.items()
-                       if "prompt_tokens_by_source" in n and w == "decode:external_kv_transfer")
-        prefilled = sum(v for (n, w), v in delta.items()
-                        if "prompt_tokens_by_source" in n and w.startswith("prefill:"))
+        local = value(delta, SOURCE, "decode:local_compute")
+        external = value(delta, SOURCE, "decode:external_kv_transfer")
+        prefilled = value(delta, SOURCE, "prefill:local_compute")
         assert local >= usage["prompt_tokens"] - 1 and external == 0 and prefilled == 0, delta
     finally:
         serve.delete("pdodd")
@@ -231,10 +226,10 @@ def test_a_byte_identical_model_at_another_path_is_compatible(serve_stack: Stack
         before = engine_samples(pools)
         complete(url)
         after = wait_for(pools, lambda s: value(
-            s, "prompt_tokens_by_source_total", "decode:external_kv_transfer") > value(
-            before, "prompt_tokens_by_source_total", "decode:external_kv_transfer"))
-        assert value(after, "prompt_tokens_by_source_total", "decode:external_kv_transfer") > \
-            value(before, "prompt_tokens_by_source_total", "decode:external_kv_transfer"), after
+            s, SOURCE, "decode:external_kv_transfer") > value(
+            before, SOURCE, "decode:external_kv_transfer"))
+        assert value(after, SOURCE, "decode:external_kv_transfer") > \
+            value(before, SOURCE, "decode:external_kv_transfer"), after
     finally:
         serve.delete("pdcopy")
         shutil.rmtree(copy_dir.parent, ignore_errors=True)
