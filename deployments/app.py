@@ -352,18 +352,27 @@ def build_app(args: dict[str, Any]) -> Application:
                                      deployment_cls=DSv4DPServer)
     else:
         server = build_llm_deployment(llm_config, bind_kwargs={"dsv4": dsv4})
-    deploy = parsed.llm.deployment_config
-    controller = serve.deployment(
-        KVSpecController, name=CONTROLLER_NAME, num_replicas=1,
+    controller = controller_deployment(KVSpecController, parsed).bind(server=server, dsv4=dsv4)
+    return bind_ingress(parsed, llm_config, server, controller)
+
+
+def controller_deployment(cls: type, parsed: AppArgs) -> Any:
+    """The one controller deployment (``KVSpecController``, or P/D's ``PDController``)."""
+    return serve.deployment(
+        cls, name=CONTROLLER_NAME, num_replicas=1,
         ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=CONTROLLER_DRAIN_S,
-        graceful_shutdown_wait_loop_s=deploy.drain_poll_s,
-    ).bind(server=server, dsv4=dsv4)
+        graceful_shutdown_wait_loop_s=parsed.llm.deployment_config.drain_poll_s)
+
+
+def bind_ingress(parsed: AppArgs, llm_config: LLMConfig, server: Application,
+                 controller: Application) -> Application:
+    """Our ingress in front of ``server`` (the deployment clients' requests go to)."""
     ingress_cls = make_fastapi_ingress(DSv4Ingress, endpoint_map=_openai_endpoints(),
                                        app=_openai_fastapi_app(parsed.http))
     options = DSv4Ingress.get_deployment_options([llm_config]) | {
         # The ingress relays the servers' streams: it may stop only after they have.
         "graceful_shutdown_timeout_s": ingress_drain_timeout_s(parsed),
-        "graceful_shutdown_wait_loop_s": deploy.drain_poll_s,
+        "graceful_shutdown_wait_loop_s": parsed.llm.deployment_config.drain_poll_s,
     } | ingress_queue_options(parsed.http)
     return serve.deployment(ingress_cls, **options).bind(
         llm_deployments={llm_config.model_id: server},

@@ -16,22 +16,11 @@ from __future__ import annotations
 
 import logging
 
-from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 
 from deployments import pd_route
-from deployments.app import (
-    CONTROLLER_DRAIN_S,
-    CONTROLLER_NAME,
-    DSv4Ingress,
-    _model_cards,
-    _openai_endpoints,
-    _openai_fastapi_app,
-    ingress_drain_timeout_s,
-    ingress_queue_options,
-    resolve_model_source,
-)
+from deployments.app import bind_ingress, controller_deployment, resolve_model_source
 from deployments.pd_config import PDAppArgs
 from deployments.pd_controller import PDController
 from deployments.pd_server import DSv4PDDecodeServer, DSv4PDPrefillServer
@@ -74,29 +63,12 @@ def build_pd_app(parsed: PDAppArgs) -> Application:
     decode = build_llm_deployment(decode_config, name_prefix="Decode:", bind_kwargs={
         "dsv4": parsed.pool_dsv4("decode"), "prefill_server": prefill,
         "compat_check": parsed.pd.compat_check})
-    deploy = parsed.llm.deployment_config
-    controller = serve.deployment(
-        PDController, name=CONTROLLER_NAME, num_replicas=1,
-        ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=CONTROLLER_DRAIN_S,
-        graceful_shutdown_wait_loop_s=deploy.drain_poll_s,
-    ).bind(prefill=prefill, decode=decode, dsv4_prefill=parsed.pool_dsv4("prefill"),
-           dsv4_decode=parsed.pool_dsv4("decode"))
-    from ray.serve.llm.ingress import make_fastapi_ingress
-
-    ingress_cls = make_fastapi_ingress(DSv4Ingress, endpoint_map=_openai_endpoints(),
-                                       app=_openai_fastapi_app(parsed.http))
-    options = DSv4Ingress.get_deployment_options([decode_config]) | {
-        "graceful_shutdown_timeout_s": ingress_drain_timeout_s(parsed),
-        "graceful_shutdown_wait_loop_s": deploy.drain_poll_s,
-    } | ingress_queue_options(parsed.http)
+    controller = controller_deployment(PDController, parsed).bind(
+        prefill=prefill, decode=decode, dsv4_prefill=parsed.pool_dsv4("prefill"),
+        dsv4_decode=parsed.pool_dsv4("decode"))
     logger.info("dsv4: P/D app: %s prefill + %s decode replica(s), connector %s, compat "
                 "check %s", parsed.pool_deployment_config("prefill").max_replicas,
                 parsed.pool_deployment_config("decode").max_replicas,
                 parsed.pd.kv_transfer_config.get("kv_connector"),
                 "on" if parsed.pd.compat_check else "OFF")
-    return serve.deployment(ingress_cls, **options).bind(
-        llm_deployments={decode_config.model_id: decode},
-        model_cards=_model_cards(decode_config),
-        kv_spec_controller=controller,
-        http=parsed.http.model_dump(mode="json"),
-    )
+    return bind_ingress(parsed, decode_config, decode, controller)

@@ -550,7 +550,8 @@ def _capacity_problems(plan: ReplicaPlan, args: AppArgs) -> list[Problem]:
             "full-length request cannot be scheduled. Fix: lower max_model_len or add "
             "memory per engine."))
     room = (node.gpus_per_node or 0) * node.nodes_per_replica
-    idle = room - int(plan.parallel["gpus_per_replica"])
+    # A P/D app's prefill and decode replica share a node (deployments.pd_plan).
+    idle = room - int(plan.parallel["gpus_per_replica"]) * (2 if plan.pd else 1)
     if node.platform != "cpu" and node.gpus_per_node and idle > 0:
         found.append(Problem(
             "warning", "idle-gpus",
