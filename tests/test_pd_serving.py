@@ -103,6 +103,17 @@ def engine_samples(pools: dict[str, str]) -> dict[tuple[str, str], float]:
     return out
 
 
+def pd_gauges(app: str) -> dict[str, float]:
+    """The controller's ``dsv4_pd_*`` gauges of one app (Ray-prefixed ``ray_``)."""
+    from deployments import runner
+
+    with urllib.request.urlopen(runner.metrics_url(), timeout=10) as resp:
+        text = resp.read().decode()
+    return {s.name: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name.startswith("ray_dsv4_pd_") and s.labels.get("pd_application") == app}
+
+
 def pool_of(report: dict[str, Any]) -> dict[str, str]:
     return {rid: name for name, pool in report["pd"]["pools"].items()
             for rid in pool["replicas"]}
@@ -174,6 +185,14 @@ def test_a_request_is_prefilled_remotely_and_decoded_without_recompute(pd_app: s
     print(f"P/D request: {prompt} prompt tokens, {transfers:g} transfer(s), "
           f"{moved_bytes / 1e6:.2f} MB, decode external {external:g} / local {local:g}")
     assert failed == 0 and transfers >= 1 and moved_bytes > 0, delta
+    deadline = time.monotonic() + SCRAPE_TIMEOUT_S
+    gauges = pd_gauges("pd")
+    while gauges.get("ray_dsv4_pd_compatible") != 1.0 and time.monotonic() < deadline:
+        time.sleep(2)
+        gauges = pd_gauges("pd")
+    assert gauges.get("ray_dsv4_pd_compatible") == 1.0, gauges
+    assert gauges.get("ray_dsv4_pd_allowed_pairs") == 1.0, gauges
+    assert gauges.get("ray_dsv4_pd_blocked_prefill_replicas") == 0.0, gauges
 
 
 @pytest.mark.skipif(not FULL, reason="make test-pd (DSV4_FULL_PD=1): one more engine pair")
