@@ -2,7 +2,7 @@
 
 For each released wheel 0.20.0-0.33.0 (``tests/release_sources.py`` downloads each once
 and cuts the decision code out of it), these tests run that release's own resolver /
-layer dtype block / SM120 validator, stock and with the plugin's ``PatchSpec.apply``.
+layer dtype block / SM120 validator, stock and with the plugin's ``Patch.apply``.
 
 Proves: what each release decides for every input of ``rules.PROBE_DTYPES`` on both
 layouts, that ``rules.upstream_resolver_decision`` *is* the real 0.30-0.33 code, and that
