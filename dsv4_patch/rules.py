@@ -331,6 +331,15 @@ FP8_DS_MLA_ALIGNMENT = 576  # fp8_ds_mla pages pad to 576 B multiples
 PLAIN_ROW_ALIGNMENT = 512  # plain-row pages pad to 512 B multiples
 UE8M0_GROUP = 64  # one UE8M0 scale byte per 64 NoPE values
 INDEXER_SCALE_BYTES = 4  # one fp32 scale per indexer key
+# The fp8_ds_mla record of one token (DeepSeek-V4 invariants: head_dim 512 = 448 NoPE
+# + 64 RoPE): 448 B fp8-e4m3 NoPE + 128 B bf16 RoPE, then 7 UE8M0 scales + 1 pad byte.
+# dsv4_patch/cpu_ops.py and benchmarks/ read the geometry from here.
+NOPE_DIM = 448
+ROPE_DIM = 64
+HEAD_DIM = NOPE_DIM + ROPE_DIM
+FP8_DS_MLA_TOKEN_DATA_BYTES = NOPE_DIM + 2 * ROPE_DIM  # 576
+FP8_DS_MLA_SCALE_BYTES = NOPE_DIM // UE8M0_GROUP + 1  # 8
+INDEX_HEAD_DIM = 128  # the sparse indexer's key width (fp8-e4m3, one fp32 scale)
 
 
 @dataclass(frozen=True)
@@ -383,7 +392,8 @@ def state_bytes(shape: ModelShape, storage: Storage) -> int:
     return shape.head_dim  # 512
 
 
-def _alignment(storage: Storage) -> int:
+def page_alignment(storage: Storage) -> int:
+    """The multiple vLLM pads a page of ``storage`` to (576 B fp8_ds_mla, 512 B rows)."""
     return FP8_DS_MLA_ALIGNMENT if Storage(storage) is Storage.FP8_DS_MLA else PLAIN_ROW_ALIGNMENT
 
 
@@ -415,7 +425,7 @@ def page_breakdown(
     and excluded: they do not grow with context.
     """
     per_state = state_bytes(shape, storage)
-    align = _alignment(storage)
+    align = page_alignment(storage)
     rows = []
     for ratio in shape.compressed_ratios:
         states = block_size // ratio
