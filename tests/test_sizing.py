@@ -8,7 +8,7 @@ import pytest
 
 from deployments import checks, sizing
 from deployments.config import load_serve_config, parse_app_args
-from deployments.runner import logical_cpus_needed
+from deployments.local_ray import logical_cpus_needed
 from dsv4_patch import rules
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
