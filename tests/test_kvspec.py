@@ -260,3 +260,48 @@ def test_status_describes_stale_and_silent_replicas() -> None:
     assert "KV spec: stale (last completed check: incomplete)" in text
     assert "95 s old" in text and "b: [no_answer]" in text
     assert EXIT.get(stale.state.value, EXIT_INCOMPLETE) == EXIT_INCOMPLETE
+
+
+# The fingerprint of DeepSeek-V4-Flash's stand-in spec, recorded: the hash must not move
+# between dsv4-serve versions, or a rolling upgrade would see old and new replicas differ.
+FLASH_FINGERPRINT = "sha256:72f928b84436042ddbc603cb9a960608aeebe8082628c1a17b801d9b307003f3"
+
+
+def test_fingerprint_is_stable_across_versions() -> None:
+    spec = standin_spec("r0", 0)
+    assert kvspec.fingerprint(spec.layers) == spec.fingerprint == FLASH_FINGERPRINT
+
+
+def test_a_held_spec_is_answered_briefly_and_anything_else_in_full() -> None:
+    spec = standin_spec("r0", 0)
+    full = wire.answer_kv_page_spec(spec, None)
+    assert ReplicaSpec.model_validate(full).fingerprint == spec.fingerprint
+    assert "brief" not in wire.answer_kv_page_spec(spec, {"r1": spec.fingerprint})
+    assert "layers" in wire.answer_kv_page_spec(spec, {"r0": "sha256:other"})
+    brief = wire.answer_kv_page_spec(spec, {"r0": spec.fingerprint})
+    assert brief["brief"] is True and "layers" not in brief
+    assert len(json.dumps(brief)) < len(json.dumps(full)) / 50
+    assert wire.ReplicaSpecBrief.model_validate(brief).fingerprint == spec.fingerprint
+
+
+def _message(**entry: Any) -> wire.VerdictMessage:
+    return wire.VerdictMessage(checked_at=1.0, replicas={"r0": ReplicaVerdict(**entry)})
+
+
+def test_a_verdict_is_resent_only_when_a_replica_would_act_differently() -> None:
+    spec = standin_spec("r0", 0, policy="drain")
+    # A new replica holds the default verdict (no policy yet): it must be told once.
+    assert not kvspec.verdicts_held(_message(policy="drain"), [spec])
+    taken = kvspec.take_verdict(_message(policy="drain").model_dump(mode="json"), "r0",
+                                "drain", spec.verdict)
+    held = spec.model_copy(update={"verdict": taken})
+    assert kvspec.verdicts_held(_message(policy="drain"), [held])
+    # enforce's fail_health, clamped by the replica's own drain policy, is a drain:
+    odd = dict(odd=True, reason="differs", action=Action.FAIL_HEALTH, attempts=1)
+    assert not kvspec.verdicts_held(_message(**odd), [held])
+    taken = kvspec.take_verdict(_message(**odd).model_dump(mode="json"), "r0", "drain",
+                                taken)
+    assert taken.action is Action.DRAIN
+    assert kvspec.verdicts_held(_message(**odd), [held.model_copy(update={"verdict": taken})])
+    # A replica the message names but that did not answer now: send.
+    assert not kvspec.verdicts_held(_message(**odd), [])
