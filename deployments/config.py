@@ -39,14 +39,14 @@ from pydantic import (
     model_validator,
 )
 
-from deployments import checks, sizing
+from deployments import checks, resources, sizing
 from dsv4_patch import rules
 
 IMPORT_PATH = "deployments.app:build_app"
 WORKER_EXTENSION = "dsv4_patch.worker_ext.DSv4WorkerExtension"
 TINY_MODEL_SOURCE = "dsv4-tiny"  # model_source alias: the tiny random-weight DSv4
 PLUGIN_NAME = "dsv4_patch"
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-cpu.yaml"
+DEFAULT_CONFIG = resources.configs_dir() / "local-cpu.yaml"
 # Seconds a stopping DSv4 server replica waits for its in-flight requests (Serve's
 # graceful_shutdown_timeout_s; Serve's own default of 20 s cuts long generations).
 DEFAULT_DRAIN_TIMEOUT_S = 60.0

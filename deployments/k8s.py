@@ -37,10 +37,12 @@ from typing import Any
 
 import yaml
 
+from deployments import resources
 from deployments.config import AppArgs, ConfigError, load_serve_config
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PARAMS = REPO_ROOT / "k8s" / "params.yaml"
+# A checkout's top level, or the wheel's deployments/_data (deployments.resources).
+REPO_ROOT = resources.data_root()
+DEFAULT_PARAMS = resources.k8s_dir() / "params.yaml"
 MANIFEST_SUFFIX = ".rayservice.yaml"
 
 # KubeRay's RayServiceUpgradeType (ray-operator/apis/ray/v1/rayservice_types.go);
@@ -88,7 +90,7 @@ def load_params(path: Path = DEFAULT_PARAMS) -> dict[str, Any]:
     """Read ``k8s/params.yaml`` and check the fields every manifest needs."""
     if not path.is_file():
         raise ConfigError(f"params file {str(path)!r} does not exist. Fix: pass --params "
-                          f"or restore {DEFAULT_PARAMS.relative_to(REPO_ROOT)}.")
+                          f"or use the shipped {DEFAULT_PARAMS}.")
     params = yaml.safe_load(path.read_text()) or {}
     required = ("image", "image_digest", "ray_version", "hf_token_secret", "api_keys_secret",
                 "kuberay_operator_labels", "metrics_namespace", "model_cache_mount",
