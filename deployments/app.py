@@ -26,7 +26,7 @@ from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, ErrorResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments import edge
+from deployments import edge, ray_touches
 from deployments.config import AppArgs, HTTPEdge, parse_app_args
 from deployments.controller import KVSpecController
 from deployments.edge import EdgeMiddleware
@@ -336,6 +336,7 @@ def resolve_model_source(args: AppArgs) -> str | None:
 
 def build_app(args: dict[str, Any]) -> Application:
     """Validate ``args`` (``deployments.config.AppArgs``) and build the application."""
+    ray_touches.require()  # the Ray internals we build on (deployments/ray_touches.py)
     parsed = parse_app_args(args)
     config_dict = parsed.llm_config_dict(resolve_model_source(parsed))
     # The KV-spec router keeps requests off replicas the controller drains.
