@@ -367,4 +367,14 @@ def build_app(args: dict[str, Any]) -> Application:
         model_cards=_model_cards(llm_config),
         kv_spec_controller=controller,
         http=parsed.http.model_dump(mode="json"),
+        # As build_openai_app does: the ingress lists and routes the LoRA adapters.
+        lora_paths=_lora_paths(llm_config),
     )
+
+
+def _lora_paths(llm_config: LLMConfig) -> dict[str, str]:
+    """Base model id -> the adapters' directory, for the ingress (empty without LoRA)."""
+    lora = llm_config.lora_config
+    if lora is None:
+        return {}
+    return {llm_config.model_id: lora.dynamic_lora_loading_path}

@@ -167,6 +167,14 @@ def _cpu_problems(args: AppArgs) -> list[Problem]:
     """
     ek, pg, node = args.llm.engine_kwargs, args.llm.placement_group_config, args.dsv4.node
     found = _cpu_block_size("llm.engine_kwargs.block_size", ek.block_size)
+    if args.llm.lora_config is not None:
+        # vllm/models/deepseek_v4/cpu/model.py: DeepseekV4ForCausalLM(nn.Module, SupportsPP,
+        # SupportsEagle3) -- no SupportsLoRA (vLLM 0.32; the CUDA class has it).
+        found.append(_error(
+            "lora-on-cpu",
+            "llm.lora_config is set on a CPU node: vLLM's CPU DeepSeek-V4 model does not "
+            "support LoRA, so the engine would refuse it. Fix: remove lora_config, or serve "
+            "the adapters on a GPU node."))
     for i, override in enumerate(args.dsv4.replica_overrides):
         found += _cpu_block_size(f"dsv4.replica_overrides[{i}].engine_kwargs.block_size",
                                  override.engine_kwargs.get("block_size"))
