@@ -523,7 +523,7 @@ class EnforceBook:
             return clamp(Action.DRAIN, policy), 0, None
         book = self.ranks.get(key)
         if book is None or book.fingerprint != spec.fingerprint:
-            book = self.ranks[key] = _Rank(spec.fingerprint)
+            book = self.ranks[key] = self._recalled(spec, now)
         if spec.replica_id in book.failed:
             return Action.FAIL_HEALTH, book.attempts, None
         if book.attempts >= self.max_attempts:
@@ -541,6 +541,22 @@ class EnforceBook:
         book.last_at = now
         book.failed.add(spec.replica_id)
         return Action.FAIL_HEALTH, book.attempts, None
+
+    @staticmethod
+    def _recalled(spec: ReplicaSpec, now: float) -> _Rank:
+        """A rank's book as its live replica remembers it (the verdict it echoes).
+
+        The book lives in the controller; a restarted controller would otherwise
+        start every odd rank at 0 attempts and replace a given-up replica again.
+        The backoff restarts from now (the last replacement's time is not echoed).
+        """
+        held = spec.verdict
+        if not (held.odd and held.attempts and held.policy == "enforce"):
+            return _Rank(spec.fingerprint)
+        book = _Rank(spec.fingerprint, attempts=held.attempts, last_at=now)
+        if held.action is Action.FAIL_HEALTH:
+            book.failed.add(spec.replica_id)  # already being replaced: keep it so
+        return book
 
 
 def verdicts_held(message: VerdictMessage, specs: Sequence[ReplicaSpec]) -> bool:

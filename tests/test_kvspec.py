@@ -210,6 +210,28 @@ def test_enforce_is_bounded_with_backoff_then_drains() -> None:
     assert book.action(third, True, "drain", now=0)[0] is Action.DRAIN
 
 
+def test_a_restarted_controller_remembers_a_given_up_rank_from_its_replica() -> None:
+    # The replica drained after 2 replacements echoes that verdict; a new controller
+    # (empty book) must not replace it a third time.
+    given_up = standin_spec("r3", 1, reordered=True).model_copy(update={
+        "verdict": ReplicaVerdict(odd=True, reason="gave up", action=Action.DRAIN,
+                                  policy="enforce", attempts=2)})
+    fresh = kvspec.EnforceBook(max_attempts=2, backoff_s=10)
+    action, attempts, note = fresh.action(given_up, True, "enforce", now=1000)
+    assert (action, attempts) == (Action.DRAIN, 2) and "gave up" in (note or "")
+    # Mid-backoff after 1 replacement: drained, the backoff counted again from now.
+    waiting = given_up.model_copy(update={"verdict": given_up.verdict.model_copy(
+        update={"attempts": 1})})
+    fresh = kvspec.EnforceBook(max_attempts=2, backoff_s=10)
+    assert fresh.action(waiting, True, "enforce", now=1000)[:2] == (Action.DRAIN, 1)
+    assert fresh.action(waiting, True, "enforce", now=1011)[:2] == (Action.FAIL_HEALTH, 2)
+    # A replica whose verdict came from another policy starts a clean book.
+    warned = given_up.model_copy(update={"verdict": given_up.verdict.model_copy(
+        update={"policy": "warn"})})
+    fresh = kvspec.EnforceBook(max_attempts=2, backoff_s=10)
+    assert fresh.action(warned, True, "enforce", now=0)[:2] == (Action.FAIL_HEALTH, 1)
+
+
 def test_a_replica_obeys_its_own_policy_unless_an_operator_overrides() -> None:
     told = {"checked_at": 1.0, "replicas": {"x": ReplicaVerdict(
         odd=True, reason="r", action=Action.FAIL_HEALTH).model_dump(mode="json")}}
