@@ -10,7 +10,6 @@ port as the API it vouches for.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,11 +29,12 @@ from deployments import edge, ray_touches
 from deployments.config import AppArgs, HTTPEdge, parse_app_args
 from deployments.controller import KVSpecController
 from deployments.edge import EdgeMiddleware
+from deployments.logs import get_logger
 from deployments.public import RefreshGate, public_report
 from deployments.router import with_kv_router
 from deployments.server import DSv4DPServer, DSv4Server
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("app")
 
 KV_SPEC_ROUTE = "/v1/kv-spec"
 CONTROLLER_NAME = "KVSpecController"
@@ -341,9 +341,11 @@ def build_app(args: dict[str, Any]) -> Application:
     config_dict = parsed.llm_config_dict(resolve_model_source(parsed))
     # The KV-spec router keeps requests off replicas the controller drains.
     config_dict["deployment_config"] = with_kv_router(config_dict["deployment_config"])
-    llm_config = LLMConfig(**config_dict, server_cls=DSv4Server)
+    dp = parsed.llm.engine_kwargs.data_parallel_size > 1
+    # The class that runs: on the DP path build_dp_deployment's deployment_cls wins.
+    llm_config = LLMConfig(**config_dict, server_cls=DSv4DPServer if dp else DSv4Server)
     dsv4 = parsed.dsv4.model_dump(mode="json")
-    if parsed.llm.engine_kwargs.data_parallel_size > 1:
+    if dp:
         # DP attention: Ray Serve LLM's gang-scheduled DPServer pattern, our checks on top.
         server = build_dp_deployment(llm_config, bind_kwargs={"dsv4": dsv4},
                                      deployment_cls=DSv4DPServer)

@@ -41,11 +41,13 @@ from pydantic import (
 
 from deployments import checks, resources, sizing
 from dsv4_patch import rules
+from dsv4_patch.tiny_model import TINY_MODEL_NAME
 
 IMPORT_PATH = "deployments.app:build_app"
 WORKER_EXTENSION = "dsv4_patch.worker_ext.DSv4WorkerExtension"
-TINY_MODEL_SOURCE = "dsv4-tiny"  # model_source alias: the tiny random-weight DSv4
-PLUGIN_NAME = "dsv4_patch"
+# model_source alias of the tiny random-weight DeepSeek-V4 (one name: dsv4_patch.tiny_model).
+TINY_MODEL_SOURCE = TINY_MODEL_NAME
+PLUGIN_NAME = rules.PLUGIN_NAME
 DEFAULT_CONFIG = resources.configs_dir() / "local-cpu.yaml"
 # Seconds a stopping DSv4 server replica waits for its in-flight requests (Serve's
 # graceful_shutdown_timeout_s; Serve's own default of 20 s cuts long generations).
@@ -277,7 +279,7 @@ class LLMSection(_Strict):
                     "every actor's runtime_env). Fix: remove it and export it in the "
                     "environment that starts Ray (a Kubernetes Secret on KubeRay).")
         plugins = env.get("VLLM_PLUGINS")
-        if plugins is not None and PLUGIN_NAME not in plugins.split(","):
+        if not rules.plugin_allowed(plugins):
             raise ValueError(
                 f"runtime_env.env_vars.VLLM_PLUGINS={plugins!r} leaves out {PLUGIN_NAME!r}, "
                 "so engine workers would build DeepSeek-V4 layers unpatched. Fix: add "

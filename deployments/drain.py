@@ -8,7 +8,6 @@ takes the GCS down with us is detected, so nothing waits on a dead cluster.
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 import threading
@@ -18,8 +17,9 @@ from typing import Any
 
 from deployments.config import ServeConfig
 from deployments.local_ray import gcs_reachable, shutdown
+from deployments.logs import get_logger
 
-logger = logging.getLogger("dsv4_serve.run")
+logger = get_logger("run")
 
 
 DRAIN_POLL_S = 0.5

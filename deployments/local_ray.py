@@ -7,14 +7,14 @@ benchmarks, so they boot Ray exactly the way users do.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 
 from deployments import sizing
 from deployments.config import ConfigError, ServeConfig
+from deployments.logs import get_logger
 
-logger = logging.getLogger("dsv4_serve.run")
+logger = get_logger("run")
 
 
 def logical_cpus_needed(config: ServeConfig) -> float:

@@ -74,7 +74,7 @@ def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
     node, ek = args.dsv4.node, args.llm.engine_kwargs
     decision = args.predicted_layout()
     resolution = rules.resolve_kv_cache_dtype(decision.layout, ek.kv_cache_dtype)
-    shape = rules.ModelShape.from_hf_config(model_cfg, name=args.llm.model_loading_config.model_id)
+    shape = rules.ModelShape.from_hf_config(model_cfg)
     weights = estimate_weights(model_cfg)
     block = args.block_size()
     version = vllm_version or DEFAULT_VLLM.get(node.platform, DEFAULT_VLLM["cuda"])

@@ -25,13 +25,14 @@ from deployments.config import DEFAULT_CONFIG, ConfigError, ServeConfig, load_se
 from deployments.deploy import base_url, deploy
 from deployments.drain import StopSignal, stop_everything
 from deployments.local_ray import metrics_url, start_cluster
+from deployments.logs import get_logger, plain_output
 from deployments.report_text import describe
 from deployments.wire import FleetReport
 
 if TYPE_CHECKING:
     from deployments.cluster import LocalCluster
 
-logger = logging.getLogger("dsv4_serve.run")
+logger = get_logger("run")
 
 
 @dataclass
@@ -70,6 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Deploy, report, serve until a signal, shut down."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    plain_output()
     timings = Timings()
     try:
         config = load_serve_config(args.config)

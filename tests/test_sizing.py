@@ -43,7 +43,7 @@ def test_block_size_is_the_rules_constant():
 
 
 def test_rules_hold_the_fp8_ds_mla_geometry():
-    shape = rules.ModelShape("x", 1, (4,), rules.HEAD_DIM, rules.ROPE_DIM, rules.INDEX_HEAD_DIM)
+    shape = rules.ModelShape(1, (4,), rules.HEAD_DIM, rules.ROPE_DIM, rules.INDEX_HEAD_DIM)
     record = rules.FP8_DS_MLA_TOKEN_DATA_BYTES + rules.FP8_DS_MLA_SCALE_BYTES
     assert record == rules.state_bytes(shape, rules.Storage.FP8_DS_MLA) == 584
 
@@ -97,3 +97,9 @@ def test_lora_reaches_the_ingress_or_is_refused():
     local["llm"]["lora_config"] = {"dynamic_lora_loading_path": "s3://bucket/loras"}
     with pytest.raises(ValueError, match="lora_config is set on a CPU node"):
         parse_app_args(local)
+
+
+def test_vllm_plugins_parsed_as_vllm_does():
+    """One parse for config and doctor, vLLM's own: a space before the name hides it."""
+    assert rules.plugin_allowed(None) and rules.plugin_allowed("a,dsv4_patch")
+    assert not rules.plugin_allowed("a, dsv4_patch") and not rules.plugin_allowed("")
