@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from deployments import resources
+from deployments import checks, resources
 from deployments.config import AppArgs, ConfigError, load_serve_config
 
 # A checkout's top level, or the wheel's deployments/_data (deployments.resources).
@@ -316,12 +316,18 @@ def network_policy(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def render_documents(preset: Preset, params: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The RayService and its NetworkPolicy; refuses to render an insecure pair."""
+    """The RayService and its NetworkPolicy; refuses to render an insecure or
+    inconsistent pair (``security_problems``, ``semantic_problems``: every render and
+    every ``dsv4-serve k8s check`` runs both)."""
     name = f"dsv4-{preset.name}"
     docs = [render_manifest(preset, params), network_policy(name, params)]
     problems = security_problems(docs)
     if problems:
         raise ConfigError(f"{preset.name}: the rendered manifest is not secure:\n  "
+                          + "\n  ".join(problems))
+    problems = semantic_problems(docs[0])
+    if problems:
+        raise ConfigError(f"{preset.name}: the rendered manifest contradicts its preset:\n  "
                           + "\n  ".join(problems))
     return docs
 
@@ -417,7 +423,11 @@ def semantic_problems(manifest: Mapping[str, Any]) -> list[str]:
         found.append("spec.upgradeStrategy: NewClusterWithIncrementalUpgrade needs "
                      "clusterUpgradeOptions")
     serve = ServeConfig.model_validate(yaml.safe_load(spec["serveConfigV2"]))
-    ours = [parse_app_args(a.args) for a in serve.applications if a.is_ours]
+    ours = [parse_app_args(a.args, a.where, refuse=False) for a in serve.applications
+            if a.is_ours]
+    # The preset's own policy problems (deployments.checks), reported with the manifest's.
+    found += [f"serveConfigV2: {p.message}" for args in ours for p in checks.errors(
+        checks.check(args))]
     cluster = spec["rayClusterConfig"]
     if not cluster.get("enableInTreeAutoscaling"):
         found.append("rayClusterConfig.enableInTreeAutoscaling is off: Serve autoscaling "
