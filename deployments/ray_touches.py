@@ -53,30 +53,30 @@ def _symbols(module: str, *names: str) -> Callable[[], str | None]:
     return probe
 
 
+def _resolve(module: str, path: str) -> tuple[object | None, str | None]:
+    """(``module.path``, None), or (None, what is missing)."""
+    try:
+        obj: object = importlib.import_module(module)
+    except ImportError as exc:
+        return None, f"cannot import {module}: {exc}"
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            return None, f"{module}.{path} does not exist ({part!r} missing)"
+        obj = getattr(obj, part)
+    return obj, None
+
+
 def _attr_chain(module: str, path: str) -> Callable[[], str | None]:
     """A probe: ``module.path`` (dotted attributes) exists."""
-    def probe() -> str | None:
-        try:
-            obj: object = importlib.import_module(module)
-        except ImportError as exc:
-            return f"cannot import {module}: {exc}"
-        for part in path.split("."):
-            if not hasattr(obj, part):
-                return f"{module}.{path} does not exist ({part!r} missing)"
-            obj = getattr(obj, part)
-        return None
-    return probe
+    return lambda: _resolve(module, path)[1]
 
 
 def _source_mentions(module: str, path: str, text: str) -> Callable[[], str | None]:
     """A probe: the source of ``module.path`` contains ``text`` (a behaviour we rely on)."""
     def probe() -> str | None:
-        missing = _attr_chain(module, path)()
+        obj, missing = _resolve(module, path)
         if missing:
             return missing
-        obj: object = importlib.import_module(module)
-        for part in path.split("."):
-            obj = getattr(obj, part)
         try:
             source = inspect.getsource(obj)  # type: ignore[arg-type]
         except (OSError, TypeError) as exc:
@@ -88,12 +88,9 @@ def _source_mentions(module: str, path: str, text: str) -> Callable[[], str | No
 def _parameter(module: str, path: str, param: str) -> Callable[[], str | None]:
     """A probe: the callable ``module.path`` takes keyword ``param`` (or pops it from kwargs)."""
     def probe() -> str | None:
-        missing = _attr_chain(module, path)()
+        obj, missing = _resolve(module, path)
         if missing:
             return missing
-        obj: object = importlib.import_module(module)
-        for part in path.split("."):
-            obj = getattr(obj, part)
         func = inspect.unwrap(obj)  # type: ignore[arg-type]
         if param in inspect.signature(func).parameters:
             return None
