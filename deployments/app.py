@@ -336,8 +336,12 @@ def resolve_model_source(args: AppArgs) -> str | None:
 
 def build_app(args: dict[str, Any]) -> Application:
     """Validate ``args`` (``deployments.config.AppArgs``) and build the application."""
+    return build_parsed_app(parse_app_args(args))
+
+
+def build_parsed_app(parsed: AppArgs) -> Application:
+    """Build the application from args the loader already validated (``dsv4-serve run``)."""
     ray_touches.require()  # the Ray internals we build on (deployments/ray_touches.py)
-    parsed = parse_app_args(args)
     config_dict = parsed.llm_config_dict(resolve_model_source(parsed))
     # The KV-spec router keeps requests off replicas the controller drains.
     config_dict["deployment_config"] = with_kv_router(config_dict["deployment_config"])

@@ -23,7 +23,7 @@ def deploy(config: ServeConfig,
     """
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import build_parsed_app
 
     others = [a.name for a in config.applications if not a.is_ours]
     if others:
@@ -32,9 +32,9 @@ def deploy(config: ServeConfig,
             "deployments.app:build_app. Fix: deploy the file with `serve deploy`."
         )
     seconds = {}
-    for app, _ in config.ours():
+    for app, parsed in config.ours():  # parsed once by the loader, kept
         started = time.monotonic()
-        serve.run(build_app(app.args), name=app.name, route_prefix=app.route_prefix)
+        serve.run(build_parsed_app(parsed), name=app.name, route_prefix=app.route_prefix)
         seconds[app.name] = round(time.monotonic() - started, 1)
         if on_running is not None:
             on_running(app.name)
