@@ -17,6 +17,11 @@ and pass the rest through to ``LLMConfig``, which validates it again.
 ``args.dsv4`` is ours: the layout every replica must end up with, the policy the
 KV-spec controller applies, and the node the replicas run on.
 
+The models check structure (types, ranges, unknown keys, one-field rules); the
+policy rules that tie sections together are ``deployments.checks.check``, which
+``parse_app_args`` and ``load_serve_config`` apply (``refuse=False`` leaves them to
+the caller: ``dsv4-serve plan`` reports them). Sizing lives in ``deployments.sizing``.
+
 Every error names the field, the bad value, what was expected and the fix:
 these messages are what a user sees before anything starts.
 """
