@@ -96,12 +96,6 @@ def when_imported(name: str, callback: Callback) -> bool:
     return False
 
 
-def pending() -> list[str]:
-    """Module names still waited for (for the doctor and tests)."""
-    with _lock:
-        return sorted(_callbacks)
-
-
 def module_exists(name: str) -> bool:
     """Whether module ``name`` is installed, judged from files without importing it.
 
