@@ -44,7 +44,7 @@ from typing import Any
 from ray import serve
 
 from deployments import kvspec
-from deployments.wire import ReplicaSpec, ReplicaVerdict
+from deployments.wire import ReplicaSpec, ReplicaVerdict, answer_kv_page_spec
 from dsv4_patch import rules
 
 FLASH_CONFIG = (Path(__file__).resolve().parent.parent / "configs" / "models" /
@@ -73,8 +73,9 @@ def _row(layer: str, spec_type: str, dtype: str | None, page: int, block: int,
     return {"layer": layer, "spec_type": spec_type, "cache_dtype_str": dtype,
             "page_size_bytes": page, "real_page_size_bytes": page, "block_size": block,
             "head_size": head, "num_kv_heads": 1, "dtype": "torch.uint8",
-            "alignment": 576 if dtype == "fp8_ds_mla" else 512, "sliding_window": None,
-            "compress_ratio": ratio}
+            "alignment": rules.page_alignment(
+                rules.Storage.FP8_DS_MLA if dtype == "fp8_ds_mla" else rules.Storage.FP8_ROWS),
+            "sliding_window": None, "compress_ratio": ratio}
 
 
 def flash_worker_specs(cache_dtype: str = "fp8_ds_mla",
@@ -90,7 +91,7 @@ def flash_worker_specs(cache_dtype: str = "fp8_ds_mla",
         rules.Storage.BF16_ROWS
     pages = {r.ratio: r for r in rules.page_breakdown(shape, storage, BLOCK_SIZE)}
     swa = rules.padded_page_bytes(SWA_BLOCK, rules.state_bytes(shape, storage),
-                                  576 if storage is rules.Storage.FP8_DS_MLA else 512)
+                                  rules.page_alignment(storage))
     rows: list[dict[str, Any]] = []
     for i, ratio in enumerate(shape.compress_ratios):
         attn = f"model.layers.{i}.attn"
@@ -173,12 +174,13 @@ class StandInReplica:
             raise kvspec.KVLayoutMismatch(f"stand-in {self._replica_id} (rank {self._rank}) "
                                           f"refuses to start under enforce: {problem}")
 
-    async def kv_page_spec(self) -> dict[str, Any]:
-        """The ``ReplicaSpec`` ``DSv4Server.kv_page_spec`` returns (stalls if told to)."""
+    async def kv_page_spec(self, known: dict[str, str] | None = None) -> dict[str, Any]:
+        """What ``DSv4Server.kv_page_spec`` returns (stalls if told to)."""
         self._calls += 1
         if self._hang_s and self._calls > 1:
             await asyncio.sleep(self._hang_s)
-        return self._spec.model_copy(update={"verdict": self._verdict}).model_dump(mode="json")
+        return answer_kv_page_spec(self._spec.model_copy(update={"verdict": self._verdict}),
+                                   known)
 
     async def apply_kv_verdict(self, message: dict[str, Any]) -> dict[str, Any]:
         self._verdict = kvspec.take_verdict(message, self._replica_id, self._policy,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import logging
 import os
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -36,12 +35,13 @@ from ray.serve.llm.deployment import DPServer
 from deployments import kvspec
 from deployments.config import WORKER_EXTENSION, DSv4Section, Policy
 from deployments.kvspec import KVLayoutMismatch, drain_stats, raise_if_enforced, take_verdict
-from deployments.wire import Prediction, ReplicaSpec, ReplicaVerdict
+from deployments.logs import get_logger
+from deployments.wire import Prediction, ReplicaSpec, ReplicaVerdict, answer_kv_page_spec
 from dsv4_patch import node as node_info
 from dsv4_patch import rules
 from dsv4_patch.node import NodeInfo
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("server")
 
 __all__ = ["DSv4DPServer", "DSv4Server", "KVLayoutMismatch"]
 
@@ -202,11 +202,13 @@ class DSv4ServerMixin:
                     spec.cache_dtypes, spec.page_sizes, spec.block_sizes, predicted,
                     self._engine_start_s)
 
-    async def kv_page_spec(self) -> dict[str, Any]:
+    async def kv_page_spec(self, known: dict[str, str] | None = None) -> dict[str, Any]:
         """This replica's ``deployments.wire.ReplicaSpec``, dumped to plain JSON.
 
         Workers are asked once; the specs cannot change without a new engine,
-        and a new engine means a new replica.
+        and a new engine means a new replica. ``known`` (replica id -> the
+        fingerprint the controller holds) turns the answer into a
+        ``ReplicaSpecBrief`` when the controller already holds this spec.
         """
         if self._kv is None:
             workers = await self.collective_rpc(  # type: ignore[attr-defined]
@@ -223,7 +225,7 @@ class DSv4ServerMixin:
             override=None if self._override is None else self._override.model_dump(),
             prediction=self._prediction, own_prediction=self._own_prediction,
             verdict=self._verdict, **self._kv.fields())
-        return spec.model_dump(mode="json")
+        return answer_kv_page_spec(spec, known)
 
     async def apply_kv_verdict(self, message: dict[str, Any]) -> dict[str, Any]:
         """Take the controller's verdict; act on it within this replica's own policy."""
