@@ -17,9 +17,8 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from dsv4_patch import __version__, registry, rules
-from dsv4_patch.import_hooks import module_exists
 from dsv4_patch.node import NodeInfo, canonicalize, probe_node
-from dsv4_patch.patch import APPLIED, Patch, Verdict
+from dsv4_patch.patch import APPLIED, Patch, Verdict, not_here, target_module
 
 PLUGIN_NAME = rules.PLUGIN_NAME
 
@@ -68,16 +67,11 @@ def probe_patches() -> list[dict[str, str]]:
 
 
 def _verdict(spec: Patch, gates: dict[Any, str | None]) -> Verdict:
-    if spec.gate is not None:
-        if spec.gate not in gates:
-            gates[spec.gate] = spec.gate()
-        if gates[spec.gate] is not None:
-            return Verdict(False, str(gates[spec.gate]))
-    present = [name for name in spec.modules if module_exists(name)]
-    if not present:
-        return Verdict(False, f"no module {' or '.join(spec.modules)} in this vLLM")
+    skip = not_here(spec, gates)  # the plugin's own precondition, word for word
+    if skip is not None:
+        return Verdict(False, skip)
     try:
-        module = importlib.import_module(present[0])
+        module = importlib.import_module(target_module(spec))
         done = vars(module).get(APPLIED, {}).get(spec.name)
         if done is not None:  # the plugin ran in this process: say what it did
             return Verdict(True, done.reason)

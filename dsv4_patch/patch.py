@@ -153,18 +153,30 @@ def install(record: PatchRecord, patches: tuple[Patch, ...]) -> list[PatchResult
     return results
 
 
-def _install_one(spec: Patch, record: PatchRecord,
-                 gates: dict[Gate, str | None]) -> PatchResult:
+def not_here(spec: Patch, gates: dict[Gate, str | None]) -> str | None:
+    """Why ``spec`` has nothing to do in this process (closed gate, no target module), or
+    None. ``gates`` caches each gate's answer: asked once per install (and per doctor run)."""
     if spec.gate is not None:
         if spec.gate not in gates:
             gates[spec.gate] = spec.gate()
-        closed = gates[spec.gate]
-        if closed is not None:
-            return PatchResult(spec.name, "skipped", closed)
-    present = [name for name in spec.modules if module_exists(name)]
-    if not present:
-        return PatchResult(spec.name, "skipped",
-                           f"no module {' or '.join(spec.modules)} in this vLLM")
+        if gates[spec.gate] is not None:
+            return gates[spec.gate]
+    if not any(module_exists(name) for name in spec.modules):
+        return f"no module {' or '.join(spec.modules)} in this vLLM"
+    return None
+
+
+def target_module(spec: Patch) -> str:
+    """The module the patch hooks: the first of ``spec.modules`` this vLLM has."""
+    return next(name for name in spec.modules if module_exists(name))
+
+
+def _install_one(spec: Patch, record: PatchRecord,
+                 gates: dict[Gate, str | None]) -> PatchResult:
+    skip = not_here(spec, gates)
+    if skip is not None:
+        return PatchResult(spec.name, "skipped", skip)
+    present = [target_module(spec)]
     if present[0] in sys.modules:
         return spec.apply(sys.modules[present[0]])
     when_imported(present[0], functools.partial(_apply_and_record, spec, record))
