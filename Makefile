@@ -11,7 +11,7 @@ PD_STAMP := $(VENV)/.dsv4-pd-stamp
 # say --no-deps, hence this step.
 NIXL_PINS := nixl-cu12==1.5.1 nixl==1.5.1
 
-.PHONY: setup run test test-faults test-pd test-releases lint clean
+.PHONY: setup run test test-fast test-faults test-pd test-releases lint clean
 
 setup: $(STAMP) $(PD_STAMP)
 
@@ -35,6 +35,12 @@ run: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -v
+
+# The quick loop: lint and the unit tests (no vLLM engine, no Ray cluster; ~5 min).
+# CI runs `make test`, the full suite.
+test-fast: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -m "not slow and not releases"
 
 # The fault steps that each cost one more engine boot (a replica killed and replaced,
 # a node lost under traffic and replaced): not in `make test`/CI, run them here.

@@ -10,7 +10,6 @@ port as the API it vouches for.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,15 +25,16 @@ from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, ErrorResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deployments import edge
+from deployments import edge, ray_touches
 from deployments.config import AppArgs, HTTPEdge, parse_app_args
 from deployments.controller import KVSpecController
 from deployments.edge import EdgeMiddleware
+from deployments.logs import get_logger
 from deployments.public import RefreshGate, public_report
 from deployments.router import with_kv_router
 from deployments.server import DSv4DPServer, DSv4Server
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("app")
 
 KV_SPEC_ROUTE = "/v1/kv-spec"
 CONTROLLER_NAME = "KVSpecController"
@@ -336,7 +336,12 @@ def resolve_model_source(args: AppArgs) -> str | None:
 
 def build_app(args: dict[str, Any]) -> Application:
     """Validate ``args`` (``deployments.config.AppArgs``) and build the application."""
-    parsed = parse_app_args(args)
+    return build_parsed_app(parse_app_args(args))
+
+
+def build_parsed_app(parsed: AppArgs) -> Application:
+    """Build the application from args the loader already validated (``dsv4-serve run``)."""
+    ray_touches.require()  # the Ray internals we build on (deployments/ray_touches.py)
     if "pd" in type(parsed).model_fields:  # prefill/decode pools: deployments.pd_app
         from deployments.pd_app import build_pd_app
 
@@ -344,9 +349,11 @@ def build_app(args: dict[str, Any]) -> Application:
     config_dict = parsed.llm_config_dict(resolve_model_source(parsed))
     # The KV-spec router keeps requests off replicas the controller drains.
     config_dict["deployment_config"] = with_kv_router(config_dict["deployment_config"])
-    llm_config = LLMConfig(**config_dict, server_cls=DSv4Server)
+    dp = parsed.llm.engine_kwargs.data_parallel_size > 1
+    # The class that runs: on the DP path build_dp_deployment's deployment_cls wins.
+    llm_config = LLMConfig(**config_dict, server_cls=DSv4DPServer if dp else DSv4Server)
     dsv4 = parsed.dsv4.model_dump(mode="json")
-    if parsed.llm.engine_kwargs.data_parallel_size > 1:
+    if dp:
         # DP attention: Ray Serve LLM's gang-scheduled DPServer pattern, our checks on top.
         server = build_dp_deployment(llm_config, bind_kwargs={"dsv4": dsv4},
                                      deployment_cls=DSv4DPServer)
@@ -379,4 +386,14 @@ def bind_ingress(parsed: AppArgs, llm_config: LLMConfig, server: Application,
         model_cards=_model_cards(llm_config),
         kv_spec_controller=controller,
         http=parsed.http.model_dump(mode="json"),
+        # As build_openai_app does: the ingress lists and routes the LoRA adapters.
+        lora_paths=_lora_paths(llm_config),
     )
+
+
+def _lora_paths(llm_config: LLMConfig) -> dict[str, str]:
+    """Base model id -> the adapters' directory, for the ingress (empty without LoRA)."""
+    lora = llm_config.lora_config
+    if lora is None:
+        return {}
+    return {llm_config.model_id: lora.dynamic_lora_loading_path}

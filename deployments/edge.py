@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import re
 import time
 import uuid
@@ -38,8 +37,9 @@ from typing import Any
 
 from deployments.auth import KeyStore, bearer_token
 from deployments.config import HTTPEdge
+from deployments.logs import get_logger
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("edge")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import logging
 import os
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -36,6 +35,7 @@ from ray.serve.llm.deployment import DPServer
 from deployments import kvspec
 from deployments.config import WORKER_EXTENSION, DSv4Section, Policy
 from deployments.kvspec import KVLayoutMismatch, drain_stats, raise_if_enforced, take_verdict
+from deployments.logs import get_logger
 from deployments.wire import (
     Prediction,
     ReplicaSpec,
@@ -47,7 +47,7 @@ from dsv4_patch import node as node_info
 from dsv4_patch import rules
 from dsv4_patch.node import NodeInfo
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("server")
 
 __all__ = ["DSv4DPServer", "DSv4Server", "KVLayoutMismatch"]
 

@@ -188,7 +188,7 @@ def test_the_decode_whitelist_is_empty_until_checked_and_then_exact() -> None:
 
 def test_status_and_plan_show_the_pools_and_the_verdict() -> None:
     from deployments import pd_plan
-    from deployments.status import describe
+    from deployments.report_text import describe
     from deployments.wire import Expected, FleetReport, PDPool
 
     prefill = [replica("p0", "prefill"), replica("p1", "prefill", kernel_block_size=64)]

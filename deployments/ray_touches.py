@@ -1,0 +1,302 @@
+"""Every touch of Ray internals in ``deployments/``: one documented, probed registry.
+
+Ray Serve LLM 2.60 (pinned in pyproject) exposes ``LLMConfig``, the builders, the
+ingress class and ``LLMServer``; everything below reaches past that public face.
+Each entry says, like the vLLM patches of ``dsv4_patch.patches``: the target
+symbol, why we need it, how we use it, the upstream state, the Ray versions it is
+known to hold on, and when to delete it. ``probe()`` checks the real symbol in the
+installed Ray without side effects. ``build_app`` refuses to build when a
+``required`` touch is missing (``require()``), so a Ray upgrade fails loudly at
+deploy time instead of at the first request; ``dsv4-serve doctor`` lists them all.
+
+Optional touches (``required=False``) never refuse a build: the drain's request
+count (logged when it fails), the controller's per-replica broadcast results
+(``deployments.controller`` falls back to ``results_async``, logged), the local
+multi-node cluster of ``dsv4-serve run --nodes``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+AFFECTED = "Ray 2.60.0 (checked; other releases are probed, not assumed)"
+
+
+@dataclass(frozen=True)
+class RayTouch:
+    """One use of a Ray internal, documented like a vLLM patch."""
+
+    name: str
+    target: str  # the internal symbol (module:attribute or a parameter)
+    used_in: str  # where in deployments/
+    why: str
+    how: str
+    upstream: str
+    removal: str
+    probe: Callable[[], str | None]  # None = present as used; else what is missing
+    required: bool = True  # a missing required touch refuses build_app
+    affected: str = AFFECTED
+
+
+def _symbols(module: str, *names: str) -> Callable[[], str | None]:
+    """A probe: ``module`` imports and has every one of ``names``."""
+    def probe() -> str | None:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:
+            return f"cannot import {module}: {exc}"
+        missing = [n for n in names if not hasattr(mod, n)]
+        return f"{module} lacks {', '.join(missing)}" if missing else None
+    return probe
+
+
+def _resolve(module: str, path: str) -> tuple[object | None, str | None]:
+    """(``module.path``, None), or (None, what is missing)."""
+    try:
+        obj: object = importlib.import_module(module)
+    except ImportError as exc:
+        return None, f"cannot import {module}: {exc}"
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            return None, f"{module}.{path} does not exist ({part!r} missing)"
+        obj = getattr(obj, part)
+    return obj, None
+
+
+def _attr_chain(module: str, path: str) -> Callable[[], str | None]:
+    """A probe: ``module.path`` (dotted attributes) exists."""
+    return lambda: _resolve(module, path)[1]
+
+
+def _source_mentions(module: str, path: str, text: str) -> Callable[[], str | None]:
+    """A probe: the source of ``module.path`` contains ``text`` (a behaviour we rely on)."""
+    def probe() -> str | None:
+        obj, missing = _resolve(module, path)
+        if missing:
+            return missing
+        try:
+            source = inspect.getsource(obj)  # type: ignore[arg-type]
+        except (OSError, TypeError) as exc:
+            return f"cannot read the source of {module}.{path}: {exc}"
+        return None if text in source else f"{module}.{path} no longer does {text!r}"
+    return probe
+
+
+def _parameter(module: str, path: str, param: str) -> Callable[[], str | None]:
+    """A probe: the callable ``module.path`` takes keyword ``param`` (or pops it from kwargs)."""
+    def probe() -> str | None:
+        obj, missing = _resolve(module, path)
+        if missing:
+            return missing
+        func = inspect.unwrap(obj)  # type: ignore[arg-type]
+        if param in inspect.signature(func).parameters:
+            return None
+        return None if f'"{param}"' in inspect.getsource(func) else \
+            f"{module}.{path} does not take {param}"
+    return probe
+
+
+_LLM = "ray.llm._internal.serve"
+
+TOUCHES: tuple[RayTouch, ...] = (
+    RayTouch(
+        name="ingress.middleware_stack",
+        target=f"{_LLM}.core.ingress.middleware:SetRequestIdMiddleware, "
+               "add_exception_handling_middleware; "
+               f"{_LLM}.observability.metrics.fast_api_metrics:add_http_metrics_middleware, "
+               "metrics_lifespan",
+        used_in="deployments/app.py _ingress_fastapi_app",
+        why="Ray Serve LLM's ingress app (ingress.init) adds CORSMiddleware(allow_origins=['*'], "
+            "allow_credentials=True): any web page could call the API from a visitor's browser",
+        how="rebuild the same middleware stack in the same order with CORS only for "
+            "http.cors_allow_origins, our EdgeMiddleware outermost; pass it to "
+            "make_fastapi_ingress(app=...)",
+        upstream="no CORS option in build_openai_app/ingress as of Ray 2.60",
+        removal="when the ingress takes a CORS policy (or none) publicly",
+        probe=lambda: _symbols(f"{_LLM}.core.ingress.middleware", "SetRequestIdMiddleware",
+                               "add_exception_handling_middleware", "get_request_id")()
+        or _symbols(f"{_LLM}.observability.metrics.fast_api_metrics",
+                    "add_http_metrics_middleware", "metrics_lifespan")(),
+    ),
+    RayTouch(
+        name="ingress.error_handlers",
+        target=f"{_LLM}.utils.server_utils:get_response_for_error; the app's exception "
+               "handlers for HTTPException and RequestValidationError",
+        used_in="deployments/app.py _openai_fastapi_app",
+        why="FastAPI answers HTTPException as {'detail': ...}, which OpenAI clients cannot "
+            "parse; Ray's validation handler echoes raw input, so a non-JSON body or NaN "
+            "became a 500 instead of a 400",
+        how="replace both handlers (add_exception_handler overwrites the dict entry Ray "
+            "registered) with ones that answer OpenAI error bodies via get_response_for_error",
+        upstream="Ray's _handle_validation_error echoes input (Ray 2.60)",
+        removal="when Ray's handlers answer every 4xx in the OpenAI format without echoing input",
+        probe=_symbols(f"{_LLM}.utils.server_utils", "get_response_for_error"),
+    ),
+    RayTouch(
+        name="ingress.default_endpoints",
+        target=f"{_LLM}.core.ingress.ingress:DEFAULT_ENDPOINTS",
+        used_in="deployments/app.py _openai_endpoints",
+        why="the routes build_openai_app mounts are not re-exported publicly; we mount the "
+            "generative ones plus GET /v1/kv-spec",
+        how="copy the dict minus the routes DeepSeek-V4 cannot serve, add kv_spec",
+        upstream="not public in Ray 2.60",
+        removal="when ray.serve.llm exports the endpoint map",
+        probe=_symbols(f"{_LLM}.core.ingress.ingress", "DEFAULT_ENDPOINTS"),
+    ),
+    RayTouch(
+        name="ingress.model_cards",
+        target=f"{_LLM}.core.configs.openai_api_models:to_model_metadata",
+        used_in="deployments/app.py _model_cards",
+        why="the ingress needs the model card build_openai_app would build for /v1/models",
+        how="call it for our one LLMConfig",
+        upstream="not public in Ray 2.60",
+        removal="when a public builder accepts a custom ingress class and endpoint map",
+        probe=_symbols(f"{_LLM}.core.configs.openai_api_models", "to_model_metadata"),
+    ),
+    RayTouch(
+        name="serve.proxy_host",
+        target="ray.serve.context:_get_global_client().http_config.host",
+        used_in="deployments/app.py proxy_host",
+        why="the edge requires an API key unless Serve's proxies bind a loopback address; "
+            "only the Serve controller knows the bind address",
+        how="read it once when the ingress starts; unknown = treated as reachable",
+        upstream="no public accessor for the running http_options in Ray 2.60",
+        removal="when serve exposes the running HTTP options",
+        probe=_symbols("ray.serve.context", "_get_global_client"),
+    ),
+    RayTouch(
+        name="vllm.chat_request_validation",
+        target="ray.serve.llm.openai_api_models:ChatCompletionRequest (vLLM's) "
+               "check_system_message_content_type",
+        used_in="deployments/app.py DSv4ChatCompletionRequest",
+        why="vLLM's before-validator iterates messages: messages=null raised TypeError and "
+            "Ray Serve LLM answered 500",
+        how="a subclass whose own before-validator runs first and rejects a non-list "
+            "messages as a validation error (400)",
+        upstream="vLLM does not guard that loop (0.29-0.32)",
+        removal="when vLLM's validator guards a non-list messages",
+        probe=_attr_chain("ray.serve.llm.openai_api_models",
+                          "ChatCompletionRequest.check_system_message_content_type"),
+    ),
+    RayTouch(
+        name="llm_config.update_engine_kwargs",
+        target="ray.serve.llm:LLMConfig.update_engine_kwargs (updates _engine_config too)",
+        used_in="deployments/server.py canonicalize, _apply_override, DSv4ServerMixin",
+        why="the replica rewrites kv_cache_dtype (and a canary's override) after Ray Serve "
+            "LLM cached the engine config at build time",
+        how="rely on update_engine_kwargs also updating the cached _engine_config",
+        upstream="documented as updating both, but the cached config is private",
+        removal="when LLMServer takes engine kwargs at construction only",
+        probe=_source_mentions("ray.serve.llm", "LLMConfig.update_engine_kwargs",
+                               "_engine_config.engine_kwargs.update"),
+    ),
+    RayTouch(
+        name="serve.replica_ids",
+        target="ray.serve._private.common:ReplicaID.is_full_id_str, from_full_id_str",
+        used_in="deployments/drain.py in_flight_requests",
+        why="the drain prints how many requests are in flight; the ingress replicas are "
+            "found among the named actors by their replica id",
+        how="parse every named actor's name; keep our apps' ingress replicas",
+        upstream="no public per-replica request count in Ray 2.60",
+        removal="when serve.status() reports ongoing requests per replica",
+        probe=lambda: _attr_chain("ray.serve._private.common", "ReplicaID.is_full_id_str")()
+        or _attr_chain("ray.serve._private.common", "ReplicaID.from_full_id_str")(),
+        required=False,
+    ),
+    RayTouch(
+        name="serve.replica_ongoing_requests",
+        target="ray.serve._private.replica:ReplicaActor.get_num_ongoing_requests",
+        used_in="deployments/drain.py in_flight_requests",
+        why="the count of in-flight requests the drain waits for",
+        how="call it on each ingress replica actor (10 s bound; a failure is logged and the "
+            "drain goes on)",
+        upstream="private actor method",
+        removal="as serve.replica_ids",
+        probe=_attr_chain("ray.serve._private.replica", "ReplicaActor.get_num_ongoing_requests"),
+        required=False,
+    ),
+    RayTouch(
+        name="serve.delete_nonblocking",
+        target="ray.serve:delete(_blocking=False)",
+        used_in="deployments/drain.py drain",
+        why="deleting every application at once lets their drains overlap; a blocking "
+            "delete would drain them one after another",
+        how="delete each app without waiting, then poll serve.status() until all are gone",
+        upstream="underscore parameter of the public serve.delete",
+        removal="when serve.delete takes several names or a public non-blocking flag",
+        probe=_parameter("ray.serve", "delete", "_blocking"),
+        required=False,
+    ),
+    RayTouch(
+        name="ray.metrics_export_port",
+        target="ray:init(_metrics_export_port=)",
+        used_in="deployments/local_ray.py start_cluster",
+        why="`dsv4-serve run` prints the Prometheus URL, so the port must be ours to know",
+        how="pass a free port to ray.init of the private local cluster",
+        upstream="underscore keyword of ray.init (popped from **kwargs)",
+        removal="when ray.init takes a public metrics port",
+        probe=_parameter("ray", "init", "_metrics_export_port"),
+        required=False,
+    ),
+    RayTouch(
+        name="serve.broadcast_per_replica_results",
+        target="ray.serve.handle:DeploymentBroadcastResponse._fetch_replica_results_async",
+        used_in="deployments/controller.py",
+        why="the public results_async(timeout_s=) is all-or-nothing: one hung replica "
+            "discards every answer",
+        how="await each replica's result under its own timeout (fallback when absent: "
+            "results_async, logged)",
+        upstream="no per-replica timeout in broadcast (alpha) as of Ray 2.60",
+        removal="when broadcast exposes per-replica results with timeouts",
+        probe=_attr_chain("ray.serve.handle",
+                          "DeploymentBroadcastResponse._fetch_replica_results_async"),
+        required=False,
+    ),
+    RayTouch(
+        name="autoscaler.fake_multinode",
+        target="ray.autoscaler._private.fake_multi_node.node_provider:FakeMultiNodeProvider",
+        used_in="deployments/cluster.py (`dsv4-serve run --nodes`, tests)",
+        why="Ray's real autoscaler adding and removing local raylets stands in for GPU nodes",
+        how="declared as an external provider module (Ray's wheel lacks the example.yaml "
+            "provider type fake_multinode reads)",
+        upstream="test utility, not a public API",
+        removal="when Ray ships a public local multi-node cluster",
+        probe=_symbols("ray.autoscaler._private.fake_multi_node.node_provider",
+                       "FakeMultiNodeProvider"),
+        required=False,
+    ),
+)
+
+
+def probe_all() -> list[dict[str, str | bool]]:
+    """Every touch with its probe result, as JSON-safe rows (``dsv4-serve doctor``)."""
+    rows = []
+    for touch in TOUCHES:
+        missing = touch.probe()
+        rows.append({"name": touch.name, "target": touch.target, "used_in": touch.used_in,
+                     "required": touch.required, "present": missing is None,
+                     "detail": missing or "present", "why": touch.why, "how": touch.how,
+                     "upstream": touch.upstream, "affected": touch.affected,
+                     "removal": touch.removal})
+    return rows
+
+
+def require() -> None:
+    """Raise if a required touch is missing from the installed Ray (called by build_app)."""
+    missing = [f"{t.name} ({t.target}): {detail}" for t in TOUCHES if t.required
+               for detail in [t.probe()] if detail]
+    if missing:
+        raise RuntimeError(
+            "this Ray lacks internals dsv4-serve builds on:\n  " + "\n  ".join(missing)
+            + "\nFix: install the pinned ray[serve]==2.60.0 (pyproject.toml), or update "
+            "deployments/ray_touches.py and the code it names for this Ray.")
+
+
+def render(rows: list[dict[str, str | bool]]) -> list[str]:
+    """Doctor lines: one per touch."""
+    return [f"ray touch {r['name']}: {'present' if r['present'] else 'MISSING'}"
+            + ("" if r["present"] else f" ({r['detail']})")
+            + ("" if r["required"] else "; optional") + f" [{r['used_in']}]" for r in rows]
