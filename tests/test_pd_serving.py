@@ -55,7 +55,7 @@ def deploy(stack: Stack, name: str, args: dict[str, Any]) -> str:
     """Deploy one P/D app next to the session stack; return its OpenAI base URL."""
     import ray
 
-    from deployments import runner
+    from deployments import deploy as deploying
     from deployments.config import ServeApplication
 
     free = ray.available_resources().get("CPU", 0)
@@ -64,8 +64,8 @@ def deploy(stack: Stack, name: str, args: dict[str, Any]) -> str:
     entry = ServeApplication(name=name, route_prefix=f"/{name}",
                              import_path="deployments.app:build_app", args=args)
     config = stack.config.model_copy(update={"applications": [entry]})
-    runner.deploy(config)
-    return runner.base_url(config, f"/{name}")
+    deploying.deploy(config)
+    return deploying.base_url(config, f"/{name}")
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +86,9 @@ def engine_samples(pools: dict[str, str]) -> dict[tuple[str, str], float]:
     replica's ``ReplicaId`` label; ``pools`` maps those ids to prefill/decode (from
     ``/v1/kv-spec``'s ``pd.pools``).
     """
-    from deployments import runner
+    from deployments import local_ray
 
-    with urllib.request.urlopen(runner.metrics_url(), timeout=10) as resp:
+    with urllib.request.urlopen(local_ray.metrics_url(), timeout=10) as resp:
         text = resp.read().decode()
     out: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(text):
@@ -105,9 +105,9 @@ def engine_samples(pools: dict[str, str]) -> dict[tuple[str, str], float]:
 
 def pd_gauges(app: str) -> dict[str, float]:
     """The controller's ``dsv4_pd_*`` gauges of one app (Ray-prefixed ``ray_``)."""
-    from deployments import runner
+    from deployments import local_ray
 
-    with urllib.request.urlopen(runner.metrics_url(), timeout=10) as resp:
+    with urllib.request.urlopen(local_ray.metrics_url(), timeout=10) as resp:
         text = resp.read().decode()
     return {s.name: s.value for family in text_string_to_metric_families(text)
             for s in family.samples
@@ -135,9 +135,9 @@ def value(samples: dict[tuple[str, str], float], suffix: str, where: str) -> flo
 
 
 def complete(url: str) -> dict[str, Any]:
-    from deployments import runner
+    from deployments import client
 
-    status, body = runner.http_json(f"{url}/completions", "POST", {
+    status, body = client.http_json(f"{url}/completions", "POST", {
         "model": "dsv4-tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
         timeout=180)
     assert status == 200, body
@@ -145,9 +145,9 @@ def complete(url: str) -> dict[str, Any]:
 
 
 def verdict(url: str) -> dict[str, Any]:
-    from deployments import runner
+    from deployments import client
 
-    return runner.wait_for_verdict(url, timeout_s=120)
+    return client.wait_for_verdict(url, timeout_s=120)
 
 
 def test_a_request_is_prefilled_remotely_and_decoded_without_recompute(pd_app: str) -> None:
