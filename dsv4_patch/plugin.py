@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from dsv4_patch import patch, record, registry
+from dsv4_patch import node, patch, record, registry
 
 logger = logging.getLogger("dsv4_patch")
 
@@ -36,19 +36,13 @@ def _vllm_version() -> str:
     return str(getattr(vllm, "__version__", "unknown"))
 
 
-def _platform() -> str:
-    from vllm.platforms import current_platform
-
-    return str(current_platform.device_type or "unknown")
-
-
 def register() -> record.PatchRecord:
     """Install the patches for this process once; return the process record."""
     with _lock:
         existing = record.current()
         if existing is not None:
             return existing
-        rec = record.PatchRecord(vllm_version=_vllm_version(), platform=_platform())
+        rec = record.PatchRecord(vllm_version=_vllm_version(), platform=node.platform_kind())
         patch.install(rec, registry.all_patches())
         record.publish(rec)
     logger.info(rec.summary())
