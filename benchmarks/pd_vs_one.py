@@ -24,7 +24,7 @@ import yaml
 
 from benchmarks import load as bench_load
 from benchmarks.standin import standin_spec
-from deployments import pd_compat, runner
+from deployments import client, deploy, local_ray, pd_compat
 from deployments.config import DEFAULT_CONFIG, ServeApplication, load_serve_config
 from deployments.wire import TransferSpec
 from dsv4_patch.tiny_model import ensure_tiny_model
@@ -50,11 +50,11 @@ def deploy_arms() -> tuple[dict[str, str], Any]:
                                 import_path="deployments.app:build_app", args=a)
                for n, a in apps.items()]
     config = config.model_copy(update={"applications": entries})
-    runner.start_cluster(config, num_cpus=runner.logical_cpus_needed(config))
-    runner.deploy(config)
-    urls = {n: runner.base_url(config, f"/{n}") for n in apps}
+    local_ray.start_cluster(config, num_cpus=local_ray.logical_cpus_needed(config))
+    deploy.deploy(config)
+    urls = {n: deploy.base_url(config, f"/{n}") for n in apps}
     for url in urls.values():
-        runner.wait_for_verdict(url)
+        client.wait_for_verdict(url)
     return urls, config
 
 
@@ -78,7 +78,7 @@ def judge_ms(n: int, repeats: int = 3) -> float:
 
 def refresh_s(url: str) -> float:
     started = time.monotonic()
-    runner.http_json(f"{url}/kv-spec?refresh=true", timeout=120)
+    client.http_json(f"{url}/kv-spec?refresh=true", timeout=120)
     return round(time.monotonic() - started, 3)
 
 
@@ -106,7 +106,7 @@ def main() -> int:
         check = {"refresh_s": refresh_s(urls["pd"]),
                  "judge_ms": {n: judge_ms(n) for n in (1, 8, 32)}}
     finally:
-        runner.shutdown()
+        local_ray.shutdown()
     agg = {arm: {m: statistics.median(r[m] for r in rs if r.get(m) is not None)
                  for m in METRICS} for arm, rs in runs.items()}
     print(json.dumps({"load": load.__dict__, "boot_s": boot_s, "runs": runs, "median": agg,
