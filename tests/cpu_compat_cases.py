@@ -226,42 +226,77 @@ def _clone(kw: dict[str, Any]) -> dict[str, Any]:
     return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
 
 
+# Case kwargs are the newest launchers' (0.32.0); older forms name or lack some of them.
+_RENAMED = {"out": "output", "num_mapped_tokens": "num_mapped"}
+
+
+def adapt(kw: dict[str, Any], outputs: list[str], params: list[str]
+          ) -> tuple[dict[str, Any], list[str]]:
+    """The case for a launcher with parameters ``params`` (an older release's form):
+    renamed arguments, 0.30.0's one in-place slot tensor, dropped arguments it lacks (the
+    kernel then runs without that feature, e.g. no replay start, no DCP)."""
+    kw, outputs = dict(kw), list(outputs)
+    for old, new in _RENAMED.items():
+        if old in kw and old not in params and new in params:
+            kw[new] = kw.pop(old)
+            outputs = [new if o == old else o for o in outputs]
+    if "num_reqs" in params and "num_reqs" not in kw:
+        kw["num_reqs"] = kw["query_start_loc"].shape[0] - 1
+    if "compressed_slot_mapping" in kw and "compressed_slot_mapping" not in params:
+        kw["slot_mapping"] = kw.pop("compressed_slot_mapping")  # 0.30.0: output in place
+        outputs = ["slot_mapping" if o == "compressed_slot_mapping" else o for o in outputs]
+    return {k: v for k, v in kw.items() if k in params}, outputs
+
+
+def _grid_launch(kernel: Any) -> Callable[..., Any]:
+    """Launch a raw ``@triton.jit`` kernel the way its release does (one 256-token program
+    per block, as v1/attention/backend.py of 0.30/0.31 launches the token map)."""
+    def launch(**kw: Any) -> None:
+        kernel[((kw["num_tokens"] + 255) // 256,)](**kw, num_warps=4)
+    return launch
+
+
 def run(seeds: int) -> dict[str, Any]:
     _use_real_triton()
-    from vllm.models.deepseek_v4 import sparse_mla
-    from vllm.v1.attention.backends.mla import compressor_utils, indexer, sparse_swa
-    from vllm.v1.attention.ops import metadata
+    import importlib
+    import inspect
+
+    import vllm
 
     from dsv4_patch import cpu_compat
 
-    plan: list[tuple[str, Callable[..., Any], Callable[..., Any], Callable[..., Case | None]]] = [
-        ("cpu.compute_token_to_req_indices", metadata.compute_token_to_req_indices,
-         cpu_compat.compute_token_to_req_indices, case_token_map),
-        ("cpu.compute_swa_indices_and_lens", sparse_swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL,
-         cpu_compat.compute_swa_indices_and_lens, case_swa),
-        ("cpu.compute_prefill_metadata", sparse_swa._COMPUTE_PREFILL_METADATA_KERNEL,
-         cpu_compat.compute_prefill_metadata, case_prefill_meta),
-        ("cpu.compressed_slot_mapping", compressor_utils._COMPRESSED_SLOT_MAPPING_KERNEL,
-         cpu_compat.compressed_slot_mapping, case_compressed_slots),
-        ("cpu.build_prefill_chunk_metadata", indexer._BUILD_PREFILL_CHUNK_METADATA_KERNEL,
-         cpu_compat.build_prefill_chunk_metadata, case_prefill_chunk),
-        ("cpu.build_c128a_topk_metadata", sparse_mla._BUILD_C128A_TOPK_METADATA_KERNEL,
-         cpu_compat.build_c128a_topk_metadata, case_c128a),
-    ]
+    makers: dict[str, Callable[..., Case | None]] = {
+        "cpu.compute_token_to_req_indices": case_token_map,
+        "cpu.compute_swa_indices_and_lens": case_swa,
+        "cpu.compute_prefill_metadata": case_prefill_meta,
+        "cpu.compressed_slot_mapping": case_compressed_slots,
+        "cpu.build_prefill_chunk_metadata": case_prefill_chunk,
+        "cpu.build_c128a_topk_metadata": case_c128a,
+    }
     report: dict[str, Any] = {}
-    for name, original, fallback, make in plan:
+    for fb in cpu_compat.FALLBACKS:
+        module = importlib.import_module(fb.module)
+        variant, seen = fb.variant_for(module)
+        if variant is None:
+            report[fb.name] = {"variant": None, "seen": seen}
+            continue
+        original = getattr(module, variant.attr)
         if isinstance(original, cpu_compat.TorchLauncher):
-            raise RuntimeError(f"{name}: vLLM kernel already replaced; nothing to compare")
+            raise RuntimeError(f"{fb.name}: vLLM kernel already replaced; nothing to compare")
+        fallback = variant.function
+        params = list(inspect.signature(fallback).parameters)
+        launch = _grid_launch(original) if variant.grid else original
         cases, written, tags, mismatches = 0, 0, Counter(), []
         for seed in range(seeds):
-            r = random.Random(f"{name}/{seed}")
+            r = random.Random(f"{fb.name}/{seed}")
             torch.manual_seed(seed)
-            case = make(r, random_batch(r))
+            case = makers[fb.name](r, random_batch(r))
             if case is None:
                 continue
             kw, outputs, case_tags = case
+            kw, outputs = adapt(kw, outputs, params)
             want_kw, got_kw = _clone(kw), _clone(kw)
-            want_ret, got_ret = original(**want_kw), fallback(**got_kw)
+            want_ret, got_ret = launch(**want_kw), fallback(**got_kw)
             cases += 1
             tags.update(case_tags)
             if isinstance(want_ret, torch.Tensor) and not torch.equal(want_ret, got_ret):
@@ -274,9 +309,11 @@ def run(seeds: int) -> dict[str, Any]:
                     mismatches.append({"seed": seed, "output": out, "at": at,
                                        "kernel": want[tuple(at)].item(),
                                        "fallback": got[tuple(at)].item()})
-        report[name] = {"cases": cases, "written_elements": written,
-                        "mismatches": mismatches[:5], "num_mismatches": len(mismatches),
-                        "tags": dict(tags)}
+        report[fb.name] = {"cases": cases, "written_elements": written,
+                           "mismatches": mismatches[:5], "num_mismatches": len(mismatches),
+                           "tags": dict(tags), "variant": variant.releases,
+                           "fallback": variant.fallback,
+                           "vllm": vllm.__version__}
     return report
 
 

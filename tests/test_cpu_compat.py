@@ -7,6 +7,7 @@ modules process-wide, which must not leak into other tests of this pytest run.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -155,12 +156,13 @@ def test_install_skips_off_cpu_and_when_triton_works_and_leaves_changed_kernels(
         vllm.triton_utils.HAS_TRITON = True
         with_triton = {r.name: r.status + ": " + r.reason for r in cpu_compat.install()}
         vllm.triton_utils.HAS_TRITON = False
-        def compute_token_to_req_indices(query_start_loc, out, num_tokens):
-            return out
-        metadata.compute_token_to_req_indices = compute_token_to_req_indices
+        from vllm.v1.attention.backends.mla import sparse_swa
+        def prefill_kernel(prefill_gather_lens, seq_lens, query_start_loc, num_prefills):
+            return None  # a form no Variant knows
+        sparse_swa._COMPUTE_PREFILL_METADATA_KERNEL = prefill_kernel
         changed = [r for r in cpu_compat.install() if r.status == "error"]
         error = changed[0].reason if changed else None
-        replaced = type(metadata.compute_token_to_req_indices).__name__
+        replaced = type(sparse_swa._COMPUTE_PREFILL_METADATA_KERNEL).__name__
         print(json.dumps({"off_cpu": off_cpu, "untouched": untouched,
                           "with_triton": with_triton, "error": error,
                           "replaced": replaced}))
@@ -172,6 +174,55 @@ def test_install_skips_off_cpu_and_when_triton_works_and_leaves_changed_kernels(
     # The c1a/c2a fix does not depend on Triton.
     assert out["with_triton"][cpu_compat.TILE_SCHEDULER].startswith("pending")
     # A changed kernel is recorded, not raised, and left unchanged (never fails an import).
-    assert "vllm.v1.attention.ops.metadata.compute_token_to_req_indices has signature" in (
-        out["error"] or "")
+    assert ("vllm.v1.attention.backends.mla.sparse_swa has _COMPUTE_PREFILL_METADATA_KERNEL"
+            "(prefill_gather_lens, seq_lens, query_start_loc, num_prefills), expected one of "
+            "the known forms") in (out["error"] or ""), out["error"]
     assert out["replaced"] == "function"
+
+
+def _launcher(*names: str, kw: tuple[str, ...] = ()) -> Any:
+    """A stand-in launcher with positional parameters ``names`` and keyword-only ``kw``."""
+    params = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
+    params += [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in kw]
+
+    def launcher(*args: Any, **kwargs: Any) -> None:
+        """Never called: only its signature is probed."""
+
+    launcher.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    return launcher
+
+
+def _form(fallback: str) -> Any:
+    """A launcher with exactly the signature of the torch function ``fallback``."""
+    sig = inspect.signature(getattr(cpu_compat, fallback))
+    return _launcher(*(n for n, p in sig.parameters.items() if p.kind != p.KEYWORD_ONLY),
+                     kw=tuple(n for n, p in sig.parameters.items() if p.kind == p.KEYWORD_ONLY))
+
+
+@pytest.mark.parametrize("fb", cpu_compat.FALLBACKS, ids=lambda fb: fb.name)
+def test_each_release_form_picks_its_own_variant_and_others_are_errors(fb: Any) -> None:
+    """Per kernel, a module holding a launcher of one variant's signature (0.30.0, 0.31.0,
+    0.32.0 forms, read from the wheels) gets that variant, nothing else; a launcher of an
+    unknown form is an error (left alone), a module without any is skipped. The real
+    releases' modules are probed in tests/test_release_cpu_compat.py."""
+    import types
+
+    for variant in fb.variants:
+        module = types.ModuleType(fb.module)
+        setattr(module, variant.attr, _form(variant.fallback))
+        picked, _ = fb.variant_for(module)
+        assert picked == variant
+        assert fb._probe(module).needed is True
+    changed = types.ModuleType(fb.module)
+    for variant in fb.variants:
+        setattr(changed, variant.attr, _launcher("out", "unknown_argument"))
+    verdict = fb._probe(changed)
+    assert verdict.needed is None and "expected one of the known forms" in verdict.reason
+    assert fb._probe(types.ModuleType(fb.module)).needed is False
+
+
+def test_variants_of_a_kernel_have_distinct_signatures() -> None:
+    """Two variants of one launcher with one signature would make the choice arbitrary."""
+    for fb in cpu_compat.FALLBACKS:
+        forms = [(v.attr, str(inspect.signature(v.function))) for v in fb.variants]
+        assert len(forms) == len(set(forms)), fb.name
