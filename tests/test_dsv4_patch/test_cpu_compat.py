@@ -20,7 +20,7 @@ import pytest
 
 from dsv4_patch import cpu_compat
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SEEDS = 80  # random batches per kernel; about a minute on 2 cores
 
 # Per kernel: minimum number of cases that launched, and the batch features that must have
@@ -204,7 +204,7 @@ def test_each_release_form_picks_its_own_variant_and_others_are_errors(fb: Any) 
     """Per kernel, a module holding a launcher of one variant's signature (0.30.0, 0.31.0,
     0.32.0 forms, read from the wheels) gets that variant, nothing else; a launcher of an
     unknown form is an error (left alone), a module without any is skipped. The real
-    releases' modules are probed in tests/test_release_cpu_compat.py."""
+    releases' modules are probed in tests/test_dsv4_patch/test_release_cpu_compat.py."""
     import types
 
     for variant in fb.variants:
