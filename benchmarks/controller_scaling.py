@@ -9,10 +9,14 @@ replica count N, scaled up in place (same deployment version, only
 * ``verdict_after_running_s``: from ``serve.run`` returning (all N RUNNING) until
   the controller's periodic loop reports ``agree`` with N answers -- what an
   operator waits after a scale-up; bounded by one ``--period`` plus one check.
-* ``check_s`` p50/max: one forced check (``report(refresh=True)``): count RUNNING
-  replicas via ``serve.status()``, broadcast ``kv_page_spec``, decide, broadcast
-  the verdict back. Measured inside the controller (``check_seconds``) and at the
-  caller (``call_s``, adds one handle round trip).
+* ``check_s`` p50/max: one forced check (``report(refresh=True)``), the steady
+  state: count RUNNING replicas via ``serve.status()``, broadcast ``kv_page_spec``
+  with the fingerprints held (each replica answers briefly), decide, and send the
+  verdict only if some replica's changed. Measured inside the controller
+  (``check_seconds``) and at the caller (``call_s``, adds one handle round trip).
+* ``full_check_s`` p50: a forced check that first forgets every held spec
+  (``report(full=True)``): every replica sends its ~50 kB spec, the controller
+  validates and re-hashes each -- the first check of a restarted controller.
 * ``decide_ms``: ``deployments.kvspec.decide`` alone on N stand-in specs (the
   pure part: per-layer prediction check + peer check), to show where the time goes.
 
@@ -118,11 +122,12 @@ async def _wait_verdict(controller: Any, n: int, deadline_s: float) -> dict[str,
         await asyncio.sleep(0.05)
 
 
-async def _forced_checks(controller: Any, n: int, repeats: int) -> tuple[list, list]:
+async def _forced_checks(controller: Any, n: int, repeats: int,
+                         full: bool = False) -> tuple[list, list]:
     checks, calls = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        report = await controller.report.remote(refresh=True)
+        report = await controller.report.remote(refresh=True, full=full)
         calls.append(time.perf_counter() - t0)
         if report["state"] != "agree" or report["answered"] != n:
             raise RuntimeError(f"forced check at N={n}: {report['state']}, "
@@ -137,7 +142,7 @@ def measure(counts: list[int], period_s: float, repeats: int,
     import ray
     from ray import serve
 
-    ray.init(include_dashboard=False, logging_level="ERROR", log_to_driver=False,
+    ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              object_store_memory=200 * 2**20)
     rows = []
     try:
@@ -157,6 +162,7 @@ def measure(counts: list[int], period_s: float, repeats: int,
             verdict = asyncio.run(_wait_verdict(controller, n, deadline_s=period_s + 300))
             after = time.monotonic() - running
             checks, calls = asyncio.run(_forced_checks(controller, n, repeats))
+            full, _ = asyncio.run(_forced_checks(controller, n, repeats, full=True))
             ids = {r["id"] for r in verdict["replicas"]}
             row = {
                 "replicas": n,
@@ -167,6 +173,7 @@ def measure(counts: list[int], period_s: float, repeats: int,
                 "check_s_p50": statistics.median(checks),
                 "check_s_max": max(checks),
                 "call_s_p50": statistics.median(calls),
+                "full_check_s_p50": statistics.median(full),
                 "decide_ms": decide_ms(n),
                 "memory_mib_over_base": round(used_memory_mib() - base_mem),
             }
@@ -182,13 +189,15 @@ def measure(counts: list[int], period_s: float, repeats: int,
 
 
 HEADER = (f"{'replicas':>8} {'scale-up s':>10} {'verdict s':>9} {'check p50 s':>11} "
-          f"{'check max s':>11} {'call p50 s':>10} {'decide ms':>9} {'mem MiB':>8}")
+          f"{'check max s':>11} {'call p50 s':>10} {'full p50 s':>10} {'decide ms':>9} "
+          f"{'mem MiB':>8}")
 
 
 def _fmt(r: dict[str, Any]) -> str:
     return (f"{r['replicas']:8d} {r['scale_up_s']:10.1f} {r['verdict_after_running_s']:9.2f} "
             f"{r['check_s_p50']:11.3f} {r['check_s_max']:11.3f} {r['call_s_p50']:10.3f} "
-            f"{r['decide_ms']:9.2f} {r['memory_mib_over_base']:8d}")
+            f"{r['full_check_s_p50']:10.3f} {r['decide_ms']:9.2f} "
+            f"{r['memory_mib_over_base']:8d}")
 
 
 def main() -> int:

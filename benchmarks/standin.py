@@ -44,7 +44,7 @@ from typing import Any
 from ray import serve
 
 from deployments import kvspec
-from deployments.wire import ReplicaSpec, ReplicaVerdict
+from deployments.wire import ReplicaSpec, ReplicaVerdict, answer_kv_page_spec
 from dsv4_patch import rules
 
 FLASH_CONFIG = (Path(__file__).resolve().parent.parent / "configs" / "models" /
@@ -173,12 +173,13 @@ class StandInReplica:
             raise kvspec.KVLayoutMismatch(f"stand-in {self._replica_id} (rank {self._rank}) "
                                           f"refuses to start under enforce: {problem}")
 
-    async def kv_page_spec(self) -> dict[str, Any]:
-        """The ``ReplicaSpec`` ``DSv4Server.kv_page_spec`` returns (stalls if told to)."""
+    async def kv_page_spec(self, known: dict[str, str] | None = None) -> dict[str, Any]:
+        """What ``DSv4Server.kv_page_spec`` returns (stalls if told to)."""
         self._calls += 1
         if self._hang_s and self._calls > 1:
             await asyncio.sleep(self._hang_s)
-        return self._spec.model_copy(update={"verdict": self._verdict}).model_dump(mode="json")
+        return answer_kv_page_spec(self._spec.model_copy(update={"verdict": self._verdict}),
+                                   known)
 
     async def apply_kv_verdict(self, message: dict[str, Any]) -> dict[str, Any]:
         self._verdict = kvspec.take_verdict(message, self._replica_id, self._policy,

@@ -50,6 +50,7 @@ from deployments.wire import (
     FleetReport,
     Problem,
     ReplicaSpec,
+    ReplicaSpecBrief,
     ReplicaVerdict,
     State,
     VerdictMessage,
@@ -144,6 +145,10 @@ class KVSpecController:
         self._status_call: asyncio.Future[int | None] | None = None
         self._status_since = 0.0
         self._known: dict[str, int | None] = {}  # replica id -> rank, from past answers
+        # Validated full specs by replica id: a replica whose spec is held answers
+        # with a ReplicaSpecBrief (see wire.answer_kv_page_spec).
+        self._held: dict[str, ReplicaSpec] = {}
+        self._brief = True  # False once a replica rejected `known` (older dsv4-serve)
         self._book = kvspec.EnforceBook(self._settings.enforce_max_attempts,
                                         self._settings.enforce_backoff_s)
         self._report = self._not_checked()
@@ -183,9 +188,15 @@ class KVSpecController:
             "state": State.STALE, "agree": False, "previous_state": self._report.state,
             "problems": [stale, *report.problems]})
 
-    async def report(self, refresh: bool = False) -> dict[str, Any]:
-        """The latest verdict (a ``wire.FleetReport``); ``refresh`` checks now first."""
-        if refresh:
+    async def report(self, refresh: bool = False, full: bool = False) -> dict[str, Any]:
+        """The latest verdict (a ``wire.FleetReport``); ``refresh`` checks now first.
+
+        ``full`` forgets the specs held, so every replica sends its whole spec
+        again: the cost of the first check of a restarted controller.
+        """
+        if full:
+            self._held = {}
+        if refresh or full:
             await self._bounded_check("on-demand")
         report = self.current()
         self._metrics.record(report)
@@ -239,7 +250,8 @@ class KVSpecController:
         """What the status thread runs (a seam: tests make it block like a wedged GCS)."""
         return running_replicas(app_name, deployment_name)
 
-    async def _call_each(self, method: str, *args: Any) -> tuple[list[Any], int, str | None]:
+    async def _call_each(self, method: str, *args: Any,
+                         **kwargs: Any) -> tuple[list[Any], int, str | None]:
         """``method`` on every replica, each under its own deadline.
 
         Returns (answers or exceptions of the replicas that finished, how many
@@ -247,7 +259,7 @@ class KVSpecController:
         """
         timeout = self._settings.broadcast_timeout_s
         try:
-            response = self._server.broadcast(method, *args)
+            response = self._server.broadcast(method, *args, **kwargs)
             if not PER_REPLICA_RESULTS:
                 return await response.results_async(timeout_s=timeout,
                                                     return_exceptions=True), 0, None
@@ -271,30 +283,64 @@ class KVSpecController:
         late = sum(isinstance(a, TimeoutError) for a in answers)
         return [a for a in answers if not isinstance(a, TimeoutError)], late, None
 
+    async def _ask_specs(self) -> tuple[list[Any], int, str | None]:
+        """``kv_page_spec`` on every replica, passing the fingerprints already held.
+
+        A replica of an older dsv4-serve (a rolling upgrade) has no ``known``
+        parameter: then every replica is asked again without it in the same
+        check, and this controller stops sending it (logged once).
+        """
+        if not (self._brief and self._held):
+            return await self._call_each("kv_page_spec")
+        known = {rid: spec.fingerprint for rid, spec in self._held.items()}
+        answers, late, error = await self._call_each("kv_page_spec", known=known)
+        if any(isinstance(a, TypeError) and "known" in str(a) for a in answers):
+            logger.warning("dsv4: a replica's kv_page_spec takes no `known` (an older "
+                           "dsv4-serve); asking every replica for its full spec from now on")
+            self._brief = False
+            return await self._call_each("kv_page_spec")
+        return answers, late, error
+
+    def _parse_spec(self, answer: Any) -> ReplicaSpec | kvspec.NoAnswer:
+        """One answer validated on receipt: a full spec (re-hashed) or a brief one."""
+        if isinstance(answer, BaseException):
+            return kvspec.NoAnswer(None, f"a replica failed kv_page_spec: "
+                                   f"{type(answer).__name__}: {answer}")
+        try:
+            if isinstance(answer, dict) and answer.get("brief") is True:
+                return self._from_brief(ReplicaSpecBrief.model_validate(answer))
+            spec = ReplicaSpec.model_validate(answer)
+        except ValueError as exc:
+            return kvspec.NoAnswer(None, f"a replica answered kv_page_spec with something "
+                                   f"that is not a ReplicaSpec: {exc}")
+        if kvspec.fingerprint(spec.layers) != spec.fingerprint:
+            return kvspec.NoAnswer(spec.replica_id, (
+                f"replica {spec.replica_id} sent fingerprint {spec.fingerprint[:19]} that "
+                "does not hash its own layers: not judged"))
+        return spec
+
+    def _from_brief(self, brief: ReplicaSpecBrief) -> ReplicaSpec | kvspec.NoAnswer:
+        held = self._held.get(brief.replica_id)
+        if held is None or held.fingerprint != brief.fingerprint:
+            # Only a race with a replaced cache can get here; the next check asks in full.
+            return kvspec.NoAnswer(brief.replica_id, (
+                f"replica {brief.replica_id} answered briefly for a spec this controller "
+                "does not hold; asked in full next check"))
+        return held.model_copy(update={"verdict": brief.verdict})
+
     async def _collect(self) -> tuple[list[ReplicaSpec], list[kvspec.NoAnswer]]:
         """Every replica's validated ``ReplicaSpec``; failures become named gaps."""
-        answers, late, error = await self._call_each("kv_page_spec")
+        answers, late, error = await self._ask_specs()
         gaps = [kvspec.NoAnswer(None, error)] if error else []
         specs = []
         for answer in answers:
-            if isinstance(answer, BaseException):
-                gaps.append(kvspec.NoAnswer(None, f"a replica failed kv_page_spec: "
-                                            f"{type(answer).__name__}: {answer}"))
-                continue
-            try:
-                spec = ReplicaSpec.model_validate(answer)
-            except ValueError as exc:
-                gaps.append(kvspec.NoAnswer(None, f"a replica answered kv_page_spec with "
-                                            f"something that is not a ReplicaSpec: {exc}"))
-                continue
-            if kvspec.fingerprint(spec.layers) != spec.fingerprint:
-                gaps.append(kvspec.NoAnswer(spec.replica_id, (
-                    f"replica {spec.replica_id} sent fingerprint {spec.fingerprint[:19]} that "
-                    "does not hash its own layers: not judged")))
-                continue
-            specs.append(spec)
+            parsed = self._parse_spec(answer)
+            (specs if isinstance(parsed, ReplicaSpec) else gaps).append(parsed)
         if late:
             gaps += await self._name_late(late, {s.replica_id for s in specs})
+        # Hold what answered, and what is silent now but may answer again.
+        self._held = {s.replica_id: s for s in specs} | {
+            g.replica: self._held[g.replica] for g in gaps if g.replica in self._held}
         return specs, gaps
 
     async def _name_late(self, late: int, answered: set[str]) -> list[kvspec.NoAnswer]:
@@ -336,7 +382,7 @@ class KVSpecController:
                 "deployment": self._server.deployment_name,
                 "application": self._server.app_name, "checked_at": started,
                 "check_seconds": round(time.time() - started, 3)})
-            await self._push_verdict(report, started)
+            await self._push_verdict(report, specs, started)
             self._log_change(report)
             self._known = {s.replica_id: s.rank for s in specs} | {
                 g.replica: self._known.get(g.replica) for g in gaps if g.replica}
@@ -370,8 +416,14 @@ class KVSpecController:
                                                message=f"replica {row.id}: {note}"))
         return replaced
 
-    async def _push_verdict(self, report: FleetReport, checked_at: float) -> None:
-        """Tell every replica its verdict; each acts on its own entry."""
+    async def _push_verdict(self, report: FleetReport, specs: list[ReplicaSpec],
+                            checked_at: float) -> None:
+        """Tell every replica its verdict; each acts on its own entry.
+
+        Skipped when every answering replica already acts on the verdict it
+        would get (each answer echoes it): at steady state a check is then one
+        round trip per replica, not two.
+        """
         if not report.answered:
             return
         message = VerdictMessage(checked_at=checked_at, policy_override=self._policy_override,
@@ -380,6 +432,8 @@ class KVSpecController:
                                      policy=r.policy, attempts=r.attempts,
                                      checked_at=checked_at)
                                      for r in report.replicas if r.status.value != "no_answer"})
+        if kvspec.verdicts_held(message, specs):
+            return
         acks, late, error = await self._call_each("apply_kv_verdict",
                                                    message.model_dump(mode="json"))
         failed = [a for a in acks if not isinstance(a, dict)]

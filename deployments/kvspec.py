@@ -90,8 +90,10 @@ def entry(spec: Mapping[str, Any] | Any) -> LayerEntry:
 
 def fingerprint(entries: Iterable[LayerEntry]) -> str:
     """sha256 of the per-layer mapping (layer -> compared fields): equal iff layer for layer."""
-    rows = sorted((e.model_dump(include={"layer", *COMPARED}) for e in entries),
-                  key=lambda r: r["layer"])
+    # Attribute reads, not ``model_dump``: the same dicts (so the same hash across
+    # versions) at a tenth of the cost; the controller re-hashes every full answer.
+    rows = sorted(({"layer": e.layer, **{f: getattr(e, f) for f in COMPARED}}
+                   for e in entries), key=lambda r: r["layer"])
     canonical = json.dumps(rows, sort_keys=True, separators=(",", ":"), default=str)
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -521,7 +523,7 @@ class EnforceBook:
             return clamp(Action.DRAIN, policy), 0, None
         book = self.ranks.get(key)
         if book is None or book.fingerprint != spec.fingerprint:
-            book = self.ranks[key] = _Rank(spec.fingerprint)
+            book = self.ranks[key] = self._recalled(spec, now)
         if spec.replica_id in book.failed:
             return Action.FAIL_HEALTH, book.attempts, None
         if book.attempts >= self.max_attempts:
@@ -539,6 +541,41 @@ class EnforceBook:
         book.last_at = now
         book.failed.add(spec.replica_id)
         return Action.FAIL_HEALTH, book.attempts, None
+
+    @staticmethod
+    def _recalled(spec: ReplicaSpec, now: float) -> _Rank:
+        """A rank's book as its live replica remembers it (the verdict it echoes).
+
+        The book lives in the controller; a restarted controller would otherwise
+        start every odd rank at 0 attempts and replace a given-up replica again.
+        The backoff restarts from now (the last replacement's time is not echoed).
+        """
+        held = spec.verdict
+        if not (held.odd and held.attempts and held.policy == "enforce"):
+            return _Rank(spec.fingerprint)
+        book = _Rank(spec.fingerprint, attempts=held.attempts, last_at=now)
+        if held.action is Action.FAIL_HEALTH:
+            book.failed.add(spec.replica_id)  # already being replaced: keep it so
+        return book
+
+
+def verdicts_held(message: VerdictMessage, specs: Sequence[ReplicaSpec]) -> bool:
+    """True if every replica in ``message`` already acts on its entry (as echoed in ``specs``).
+
+    The controller then skips sending it: what ``take_verdict`` would make of
+    each entry equals the verdict the replica reported in this check.
+    """
+    by_id = {s.replica_id: s for s in specs}
+    for rid, new in message.replicas.items():
+        spec = by_id.get(rid)
+        if spec is None:
+            return False
+        policy = message.policy_override or spec.policy
+        now = spec.verdict
+        if (now.odd, now.reason, now.action, now.policy, now.attempts) != (
+                new.odd, new.reason, clamp(new.action, policy), policy, new.attempts):
+            return False
+    return True
 
 
 # ------------------------------------------------------------ the replica's side

@@ -42,7 +42,7 @@ from deployments import edge, front, kvspec
 from deployments.config import WORKER_EXTENSION, DSv4Section, HTTPEdge, Policy
 from deployments.kvspec import KVLayoutMismatch, drain_stats, raise_if_enforced, take_verdict
 from deployments.public import RefreshGate
-from deployments.wire import Prediction, ReplicaSpec, ReplicaVerdict
+from deployments.wire import Prediction, ReplicaSpec, ReplicaVerdict, answer_kv_page_spec
 from dsv4_patch import node as node_info
 from dsv4_patch import rules
 from dsv4_patch.node import NodeInfo
@@ -234,11 +234,13 @@ class DSv4ServerMixin:
         return await self._refresh.report(
             refresh, lambda fresh: controller.report.remote(refresh=fresh))
 
-    async def kv_page_spec(self) -> dict[str, Any]:
+    async def kv_page_spec(self, known: dict[str, str] | None = None) -> dict[str, Any]:
         """This replica's ``deployments.wire.ReplicaSpec``, dumped to plain JSON.
 
         Workers are asked once; the specs cannot change without a new engine,
-        and a new engine means a new replica.
+        and a new engine means a new replica. ``known`` (replica id -> the
+        fingerprint the controller holds) turns the answer into a
+        ``ReplicaSpecBrief`` when the controller already holds this spec.
         """
         if self._kv is None:
             workers = await self.collective_rpc(  # type: ignore[attr-defined]
@@ -255,7 +257,7 @@ class DSv4ServerMixin:
             override=None if self._override is None else self._override.model_dump(),
             prediction=self._prediction, own_prediction=self._own_prediction,
             verdict=self._verdict, **self._kv.fields())
-        return spec.model_dump(mode="json")
+        return answer_kv_page_spec(spec, known)
 
     async def apply_kv_verdict(self, message: dict[str, Any]) -> dict[str, Any]:
         """Take the controller's verdict; act on it within this replica's own policy."""

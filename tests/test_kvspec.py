@@ -210,6 +210,28 @@ def test_enforce_is_bounded_with_backoff_then_drains() -> None:
     assert book.action(third, True, "drain", now=0)[0] is Action.DRAIN
 
 
+def test_a_restarted_controller_remembers_a_given_up_rank_from_its_replica() -> None:
+    # The replica drained after 2 replacements echoes that verdict; a new controller
+    # (empty book) must not replace it a third time.
+    given_up = standin_spec("r3", 1, reordered=True).model_copy(update={
+        "verdict": ReplicaVerdict(odd=True, reason="gave up", action=Action.DRAIN,
+                                  policy="enforce", attempts=2)})
+    fresh = kvspec.EnforceBook(max_attempts=2, backoff_s=10)
+    action, attempts, note = fresh.action(given_up, True, "enforce", now=1000)
+    assert (action, attempts) == (Action.DRAIN, 2) and "gave up" in (note or "")
+    # Mid-backoff after 1 replacement: drained, the backoff counted again from now.
+    waiting = given_up.model_copy(update={"verdict": given_up.verdict.model_copy(
+        update={"attempts": 1})})
+    fresh = kvspec.EnforceBook(max_attempts=2, backoff_s=10)
+    assert fresh.action(waiting, True, "enforce", now=1000)[:2] == (Action.DRAIN, 1)
+    assert fresh.action(waiting, True, "enforce", now=1011)[:2] == (Action.FAIL_HEALTH, 2)
+    # A replica whose verdict came from another policy starts a clean book.
+    warned = given_up.model_copy(update={"verdict": given_up.verdict.model_copy(
+        update={"policy": "warn"})})
+    fresh = kvspec.EnforceBook(max_attempts=2, backoff_s=10)
+    assert fresh.action(warned, True, "enforce", now=0)[:2] == (Action.FAIL_HEALTH, 1)
+
+
 def test_a_replica_obeys_its_own_policy_unless_an_operator_overrides() -> None:
     told = {"checked_at": 1.0, "replicas": {"x": ReplicaVerdict(
         odd=True, reason="r", action=Action.FAIL_HEALTH).model_dump(mode="json")}}
@@ -259,3 +281,48 @@ def test_status_describes_stale_and_silent_replicas() -> None:
     assert "KV spec: stale (last completed check: incomplete)" in text
     assert "95 s old" in text and "b: [no_answer]" in text
     assert EXIT.get(stale.state.value, EXIT_INCOMPLETE) == EXIT_INCOMPLETE
+
+
+# The fingerprint of DeepSeek-V4-Flash's stand-in spec, recorded: the hash must not move
+# between dsv4-serve versions, or a rolling upgrade would see old and new replicas differ.
+FLASH_FINGERPRINT = "sha256:72f928b84436042ddbc603cb9a960608aeebe8082628c1a17b801d9b307003f3"
+
+
+def test_fingerprint_is_stable_across_versions() -> None:
+    spec = standin_spec("r0", 0)
+    assert kvspec.fingerprint(spec.layers) == spec.fingerprint == FLASH_FINGERPRINT
+
+
+def test_a_held_spec_is_answered_briefly_and_anything_else_in_full() -> None:
+    spec = standin_spec("r0", 0)
+    full = wire.answer_kv_page_spec(spec, None)
+    assert ReplicaSpec.model_validate(full).fingerprint == spec.fingerprint
+    assert "brief" not in wire.answer_kv_page_spec(spec, {"r1": spec.fingerprint})
+    assert "layers" in wire.answer_kv_page_spec(spec, {"r0": "sha256:other"})
+    brief = wire.answer_kv_page_spec(spec, {"r0": spec.fingerprint})
+    assert brief["brief"] is True and "layers" not in brief
+    assert len(json.dumps(brief)) < len(json.dumps(full)) / 50
+    assert wire.ReplicaSpecBrief.model_validate(brief).fingerprint == spec.fingerprint
+
+
+def _message(**entry: Any) -> wire.VerdictMessage:
+    return wire.VerdictMessage(checked_at=1.0, replicas={"r0": ReplicaVerdict(**entry)})
+
+
+def test_a_verdict_is_resent_only_when_a_replica_would_act_differently() -> None:
+    spec = standin_spec("r0", 0, policy="drain")
+    # A new replica holds the default verdict (no policy yet): it must be told once.
+    assert not kvspec.verdicts_held(_message(policy="drain"), [spec])
+    taken = kvspec.take_verdict(_message(policy="drain").model_dump(mode="json"), "r0",
+                                "drain", spec.verdict)
+    held = spec.model_copy(update={"verdict": taken})
+    assert kvspec.verdicts_held(_message(policy="drain"), [held])
+    # enforce's fail_health, clamped by the replica's own drain policy, is a drain:
+    odd = dict(odd=True, reason="differs", action=Action.FAIL_HEALTH, attempts=1)
+    assert not kvspec.verdicts_held(_message(**odd), [held])
+    taken = kvspec.take_verdict(_message(**odd).model_dump(mode="json"), "r0", "drain",
+                                taken)
+    assert taken.action is Action.DRAIN
+    assert kvspec.verdicts_held(_message(**odd), [held.model_copy(update={"verdict": taken})])
+    # A replica the message names but that did not answer now: send.
+    assert not kvspec.verdicts_held(_message(**odd), [])
