@@ -19,6 +19,7 @@ from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_dp_deployment, build_llm_deployment
 
+from deployments.boot import LocalModelCallback
 from deployments.config import AppArgs, HTTPEdge, parse_app_args
 from deployments.controller import KVSpecController
 from deployments.front import KV_SPEC_ROUTE
@@ -95,6 +96,9 @@ def build_app(args: dict[str, Any]) -> Application:
     # queue bounds make overload a 503 at Serve's proxy as well as at the edge.
     config_dict["deployment_config"] = with_kv_router(deployment_config) | \
         ingress_queue_options(parsed.http, deployment_config)
+    if "callback_config" not in config_dict:
+        # Skips the per-node download task for a local model directory (boot time).
+        config_dict["callback_config"] = {"callback_class": LocalModelCallback}
     llm_config = LLMConfig(**config_dict, server_cls=DSv4Server)
     dsv4 = parsed.dsv4.model_dump(mode="json")
     deploy = parsed.llm.deployment_config

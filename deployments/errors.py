@@ -7,11 +7,13 @@ into a 500 (``"messages": null``, see ``messages_problem``).
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 # Bounds on what a 400 echoes back: pydantic repeats the offending input in every
 # error, and a hostile body must not turn into a large (or unserializable) answer.
@@ -104,6 +106,30 @@ async def openai_validation_error(request: Request,
     param = _error_param(errors[0]) if errors else None
     return JSONResponse(invalid_request("; ".join(lines) or "validation failed", param),
                         status_code=400)
+
+
+_KIND = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+         415: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error"}
+
+
+async def openai_http_error(request: Request, exc: Exception) -> JSONResponse:
+    """An ``HTTPException`` (FastAPI's own, e.g. "There was an error parsing the body"
+    for a body that is not UTF-8, or a route's) as an OpenAI error, never ``{"detail"}``.
+
+    Starlette's default handler answers ``{"detail": ...}``, which OpenAI clients
+    cannot parse; vLLM's handler covers only ``fastapi.HTTPException``.
+    """
+    assert isinstance(exc, HTTPException)
+    status = exc.status_code
+    detail = exc.detail if isinstance(exc.detail, str) else HTTPStatus(status).phrase
+    if status == 400 and "parsing the body" in detail:
+        detail += ". Fix: send one JSON object, UTF-8 encoded, with Content-Type: " \
+                  "application/json"
+    kind = _KIND.get(status, "internal_server_error" if status >= 500 else
+                     "invalid_request_error")
+    body = {"error": {"message": detail, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
 
 
 def messages_problem(body: Any) -> str | None:

@@ -18,7 +18,8 @@ vLLM's own, and on top of them:
   routes (vLLM's app also mounts ``/metrics``, ``/tokenize``, ``/health``...: they stay
   closed), body/size/nesting/limits bounds, overload 503s, stream limits, 5xx scrubbing;
 * our CORS policy instead of vLLM's (``allowed_origins=["*"]`` by default);
-* our ``RequestValidationError`` handler (400 naming the field, never echoing raw input);
+* our ``RequestValidationError`` handler (400 naming the field, never echoing raw input)
+  and ``HTTPException`` handler (OpenAI error bodies, never ``{"detail": ...}``);
 * ``GET /v1/kv-spec``, answered from the KV-spec controller through a handle.
 
 Routing stays Serve's: the proxy picks a server replica with the deployment's
@@ -33,14 +34,15 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, HTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from deployments.config import HTTPEdge
 from deployments.edge import EdgeMiddleware
-from deployments.errors import openai_validation_error
+from deployments.errors import openai_http_error, openai_validation_error
 from deployments.public import public_report
 
 logger = logging.getLogger("ray.serve")
@@ -99,6 +101,10 @@ def harden(app: FastAPI, settings: HTTPEdge, kv_spec: KVSpecSource | None = None
     app.middleware_stack = None
     _close_cors(app, settings)
     app.add_exception_handler(RequestValidationError, openai_validation_error)
+    # Starlette's (body parsing: "There was an error parsing the body") and FastAPI's
+    # (vLLM registers its own for that one; ours names the fix and the error type).
+    app.add_exception_handler(StarletteHTTPException, openai_http_error)
+    app.add_exception_handler(HTTPException, openai_http_error)
     if kv_spec is not None:
         async def kv_spec_route(refresh: bool = False) -> JSONResponse:
             """The controller's verdict; ``?refresh=true`` checks every replica now."""

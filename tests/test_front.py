@@ -81,6 +81,14 @@ def test_non_json_body_is_a_400_naming_the_content_type(client: TestClient) -> N
     assert "Content-Type: application/json" in resp.json()["error"]["message"]
 
 
+def test_a_body_that_is_not_utf8_is_an_openai_400(client: TestClient) -> None:
+    resp = client.post("/v1/completions", content=b"\x80",
+                       headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and "Fix:" in error["message"]
+
+
 def test_kv_spec_route_is_mounted_and_redacted(client: TestClient) -> None:
     resp = client.get(KV_SPEC_ROUTE)
     assert resp.status_code == 409 and resp.headers["x-dsv4-refresh"] == "cached"
