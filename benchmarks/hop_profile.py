@@ -120,7 +120,9 @@ def access_times(log_dir: Path | None, ids: set[str]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = collections.defaultdict(list)
     if log_dir is None or not log_dir.is_dir():
         return out
-    for path in log_dir.glob("*.log"):
+    # Server replicas' access lines land in their worker's stderr (vLLM reconfigures
+    # logging in that process), not in logs/serve/.
+    for path in [*log_dir.glob("*.log"), *log_dir.parent.glob("worker-*.err")]:
         for line in path.read_text(errors="replace").splitlines():
             m = _ACCESS.match(line)
             if m and m["rid"] in ids and ("POST" in m["what"] or "CALL" in m["what"]):
