@@ -241,7 +241,8 @@ def wait_ready(base: str, proc: subprocess.Popen[Any], log: Path, timeout_s: flo
 
 
 def measure(arms: list[str], rounds: int, repeats: int, load: bench_load.Load,
-            replicas: int, port: int, first_round: int = 0) -> dict[str, list[dict[str, Any]]]:
+            replicas: int, port: int, first_round: int = 0,
+            partial: Path | None = None) -> dict[str, list[dict[str, Any]]]:
     """Every arm once per round; even rounds in the given order, odd rounds reversed
     (``first_round`` numbers the rounds, so runs split over several jobs alternate too)."""
     from dsv4_patch.tiny_model import ensure_tiny_model
@@ -259,6 +260,9 @@ def measure(arms: list[str], rounds: int, repeats: int, load: bench_load.Load,
                     runs[arm].append(res)
                     print(f"[{arm} round {r}] {res['completed']} ok, {res['failed']} failed, "
                           f"{res['output_throughput']:.1f} tok/s", flush=True)
+                    if partial is not None:  # a job cut by its timeout keeps what it measured
+                        partial.parent.mkdir(parents=True, exist_ok=True)
+                        partial.write_text(json.dumps({"runs": runs}, indent=2))
     return runs
 
 
@@ -354,7 +358,7 @@ def main() -> int:
     load = bench_load.Load(num_prompts=args.num_prompts, concurrency=args.concurrency,
                            input_len=args.input_len, output_len=args.output_len)
     runs = measure(arms, args.rounds, args.repeats, load, args.replicas, args.port,
-                   args.first_round)
+                   args.first_round, partial=args.out.with_suffix(".partial.json"))
     agg = aggregate(runs)
     result = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
