@@ -351,6 +351,8 @@ def main() -> int:
     if args.merge:
         print(table(aggregate(merge(args.merge))))
         return 0
+    # A timeout's SIGTERM must still stop the arm we started (arm_server's finally).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     arms = args.arms.split(",")
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
