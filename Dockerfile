@@ -25,6 +25,9 @@ ARG VLLM_VERSION=0.29.0
 COPY --chown=ray:users pyproject.toml /home/ray/dsv4-serve/
 COPY --chown=ray:users dsv4_patch /home/ray/dsv4-serve/dsv4_patch
 COPY --chown=ray:users deployments /home/ray/dsv4-serve/deployments
+# Shipped in the wheel as package data (deployments/resources.py).
+COPY --chown=ray:users configs /home/ray/dsv4-serve/configs
+COPY --chown=ray:users k8s /home/ray/dsv4-serve/k8s
 
 # --no-deps: the image already carries ray, vllm, pydantic and pyyaml; letting pip
 # resolve here could replace the image's CUDA builds. The checks below prove the

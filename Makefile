@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dsv4-setup-stamp
 
-.PHONY: setup run test test-faults test-releases lint clean
+.PHONY: setup run test test-fast test-faults test-releases lint clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,12 @@ run: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -v
+
+# The quick loop: lint and the unit tests (no vLLM engine, no Ray cluster; ~5 min).
+# CI runs `make test`, the full suite.
+test-fast: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -m "not slow and not releases"
 
 # The fault steps that each cost one more engine boot (a replica killed and replaced,
 # a node lost under traffic and replaced): not in `make test`/CI, run them here.

@@ -39,10 +39,11 @@ HANG_S = 60.0
 class AllOrNothingController(KVSpecController):
     """The previous collection: one ``results_async`` deadline for the whole fleet."""
 
-    async def _call_each(self, method: str, *args: Any) -> tuple[list[Any], int, str | None]:
+    async def _call_each(self, method: str, *args: Any,
+                         **kwargs: Any) -> tuple[list[Any], int, str | None]:
         timeout = self._settings.broadcast_timeout_s
         try:
-            answers = await self._server.broadcast(method, *args).results_async(
+            answers = await self._server.broadcast(method, *args, **kwargs).results_async(
                 timeout_s=timeout, return_exceptions=True)
         except TimeoutError:
             return [], 0, f"broadcast {method} timed out after {timeout}s"

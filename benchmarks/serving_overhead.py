@@ -97,13 +97,13 @@ def stock_app(replicas: int) -> Any:
 def serve_arm(arm: str, port: int, replicas: int) -> int:
     """Run one Serve arm in this process until SIGTERM (the arm's server process).
 
-    Both Serve arms start Ray the way ``dsv4-serve run`` does (``runner.start_cluster``:
+    Both Serve arms start Ray the way ``dsv4-serve run`` does (``local_ray.start_cluster``:
     a private cluster with the logical CPUs the replicas reserve), so they differ
-    only in the application: ours (``runner.deploy`` -> ``build_app``) or stock.
+    only in the application: ours (``deploy.deploy`` -> ``build_app``) or stock.
     """
     from ray import serve
 
-    from deployments import runner
+    from deployments import deploy, local_ray
     from deployments.config import ServeConfig
 
     stop = threading.Event()
@@ -111,17 +111,17 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
     config = ServeConfig.model_validate(raw_config(replicas, port, arm))
     phase("imports done")
     try:
-        runner.start_cluster(config)
+        local_ray.start_cluster(config)
         phase("Ray + Serve started")
         if arm != "stock":
-            runner.deploy(config)
+            deploy.deploy(config)
         else:
             serve.run(stock_app(replicas), name="dsv4", route_prefix="/")
         phase("app RUNNING")
         print(READY, flush=True)
         stop.wait()
     finally:
-        runner.shutdown()
+        local_ray.shutdown()
     return 0
 
 

@@ -73,8 +73,9 @@ def _row(layer: str, spec_type: str, dtype: str | None, page: int, block: int,
     return {"layer": layer, "spec_type": spec_type, "cache_dtype_str": dtype,
             "page_size_bytes": page, "real_page_size_bytes": page, "block_size": block,
             "head_size": head, "num_kv_heads": 1, "dtype": "torch.uint8",
-            "alignment": 576 if dtype == "fp8_ds_mla" else 512, "sliding_window": None,
-            "compress_ratio": ratio}
+            "alignment": rules.page_alignment(
+                rules.Storage.FP8_DS_MLA if dtype == "fp8_ds_mla" else rules.Storage.FP8_ROWS),
+            "sliding_window": None, "compress_ratio": ratio}
 
 
 def flash_worker_specs(cache_dtype: str = "fp8_ds_mla",
@@ -90,7 +91,7 @@ def flash_worker_specs(cache_dtype: str = "fp8_ds_mla",
         rules.Storage.BF16_ROWS
     pages = {r.ratio: r for r in rules.page_breakdown(shape, storage, BLOCK_SIZE)}
     swa = rules.padded_page_bytes(SWA_BLOCK, rules.state_bytes(shape, storage),
-                                  576 if storage is rules.Storage.FP8_DS_MLA else 512)
+                                  rules.page_alignment(storage))
     rows: list[dict[str, Any]] = []
     for i, ratio in enumerate(shape.compress_ratios):
         attn = f"model.layers.{i}.attn"

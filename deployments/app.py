@@ -12,21 +12,22 @@ picked by ``deployments.router.KVSpecRouter``: no ingress replica in between
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_dp_deployment, build_llm_deployment
 
+from deployments import ray_touches
 from deployments.boot import LocalModelCallback
 from deployments.config import AppArgs, HTTPEdge, parse_app_args
 from deployments.controller import KVSpecController
 from deployments.front import KV_SPEC_ROUTE
+from deployments.logs import get_logger
 from deployments.router import with_kv_router
 from deployments.server import DSv4DPServer, DSv4Server
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("app")
 
 __all__ = ["CONTROLLER_NAME", "KV_SPEC_ROUTE", "build_app", "ingress_drain_timeout_s",
            "serves_http"]
@@ -89,7 +90,12 @@ def resolve_model_source(args: AppArgs) -> str | None:
 
 def build_app(args: dict[str, Any]) -> Application:
     """Validate ``args`` (``deployments.config.AppArgs``) and build the application."""
-    parsed = parse_app_args(args)
+    return build_parsed_app(parse_app_args(args))
+
+
+def build_parsed_app(parsed: AppArgs) -> Application:
+    """Build the application from args the loader already validated (``dsv4-serve run``)."""
+    ray_touches.require()  # the Ray internals we build on (deployments/ray_touches.py)
     config_dict = parsed.llm_config_dict(resolve_model_source(parsed))
     deployment_config = config_dict["deployment_config"]
     # The KV-spec router keeps requests off replicas the controller drains; the
@@ -99,7 +105,10 @@ def build_app(args: dict[str, Any]) -> Application:
     if "callback_config" not in config_dict:
         # Skips the per-node download task for a local model directory (boot time).
         config_dict["callback_config"] = {"callback_class": LocalModelCallback}
-    llm_config = LLMConfig(**config_dict, server_cls=DSv4Server)
+    dp = parsed.llm.engine_kwargs.data_parallel_size > 1
+    # The class that runs: on the DP path build_dp_deployment's deployment_cls wins.
+    llm_config = LLMConfig(**config_dict, server_cls=DSv4DPServer if dp else DSv4Server)
+    refuse_lora(llm_config)
     dsv4 = parsed.dsv4.model_dump(mode="json")
     deploy = parsed.llm.deployment_config
     # The controller finds the servers by name: they bind it (for /v1/kv-spec), and a
@@ -117,6 +126,19 @@ def build_app(args: dict[str, Any]) -> Application:
                                    deployment_cls=serve.ingress()(DSv4DPServer))
     return build_llm_deployment(llm_config, bind_kwargs=bind_kwargs,
                                 deployment_cls=serve.ingress()(DSv4Server))
+
+
+def refuse_lora(llm_config: LLMConfig) -> None:
+    """LoRA adapters are refused, not ignored: nothing routes them on this path yet.
+
+    Ray Serve LLM's ingress turned ``model: base:adapter`` into a multiplexed model id;
+    the server replicas now answer HTTP themselves (``deployments.front``) and Serve's
+    proxy sets that id only from the ``serve_multiplexed_model_id`` header.
+    """
+    if llm_config.lora_config is not None:
+        raise ValueError(
+            "llm.lora_config is set, but the DSv4 server replicas serve vLLM's OpenAI app "
+            "directly and route no LoRA adapters yet. Fix: remove lora_config.")
 
 
 def _server_deployment_name(llm_config: LLMConfig, args: AppArgs) -> str:

@@ -16,27 +16,14 @@ on this node too (other nodes might not have the directory: they keep the downlo
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from ray.llm._internal.common.callbacks.base import CallbackBase
 
-logger = logging.getLogger("ray.serve")
+from deployments.logs import get_logger
 
-# The Ray internals this module depends on (until the project's Ray-touch registry,
-# issue 15, lands: then this entry moves there).
-RAY_TOUCH = {
-    "target": "ray.llm._internal.common.callbacks.base.CallbackBase, CallbackCtx.run_init_node",
-    "why": "skip the per-node download task for a local model directory (boot time)",
-    "how": "LLMConfig.callback_config.callback_class = LocalModelCallback; "
-           "on_before_node_init sets ctx.run_init_node = False",
-    "upstream": "LLMConfig.callback_config is public; the base class has no public "
-                "re-export in Ray 2.60 (ray.serve.llm)",
-    "affected": "ray 2.60.0 (pinned)",
-    "removal": "when Ray Serve LLM skips initialize_node for local model paths itself, "
-               "or re-exports CallbackBase publicly (then import it from there)",
-}
+logger = get_logger("boot")
 
 
 def _pg_nodes(placement_group: Any) -> set[str]:

@@ -14,11 +14,12 @@ from collections.abc import Sequence
 
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "doctor": ("dsv4_patch.doctor", "vLLM version, platform, KV layout and the patches that apply"),
+    "doctor": ("deployments.doctor_cli",
+               "vLLM version, platform, KV layout, the patches and Ray touches that apply"),
     "tiny-model": ("dsv4_patch.tiny_model", "write the tiny random-weight DeepSeek-V4 directory"),
     "run": ("deployments.runner", "run the Serve app locally (default: configs/local-cpu.yaml)"),
     "status": ("deployments.status", "print the KV-spec consensus of a running app"),
-    "plan": ("deployments.plan", "preflight a config without GPUs: layout, bytes, capacity"),
+    "plan": ("deployments.plan_cli", "preflight a config without GPUs: layout, bytes, capacity"),
     "k8s": ("deployments.k8s", "render or check RayService manifests from configs/"),
 }
 

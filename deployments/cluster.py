@@ -221,7 +221,8 @@ class LocalCluster:
                "--disable-usage-stats"]
         with open(log_path, "wb") as log:
             head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True, stdin=subprocess.DEVNULL)
+                                    start_new_session=True, stdin=subprocess.DEVNULL,
+                                    preexec_fn=_die_with_parent(os.getpid()))
         cluster = cls(spec, address, head, log_path, Path(config))
         try:
             cluster._wait_for_gcs(port, started + timeout_s)
@@ -286,6 +287,37 @@ class LocalCluster:
         if not stubborn:  # kept otherwise: the head's output tells why
             self.log_path.unlink(missing_ok=True)
         return stubborn
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent(parent: int) -> Any:
+    """A ``preexec_fn``: the head (``ray start --block``) is SIGKILLed when we die.
+
+    A driver killed with SIGKILL (or by the OOM killer) runs no ``stop()``, and the
+    head lives in its own session, so without this the whole cluster would outlive
+    it. Once ``ray start --block`` is gone, Ray's own reaper (``ray_process_reaper``,
+    whose stdin pipe it held) SIGTERMs the session's process group -- raylets,
+    the autoscaler, the worker nodes it started, replicas -- and SIGKILLs it 1 s
+    later; engine processes end with their replica (``dsv4_patch.lifetime``).
+    Linux only (prctl); the signal follows the thread that started the head, so
+    ``LocalCluster.start`` must run on a thread that lives as long as the cluster
+    (the CLI's main thread).
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:  # the driver died before prctl took effect
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
 
 
 def _signal_all(pids: list[int], signum: int) -> None:

@@ -17,6 +17,11 @@ and pass the rest through to ``LLMConfig``, which validates it again.
 ``args.dsv4`` is ours: the layout every replica must end up with, the policy the
 KV-spec controller applies, and the node the replicas run on.
 
+The models check structure (types, ranges, unknown keys, one-field rules); the
+policy rules that tie sections together are ``deployments.checks.check``, which
+``parse_app_args`` and ``load_serve_config`` apply (``refuse=False`` leaves them to
+the caller: ``dsv4-serve plan`` reports them). Sizing lives in ``deployments.sizing``.
+
 Every error names the field, the bad value, what was expected and the fix:
 these messages are what a user sees before anything starts.
 """
@@ -33,18 +38,22 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
 )
 
+from deployments import checks, resources, sizing
 from dsv4_patch import rules
+from dsv4_patch.tiny_model import TINY_MODEL_NAME
 
 IMPORT_PATH = "deployments.app:build_app"
 WORKER_EXTENSION = "dsv4_patch.worker_ext.DSv4WorkerExtension"
-TINY_MODEL_SOURCE = "dsv4-tiny"  # model_source alias: the tiny random-weight DSv4
-PLUGIN_NAME = "dsv4_patch"
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-cpu.yaml"
+# model_source alias of the tiny random-weight DeepSeek-V4 (one name: dsv4_patch.tiny_model).
+TINY_MODEL_SOURCE = TINY_MODEL_NAME
+PLUGIN_NAME = rules.PLUGIN_NAME
+DEFAULT_CONFIG = resources.configs_dir() / "local-cpu.yaml"
 # Seconds a stopping DSv4 server replica waits for its in-flight requests (Serve's
 # graceful_shutdown_timeout_s; Serve's own default of 20 s cuts long generations).
 DEFAULT_DRAIN_TIMEOUT_S = 60.0
@@ -134,26 +143,6 @@ class EngineKwargs(_Open):
     def _lower(cls, value: str) -> str:
         return value.strip().lower()
 
-    @model_validator(mode="after")
-    def _dp_means_dp_attention(self) -> EngineKwargs:
-        """data_parallel_size > 1 is Ray Serve LLM's DP-attention pattern, EP included.
-
-        Ray 2.60 (ray.llm._internal.serve.serving_patterns.data_parallel.dp_server.DPServer)
-        makes every DP rank its own Serve replica -- still one engine per replica,
-        each with its own KV pool -- gang-scheduled in groups of data_parallel_size.
-        Without expert parallelism each rank would hold every expert: DP attention
-        exists to shard the MoE experts across the ranks (vllm-project/recipes#762).
-        """
-        if self.data_parallel_size > 1 and not self.enable_expert_parallel:
-            raise ValueError(
-                f"data_parallel_size={self.data_parallel_size} without "
-                "enable_expert_parallel: every DP rank would hold all routed experts. "
-                "Expected enable_expert_parallel: true with data_parallel_size > 1. Fix: "
-                "set enable_expert_parallel: true, or data_parallel_size: 1 and scale "
-                "with deployment_config.autoscaling_config."
-            )
-        return self
-
     @field_validator("worker_extension_cls")
     @classmethod
     def _ours_or_unset(cls, value: str | None) -> str | None:
@@ -164,15 +153,6 @@ class EngineKwargs(_Open):
                 "(dsv4-serve sets it)."
             )
         return value
-
-    @property
-    def workers_per_replica(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    @property
-    def gpus_per_group(self) -> int:
-        """GPUs of one scaling unit: a DP gang (DP x TP x PP), or one engine (TP x PP)."""
-        return self.data_parallel_size * self.workers_per_replica
 
 
 class AutoscalingConfig(_Open):
@@ -304,7 +284,7 @@ class LLMSection(_Strict):
                     "every actor's runtime_env). Fix: remove it and export it in the "
                     "environment that starts Ray (a Kubernetes Secret on KubeRay).")
         plugins = env.get("VLLM_PLUGINS")
-        if plugins is not None and PLUGIN_NAME not in plugins.split(","):
+        if not rules.plugin_allowed(plugins):
             raise ValueError(
                 f"runtime_env.env_vars.VLLM_PLUGINS={plugins!r} leaves out {PLUGIN_NAME!r}, "
                 "so engine workers would build DeepSeek-V4 layers unpatched. Fix: add "
@@ -471,44 +451,6 @@ class HTTPEdge(_Strict):
 # ------------------------------------------------------------------ app args
 
 
-CPU_DSV4_BLOCK_SIZE = 256
-
-
-def _check_cpu_block_size(where: str, block_size: Any) -> None:
-    """vLLM's CPU platform forces DeepSeek-V4 to 256-token blocks; say so instead."""
-    if block_size is not None and block_size != CPU_DSV4_BLOCK_SIZE:
-        raise ValueError(
-            f"{where}={block_size!r} on a CPU node: vLLM's DeepSeek-V4 CPU backend only "
-            f"runs block_size={CPU_DSV4_BLOCK_SIZE} and would override it. Fix: remove "
-            f"block_size or set {CPU_DSV4_BLOCK_SIZE}."
-        )
-
-
-def _check_cpu_engine_on_one_node(ek: EngineKwargs, node: NodeSpec) -> None:
-    """A CPU engine cannot span nodes: reject what would be ignored or never start.
-
-    vLLM's CPU platform has no Ray device key (``CpuPlatform.ray_device_key == ""``),
-    so its Ray executor raises "current platform cpu does not support ray"
-    (``vllm/v1/executor/ray_utils.py``, ``initialize_ray_cluster``), and Ray Serve
-    LLM 2.60 runs every CPU engine with the multiprocess executor, overriding
-    ``distributed_executor_backend`` silently (``LLMConfig.get_initialization_kwargs``).
-    Pipeline parallelism on CPU therefore lives inside one node.
-    """
-    backend = (ek.model_extra or {}).get("distributed_executor_backend")
-    if backend not in (None, "mp"):
-        raise ValueError(
-            f"llm.engine_kwargs.distributed_executor_backend={backend!r} on a CPU node: "
-            "Ray Serve LLM runs CPU engines with vLLM's multiprocess executor (vLLM's CPU "
-            "platform has no Ray executor). Fix: remove it (or set 'mp')."
-        )
-    if node.nodes_per_replica > 1:
-        raise ValueError(
-            f"dsv4.node.nodes_per_replica={node.nodes_per_replica} on a CPU node: a CPU "
-            "engine cannot span nodes (no Ray executor on CPU). Fix: nodes_per_replica: 1; "
-            "pipeline_parallel_size > 1 runs its stages on one node."
-        )
-
-
 class AppArgs(_Strict):
     """``args`` of ``deployments.app:build_app``: one DeepSeek-V4 model."""
 
@@ -516,102 +458,27 @@ class AppArgs(_Strict):
     dsv4: DSv4Section = Field(default_factory=DSv4Section)
     http: HTTPEdge = Field(default_factory=HTTPEdge)
 
-    @model_validator(mode="after")
-    def _layout_and_dtype(self) -> AppArgs:
-        """Predict the node's layout and the dtype resolution before Ray starts."""
-        node, ek = self.dsv4.node, self.llm.engine_kwargs
-        if ek.attention_backend and node.attention_backend and (
-            ek.attention_backend.upper() != node.attention_backend.upper()
-        ):
-            raise ValueError(
-                f"llm.engine_kwargs.attention_backend={ek.attention_backend!r} but "
-                f"dsv4.node.attention_backend={node.attention_backend!r}; expected one "
-                "backend. Fix: set it in one place (engine_kwargs wins at run time)."
-            )
-        try:
-            decision = self.predicted_layout()
-        except rules.LayoutError as exc:
-            raise ValueError(f"dsv4.node: {exc}") from exc
-        if decision.layout is not self.dsv4.expected_layout:
-            raise ValueError(
-                f"dsv4.expected_layout={self.dsv4.expected_layout.value!r} but node "
-                f"{node.platform} {node.compute_capability or ''} with backend "
-                f"{decision.backend} stores {decision.layout.value} ({decision.reason}). "
-                f"Fix: set expected_layout: {decision.layout.value}, or change "
-                "node/attention_backend."
-            )
-        try:
-            rules.resolve_kv_cache_dtype(decision.layout, ek.kv_cache_dtype)
-        except rules.KVCacheDtypeError as exc:
-            raise ValueError(f"llm.engine_kwargs.kv_cache_dtype: {exc}") from exc
-        return self
+    def parallel(self) -> sizing.Parallel:
+        """The parallel layout of one engine and one replica (``deployments.sizing``)."""
+        ek = self.llm.engine_kwargs
+        return sizing.Parallel(ek.tensor_parallel_size, ek.pipeline_parallel_size,
+                               ek.data_parallel_size, ek.enable_expert_parallel,
+                               self.dsv4.node.nodes_per_replica)
 
-    @model_validator(mode="after")
-    def _replica_shape(self) -> AppArgs:
-        """One replica = one engine = the bundles of one node."""
-        ek, pg, node = self.llm.engine_kwargs, self.llm.placement_group_config, self.dsv4.node
-        workers = ek.workers_per_replica
-        if node.platform == "cpu":
-            _check_cpu_block_size("llm.engine_kwargs.block_size", ek.block_size)
-            for i, override in enumerate(self.dsv4.replica_overrides):
-                _check_cpu_block_size(f"dsv4.replica_overrides[{i}].engine_kwargs.block_size",
-                                      override.engine_kwargs.get("block_size"))
-            if pg is not None and pg.gpus():
-                raise ValueError(
-                    f"llm.placement_group_config.bundles={pg.bundles!r} ask for GPUs but "
-                    "dsv4.node.platform='cpu'. Fix: use bundles: [{CPU: 1}] or set the "
-                    "node platform."
-                )
-            if self.llm.accelerator_type:
-                raise ValueError(
-                    f"llm.accelerator_type={self.llm.accelerator_type!r} on a CPU node. "
-                    "Fix: remove accelerator_type."
-                )
-            _check_cpu_engine_on_one_node(ek, node)
-            return self
-        if pg is not None:
-            per_worker = [b.get("GPU", 0) for b in pg.bundles]
-            if len(pg.bundles) != workers or any(g != 1 for g in per_worker):
-                raise ValueError(
-                    f"llm.placement_group_config.bundles has {len(pg.bundles)} bundle(s) "
-                    f"with GPU={per_worker}; expected {workers} bundles of GPU: 1 "
-                    f"(tensor_parallel_size={ek.tensor_parallel_size} x "
-                    f"pipeline_parallel_size={ek.pipeline_parallel_size}). Fix: one "
-                    "{GPU: 1, CPU: n} bundle per engine worker."
-                )
-        if node.gpus_per_node is not None:
-            room = node.gpus_per_node * node.nodes_per_replica
-            if ek.gpus_per_group > room:
-                raise ValueError(
-                    f"data_parallel_size x tensor_parallel_size x pipeline_parallel_size = "
-                    f"{ek.gpus_per_group} GPUs but dsv4.node.gpus_per_node="
-                    f"{node.gpus_per_node} x nodes_per_replica={node.nodes_per_replica} = "
-                    f"{room}: one replica must fit its nodes. Fix: lower the parallel "
-                    "sizes, use bigger nodes, or raise nodes_per_replica."
-                )
-        if pg is not None and pg.strategy == "STRICT_PACK" and node.nodes_per_replica > 1:
-            raise ValueError(
-                f"llm.placement_group_config.strategy='STRICT_PACK' but dsv4.node."
-                f"nodes_per_replica={node.nodes_per_replica}: STRICT_PACK puts every bundle "
-                "on one node, so a multi-node replica never schedules. Fix: strategy: PACK."
-            )
-        return self
+    def actor_cpus(self) -> float:
+        """CPUs of one Serve replica actor (``deployment_config.ray_actor_options``)."""
+        opts = (self.llm.deployment_config.model_extra or {}).get("ray_actor_options") or {}
+        return float(opts.get("num_cpus", sizing.REPLICA_ACTOR_CPUS))
 
-    @model_validator(mode="after")
-    def _overrides_in_range(self) -> AppArgs:
-        top = self.llm.deployment_config.max_replicas
-        for i, override in enumerate(self.dsv4.replica_overrides):
-            if override.rank >= top:
-                raise ValueError(
-                    f"dsv4.replica_overrides[{i}].rank={override.rank} but at most {top} "
-                    f"replica(s) run (ranks 0..{top - 1}). Fix: pick a rank below {top}."
-                )
-            if "kv_cache_dtype" in override.engine_kwargs:
-                raise ValueError(
-                    f"dsv4.replica_overrides[{i}].engine_kwargs.kv_cache_dtype is set; "
-                    "the dtype is resolved per node, not per rank. Fix: remove it."
-                )
-        return self
+    def replica_cpus(self) -> float:
+        """CPUs one scaling unit reserves (``deployments.sizing.replica_cpus``)."""
+        pg = self.llm.placement_group_config
+        return sizing.replica_cpus(pg.bundles if pg else None, self.parallel(),
+                                   self.actor_cpus())
+
+    def block_size(self) -> int:
+        """The KV cache block size the engines run (256 unless configured)."""
+        return sizing.block_size(self.llm.engine_kwargs.block_size)
 
     def predicted_layout(self) -> rules.LayoutDecision:
         """The layout the declared node gives (the replica re-checks on its real node)."""
@@ -649,10 +516,29 @@ class ServeApplication(_Open):
     route_prefix: str | None = "/"
     import_path: str
     args: dict[str, Any] = Field(default_factory=dict)
+    # Our args, parsed once (by the loader or the first ``parsed`` call) and kept.
+    _parsed: AppArgs | None = PrivateAttr(default=None)
 
     @property
     def is_ours(self) -> bool:
         return self.import_path == IMPORT_PATH
+
+    @property
+    def where(self) -> str:
+        return f"applications[{self.name}].args"
+
+    def parse(self, *, refuse: bool = True, label: str | None = None) -> AppArgs:
+        """Parse ``args`` (again: after an in-place change) and keep the model.
+
+        ``refuse`` raises on policy problems (``deployments.checks``) too.
+        """
+        self._parsed = parse_app_args(self.args, self.where, refuse=refuse, label=label)
+        return self._parsed
+
+    @property
+    def parsed(self) -> AppArgs:
+        """The validated args (parsed on first use, refusing policy problems)."""
+        return self._parsed if self._parsed is not None else self.parse()
 
 
 # Serve's own default bind address for a config file (ray.serve.schema.HTTPOptionsSchema:
@@ -686,9 +572,8 @@ class ServeConfig(_Open):
         return self
 
     def ours(self) -> list[tuple[ServeApplication, AppArgs]]:
-        """Our applications with their validated args."""
-        return [(a, parse_app_args(a.args, f"applications[{a.name}].args")) for a in
-                self.applications if a.is_ours]
+        """Our applications with their validated args (parsed once, kept)."""
+        return [(a, a.parsed) for a in self.applications if a.is_ours]
 
 
 # ------------------------------------------------------------------ errors
@@ -724,16 +609,39 @@ def format_validation_error(exc: ValidationError, prefix: str) -> str:
     return "\n".join(lines)
 
 
-def parse_app_args(args: Mapping[str, Any], where: str = "args") -> AppArgs:
-    """Validate ``build_app`` args or raise ConfigError naming each bad field."""
+def refuse_problems(problems: list[checks.Problem], where: str,
+                    label: str | None = None) -> None:
+    """Raise ConfigError listing every error problem of ``check`` (warnings pass)."""
+    found = checks.errors(problems)
+    if found:
+        lines = "\n".join(f"  {where}: {p.message}" for p in found)
+        raise ConfigError(f"invalid {label or where}:\n{lines}")
+
+
+def parse_app_args(args: Mapping[str, Any], where: str = "args", *, refuse: bool = True,
+                   label: str | None = None) -> AppArgs:
+    """Validate ``build_app`` args or raise ConfigError naming each bad field.
+
+    Structure first (the pydantic models), then the policy rules of
+    ``deployments.checks.check``; ``refuse=False`` keeps the policy problems for the
+    caller to report (``dsv4-serve plan``). ``label`` names the file in the message.
+    """
     try:
-        return AppArgs.model_validate(dict(args))
+        parsed = AppArgs.model_validate(dict(args))
     except ValidationError as exc:
-        raise ConfigError(f"invalid {where}:\n{format_validation_error(exc, where)}") from exc
+        raise ConfigError(f"invalid {label or where}:\n"
+                          f"{format_validation_error(exc, where)}") from exc
+    if refuse:
+        refuse_problems(checks.check(parsed), where, label)
+    return parsed
 
 
-def load_serve_config(path: str | Path) -> ServeConfig:
-    """Read and validate a Serve config YAML, including our applications' args."""
+def load_serve_config(path: str | Path, *, refuse: bool = True) -> ServeConfig:
+    """Read and validate a Serve config YAML, including our applications' args.
+
+    Our args are parsed here once and kept on each application (``parsed``);
+    ``refuse=False`` leaves policy problems to the caller (``deployments.checks``).
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist. Fix: pass a Serve "
@@ -755,11 +663,5 @@ def load_serve_config(path: str | Path) -> ServeConfig:
         )
     for app in config.applications:
         if app.is_ours:
-            try:
-                AppArgs.model_validate(app.args)
-            except ValidationError as exc:
-                where = f"applications[{app.name}].args"
-                raise ConfigError(
-                    f"invalid {path}:\n{format_validation_error(exc, where)}"
-                ) from exc
+            app.parse(refuse=refuse, label=str(path))
     return config

@@ -34,7 +34,6 @@ Ray internals touched (Ray 2.60; probed at start, logged, fallback below):
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import Any
 
@@ -44,6 +43,7 @@ from ray.serve.metrics import Counter, Gauge
 
 from deployments import kvspec
 from deployments.config import DSv4Section, Policy
+from deployments.logs import get_logger
 from deployments.wire import (
     Action,
     Expected,
@@ -56,7 +56,7 @@ from deployments.wire import (
     VerdictMessage,
 )
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("controller")
 
 PER_REPLICA_RESULTS = hasattr(DeploymentBroadcastResponse, "_fetch_replica_results_async")
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import re
 import time
 import uuid
@@ -40,8 +39,9 @@ from typing import Any
 from deployments.auth import KeyStore, bearer_token
 from deployments.config import HTTPEdge
 from deployments.errors import messages_problem
+from deployments.logs import get_logger
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("edge")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -30,7 +30,6 @@ that holds the stream.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -43,31 +42,13 @@ from starlette.middleware.cors import CORSMiddleware
 from deployments.config import HTTPEdge
 from deployments.edge import EdgeMiddleware
 from deployments.errors import openai_http_error, openai_validation_error
+from deployments.logs import get_logger
 from deployments.public import public_report
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("front")
+
 
 KV_SPEC_ROUTE = "/v1/kv-spec"
-
-# The Ray internals this path depends on (until the project's Ray-touch registry,
-# issue 15, lands: then these entries move there). No Ray env flag is set.
-RAY_TOUCHES = (
-    {"target": "ray.serve.ingress() without an app + LLMServer.__serve_build_asgi_app__",
-     "why": "the server replica serves vLLM's OpenAI app itself: no ingress replica hop",
-     "how": "build_llm_deployment(deployment_cls=serve.ingress()(DSv4Server)); "
-            "DSv4Server.__serve_build_asgi_app__ hardens the app (harden)",
-     "upstream": "the late-bound hook is public Serve API (Ray 2.60); Ray Serve LLM's "
-                 "direct streaming (RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING) uses the same",
-     "affected": "ray 2.60.0 (pinned)",
-     "removal": "keep while Ray keeps the hook; revisit if Ray Serve LLM's direct "
-                "streaming works without HAProxy binding all interfaces"},
-    {"target": "ray.llm._internal.serve.core.server.builder._get_deployment_name",
-     "why": "the KV-spec controller finds the server deployment by name (no bind cycle)",
-     "how": "deployments.app._server_deployment_name",
-     "upstream": "not exported by ray.serve.llm in 2.60",
-     "affected": "ray 2.60.0 (pinned)",
-     "removal": "when the builder exposes the deployment name"},
-)
 
 # (report, how) for ``GET /v1/kv-spec``: ``deployments.public.RefreshGate.report``.
 KVSpecSource = Callable[[bool], Awaitable[tuple[Any, str]]]

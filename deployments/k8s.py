@@ -37,10 +37,12 @@ from typing import Any
 
 import yaml
 
+from deployments import checks, resources
 from deployments.config import AppArgs, ConfigError, load_serve_config
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_PARAMS = REPO_ROOT / "k8s" / "params.yaml"
+# A checkout's top level, or the wheel's deployments/_data (deployments.resources).
+REPO_ROOT = resources.data_root()
+DEFAULT_PARAMS = resources.k8s_dir() / "params.yaml"
 MANIFEST_SUFFIX = ".rayservice.yaml"
 
 # KubeRay's RayServiceUpgradeType (ray-operator/apis/ray/v1/rayservice_types.go);
@@ -88,7 +90,7 @@ def load_params(path: Path = DEFAULT_PARAMS) -> dict[str, Any]:
     """Read ``k8s/params.yaml`` and check the fields every manifest needs."""
     if not path.is_file():
         raise ConfigError(f"params file {str(path)!r} does not exist. Fix: pass --params "
-                          f"or restore {DEFAULT_PARAMS.relative_to(REPO_ROOT)}.")
+                          f"or use the shipped {DEFAULT_PARAMS}.")
     params = yaml.safe_load(path.read_text()) or {}
     required = ("image", "image_digest", "ray_version", "hf_token_secret", "api_keys_secret",
                 "kuberay_operator_labels", "metrics_namespace", "model_cache_mount",
@@ -314,12 +316,18 @@ def network_policy(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def render_documents(preset: Preset, params: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The RayService and its NetworkPolicy; refuses to render an insecure pair."""
+    """The RayService and its NetworkPolicy; refuses to render an insecure or
+    inconsistent pair (``security_problems``, ``semantic_problems``: every render and
+    every ``dsv4-serve k8s check`` runs both)."""
     name = f"dsv4-{preset.name}"
     docs = [render_manifest(preset, params), network_policy(name, params)]
     problems = security_problems(docs)
     if problems:
         raise ConfigError(f"{preset.name}: the rendered manifest is not secure:\n  "
+                          + "\n  ".join(problems))
+    problems = semantic_problems(docs[0])
+    if problems:
+        raise ConfigError(f"{preset.name}: the rendered manifest contradicts its preset:\n  "
                           + "\n  ".join(problems))
     return docs
 
@@ -415,7 +423,11 @@ def semantic_problems(manifest: Mapping[str, Any]) -> list[str]:
         found.append("spec.upgradeStrategy: NewClusterWithIncrementalUpgrade needs "
                      "clusterUpgradeOptions")
     serve = ServeConfig.model_validate(yaml.safe_load(spec["serveConfigV2"]))
-    ours = [parse_app_args(a.args) for a in serve.applications if a.is_ours]
+    ours = [parse_app_args(a.args, a.where, refuse=False) for a in serve.applications
+            if a.is_ours]
+    # The preset's own policy problems (deployments.checks), reported with the manifest's.
+    found += [f"serveConfigV2: {p.message}" for args in ours for p in checks.errors(
+        checks.check(args))]
     cluster = spec["rayClusterConfig"]
     if not cluster.get("enableInTreeAutoscaling"):
         found.append("rayClusterConfig.enableInTreeAutoscaling is off: Serve autoscaling "
@@ -517,16 +529,16 @@ def security_problems(docs: list[Mapping[str, Any]]) -> list[str]:
 
 
 def _group_problems(group: Mapping[str, Any], args: AppArgs) -> list[str]:
-    ek, node = args.llm.engine_kwargs, args.dsv4.node
+    ek, node, par = args.llm.engine_kwargs, args.dsv4.node, args.parallel()
     found = []
     hosts = group.get("numOfHosts", 1)
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     per_pod = int(limits.get("nvidia.com/gpu", 0))
-    if per_pod * hosts != ek.gpus_per_group:
+    if per_pod * hosts != par.gpus_per_replica:
         found.append(
             f"{group['groupName']}: nvidia.com/gpu {per_pod} x numOfHosts {hosts} != "
             f"DP {ek.data_parallel_size} x TP {ek.tensor_parallel_size} x PP "
-            f"{ek.pipeline_parallel_size} = {ek.gpus_per_group}")
+            f"{ek.pipeline_parallel_size} = {par.gpus_per_replica}")
     if hosts != node.nodes_per_replica:
         found.append(f"{group['groupName']}: numOfHosts {hosts} != nodes_per_replica "
                      f"{node.nodes_per_replica}")
@@ -536,28 +548,13 @@ def _group_problems(group: Mapping[str, Any], args: AppArgs) -> list[str]:
         found.append(f"{group['groupName']}: min/maxReplicas {group['minReplicas']}/"
                      f"{group['maxReplicas']} != Serve autoscaling {auto.min_replicas}/"
                      f"{auto.max_replicas}")
-    need = cpus_per_node(args)
+    need = args.replica_cpus() / par.nodes
     have = _cpu_quantity(str(limits.get("cpu", "0")))
     if have < need:
         found.append(f"{group['groupName']}: cpu limit {limits.get('cpu')} < {need:g} CPUs "
                      "the replica's placement bundles need per node: Ray could never "
                      "place it and the autoscaler would add pods forever")
     return found
-
-
-def cpus_per_node(args: AppArgs) -> float:
-    """Ray CPUs one node's share of a replica reserves: its bundles plus replica actors.
-
-    Ray Serve LLM adds each Serve replica actor's CPU (1 by default) to the first
-    bundle of its placement group; a DP gang has one replica actor per rank.
-    """
-    pg, ek, node = args.llm.placement_group_config, args.llm.engine_kwargs, args.dsv4.node
-    if pg is None:
-        return 0.0
-    engine_cpus = sum(b.get("CPU", 0) for b in pg.bundles)
-    actor = float((args.llm.deployment_config.model_extra or {}).get(
-        "ray_actor_options", {}).get("num_cpus", 1))
-    return ek.data_parallel_size * (engine_cpus + actor) / node.nodes_per_replica
 
 
 def _cpu_quantity(value: str) -> float:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,6 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from deployments.logs import get_logger
 from deployments.wire import (
     DRAIN_STAT,
     Action,
@@ -46,7 +46,7 @@ from deployments.wire import (
 )
 from dsv4_patch import rules
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("kvspec")
 
 # What makes two caches interchangeable: a request's pages could move between
 # them (P/D transfer, migration) layer for layer, and capacity planning holds.

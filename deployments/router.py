@@ -17,7 +17,6 @@ anyway (and says so in the log) -- draining never takes the whole fleet down.
 
 from __future__ import annotations
 
-import logging
 import random
 from typing import Any
 
@@ -30,9 +29,10 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from deployments.logs import get_logger
 from deployments.wire import DRAIN_STAT
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("router")
 
 ROUTER_CLASS = "deployments.router.KVSpecRouter"
 # How often replicas report whether they are drained (Serve's default is 10 s).

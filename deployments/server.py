@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import logging
 import os
 import time
 from importlib.metadata import PackageNotFoundError, version
@@ -41,13 +40,14 @@ from ray.serve.llm.deployment import DPServer
 from deployments import edge, front, kvspec
 from deployments.config import WORKER_EXTENSION, DSv4Section, HTTPEdge, Policy
 from deployments.kvspec import KVLayoutMismatch, drain_stats, raise_if_enforced, take_verdict
+from deployments.logs import get_logger
 from deployments.public import RefreshGate
 from deployments.wire import Prediction, ReplicaSpec, ReplicaVerdict, answer_kv_page_spec
 from dsv4_patch import node as node_info
 from dsv4_patch import rules
 from dsv4_patch.node import NodeInfo
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("server")
 
 __all__ = ["DSv4DPServer", "DSv4Server", "KVLayoutMismatch"]
 

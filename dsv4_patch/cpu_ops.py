@@ -96,20 +96,23 @@ from typing import Any, Literal
 import torch
 
 from dsv4_patch.record import PatchResult
+from dsv4_patch.rules import (
+    FP8_DS_MLA_SCALE_BYTES,
+    FP8_DS_MLA_TOKEN_DATA_BYTES,
+    HEAD_DIM,
+    INDEX_HEAD_DIM,
+    NOPE_DIM,
+    UE8M0_GROUP,
+)
+from dsv4_patch.rules import INDEXER_SCALE_BYTES as INDEX_SCALE_BYTES
 
 logger = logging.getLogger("dsv4_patch")
 
-# fp8_ds_mla record geometry (DeepSeek-V4 invariants: head_dim 512 = 448 NoPE + 64 RoPE).
-NOPE_DIM = 448
-ROPE_DIM = 64
-HEAD_DIM = NOPE_DIM + ROPE_DIM
-QUANT_BLOCK = 64
+# fp8_ds_mla record and indexer K cache geometry: one place, dsv4_patch.rules.
+QUANT_BLOCK = UE8M0_GROUP
 NUM_QUANT_BLOCKS = NOPE_DIM // QUANT_BLOCK
-TOKEN_DATA_BYTES = NOPE_DIM + 2 * ROPE_DIM  # 576
-SCALE_BYTES = NUM_QUANT_BLOCKS + 1  # 8: 7 UE8M0 exponents + 1 pad byte
-# Indexer K cache geometry.
-INDEX_HEAD_DIM = 128
-INDEX_SCALE_BYTES = 4
+TOKEN_DATA_BYTES = FP8_DS_MLA_TOKEN_DATA_BYTES  # 576
+SCALE_BYTES = FP8_DS_MLA_SCALE_BYTES  # 8: 7 UE8M0 exponents + 1 pad byte
 # Sparse indexer top-k width (DeepSeek-V4-Flash/Pro index_topk).
 TOPK_512 = 512
 

@@ -20,7 +20,7 @@ from dsv4_patch import __version__, patches, rules
 from dsv4_patch.import_hooks import module_exists
 from dsv4_patch.node import NodeInfo, canonicalize, probe_node
 
-PLUGIN_NAME = "dsv4_patch"
+PLUGIN_NAME = rules.PLUGIN_NAME
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +37,7 @@ def plugin_status() -> dict[str, Any]:
     """Is the entry point installed, and does VLLM_PLUGINS let vLLM load it?"""
     installed = any(ep.name == PLUGIN_NAME for ep in entry_points(group="vllm.general_plugins"))
     allow = os.environ.get("VLLM_PLUGINS")
-    allowed = allow is None or PLUGIN_NAME in [p.strip() for p in allow.split(",")]
+    allowed = rules.plugin_allowed(allow)
     return {"installed": installed, "VLLM_PLUGINS": allow, "allowed": allowed}
 
 

@@ -7,7 +7,6 @@ pure so the Serve replica, the planner and the tests share one decision.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from dataclasses import dataclass
@@ -69,6 +68,19 @@ def _nvml_capability() -> tuple[int, int] | None:
         pynvml.nvmlShutdown()
 
 
+def platform_kind() -> str:
+    """This machine's platform in our names (``rules.PLATFORMS``): ROCm is "rocm".
+
+    vLLM's ``current_platform.device_type`` says "cuda" on ROCm too; everything that
+    names the platform (the node probe, the patch record) should use this one name.
+    """
+    from vllm.platforms import current_platform
+
+    if current_platform.is_rocm():
+        return "rocm"
+    return str(current_platform.device_type or "unknown")
+
+
 def probe_node(
     attention_backend: str | None = None,
     declared_capability: tuple[int, int] | None = None,
@@ -81,9 +93,7 @@ def probe_node(
     """
     from vllm.platforms import current_platform
 
-    kind = str(current_platform.device_type or "unknown")
-    if current_platform.is_rocm():
-        kind = "rocm"
+    kind = platform_kind()
     backend = attention_backend or os.environ.get(ATTENTION_BACKEND_ENV) or None
     if kind != "cuda":
         return NodeInfo(kind, None, backend)
@@ -104,9 +114,8 @@ def probe_node(
 
 @dataclass(frozen=True)
 class Canonicalization:
-    """The engine kwargs to build with, and the decisions behind them."""
+    """The decisions behind the dtype the engine is built with (``resolution.engine_dtype``)."""
 
-    engine_kwargs: dict[str, Any]
     decision: rules.LayoutDecision
     resolution: rules.Resolution
 
@@ -121,16 +130,13 @@ class Canonicalization:
 
 
 def canonicalize(engine_kwargs: dict[str, Any], node: NodeInfo) -> Canonicalization:
-    """Resolve ``kv_cache_dtype`` for ``node``; returns a new kwargs dict, never mutates.
+    """Resolve ``kv_cache_dtype`` for ``node``; never mutates ``engine_kwargs``.
 
     Only ``auto`` on fp8_ds_mla is rewritten (to ``fp8``): that is the one
-    rewrite that is safe before the engine is built (DESIGN.md section 1).
+    rewrite that is safe before the engine is built (docs/design.md, section 1).
     Raises ``rules.LayoutError`` / ``rules.KVCacheDtypeError`` with the fix.
     """
     decision = rules.detect_layout(node.platform, node.capability, node.attention_backend)
     requested = engine_kwargs.get("kv_cache_dtype")
     resolution = rules.resolve_kv_cache_dtype(decision.layout, requested)
-    kwargs = copy.deepcopy(engine_kwargs)
-    if resolution.changed:
-        kwargs["kv_cache_dtype"] = resolution.engine_dtype
-    return Canonicalization(kwargs, decision, resolution)
+    return Canonicalization(decision, resolution)

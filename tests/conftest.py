@@ -1,7 +1,7 @@
 """Session fixtures: ONE local Ray cluster and the Serve app(s), booted the way users do.
 
 ``serve_stack`` starts the cluster and deploys ``configs/local-cpu.yaml`` through
-``deployments.runner`` (the code behind ``dsv4-serve run``), once per session.
+``deployments.local_ray``/``deploy`` (the code behind ``dsv4-serve run``), once per session.
 ``mixed_app`` adds a second small application to the same cluster, once, only
 when a test asks for it: two replicas where rank 0 (a canary, declared in
 ``replica_overrides``) runs the tiny model with two layer kinds swapped
@@ -86,7 +86,7 @@ def mixed_app_args(base: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def serve_stack() -> Iterator[Stack]:
-    from deployments import runner
+    from deployments import client, deploy, local_ray
 
     config = load_serve_config(DEFAULT_CONFIG)
     [(app, args)] = config.ours()
@@ -97,16 +97,16 @@ def serve_stack() -> Iterator[Stack]:
     os.environ["DSV4_API_KEYS_FILE"] = str(keys_file)
     started = time.monotonic()
     # Room for the mixed app too: Ray places replicas by logical CPUs.
-    runner.start_cluster(config, num_cpus=2 * runner.logical_cpus_needed(config))
+    local_ray.start_cluster(config, num_cpus=2 * local_ray.logical_cpus_needed(config))
     cluster_s = round(time.monotonic() - started, 1)
     try:
-        running = runner.deploy(config)
-        url = runner.base_url(config, app.route_prefix)
-        runner.wait_for_verdict(url)
+        running = deploy.deploy(config)
+        url = deploy.base_url(config, app.route_prefix)
+        client.wait_for_verdict(url)
         yield Stack(config, url, args.llm.model_loading_config.model_id, running, cluster_s,
                     keys_file)
     finally:
-        runner.shutdown()
+        local_ray.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -114,7 +114,7 @@ def mixed_app(serve_stack: Stack) -> Iterator[str]:
     """Deploy the disagreeing app once; yield its OpenAI base URL; delete it after."""
     from ray import serve
 
-    from deployments import runner
+    from deployments import deploy
     from deployments.config import ServeApplication
 
     raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
@@ -122,8 +122,8 @@ def mixed_app(serve_stack: Stack) -> Iterator[str]:
     entry = ServeApplication(name=MIXED_APP, route_prefix=MIXED_ROUTE,
                              import_path="deployments.app:build_app", args=args)
     config = serve_stack.config.model_copy(update={"applications": [entry]})
-    runner.deploy(config)
-    url = runner.base_url(config, MIXED_ROUTE)
+    deploy.deploy(config)
+    url = deploy.base_url(config, MIXED_ROUTE)
     try:
         yield url
     finally:

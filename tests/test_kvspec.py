@@ -271,7 +271,8 @@ def test_flash_standin_has_flash_layer_kinds() -> None:
 
 
 def test_status_describes_stale_and_silent_replicas() -> None:
-    from deployments.status import EXIT, EXIT_INCOMPLETE, describe
+    from deployments.report_text import describe
+    from deployments.status import EXIT, EXIT_INCOMPLETE
 
     gap = kvspec.NoAnswer("b", "replica b did not answer within its 3 s deadline")
     report = kvspec.decide([standin_spec("a", 0)], [gap], 2, "fp8_ds_mla")

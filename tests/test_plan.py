@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments import plan
+from deployments import model_configs, plan, plan_cli, weights
 from deployments.config import ConfigError, parse_app_args
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +56,7 @@ def test_flash_weight_estimate_matches_hand_count():
     # 4,328,785,920 B; replicated: FP8 fused wq_a/wkv + indexer wq_b 446,693,376
     # params -> 446,720,640 B, bf16 compressors/indexer/router 354,680,832 params
     # -> 709,361,664 B; embeddings + lm_head 2 x 129280 x 4096 bf16 = 2,118,123,520 B.
-    w = plan.estimate_weights(_model_cfg("DeepSeek-V4-Flash"))
+    w = weights.estimate_weights(_model_cfg("DeepSeek-V4-Flash"))
     assert w.routed_experts == 147_169_738_752
     assert w.shared_experts == 1_082_196_480
     assert w.tp_sharded == 4_328_785_920
@@ -67,7 +67,7 @@ def test_flash_weight_estimate_matches_hand_count():
 
 
 def test_pro_weight_estimate_matches_published_size():
-    w = plan.estimate_weights(_model_cfg("DeepSeek-V4-Pro"))
+    w = weights.estimate_weights(_model_cfg("DeepSeek-V4-Pro"))
     assert w.total == pytest.approx(850_382_365_760)
     # ~865 GB on disk includes the MTP layer (one more MoE layer, ~13.5 GB MXFP4).
     assert 840e9 < w.total < 865e9
@@ -77,7 +77,7 @@ def test_pro_weight_estimate_matches_published_size():
 def test_unquantized_config_is_bf16():
     cfg = _model_cfg("DeepSeek-V4-Flash")
     cfg.pop("quantization_config")
-    w = plan.estimate_weights(cfg)
+    w = weights.estimate_weights(cfg)
     assert w.total == pytest.approx(2 * w.parameters)
 
 
@@ -197,7 +197,7 @@ def test_replica_override_that_changes_pages_disagrees(policy, severity):
     raw = yaml.safe_load((CONFIGS / "flash-sm120.yaml").read_text())["applications"][0]["args"]
     raw["dsv4"]["policy"] = policy
     raw["dsv4"]["replica_overrides"] = [{"rank": 1, "engine_kwargs": {"block_size": 128}}]
-    cfg = plan.find_model_config(parse_app_args(raw), CONFIGS / "flash-sm120.yaml")
+    cfg = model_configs.find_model_config(parse_app_args(raw), CONFIGS / "flash-sm120.yaml")
     p = plan.plan_application("canary", parse_app_args(raw), cfg)
     assert _codes(p)["replicas-disagree"] == severity
     disagree = next(x for x in p.problems if x.code == "replicas-disagree")
@@ -236,20 +236,20 @@ def test_unknown_model_names_the_fix(tmp_path):
 
 def _cli(config: str, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    plan.add_arguments(parser)
+    plan_cli.add_arguments(parser)
     return parser.parse_args([str(CONFIGS / config), *extra])
 
 
 def test_cli_table_and_exit_status(capsys):
-    assert plan.main(_cli("flash-h200.yaml")) == 0
+    assert plan_cli.main(_cli("flash-h200.yaml")) == 0
     out = capsys.readouterr().out
     assert "29,663,928" in out and "237,311,424" in out and "verdict: ok" in out
-    assert plan.main(_cli("flash-b200-flashinfer-rows.yaml")) == 1
+    assert plan_cli.main(_cli("flash-b200-flashinfer-rows.yaml")) == 1
     assert "REFUSED" in capsys.readouterr().out
 
 
 def test_cli_json(capsys):
-    assert plan.main(_cli("pro-h200-2node.yaml", "--json")) == 0
+    assert plan_cli.main(_cli("pro-h200-2node.yaml", "--json")) == 0
     data = json.loads(capsys.readouterr().out)
     app = data["applications"][0]
     assert data["refused"] is False
@@ -262,7 +262,7 @@ def test_cli_invalid_config_exits_2(tmp_path, capsys):
     bad.write_text("applications: []\n")
     args = argparse.Namespace(config=bad, json=False, model_config=None, vllm_version=None,
                               reserve_gib=0.0)
-    assert plan.main(args) == 2
+    assert plan_cli.main(args) == 2
     assert "applications" in capsys.readouterr().err
 
 
@@ -273,3 +273,14 @@ def test_dsv4_serve_cli_dispatches_plan(capsys):
     assert "KV tokens/engine" in capsys.readouterr().out
     assert cli.main(["plan", "--json", str(CONFIGS / "flash-b200-flashinfer-rows.yaml")]) == 1
     assert json.loads(capsys.readouterr().out)["refused"] is True
+
+
+def test_policy_problems_are_planned_not_raised(tmp_path):
+    """A config the loader refuses is still planned; the planner names the problem."""
+    raw = yaml.safe_load((CONFIGS / "flash-h200.yaml").read_text())
+    raw["applications"][0]["args"]["llm"]["engine_kwargs"]["enable_expert_parallel"] = False
+    path = tmp_path / "dp-no-ep.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    model = CONFIGS / "models" / "deepseek-ai" / "DeepSeek-V4-Flash" / "config.json"
+    report = plan.plan_config(path, model_config=model)
+    assert report.refused and "dp-without-ep" in _codes(_only(report))

@@ -66,9 +66,9 @@ def test_choices_are_commented_with_a_source(name):
 @pytest.mark.parametrize("name", GPU_PRESETS)
 def test_gpu_presets_validate_and_fill_their_nodes(name):
     (_, args), = load_serve_config(CONFIGS / f"{name}.yaml").ours()
-    node, ek = args.dsv4.node, args.llm.engine_kwargs
+    node = args.dsv4.node
     assert node.platform == "cuda" and node.gpu_memory_gib and node.gpus_per_node
-    assert ek.gpus_per_group == node.gpus_per_node * node.nodes_per_replica
+    assert args.parallel().gpus_per_replica == node.gpus_per_node * node.nodes_per_replica
     assert args.dsv4.expected_layout.value == "fp8_ds_mla"
     assert args.dsv4.policy.value == "enforce"
     auto = args.llm.deployment_config.autoscaling_config
@@ -143,4 +143,4 @@ def test_ray_accepts_the_presets(name):
     engine = llm.LLMConfig(**args.llm_config_dict()).get_engine_config()
     assert {"tool_call_parser", "enable_auto_tool_choice"} <= set(engine.frontend_kwargs)
     assert engine.engine_kwargs["tokenizer_mode"] == "deepseek_v4"
-    assert len(engine.placement_bundles) == args.llm.engine_kwargs.workers_per_replica
+    assert len(engine.placement_bundles) == args.parallel().gpus_per_engine

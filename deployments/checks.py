@@ -1,0 +1,222 @@
+"""The policy rules of an ``AppArgs``: ``check(args) -> list[Problem]``, pure.
+
+The config models (``deployments.config``) check structure: types, ranges,
+unknown keys, rules about one field. The rules here tie sections together (the
+declared node against the expected layout and the dtype, the replica's shape
+against its node, replica overrides against the replica count) and say what is
+wrong as a ``Problem`` instead of raising, so each caller decides:
+``build_app`` and the config loader refuse a config with an error problem
+(``deployments.config.parse_app_args``), while ``dsv4-serve plan`` and
+``dsv4-serve k8s`` report them next to what the fleet would run.
+
+Every message names the field, the value, what was expected and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dsv4_patch import rules
+
+if TYPE_CHECKING:  # the models are only read here; config imports this module
+    from deployments.config import AppArgs
+
+ERROR, WARNING = "error", "warning"
+
+# Codes of problems that leave nothing to plan: no layout, no dtype resolution.
+UNPLANNABLE = frozenset({"layout-undecidable", "kv-cache-dtype-refused",
+                         "attention-backend-conflict"})
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding about a config; ``error`` refuses it."""
+
+    severity: str  # "error" | "warning"
+    code: str
+    message: str
+
+    @property
+    def is_error(self) -> bool:
+        return self.severity == ERROR
+
+
+def errors(problems: list[Problem]) -> list[Problem]:
+    return [p for p in problems if p.is_error]
+
+
+def check(args: AppArgs) -> list[Problem]:
+    """Every policy problem of one application's args, errors first."""
+    found = [*_parallel_problems(args), *_layout_problems(args), *_shape_problems(args),
+             *_override_problems(args)]
+    return sorted(found, key=lambda p: not p.is_error)
+
+
+def _error(code: str, message: str) -> Problem:
+    return Problem(ERROR, code, message)
+
+
+def _parallel_problems(args: AppArgs) -> list[Problem]:
+    """data_parallel_size > 1 is Ray Serve LLM's DP-attention pattern, EP included.
+
+    Ray 2.60 (ray.llm._internal.serve.serving_patterns.data_parallel.dp_server.DPServer)
+    makes every DP rank its own Serve replica -- still one engine per replica,
+    each with its own KV pool -- gang-scheduled in groups of data_parallel_size.
+    Without expert parallelism each rank would hold every expert: DP attention
+    exists to shard the MoE experts across the ranks (vllm-project/recipes#762).
+    """
+    ek = args.llm.engine_kwargs
+    if ek.data_parallel_size > 1 and not ek.enable_expert_parallel:
+        return [_error(
+            "dp-without-ep",
+            f"llm.engine_kwargs.data_parallel_size={ek.data_parallel_size} without "
+            "enable_expert_parallel: every DP rank would hold all routed experts. "
+            "Expected enable_expert_parallel: true with data_parallel_size > 1. Fix: "
+            "set enable_expert_parallel: true, or data_parallel_size: 1 and scale "
+            "with deployment_config.autoscaling_config.")]
+    return []
+
+
+def _layout_problems(args: AppArgs) -> list[Problem]:
+    """Predict the node's layout and the dtype resolution before Ray starts."""
+    node, ek = args.dsv4.node, args.llm.engine_kwargs
+    if ek.attention_backend and node.attention_backend and (
+            ek.attention_backend.upper() != node.attention_backend.upper()):
+        return [_error(
+            "attention-backend-conflict",
+            f"llm.engine_kwargs.attention_backend={ek.attention_backend!r} but "
+            f"dsv4.node.attention_backend={node.attention_backend!r}; expected one "
+            "backend. Fix: set it in one place (engine_kwargs wins at run time).")]
+    try:
+        decision = args.predicted_layout()
+    except rules.LayoutError as exc:
+        return [_error("layout-undecidable", f"dsv4.node: {exc}")]
+    found = []
+    if decision.layout is not args.dsv4.expected_layout:
+        found.append(_error(
+            "layout-contradicts-expectation",
+            f"dsv4.expected_layout={args.dsv4.expected_layout.value!r} but node "
+            f"{node.platform} {node.compute_capability or ''} with backend "
+            f"{decision.backend} stores {decision.layout.value} ({decision.reason}). "
+            f"Fix: set expected_layout: {decision.layout.value}, or change "
+            "node/attention_backend."))
+    try:
+        rules.resolve_kv_cache_dtype(decision.layout, ek.kv_cache_dtype)
+    except rules.KVCacheDtypeError as exc:
+        found.append(_error("kv-cache-dtype-refused", f"llm.engine_kwargs.kv_cache_dtype: {exc}"))
+    return found
+
+
+def _shape_problems(args: AppArgs) -> list[Problem]:
+    """One replica = one engine (or a DP gang of them) = the bundles of its node(s)."""
+    if args.dsv4.node.platform == "cpu":
+        return _cpu_problems(args)
+    ek, pg, node, par = (args.llm.engine_kwargs, args.llm.placement_group_config,
+                         args.dsv4.node, args.parallel())
+    found = []
+    if pg is not None:
+        per_worker = [b.get("GPU", 0) for b in pg.bundles]
+        if len(pg.bundles) != par.gpus_per_engine or any(g != 1 for g in per_worker):
+            found.append(_error(
+                "bundles-do-not-match-workers",
+                f"llm.placement_group_config.bundles has {len(pg.bundles)} bundle(s) "
+                f"with GPU={per_worker}; expected {par.gpus_per_engine} bundles of GPU: 1 "
+                f"(tensor_parallel_size={ek.tensor_parallel_size} x "
+                f"pipeline_parallel_size={ek.pipeline_parallel_size}). Fix: one "
+                "{GPU: 1, CPU: n} bundle per engine worker."))
+    if node.gpus_per_node is not None:
+        room = node.gpus_per_node * node.nodes_per_replica
+        if par.gpus_per_replica > room:
+            found.append(_error(
+                "replica-does-not-fit-nodes",
+                f"data_parallel_size x tensor_parallel_size x pipeline_parallel_size = "
+                f"{par.gpus_per_replica} GPUs but dsv4.node.gpus_per_node="
+                f"{node.gpus_per_node} x nodes_per_replica={node.nodes_per_replica} = "
+                f"{room}: one replica must fit its nodes. Fix: lower the parallel "
+                "sizes, use bigger nodes, or raise nodes_per_replica."))
+    if pg is not None and pg.strategy == "STRICT_PACK" and node.nodes_per_replica > 1:
+        found.append(_error(
+            "strict-pack-across-nodes",
+            f"llm.placement_group_config.strategy='STRICT_PACK' but dsv4.node."
+            f"nodes_per_replica={node.nodes_per_replica}: STRICT_PACK puts every bundle "
+            "on one node, so a multi-node replica never schedules. Fix: strategy: PACK."))
+    return found
+
+
+def _cpu_block_size(where: str, block_size: Any) -> list[Problem]:
+    """vLLM's CPU platform forces DeepSeek-V4 to 256-token blocks; say so instead."""
+    if block_size is None or block_size == rules.DSV4_BLOCK_SIZE:
+        return []
+    return [_error(
+        "cpu-block-size",
+        f"{where}={block_size!r} on a CPU node: vLLM's DeepSeek-V4 CPU backend only "
+        f"runs block_size={rules.DSV4_BLOCK_SIZE} and would override it. Fix: remove "
+        f"block_size or set {rules.DSV4_BLOCK_SIZE}.")]
+
+
+def _cpu_problems(args: AppArgs) -> list[Problem]:
+    """What a CPU node cannot run: GPU bundles, other block sizes, engines across nodes.
+
+    vLLM's CPU platform has no Ray device key (``CpuPlatform.ray_device_key == ""``),
+    so its Ray executor raises "current platform cpu does not support ray"
+    (``vllm/v1/executor/ray_utils.py``, ``initialize_ray_cluster``), and Ray Serve
+    LLM 2.60 runs every CPU engine with the multiprocess executor, overriding
+    ``distributed_executor_backend`` silently (``LLMConfig.get_initialization_kwargs``).
+    Pipeline parallelism on CPU therefore lives inside one node.
+    """
+    ek, pg, node = args.llm.engine_kwargs, args.llm.placement_group_config, args.dsv4.node
+    found = _cpu_block_size("llm.engine_kwargs.block_size", ek.block_size)
+    if args.llm.lora_config is not None:
+        # vllm/models/deepseek_v4/cpu/model.py: DeepseekV4ForCausalLM(nn.Module, SupportsPP,
+        # SupportsEagle3) -- no SupportsLoRA (vLLM 0.32; the CUDA class has it).
+        found.append(_error(
+            "lora-on-cpu",
+            "llm.lora_config is set on a CPU node: vLLM's CPU DeepSeek-V4 model does not "
+            "support LoRA, so the engine would refuse it. Fix: remove lora_config, or serve "
+            "the adapters on a GPU node."))
+    for i, override in enumerate(args.dsv4.replica_overrides):
+        found += _cpu_block_size(f"dsv4.replica_overrides[{i}].engine_kwargs.block_size",
+                                 override.engine_kwargs.get("block_size"))
+    if pg is not None and pg.gpus():
+        found.append(_error(
+            "gpu-bundles-on-cpu",
+            f"llm.placement_group_config.bundles={pg.bundles!r} ask for GPUs but "
+            "dsv4.node.platform='cpu'. Fix: use bundles: [{CPU: 1}] or set the "
+            "node platform."))
+    if args.llm.accelerator_type:
+        found.append(_error(
+            "accelerator-on-cpu",
+            f"llm.accelerator_type={args.llm.accelerator_type!r} on a CPU node. "
+            "Fix: remove accelerator_type."))
+    backend = (ek.model_extra or {}).get("distributed_executor_backend")
+    if backend not in (None, "mp"):
+        found.append(_error(
+            "cpu-executor",
+            f"llm.engine_kwargs.distributed_executor_backend={backend!r} on a CPU node: "
+            "Ray Serve LLM runs CPU engines with vLLM's multiprocess executor (vLLM's CPU "
+            "platform has no Ray executor). Fix: remove it (or set 'mp')."))
+    if node.nodes_per_replica > 1:
+        found.append(_error(
+            "cpu-engine-across-nodes",
+            f"dsv4.node.nodes_per_replica={node.nodes_per_replica} on a CPU node: a CPU "
+            "engine cannot span nodes (no Ray executor on CPU). Fix: nodes_per_replica: 1; "
+            "pipeline_parallel_size > 1 runs its stages on one node."))
+    return found
+
+
+def _override_problems(args: AppArgs) -> list[Problem]:
+    top = args.llm.deployment_config.max_replicas
+    found = []
+    for i, override in enumerate(args.dsv4.replica_overrides):
+        if override.rank >= top:
+            found.append(_error(
+                "override-rank-out-of-range",
+                f"dsv4.replica_overrides[{i}].rank={override.rank} but at most {top} "
+                f"replica(s) run (ranks 0..{top - 1}). Fix: pick a rank below {top}."))
+        if "kv_cache_dtype" in override.engine_kwargs:
+            found.append(_error(
+                "override-kv-cache-dtype",
+                f"dsv4.replica_overrides[{i}].engine_kwargs.kv_cache_dtype is set; "
+                "the dtype is resolved per node, not per rank. Fix: remove it."))
+    return found

@@ -1,0 +1,52 @@
+"""A small HTTP client for our own endpoints (the KV-spec verdict, a one-token request).
+
+Standard library only, so ``dsv4-serve status`` needs neither Ray nor an HTTP library;
+it sends the API key the environment holds (``deployments.auth.client_headers``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+def http_json(url: str, method: str = "GET", body: dict[str, Any] | None = None,
+              timeout: float = 60.0) -> tuple[int, dict[str, Any]]:
+    """(status, JSON body) for a request; HTTP errors are answers, not exceptions."""
+    data = None if body is None else json.dumps(body).encode()
+    from deployments.auth import client_headers
+
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json",
+                                          **client_headers()})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def wait_for_verdict(url: str, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Poll ``/v1/kv-spec?refresh=true`` until the verdict is not ``incomplete``."""
+    deadline = time.monotonic() + timeout_s
+    report: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        _, report = http_json(f"{url}/kv-spec?refresh=true")
+        if report.get("state") in ("agree", "disagree"):
+            return report
+        time.sleep(2)
+    raise TimeoutError(f"no KV-spec verdict after {timeout_s}s; last report: {report}")
+
+
+def first_token(url: str, model: str) -> float:
+    """Seconds for one 1-token completion: proof that a token comes out."""
+    started = time.monotonic()
+    status, body = http_json(f"{url}/completions", "POST",
+                             {"model": model, "prompt": "Hello", "max_tokens": 1},
+                             timeout=300)
+    if status != 200:
+        raise RuntimeError(f"first request failed with HTTP {status}: {body}")
+    return round(time.monotonic() - started, 2)

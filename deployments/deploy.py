@@ -1,0 +1,41 @@
+"""Deploy a Serve config's DSv4 applications onto a running Ray cluster; their URLs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from deployments.config import ConfigError, ServeConfig
+
+
+def base_url(config: ServeConfig, route_prefix: str | None = "/") -> str:
+    """The OpenAI base URL of an application (clients append /chat/completions etc.)."""
+    http = config.http_options
+    prefix = (route_prefix or "/").rstrip("/")
+    return f"http://{http.host}:{http.port}{prefix}/v1"
+
+
+def deploy(config: ServeConfig,
+           on_running: Callable[[str], object] | None = None) -> dict[str, float]:
+    """Deploy every application of ours; return seconds until each was RUNNING.
+
+    ``on_running(name)`` is called as each application becomes RUNNING.
+    """
+    from ray import serve
+
+    from deployments.app import build_parsed_app
+
+    others = [a.name for a in config.applications if not a.is_ours]
+    if others:
+        raise ConfigError(
+            f"applications {others} use another import_path; `dsv4-serve run` deploys only "
+            "deployments.app:build_app. Fix: deploy the file with `serve deploy`."
+        )
+    seconds = {}
+    for app, parsed in config.ours():  # parsed once by the loader, kept
+        started = time.monotonic()
+        serve.run(build_parsed_app(parsed), name=app.name, route_prefix=app.route_prefix)
+        seconds[app.name] = round(time.monotonic() - started, 1)
+        if on_running is not None:
+            on_running(app.name)
+    return seconds

@@ -1,0 +1,54 @@
+"""Where ``dsv4-serve plan`` finds a model's ``config.json`` (it never downloads one)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from deployments.config import AppArgs, ConfigError
+
+
+def find_model_config(args: AppArgs, config_path: Path,
+                      override: Path | None = None) -> dict[str, Any]:
+    """The model's ``config.json``: --model-config, the tiny model, a local
+    directory, or ``configs/models/<model_source>/config.json`` next to CONFIG."""
+    if override is not None:
+        return _read_json(override)
+    loading = args.llm.model_loading_config
+    if loading.is_tiny:
+        from dsv4_patch.tiny_model import TOKENIZER_VOCAB_SIZE, tiny_config
+
+        return tiny_config(TOKENIZER_VOCAB_SIZE)
+    source = loading.model_source or loading.model_id
+    candidates = [Path(source) / "config.json",
+                  config_path.resolve().parent / "models" / source / "config.json"]
+    for path in candidates:
+        if path.is_file():
+            return _read_json(path)
+    raise ConfigError(
+        f"model_source={source!r}: no config.json found (looked in "
+        f"{', '.join(str(c) for c in candidates)}). Fix: pass --model-config PATH or "
+        "add the model's config.json under configs/models/<model_source>/."
+    )
+
+
+MODEL_KEYS = ("hidden_size", "num_hidden_layers", "moe_intermediate_size", "n_routed_experts",
+              "num_attention_heads", "head_dim", "q_lora_rank", "o_lora_rank", "o_groups",
+              "index_n_heads", "index_head_dim", "compress_ratios", "qk_rope_head_dim",
+              "vocab_size")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A DeepSeek-V4 ``config.json`` with every key the planner reads."""
+    try:
+        cfg = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read model config {path}: {exc}") from exc
+    missing = [key for key in MODEL_KEYS if key not in cfg]
+    if missing:
+        raise ConfigError(
+            f"model config {path} lacks {', '.join(missing)}: not a DeepSeek-V4 config.json "
+            f"(model_type={cfg.get('model_type')!r}). Fix: point --model-config or "
+            "model_source at a DeepSeek-V4 model.")
+    return cfg

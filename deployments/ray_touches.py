@@ -1,0 +1,279 @@
+"""Every touch of Ray internals in ``deployments/``: one documented, probed registry.
+
+Ray Serve LLM 2.60 (pinned in pyproject) exposes ``LLMConfig``, the builders, the
+ingress class and ``LLMServer``; everything below reaches past that public face.
+Each entry says, like the vLLM patches of ``dsv4_patch.patches``: the target
+symbol, why we need it, how we use it, the upstream state, the Ray versions it is
+known to hold on, and when to delete it. ``probe()`` checks the real symbol in the
+installed Ray without side effects. ``build_app`` refuses to build when a
+``required`` touch is missing (``require()``), so a Ray upgrade fails loudly at
+deploy time instead of at the first request; ``dsv4-serve doctor`` lists them all.
+
+Optional touches (``required=False``) never refuse a build: the drain's request
+count (logged when it fails), the controller's per-replica broadcast results
+(``deployments.controller`` falls back to ``results_async``, logged), the local
+multi-node cluster of ``dsv4-serve run --nodes``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+AFFECTED = "Ray 2.60.0 (checked; other releases are probed, not assumed)"
+
+
+@dataclass(frozen=True)
+class RayTouch:
+    """One use of a Ray internal, documented like a vLLM patch."""
+
+    name: str
+    target: str  # the internal symbol (module:attribute or a parameter)
+    used_in: str  # where in deployments/
+    why: str
+    how: str
+    upstream: str
+    removal: str
+    probe: Callable[[], str | None]  # None = present as used; else what is missing
+    required: bool = True  # a missing required touch refuses build_app
+    affected: str = AFFECTED
+
+
+def _symbols(module: str, *names: str) -> Callable[[], str | None]:
+    """A probe: ``module`` imports and has every one of ``names``."""
+    def probe() -> str | None:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:
+            return f"cannot import {module}: {exc}"
+        missing = [n for n in names if not hasattr(mod, n)]
+        return f"{module} lacks {', '.join(missing)}" if missing else None
+    return probe
+
+
+def _resolve(module: str, path: str) -> tuple[object | None, str | None]:
+    """(``module.path``, None), or (None, what is missing)."""
+    try:
+        obj: object = importlib.import_module(module)
+    except ImportError as exc:
+        return None, f"cannot import {module}: {exc}"
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            return None, f"{module}.{path} does not exist ({part!r} missing)"
+        obj = getattr(obj, part)
+    return obj, None
+
+
+def _attr_chain(module: str, path: str) -> Callable[[], str | None]:
+    """A probe: ``module.path`` (dotted attributes) exists."""
+    return lambda: _resolve(module, path)[1]
+
+
+def _source_mentions(module: str, path: str, text: str) -> Callable[[], str | None]:
+    """A probe: the source of ``module.path`` contains ``text`` (a behaviour we rely on)."""
+    def probe() -> str | None:
+        obj, missing = _resolve(module, path)
+        if missing:
+            return missing
+        try:
+            source = inspect.getsource(obj)  # type: ignore[arg-type]
+        except (OSError, TypeError) as exc:
+            return f"cannot read the source of {module}.{path}: {exc}"
+        return None if text in source else f"{module}.{path} no longer does {text!r}"
+    return probe
+
+
+def _parameter(module: str, path: str, param: str) -> Callable[[], str | None]:
+    """A probe: the callable ``module.path`` takes keyword ``param`` (or pops it from kwargs)."""
+    def probe() -> str | None:
+        obj, missing = _resolve(module, path)
+        if missing:
+            return missing
+        func = inspect.unwrap(obj)  # type: ignore[arg-type]
+        if param in inspect.signature(func).parameters:
+            return None
+        return None if f'"{param}"' in inspect.getsource(func) else \
+            f"{module}.{path} does not take {param}"
+    return probe
+
+
+_LLM = "ray.llm._internal.serve"
+
+TOUCHES: tuple[RayTouch, ...] = (
+    RayTouch(
+        name="serve.late_bound_ingress",
+        target="ray.serve:ingress() without an app + "
+               f"{_LLM}.core.server.llm_server:LLMServer.__serve_build_asgi_app__",
+        used_in="deployments/app.py build_parsed_app, deployments/server.py, deployments/front.py",
+        why="the ingress replica cost a Python hop per request and per streamed chunk "
+            "(TTFT 1.96x plain vLLM, docs/benchmarks.md 2a): the server replica answers "
+            "HTTP itself with vLLM's OpenAI app",
+        how="build_llm_deployment(deployment_cls=serve.ingress()(DSv4Server)); "
+            "DSv4Server.__serve_build_asgi_app__ hardens vLLM's app (front.harden)",
+        upstream="the late-bound hook is public Serve API in 2.60; Ray Serve LLM's direct "
+                 "streaming uses the same method (with HAProxy, binding all interfaces)",
+        removal="keep while Serve keeps the hook",
+        probe=_attr_chain(f"{_LLM}.core.server.llm_server",
+                          "LLMServer.__serve_build_asgi_app__"),
+    ),
+    RayTouch(
+        name="llm.deployment_name",
+        target=f"{_LLM}.core.server.builder:_get_deployment_name",
+        used_in="deployments/app.py _server_deployment_name",
+        why="the servers bind the controller (for /v1/kv-spec), so the controller finds "
+            "them by name: a Serve graph has no cycles",
+        how="the name build_llm_deployment gives: '<class>:' + _get_deployment_name",
+        upstream="not public in Ray 2.60",
+        removal="when the builder exposes the deployment name",
+        probe=_symbols(f"{_LLM}.core.server.builder", "_get_deployment_name"),
+    ),
+    RayTouch(
+        name="llm.node_init_callback",
+        target="ray.llm._internal.common.callbacks.base:CallbackBase, "
+               "CallbackCtx.run_init_node",
+        used_in="deployments/boot.py LocalModelCallback, deployments/app.py",
+        why="Ray Serve LLM runs a per-node download task (a fresh Ray worker) before every "
+            "engine boot, also for a local model directory (~15 s of a loaded 2-core boot)",
+        how="LLMConfig.callback_config (public) with our callback, which sets "
+            "ctx.run_init_node = False only for a local directory on a one-node group",
+        upstream="callback_config is public; CallbackBase has no public re-export in 2.60",
+        removal="when Ray skips initialize_node for local paths, or exports CallbackBase",
+        probe=lambda: _symbols("ray.llm._internal.common.callbacks.base", "CallbackBase",
+                               "CallbackCtx")() or (
+            None if "run_init_node" in __import__(
+                "ray.llm._internal.common.callbacks.base",
+                fromlist=["CallbackCtx"]).CallbackCtx.__dataclass_fields__
+            else "CallbackCtx has no run_init_node"),
+    ),
+    RayTouch(
+        name="serve.proxy_host",
+        target="ray.serve.context:_get_global_client().http_config.host",
+        used_in="deployments/front.py proxy_host",
+        why="the edge requires an API key unless Serve's proxies bind a loopback address; "
+            "only the Serve controller knows the bind address",
+        how="read it once when a server replica starts; unknown = treated as reachable",
+        upstream="no public accessor for the running http_options in Ray 2.60",
+        removal="when serve exposes the running HTTP options",
+        probe=_symbols("ray.serve.context", "_get_global_client"),
+    ),
+    RayTouch(
+        name="llm_config.update_engine_kwargs",
+        target="ray.serve.llm:LLMConfig.update_engine_kwargs (updates _engine_config too)",
+        used_in="deployments/server.py canonicalize, _apply_override, DSv4ServerMixin",
+        why="the replica rewrites kv_cache_dtype (and a canary's override) after Ray Serve "
+            "LLM cached the engine config at build time",
+        how="rely on update_engine_kwargs also updating the cached _engine_config",
+        upstream="documented as updating both, but the cached config is private",
+        removal="when LLMServer takes engine kwargs at construction only",
+        probe=_source_mentions("ray.serve.llm", "LLMConfig.update_engine_kwargs",
+                               "_engine_config.engine_kwargs.update"),
+    ),
+    RayTouch(
+        name="serve.replica_ids",
+        target="ray.serve._private.common:ReplicaID.is_full_id_str, from_full_id_str",
+        used_in="deployments/drain.py in_flight_requests",
+        why="the drain prints how many requests are in flight; the ingress replicas are "
+            "found among the named actors by their replica id",
+        how="parse every named actor's name; keep our apps' ingress replicas",
+        upstream="no public per-replica request count in Ray 2.60",
+        removal="when serve.status() reports ongoing requests per replica",
+        probe=lambda: _attr_chain("ray.serve._private.common", "ReplicaID.is_full_id_str")()
+        or _attr_chain("ray.serve._private.common", "ReplicaID.from_full_id_str")(),
+        required=False,
+    ),
+    RayTouch(
+        name="serve.replica_ongoing_requests",
+        target="ray.serve._private.replica:ReplicaActor.get_num_ongoing_requests",
+        used_in="deployments/drain.py in_flight_requests",
+        why="the count of in-flight requests the drain waits for",
+        how="call it on each ingress replica actor (10 s bound; a failure is logged and the "
+            "drain goes on)",
+        upstream="private actor method",
+        removal="as serve.replica_ids",
+        probe=_attr_chain("ray.serve._private.replica", "ReplicaActor.get_num_ongoing_requests"),
+        required=False,
+    ),
+    RayTouch(
+        name="serve.delete_nonblocking",
+        target="ray.serve:delete(_blocking=False)",
+        used_in="deployments/drain.py drain",
+        why="deleting every application at once lets their drains overlap; a blocking "
+            "delete would drain them one after another",
+        how="delete each app without waiting, then poll serve.status() until all are gone",
+        upstream="underscore parameter of the public serve.delete",
+        removal="when serve.delete takes several names or a public non-blocking flag",
+        probe=_parameter("ray.serve", "delete", "_blocking"),
+        required=False,
+    ),
+    RayTouch(
+        name="ray.metrics_export_port",
+        target="ray:init(_metrics_export_port=)",
+        used_in="deployments/local_ray.py start_cluster",
+        why="`dsv4-serve run` prints the Prometheus URL, so the port must be ours to know",
+        how="pass a free port to ray.init of the private local cluster",
+        upstream="underscore keyword of ray.init (popped from **kwargs)",
+        removal="when ray.init takes a public metrics port",
+        probe=_parameter("ray", "init", "_metrics_export_port"),
+        required=False,
+    ),
+    RayTouch(
+        name="serve.broadcast_per_replica_results",
+        target="ray.serve.handle:DeploymentBroadcastResponse._fetch_replica_results_async",
+        used_in="deployments/controller.py",
+        why="the public results_async(timeout_s=) is all-or-nothing: one hung replica "
+            "discards every answer",
+        how="await each replica's result under its own timeout (fallback when absent: "
+            "results_async, logged)",
+        upstream="no per-replica timeout in broadcast (alpha) as of Ray 2.60",
+        removal="when broadcast exposes per-replica results with timeouts",
+        probe=_attr_chain("ray.serve.handle",
+                          "DeploymentBroadcastResponse._fetch_replica_results_async"),
+        required=False,
+    ),
+    RayTouch(
+        name="autoscaler.fake_multinode",
+        target="ray.autoscaler._private.fake_multi_node.node_provider:FakeMultiNodeProvider",
+        used_in="deployments/cluster.py (`dsv4-serve run --nodes`, tests)",
+        why="Ray's real autoscaler adding and removing local raylets stands in for GPU nodes",
+        how="declared as an external provider module (Ray's wheel lacks the example.yaml "
+            "provider type fake_multinode reads)",
+        upstream="test utility, not a public API",
+        removal="when Ray ships a public local multi-node cluster",
+        probe=_symbols("ray.autoscaler._private.fake_multi_node.node_provider",
+                       "FakeMultiNodeProvider"),
+        required=False,
+    ),
+)
+
+
+def probe_all() -> list[dict[str, str | bool]]:
+    """Every touch with its probe result, as JSON-safe rows (``dsv4-serve doctor``)."""
+    rows = []
+    for touch in TOUCHES:
+        missing = touch.probe()
+        rows.append({"name": touch.name, "target": touch.target, "used_in": touch.used_in,
+                     "required": touch.required, "present": missing is None,
+                     "detail": missing or "present", "why": touch.why, "how": touch.how,
+                     "upstream": touch.upstream, "affected": touch.affected,
+                     "removal": touch.removal})
+    return rows
+
+
+def require() -> None:
+    """Raise if a required touch is missing from the installed Ray (called by build_app)."""
+    missing = [f"{t.name} ({t.target}): {detail}" for t in TOUCHES if t.required
+               for detail in [t.probe()] if detail]
+    if missing:
+        raise RuntimeError(
+            "this Ray lacks internals dsv4-serve builds on:\n  " + "\n  ".join(missing)
+            + "\nFix: install the pinned ray[serve]==2.60.0 (pyproject.toml), or update "
+            "deployments/ray_touches.py and the code it names for this Ray.")
+
+
+def render(rows: list[dict[str, str | bool]]) -> list[str]:
+    """Doctor lines: one per touch."""
+    return [f"ray touch {r['name']}: {'present' if r['present'] else 'MISSING'}"
+            + ("" if r["present"] else f" ({r['detail']})")
+            + ("" if r["required"] else "; optional") + f" [{r['used_in']}]" for r in rows]

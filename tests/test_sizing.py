@@ -1,0 +1,106 @@
+"""deployments.sizing: one replica sized the same way by config, plan, k8s and the runner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deployments import checks, sizing
+from deployments.config import load_serve_config, parse_app_args
+from deployments.local_ray import logical_cpus_needed
+from dsv4_patch import rules
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def test_parallel_counts():
+    par = sizing.Parallel(tp=2, pp=2, dp=4, ep=True, nodes=2)
+    assert (par.gpus_per_engine, par.gpus_per_replica, par.ep_size) == (4, 16, 8)
+    assert sizing.Parallel(tp=8, pp=1).ep_size == 1
+
+
+def test_replica_cpus_count_every_dp_rank_with_its_actor():
+    par = sizing.Parallel(tp=1, pp=1, dp=8, ep=True)
+    assert sizing.replica_cpus([{"GPU": 1, "CPU": 8}], par) == 8 * (8 + 1)
+    assert sizing.replica_cpus(None, sizing.Parallel(1, 1)) == 2.0  # actor + {CPU: 1}
+    assert sizing.cluster_cpus([(2, 2.0), (1, 3.0)]) == 2 * sizing.INGRESS_CPUS + 4 + 3
+
+
+def test_runner_and_k8s_agree_on_a_dp_preset():
+    """The local runner and the k8s CPU check read one number (they used to differ by DP)."""
+    config = load_serve_config(CONFIGS / "flash-h200.yaml")
+    [(_, args)] = config.ours()
+    per_replica = args.replica_cpus()
+    assert per_replica == 8 * (8 + 1)  # 8 DP ranks x (8 CPU bundle + 1 replica actor)
+    top = args.llm.deployment_config.max_replicas
+    assert logical_cpus_needed(config) == sizing.INGRESS_CPUS + top * per_replica
+
+
+def test_block_size_is_the_rules_constant():
+    assert sizing.block_size(None) == rules.DSV4_BLOCK_SIZE == 256
+    assert sizing.block_size(64) == 64
+
+
+def test_rules_hold_the_fp8_ds_mla_geometry():
+    shape = rules.ModelShape(1, (4,), rules.HEAD_DIM, rules.ROPE_DIM, rules.INDEX_HEAD_DIM)
+    record = rules.FP8_DS_MLA_TOKEN_DATA_BYTES + rules.FP8_DS_MLA_SCALE_BYTES
+    assert record == rules.state_bytes(shape, rules.Storage.FP8_DS_MLA) == 584
+
+
+def _local() -> dict:
+    return load_serve_config(CONFIGS / "local-cpu.yaml").applications[0].args
+
+
+def test_check_returns_problems_and_the_loader_raises_them():
+    args = _local()
+    args["llm"]["engine_kwargs"]["block_size"] = 64
+    args["llm"]["accelerator_type"] = "H100"
+    parsed = parse_app_args(args, refuse=False)
+    codes = [p.code for p in checks.check(parsed)]
+    assert codes == ["cpu-block-size", "accelerator-on-cpu"]
+    with pytest.raises(ValueError, match="block_size=64 on a CPU node") as info:
+        parse_app_args(args)
+    assert "accelerator_type='H100'" in str(info.value)  # every problem, not the first
+
+
+def test_ray_touches_are_documented_and_probed():
+    """Every Ray internal has the vLLM patches' documentation fields and a probe that can fail."""
+    from deployments import ray_touches
+
+    rows = ray_touches.probe_all()
+    assert len(rows) == len(ray_touches.TOUCHES) >= 10
+    for row in rows:
+        assert all(row[k] for k in ("target", "why", "how", "upstream", "affected", "removal"))
+        assert row["present"], row  # the pinned Ray has every one of them
+    ray_touches.require()
+    assert ray_touches._parameter("ray", "init", "_no_such_kwarg")() is not None
+    assert ray_touches._symbols("ray.serve", "no_such_symbol")() is not None
+    assert ray_touches._source_mentions("ray.serve.llm", "LLMConfig.update_engine_kwargs",
+                                        "no such text")() is not None
+
+
+def test_lora_is_refused_not_ignored():
+    """lora_config is never accepted and ignored: the server replicas route no adapters
+    (issue 16 removed the ingress that did), and a CPU node (no LoRA in vLLM's CPU
+    DeepSeek-V4 model) refuses it already in the config."""
+    from ray.serve.llm import LLMConfig
+
+    from deployments.app import refuse_lora
+
+    raw = load_serve_config(CONFIGS / "flash-sm120.yaml").applications[0].args
+    raw["llm"]["lora_config"] = {"dynamic_lora_loading_path": "s3://bucket/loras"}
+    with pytest.raises(ValueError, match="lora_config is set"):
+        refuse_lora(LLMConfig(**parse_app_args(raw).llm_config_dict()))
+    del raw["llm"]["lora_config"]
+    refuse_lora(LLMConfig(**parse_app_args(raw).llm_config_dict()))
+    local = _local()
+    local["llm"]["lora_config"] = {"dynamic_lora_loading_path": "s3://bucket/loras"}
+    with pytest.raises(ValueError, match="lora_config is set on a CPU node"):
+        parse_app_args(local)
+
+
+def test_vllm_plugins_parsed_as_vllm_does():
+    """One parse for config and doctor, vLLM's own: a space before the name hides it."""
+    assert rules.plugin_allowed(None) and rules.plugin_allowed("a,dsv4_patch")
+    assert not rules.plugin_allowed("a, dsv4_patch") and not rules.plugin_allowed("")
