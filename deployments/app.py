@@ -29,12 +29,15 @@ from deployments.server import DSv4DPServer, DSv4Server
 
 logger = get_logger("app")
 
-__all__ = ["CONTROLLER_NAME", "KV_SPEC_ROUTE", "build_app", "ingress_drain_timeout_s",
-           "serves_http"]
+__all__ = ["CONTROLLER_NAME", "DECODE_PREFIX", "KV_SPEC_ROUTE", "build_app",
+           "ingress_drain_timeout_s", "serves_http"]
 
 CONTROLLER_NAME = "KVSpecController"
-# The classes whose replicas answer HTTP (Serve names a deployment "<class>:<model id>").
-HTTP_SERVER_CLASSES = (DSv4Server.__name__, DSv4DPServer.__name__)
+# The P/D app's decode deployment is named "Decode:<model id>" (Ray's P/D builder's prefix).
+DECODE_PREFIX = "Decode:"
+# The deployments whose replicas answer HTTP: Serve names a server deployment
+# "<class>:<model id>", the P/D decode pool "Decode:<model id>".
+HTTP_SERVER_CLASSES = (DSv4Server.__name__, DSv4DPServer.__name__, DECODE_PREFIX[:-1])
 # The controller holds no client requests; a check in progress may finish.
 CONTROLLER_DRAIN_S = 5.0
 
@@ -96,36 +99,66 @@ def build_app(args: dict[str, Any]) -> Application:
 def build_parsed_app(parsed: AppArgs) -> Application:
     """Build the application from args the loader already validated (``dsv4-serve run``)."""
     ray_touches.require()  # the Ray internals we build on (deployments/ray_touches.py)
+    if "pd" in type(parsed).model_fields:  # prefill/decode pools: deployments.pd_app
+        from deployments.pd_app import build_pd_app
+
+        return build_pd_app(parsed)  # type: ignore[arg-type]  # a PDAppArgs
     config_dict = parsed.llm_config_dict(resolve_model_source(parsed))
-    deployment_config = config_dict["deployment_config"]
-    # The KV-spec router keeps requests off replicas the controller drains; the
-    # queue bounds make overload a 503 at Serve's proxy as well as at the edge.
-    config_dict["deployment_config"] = with_kv_router(deployment_config) | \
-        ingress_queue_options(parsed.http, deployment_config)
-    if "callback_config" not in config_dict:
-        # Skips the per-node download task for a local model directory (boot time).
-        config_dict["callback_config"] = {"callback_class": LocalModelCallback}
+    # The KV-spec router keeps requests off replicas the controller drains.
+    config_dict["deployment_config"] = with_kv_router(config_dict["deployment_config"])
     dp = parsed.llm.engine_kwargs.data_parallel_size > 1
+    server_cls = DSv4DPServer if dp else DSv4Server
     # The class that runs: on the DP path build_dp_deployment's deployment_cls wins.
-    llm_config = LLMConfig(**config_dict, server_cls=DSv4DPServer if dp else DSv4Server)
+    llm_config = LLMConfig(**serving_config(config_dict, parsed.http), server_cls=server_cls)
     refuse_lora(llm_config)
     dsv4 = parsed.dsv4.model_dump(mode="json")
-    deploy = parsed.llm.deployment_config
     # The controller finds the servers by name: they bind it (for /v1/kv-spec), and a
     # Serve graph has no cycles.
-    controller = serve.deployment(
-        KVSpecController, name=CONTROLLER_NAME, num_replicas=1,
-        ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=CONTROLLER_DRAIN_S,
-        graceful_shutdown_wait_loop_s=deploy.drain_poll_s,
-    ).bind(server=_server_deployment_name(llm_config, parsed), dsv4=dsv4)
-    bind_kwargs = {"dsv4": dsv4, "http": parsed.http.model_dump(mode="json"),
-                   "serving_replicas": deploy.max_replicas, "kv_spec_controller": controller}
-    if parsed.llm.engine_kwargs.data_parallel_size > 1:
+    controller = controller_deployment(KVSpecController, parsed).bind(
+        server=server_deployment_name(server_cls, llm_config), dsv4=dsv4)
+    bind_kwargs = {"dsv4": dsv4} | ingress_bind_kwargs(
+        parsed.http, parsed.llm.deployment_config.max_replicas, controller)
+    if dp:
         # DP attention: Ray Serve LLM's gang-scheduled DPServer pattern, our checks on top.
         return build_dp_deployment(llm_config, bind_kwargs=bind_kwargs,
                                    deployment_cls=serve.ingress()(DSv4DPServer))
     return build_llm_deployment(llm_config, bind_kwargs=bind_kwargs,
                                 deployment_cls=serve.ingress()(DSv4Server))
+
+
+def serving_config(config_dict: dict[str, Any], http: HTTPEdge) -> dict[str, Any]:
+    """``config_dict`` for the deployment that answers HTTP: queue bounds, boot callback.
+
+    The queue bounds make overload a 503 at Serve's proxy as well as at the edge.
+    """
+    deployment_config = config_dict["deployment_config"]
+    config_dict = config_dict | {
+        "deployment_config": deployment_config | ingress_queue_options(http, deployment_config)}
+    return with_boot_callback(config_dict)
+
+
+def with_boot_callback(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """Skips the per-node download task for a local model directory (boot time);
+    a ``callback_config`` the user set is kept."""
+    if "callback_config" in config_dict:
+        return config_dict
+    return config_dict | {"callback_config": {"callback_class": LocalModelCallback}}
+
+
+def ingress_bind_kwargs(http: HTTPEdge, max_replicas: int,
+                        controller: Application) -> dict[str, Any]:
+    """What a server replica that is the HTTP ingress is bound with (``DSv4ServerMixin``):
+    the edge settings, how many replicas share ``http.max_in_flight``, the controller."""
+    return {"http": http.model_dump(mode="json"), "serving_replicas": max_replicas,
+            "kv_spec_controller": controller}
+
+
+def controller_deployment(cls: type, parsed: AppArgs) -> Any:
+    """The one controller deployment (``KVSpecController``, or P/D's ``PDController``)."""
+    return serve.deployment(
+        cls, name=CONTROLLER_NAME, num_replicas=1,
+        ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=CONTROLLER_DRAIN_S,
+        graceful_shutdown_wait_loop_s=parsed.llm.deployment_config.drain_poll_s)
 
 
 def refuse_lora(llm_config: LLMConfig) -> None:
@@ -141,10 +174,12 @@ def refuse_lora(llm_config: LLMConfig) -> None:
             "directly and route no LoRA adapters yet. Fix: remove lora_config.")
 
 
-def _server_deployment_name(llm_config: LLMConfig, args: AppArgs) -> str:
-    """The name Ray Serve LLM's builder gives the server deployment (``<class>:<model>``)."""
+def server_deployment_name(cls: type, llm_config: LLMConfig,
+                           name_prefix: str | None = None) -> str:
+    """The name Ray Serve LLM's builder gives a server deployment (``<prefix><model>``;
+    the prefix defaults to ``<class>:``)."""
     from ray.llm._internal.serve.core.server.builder import _get_deployment_name
 
-    cls = DSv4DPServer if args.llm.engine_kwargs.data_parallel_size > 1 else DSv4Server
     options = cls.get_deployment_options(llm_config)
-    return f"{cls.__name__}:" + options.get("name", _get_deployment_name(llm_config))
+    prefix = name_prefix or f"{cls.__name__}:"
+    return prefix + options.get("name", _get_deployment_name(llm_config))

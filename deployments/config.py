@@ -480,6 +480,11 @@ class AppArgs(_Strict):
         """The KV cache block size the engines run (256 unless configured)."""
         return sizing.block_size(self.llm.engine_kwargs.block_size)
 
+    @property
+    def max_replicas_total(self) -> int:
+        """Server replicas at most, over every pool (P/D apps have two)."""
+        return self.llm.deployment_config.max_replicas
+
     def predicted_layout(self) -> rules.LayoutDecision:
         """The layout the declared node gives (the replica re-checks on its real node)."""
         node = self.dsv4.node
@@ -609,6 +614,15 @@ def format_validation_error(exc: ValidationError, prefix: str) -> str:
     return "\n".join(lines)
 
 
+def args_model(args: Mapping[str, Any]) -> type[AppArgs]:
+    """``AppArgs``, or its P/D form when ``args`` has a ``pd`` section."""
+    if "pd" in args:
+        from deployments.pd_config import PDAppArgs  # imports this module
+
+        return PDAppArgs
+    return AppArgs
+
+
 def refuse_problems(problems: list[checks.Problem], where: str,
                     label: str | None = None) -> None:
     """Raise ConfigError listing every error problem of ``check`` (warnings pass)."""
@@ -627,7 +641,7 @@ def parse_app_args(args: Mapping[str, Any], where: str = "args", *, refuse: bool
     caller to report (``dsv4-serve plan``). ``label`` names the file in the message.
     """
     try:
-        parsed = AppArgs.model_validate(dict(args))
+        parsed = args_model(args).model_validate(dict(args))
     except ValidationError as exc:
         raise ConfigError(f"invalid {label or where}:\n"
                           f"{format_validation_error(exc, where)}") from exc

@@ -145,6 +145,7 @@ class KVSpecController:
         self._status_call: asyncio.Future[int | None] | None = None
         self._status_since = 0.0
         self._known: dict[str, int | None] = {}  # replica id -> rank, from past answers
+        self.specs: list[ReplicaSpec] = []  # the last check's answers (P/D compares them)
         # Validated full specs by replica id: a replica whose spec is held answers
         # with a ReplicaSpecBrief (see wire.answer_kv_page_spec).
         self._held: dict[str, ReplicaSpec] = {}
@@ -389,6 +390,7 @@ class KVSpecController:
             # Without the RUNNING count a check is not complete: its answers still
             # drive the verdicts, but the report keeps ageing toward `stale`.
             self._report = report
+            self.specs = specs
             if status_error is None:
                 self._completed_at = time.time()
             self._metrics.checked(report, replaced)

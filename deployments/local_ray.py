@@ -22,7 +22,7 @@ def logical_cpus_needed(config: ServeConfig) -> float:
 
     At max_replicas, plus one ingress per application (``deployments.sizing``).
     """
-    return sizing.cluster_cpus([(args.llm.deployment_config.max_replicas, args.replica_cpus())
+    return sizing.cluster_cpus([(args.max_replicas_total, args.replica_cpus())
                                 for _, args in config.ours()])
 
 

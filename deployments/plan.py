@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deployments import checks
+from deployments import checks, pd_plan
 from deployments.capacity import GIB, Capacity, capacity, engine_extra
 from deployments.checks import Problem
 from deployments.config import AppArgs, Policy, load_serve_config, refuse_problems
@@ -60,6 +60,7 @@ class ReplicaPlan:
     fp8_ds_mla_capacity: Capacity | None = None  # the counterfactual, when rows
     # DP presets: the same GPUs as one tensor-parallel engine (KV replicated per rank)
     tp_alternative: Capacity | None = None
+    pd: dict[str, Any] | None = None  # P/D apps: deployments.pd_plan.summary
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -108,6 +109,9 @@ def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
         as_tp = Parallel(par.tp * par.dp, par.pp, 1, par.ep, par.nodes)
         plan.tp_alternative = capacity(args, shape, weights, resolution.storage, block,
                                        reserve_gib, as_tp)
+    if hasattr(args, "pd"):  # a PDAppArgs
+        plan.pd = pd_plan.summary(args, cap.kv_bytes_per_token, block,
+                                  cap.kv_tokens_per_replica, plan.max_model_len)
     plan.problems = find_problems(plan, args, shape)
     return plan
 
@@ -192,7 +196,8 @@ def _capacity_problems(plan: ReplicaPlan, args: AppArgs) -> list[Problem]:
             "full-length request cannot be scheduled. Fix: lower max_model_len or add "
             "memory per engine."))
     room = (node.gpus_per_node or 0) * node.nodes_per_replica
-    idle = room - int(plan.parallel["gpus_per_replica"])
+    # A P/D app's prefill and decode replica share a node (deployments.pd_plan).
+    idle = room - int(plan.parallel["gpus_per_replica"]) * (2 if plan.pd else 1)
     if node.platform != "cpu" and node.gpus_per_node and idle > 0:
         found.append(Problem(
             "warning", "idle-gpus",

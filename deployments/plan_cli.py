@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from deployments import pd_plan
 from deployments.capacity import GIB
 from deployments.config import ConfigError
 from deployments.plan import PlanReport, ReplicaPlan, capability_text, plan_config
@@ -67,7 +68,7 @@ def table_rows(plan: ReplicaPlan) -> list[tuple[str, str]]:
     if plan.fp8_ds_mla_capacity is not None:
         rows.append(("  on fp8_ds_mla", _tokens(plan.fp8_ds_mla_capacity.kv_tokens_per_replica)
                      + " tokens/replica"))
-    return rows
+    return rows + pd_plan.rows(plan.pd)
 
 
 def render_table(report: PlanReport) -> str:

@@ -119,12 +119,36 @@ TOUCHES: tuple[RayTouch, ...] = (
                           "LLMServer.__serve_build_asgi_app__"),
     ),
     RayTouch(
+        name="llm.pd_direct_ingress_routes",
+        target=f"{_LLM}.serving_patterns.prefill_decode.pd_server:"
+               "PDOrchestratorMixin.__serve_build_asgi_app__",
+        used_in="deployments/pd_app.py build_pd_app, deployments/pd_server.py "
+                "DSv4PDDecodeServer",
+        why="the P/D decode replica is the ingress (no ingress replica, as for one pool); "
+            "vLLM's own chat/completions routes would decode locally and skip the remote "
+            "prefill",
+        how="serve.ingress()(DSv4PDDecodeServer): the hook (reached through "
+            "DSv4ServerMixin.__serve_build_asgi_app__, which then hardens the app) re-points "
+            "/v1/chat/completions and /v1/completions at self.chat / self.completions, "
+            "ours: remote prefill only to a proven prefill replica (pd_route), else local",
+        upstream="Ray 2.60's direct-streaming P/D builder uses it (build_pd_openai_app "
+                 "with RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING); not public API",
+        removal="when Ray exports a P/D server whose ASGI app can be built without the "
+                "direct-streaming builder",
+        probe=lambda: _source_mentions(
+            f"{_LLM}.serving_patterns.prefill_decode.pd_server",
+            "PDOrchestratorMixin.__serve_build_asgi_app__", "self.chat(")() or
+        _source_mentions(f"{_LLM}.serving_patterns.prefill_decode.pd_server",
+                         "PDOrchestratorMixin.__serve_build_asgi_app__", "self.completions(")(),
+    ),
+    RayTouch(
         name="llm.deployment_name",
         target=f"{_LLM}.core.server.builder:_get_deployment_name",
-        used_in="deployments/app.py _server_deployment_name",
+        used_in="deployments/app.py server_deployment_name, deployments/pd_app.py",
         why="the servers bind the controller (for /v1/kv-spec), so the controller finds "
             "them by name: a Serve graph has no cycles",
-        how="the name build_llm_deployment gives: '<class>:' + _get_deployment_name",
+        how="the name build_llm_deployment gives: '<class>:' (P/D: 'Decode:') + "
+            "_get_deployment_name",
         upstream="not public in Ray 2.60",
         removal="when the builder exposes the deployment name",
         probe=_symbols(f"{_LLM}.core.server.builder", "_get_deployment_name"),

@@ -22,8 +22,24 @@ def describe(report: FleetReport) -> str:
             lines.append(f"  {rep.id}: [{rep.status.value}] {rep.reason or ''}")
             continue
         action = "" if rep.action.value == "serve" else f", action {rep.action.value}"
-        lines.append(f"  {rep.id} rank {rep.rank} on node {rep.node_id}: {rep.cache_dtype}, blocks "
+        pool = f"{rep.pool} " if rep.pool else ""
+        lines.append(f"  {pool}{rep.id} rank {rep.rank} on node {rep.node_id}: "
+                     f"{rep.cache_dtype}, blocks "
                      f"{rep.block_sizes}, pages {rep.page_sizes} B, {rep.fingerprint[:19]} "
                      f"[{rep.status.value}{action}]")
+    lines += describe_pd(report)
     lines += [f"  problem: {p.message}" for p in report.problems]
     return "\n".join(lines)
+
+
+def describe_pd(report: FleetReport) -> list[str]:
+    """The P/D verdict: each pool's state, then which prefill replicas each decode uses."""
+    pd = report.pd
+    if pd is None:
+        return []
+    pools = ", ".join(f"{name} {p.deployment} {p.state.value} ({len(p.replicas)} answered)"
+                      for name, p in pd.pools.items())
+    lines = [f"  P/D: {pd.verdict.value}; pools: {pools or 'none checked'}"]
+    lines += [f"    decode {d} takes KV from prefill {ids or 'none (prefills locally)'}"
+              for d, ids in pd.allowed.items()]
+    return lines

@@ -48,8 +48,10 @@ class Timings:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", type=Path, default=DEFAULT_CONFIG,
+    parser.add_argument("config", nargs="?", type=Path, default=None,
                         help=f"Serve config YAML (default: {DEFAULT_CONFIG})")
+    parser.add_argument("--config", dest="config_option", type=Path, default=None,
+                        help="the same, as an option")
     parser.add_argument("--num-cpus", type=float, default=None,
                         help="logical CPUs for the local Ray (default: enough for "
                         "max_replicas, at least the core count)")
@@ -68,13 +70,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "autoscaler removes it (default: %(default)s)")
 
 
+def config_path(args: argparse.Namespace) -> Path:
+    """The config named positionally or by ``--config`` (not both), else the default."""
+    given = [p for p in (args.config, getattr(args, "config_option", None)) if p is not None]
+    if len(given) > 1 and given[0] != given[1]:
+        raise ConfigError(f"two configs given ({given[0]} and --config {given[1]}). Fix: "
+                          "name one.")
+    return given[0] if given else DEFAULT_CONFIG
+
+
 def main(args: argparse.Namespace) -> int:
     """Deploy, report, serve until a signal, shut down."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     plain_output()
     timings = Timings()
     try:
-        config = load_serve_config(args.config)
+        config = load_serve_config(config_path(args))
         from deployments.auth import preflight
 
         preflight(config)  # refuses a reachable bind without an API key, before Ray starts

@@ -42,7 +42,13 @@ from deployments.config import WORKER_EXTENSION, DSv4Section, HTTPEdge, Policy
 from deployments.kvspec import KVLayoutMismatch, drain_stats, raise_if_enforced, take_verdict
 from deployments.logs import get_logger
 from deployments.public import RefreshGate
-from deployments.wire import Prediction, ReplicaSpec, ReplicaVerdict, answer_kv_page_spec
+from deployments.wire import (
+    Prediction,
+    ReplicaSpec,
+    ReplicaVerdict,
+    TransferSpec,
+    answer_kv_page_spec,
+)
 from dsv4_patch import node as node_info
 from dsv4_patch import rules
 from dsv4_patch.node import NodeInfo
@@ -128,15 +134,11 @@ class DSv4ServerMixin:
                        http: dict[str, Any] | None = None, serving_replicas: int = 1,
                        kv_spec_controller: DeploymentHandle | None = None, **kwargs: Any):
         self._settings = DSv4Section.model_validate(dsv4)
-        self._http, note = edge.in_flight_share(HTTPEdge.model_validate(http or {}),
-                                                serving_replicas)
-        if note:
-            logger.info("dsv4: this replica admits %d generation requests at once "
-                        "(http.max_in_flight%s)", self._http.max_in_flight, note)
-        # Refuses (the deployment fails with the message) before the engine boots.
-        guard = edge.EdgeGuard.start(self._http, front.proxy_host())
-        guard.limit_note = note
-        edge.install(guard)
+        # ``http`` is given to the replicas that answer HTTP (the ingress); a P/D
+        # prefill replica is called only by decode replicas and has no edge.
+        self._http = HTTPEdge.model_validate(http or {})
+        if http is not None:
+            self._http = _start_edge(self._http, serving_replicas)
         self._kv_spec = kv_spec_controller
         self._refresh = RefreshGate(self._http.kv_spec_refresh_interval_s)
         ctx = serve.get_replica_context()
@@ -256,8 +258,13 @@ class DSv4ServerMixin:
             resolution_reason=self._resolution.reason,
             override=None if self._override is None else self._override.model_dump(),
             prediction=self._prediction, own_prediction=self._own_prediction,
-            verdict=self._verdict, **self._kv.fields())
+            verdict=self._verdict, transfer=await self._transfer_spec(),
+            **self._kv.fields())
         return answer_kv_page_spec(spec, known)
+
+    async def _transfer_spec(self) -> TransferSpec | None:
+        """What a KV transfer depends on; only the P/D pools' servers have one."""
+        return None
 
     async def apply_kv_verdict(self, message: dict[str, Any]) -> dict[str, Any]:
         """Take the controller's verdict; act on it within this replica's own policy."""
@@ -275,6 +282,21 @@ class DSv4ServerMixin:
         """Engine health first; then, if our verdict says so, fail so Serve replaces us."""
         await super().check_health()  # type: ignore[misc]
         raise_if_enforced(self._verdict)
+
+
+def _start_edge(settings: HTTPEdge, serving_replicas: int) -> HTTPEdge:
+    """Install this process's edge guard; return the settings with this replica's share.
+
+    Refuses (the deployment fails with the message) before the engine boots.
+    """
+    settings, note = edge.in_flight_share(settings, serving_replicas)
+    if note:
+        logger.info("dsv4: this replica admits %d generation requests at once "
+                    "(http.max_in_flight%s)", settings.max_in_flight, note)
+    guard = edge.EdgeGuard.start(settings, front.proxy_host())
+    guard.limit_note = note
+    edge.install(guard)
+    return settings
 
 
 class DSv4Server(DSv4ServerMixin, LLMServer):

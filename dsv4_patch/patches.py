@@ -1,11 +1,10 @@
-"""The registry of every touch dsv4_patch makes to vLLM internals (besides cpu_compat).
+"""The KV-cache-dtype and engine-lifetime patches (the CPU ones: cpu_compat, cpu_ops).
 
-Each patch is documented in its ``PatchSpec`` (target symbol, why, how, upstream
-PR/issue, affected releases, when to delete it), in the style of
-``vllm_ascend/patch/__init__.py``. Patches are installed lazily: a post-import
-hook fires when vLLM itself imports the target module, so processes that never
-build a DeepSeek-V4 layer pay nothing. Each patch first *probes* the installed
-symbol and changes it only where it is broken, so a fixed vLLM is left alone.
+Each is a ``dsv4_patch.patch.Patch``: documented (target symbol, why, how, upstream
+PR/issue, affected releases, when to delete it), installed lazily by
+``patch.install`` at the import of its target module, and *probed* first: it
+changes the installed symbol only where it is broken, so a fixed vLLM is left alone.
+The whole registry, CPU patches included, is ``dsv4_patch.registry.PATCHES``.
 
 The contract on every release (docs/versions.md, proven per release by
 tests/test_release_matrix.py): with the plugin, DeepSeek-V4's KV cache dtype is
@@ -13,10 +12,9 @@ decided exactly like the fixed upstream resolver of vLLM 0.30-0.33
 (``rules.upstream_resolver_decision``): same result string, torch dtype,
 ``cache_config`` write-back, error or not. Only the error texts are ours.
 
-Safety: a probe that cannot run on a release (missing symbol, another signature)
-records ``skipped``/``error`` with the reason and leaves the symbol alone; it never
-raises out of vLLM's import. A patch that is needed but cannot be applied raises
-``PatchError``: a DeepSeek-V4 that would crash later must fail here, loudly.
+Safety (``patch.Patch.apply``): a probe that cannot run on a release records
+``error`` with the reason and leaves the symbol alone; only a ``PatchError`` (needed,
+cannot be applied) propagates.
 
 ``python -O``: the asserting releases lose their assert, so stock vLLM then maps
 every value (``bfloat16`` too) to fp8_ds_mla (0.23-0.29) or keeps it unconverted
@@ -32,7 +30,6 @@ import functools
 import importlib
 import inspect
 import logging
-import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,90 +37,11 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 from dsv4_patch import rules
-from dsv4_patch.import_hooks import module_exists, when_imported
-from dsv4_patch.record import PatchRecord, PatchResult
+from dsv4_patch.patch import ORIGINAL, Patch, PatchError, Verdict, mark, original_of, rebind
 
 logger = logging.getLogger("dsv4_patch")
 
-PATCHED_MARK = "__dsv4_patch__"
-
-
-class PatchError(RuntimeError):
-    """A patch is needed on this vLLM but cannot be applied safely."""
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What a probe found: ``needed`` True/False, or None when it could not run here."""
-
-    needed: bool | None
-    reason: str
-
-
-@dataclass(frozen=True)
-class PatchSpec:
-    """Documentation and entry points of one patch.
-
-    ``module`` is the target module; ``also`` older releases' paths of the same code
-    (the first that exists in the installed vLLM is hooked). ``probe(module)`` decides
-    whether the loaded code needs the patch; ``patch(module)`` applies it and says what
-    it changed; ``patched(module)`` tells whether this process already did.
-    """
-
-    name: str
-    module: str
-    target: str
-    why: str
-    how: str
-    upstream: str
-    affected: str
-    remove_when: str
-    probe: Callable[[ModuleType], Verdict]
-    patch: Callable[[ModuleType], str]
-    patched: Callable[[ModuleType], bool]
-    also: tuple[str, ...] = ()
-
-    @property
-    def modules(self) -> tuple[str, ...]:
-        return (self.module, *self.also)
-
-    def apply(self, module: ModuleType) -> PatchResult:
-        """Probe, then patch where needed; a probe that cannot run leaves the code alone."""
-        if self.patched(module):
-            return PatchResult(self.name, "applied", "already patched in this process")
-        try:
-            verdict = self.probe(module)
-        except Exception as exc:  # recorded, with the symbol left unchanged (see module doc)
-            logger.warning("dsv4_patch: %s: probe failed: %r", self.name, exc)
-            return PatchResult(self.name, "error", f"probe could not run on this vLLM "
-                               f"({type(exc).__name__}: {exc}); {self.target} left unchanged")
-        if verdict.needed is None:
-            return PatchResult(self.name, "error", f"{verdict.reason}; {self.target} left "
-                               "unchanged")
-        if not verdict.needed:
-            return PatchResult(self.name, "skipped", verdict.reason)
-        return PatchResult(self.name, "applied", f"{verdict.reason}; {self.patch(module)}")
-
-
-def _unwrap(obj: Any) -> Any:
-    """The original vLLM object behind one of our replacements (or ``obj`` itself)."""
-    return getattr(obj, PATCHED_MARK, obj)
-
-
-def _rebind_everywhere(original: object, replacement: object, prefix: str) -> list[str]:
-    """Point every module under ``prefix`` that holds ``original`` at ``replacement``.
-
-    Catches ``from ...attention import _resolve_dsv4_kv_cache_dtype`` copies.
-    """
-    rebound = []
-    for name, module in list(sys.modules.items()):
-        if not name.startswith(prefix) or module is None:
-            continue
-        for attr, value in list(vars(module).items()):
-            if value is original:
-                setattr(module, attr, replacement)
-                rebound.append(f"{name}.{attr}")
-    return rebound
+PATCHED_MARK = ORIGINAL  # on our replacements: the vLLM object they replaced
 
 
 # ------------------------------------------------------------------ resolver
@@ -190,7 +108,7 @@ def probe_resolver(resolver: Callable[..., Any]) -> str | None:
 
 
 def _probe_resolver_module(module: ModuleType) -> Verdict:
-    resolver = _unwrap(getattr(module, RESOLVER_NAME, None))
+    resolver = original_of(getattr(module, RESOLVER_NAME, None))
     if resolver is None:
         return Verdict(False, f"{module.__name__}.{RESOLVER_NAME} not in this vLLM")
     try:
@@ -228,8 +146,7 @@ def make_resolver(original: Callable[..., Any]) -> Callable[..., Any]:
             _write_back(cache_config, kv_cache_dtype, decision.write_back)
         return str(decision.cache_dtype_str), getattr(torch, str(decision.torch_dtype))
 
-    setattr(resolve, PATCHED_MARK, original)
-    return resolve
+    return mark(resolve, original)
 
 
 def _write_back(cache_config: Any, requested: Any, value: str) -> None:
@@ -244,11 +161,11 @@ def _patch_resolver(module: ModuleType) -> str:
     replacement = make_resolver(original)
     setattr(module, RESOLVER_NAME, replacement)
     sites = [f"{module.__name__}.{RESOLVER_NAME}"]
-    sites += _rebind_everywhere(original, replacement, "vllm.models.deepseek_v4")
+    sites += rebind(original, replacement, "vllm.models.deepseek_v4")
     return f"replaced {', '.join(sorted(set(sites)))}"
 
 
-RESOLVER_PATCH = PatchSpec(
+RESOLVER_PATCH = Patch(
     name="dsv4.resolve_kv_cache_dtype",
     module=RESOLVER_MODULE,
     target=f"{RESOLVER_MODULE}.{RESOLVER_NAME}",
@@ -272,8 +189,7 @@ RESOLVER_PATCH = PatchSpec(
     ),
     remove_when="the oldest supported vLLM (Ray Serve LLM's pin) is >= 0.30",
     probe=_probe_resolver_module,
-    patch=_patch_resolver,
-    patched=lambda module: hasattr(getattr(module, RESOLVER_NAME, None), PATCHED_MARK),
+    change=_patch_resolver,
 )
 
 
@@ -305,7 +221,7 @@ def _probe_layer(module: ModuleType) -> Verdict:
     cls = getattr(module, LAYER_CLASS, None)
     if cls is None:
         return Verdict(False, f"{module.__name__}.{LAYER_CLASS} not in this vLLM")
-    line = inline_fp8_assert_line(_unwrap(vars(cls).get("__init__", cls.__init__)))
+    line = inline_fp8_assert_line(original_of(vars(cls).get("__init__", cls.__init__)))
     if line is None:
         return Verdict(False, f"{LAYER_CLASS}.__init__ has no inline fp8 assert (this vLLM "
                        f"decides in {RESOLVER_NAME})")
@@ -346,12 +262,11 @@ def _patch_layer(module: ModuleType) -> str:
             canonicalize_cache_config(cache_config)
         original(self, *args, **kwargs)
 
-    setattr(__init__, PATCHED_MARK, original)
-    cls.__init__ = __init__
+    cls.__init__ = mark(__init__, original)
     return f"{module.__name__}.{LAYER_CLASS}.__init__ decides cache_config.cache_dtype first"
 
 
-LAYER_PATCH = PatchSpec(
+LAYER_PATCH = Patch(
     name="dsv4.layer_init_kv_cache_dtype",
     module=RESOLVER_MODULE,
     also=(LEGACY_LAYER_MODULE,),
@@ -371,9 +286,7 @@ LAYER_PATCH = PatchSpec(
     affected="vLLM 0.20.0-0.22.1 (inline assert in the layer __init__)",
     remove_when="the oldest supported vLLM is >= 0.23 (then the resolver patch covers it)",
     probe=_probe_layer,
-    patch=_patch_layer,
-    patched=lambda module: hasattr(
-        vars(getattr(module, LAYER_CLASS, object)).get("__init__"), PATCHED_MARK),
+    change=_patch_layer,
 )
 
 
@@ -411,8 +324,8 @@ def _probe_sm120(module: ModuleType) -> Verdict:
         return Verdict(False, f"{SM120_CLASS} inherits a generic supports_combination "
                        "(no DeepSeek-V4 dtype check on SM12x in this vLLM)")
     function = own.__func__
-    if hasattr(function, PATCHED_MARK):  # probe vLLM's own validator, not ours
-        function = getattr(function, PATCHED_MARK).__func__
+    if original_of(function) is not function:  # probe vLLM's own validator, not ours
+        function = original_of(function).__func__
     verdict = function(backend, **_sm120_probe_args(function))
     if verdict is not None and "kv_cache_dtype" in verdict:
         return Verdict(True, f"SM120 validator rejects auto ({verdict!r})")
@@ -432,17 +345,11 @@ def _patch_sm120(module: ModuleType) -> str:
                 bound.arguments["kv_cache_dtype"] = "fp8"
         return original.__func__(*bound.args, **bound.kwargs)
 
-    setattr(supports_combination, PATCHED_MARK, original)
-    backend.supports_combination = classmethod(supports_combination)
+    backend.supports_combination = classmethod(mark(supports_combination, original))
     return "auto now checked as fp8 on SM12x"
 
 
-def _sm120_patched(module: ModuleType) -> bool:
-    own = vars(getattr(module, SM120_CLASS, object)).get("supports_combination")
-    return hasattr(getattr(own, "__func__", None), PATCHED_MARK)
-
-
-SM120_PATCH = PatchSpec(
+SM120_PATCH = Patch(
     name="dsv4.sm120_validator_accepts_auto",
     module=SM120_MODULE,
     target=f"{SM120_MODULE}.{SM120_CLASS}.supports_combination",
@@ -459,8 +366,7 @@ SM120_PATCH = PatchSpec(
     affected="vLLM 0.24.0-0.33.x (validator present and refusing auto)",
     remove_when="the validator accepts auto upstream (probe reports skipped)",
     probe=_probe_sm120,
-    patch=_patch_sm120,
-    patched=_sm120_patched,
+    change=_patch_sm120,
 )
 
 # ------------------------------------------------------- engine process lifetime
@@ -497,13 +403,7 @@ def _patch_parent_watch(module: ModuleType) -> str:
     return f"ends with its parent, process {parent}"
 
 
-def _parent_watched(module: ModuleType) -> bool:
-    from dsv4_patch import lifetime
-
-    return lifetime.watching()
-
-
-PARENT_WATCH = PatchSpec(
+PARENT_WATCH = Patch(
     name="dsv4.engine_dies_with_owner",
     module=LIFETIME_MODULE,
     target="vllm: the lifetime of the VLLM::EngineCore and VLLM::Worker processes",
@@ -523,33 +423,7 @@ PARENT_WATCH = PatchSpec(
     remove_when=f"{UPSTREAM_PARENT_MONITOR} (or an equivalent) exists in the oldest "
                 "supported vLLM",
     probe=_probe_parent_watch,
-    patch=_patch_parent_watch,
-    patched=_parent_watched,
+    change=_patch_parent_watch,
 )
 
-PATCHES: tuple[PatchSpec, ...] = (RESOLVER_PATCH, LAYER_PATCH, SM120_PATCH, PARENT_WATCH)
-
-
-def install(record: PatchRecord, patches: tuple[PatchSpec, ...] = PATCHES) -> None:
-    """Register every patch to apply when vLLM imports its target module.
-
-    The record shows ``pending`` until then, ``skipped`` at once when this vLLM has
-    none of the patch's modules; a ``PatchError`` propagates (a DeepSeek-V4 that
-    cannot be fixed must not start silently).
-    """
-    for spec in patches:
-        if record.status_of(spec.name) is not None:
-            continue
-        present = [name for name in spec.modules if module_exists(name)]
-        if not present:
-            record.set(PatchResult(spec.name, "skipped", f"no module {' or '.join(spec.modules)} "
-                                   "in this vLLM"))
-            continue
-        record.set(PatchResult(spec.name, "pending", f"waiting for import of {present[0]}"))
-        when_imported(present[0], functools.partial(_apply_and_record, spec, record))
-
-
-def _apply_and_record(spec: PatchSpec, record: PatchRecord, module: ModuleType) -> None:
-    result = spec.apply(module)
-    record.set(result)
-    logger.info("dsv4_patch: %s %s: %s", spec.name, result.status, result.reason)
+PATCHES: tuple[Patch, ...] = (RESOLVER_PATCH, LAYER_PATCH, SM120_PATCH, PARENT_WATCH)

@@ -42,11 +42,8 @@ class PatchRecord:
         self.results = [r for r in self.results if r.name != result.name]
         self.results.append(result)
 
-    def expand(self, name: str, results: list[PatchResult]) -> None:
-        """Replace the placeholder entry ``name`` by ``results`` (one pending -> many)."""
-        self.results = [r for r in self.results if r.name != name]
-        for result in results:
-            self.set(result)
+    def result_of(self, name: str) -> PatchResult | None:
+        return next((r for r in self.results if r.name == name), None)
 
     def status_of(self, name: str) -> Status | None:
         return next((r.status for r in self.results if r.name == name), None)

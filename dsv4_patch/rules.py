@@ -149,12 +149,14 @@ class Resolution:
 def resolve_kv_cache_dtype(layout: Layout, requested: str | None) -> Resolution:
     """Resolve a requested ``kv_cache_dtype`` on ``layout`` or raise KVCacheDtypeError.
 
-    fp8_ds_mla: ``auto``/``None``/``fp8``/``fp8_e4m3``/``fp8_ds_mla`` all store the
-    packed record (vLLM PR #55134 / #45091 semantics); anything else is refused,
-    including ``fp8_e5m2`` (the record is e4m3 with UE8M0 scales: accepting e5m2
-    would silently give the user another format). Plain rows: ``auto``/``bfloat16``
-    store bf16 rows, ``fp8``/``fp8_e4m3`` per-tensor fp8 rows; the SM100 validator
-    (``supports_combination`` of FLASHINFER_MLA_SPARSE_DSV4) refuses the rest.
+    The value is decided as the engine will receive it (stripped, lower case, as
+    ``deployments/config.py`` hands it over). fp8_ds_mla: exactly the fixed upstream
+    resolver's decision (``upstream_resolver_decision``, vLLM 0.30-0.33, #45091):
+    ``auto``/``None`` mean ``fp8`` and every ``fp8*`` value is stored as the packed
+    record, ``fp8_e5m2`` included (upstream stores it as fp8_ds_mla, e4m3 with UE8M0
+    scales: the reason says so); anything else is refused. Plain rows: ``auto``/
+    ``bfloat16`` store bf16 rows, ``fp8``/``fp8_e4m3`` per-tensor fp8 rows; the SM100
+    validator (``supports_combination`` of FLASHINFER_MLA_SPARSE_DSV4) refuses the rest.
     """
     value = None if requested is None else str(requested).strip().lower()
     layout = Layout(layout)
@@ -164,26 +166,21 @@ def resolve_kv_cache_dtype(layout: Layout, requested: str | None) -> Resolution:
 
 
 def _resolve_packed(requested: str | None, value: str | None) -> Resolution:
+    engine_dtype = "fp8" if value in AUTO_VALUES else str(value)
+    decision = upstream_resolver_decision(True, engine_dtype)
+    if decision.error is not None:
+        raise KVCacheDtypeError(packed_refusal(requested))
     if value in AUTO_VALUES:
-        return Resolution(
-            requested,
-            Layout.FP8_DS_MLA,
-            "fp8",
-            "fp8_ds_mla",
-            Storage.FP8_DS_MLA,
-            "auto on the fp8_ds_mla layout: the FlashMLA/DSv4 kernels only read fp8 "
-            "(FlashMLA hardcodes is_fp8_kvcache), so auto means fp8 -> fp8_ds_mla",
-        )
-    if value in FP8_ALIASES or value == "fp8_ds_mla":
-        return Resolution(
-            requested,
-            Layout.FP8_DS_MLA,
-            value,
-            "fp8_ds_mla",
-            Storage.FP8_DS_MLA,
-            f"{value} on the fp8_ds_mla layout is stored as DeepSeek's packed fp8 record",
-        )
-    raise KVCacheDtypeError(packed_refusal(requested))
+        reason = ("auto on the fp8_ds_mla layout: the FlashMLA/DSv4 kernels only read fp8 "
+                  "(FlashMLA hardcodes is_fp8_kvcache), so auto means fp8 -> fp8_ds_mla")
+    elif value in FP8_ALIASES or value == "fp8_ds_mla":
+        reason = f"{value} on the fp8_ds_mla layout is stored as DeepSeek's packed fp8 record"
+    else:
+        reason = (f"{value} on the fp8_ds_mla layout is stored as DeepSeek's packed fp8 "
+                  f"record (fp8 e4m3 with UE8M0 block scales, not {value}), as the fixed "
+                  "upstream resolver does (vLLM 0.30+)")
+    return Resolution(requested, Layout.FP8_DS_MLA, engine_dtype, str(decision.cache_dtype_str),
+                      Storage.FP8_DS_MLA, reason)
 
 
 def packed_refusal(requested: object) -> str:

@@ -81,3 +81,55 @@ class DSv4WorkerExtension:
             "specs": [spec_to_dict(layer, spec) for layer, spec in sorted(specs.items())],
             "patch_record": rec.as_dict() if rec is not None else None,
         }
+
+    def dsv4_kv_transfer(self) -> dict[str, Any]:
+        """This rank's live KV connector: what a P/D transfer depends on (plain JSON).
+
+        Reads (never changes) vLLM internals of the NIXL connector worker, vLLM 0.29-0.32:
+        ``vllm.distributed.kv_transfer.kv_transfer_state.get_kv_transfer_group()`` and its
+        ``connector_worker`` (``block_len_per_layer``, ``kv_cache_layout``,
+        ``backend_name``, ``block_size``, ``compat_hash``, ``_TRANSFER_MODE``); the
+        connector version is ``nixl.metadata.NIXL_CONNECTOR_VERSION``. Attributes a
+        release lacks come back None and are named in ``reason``, so the P/D check
+        reports the field instead of passing it.
+        """
+        return connector_facts(self)
+
+
+def connector_facts(worker: Any) -> dict[str, Any]:
+    """The connector fields of ``DSv4WorkerExtension.dsv4_kv_transfer``."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    out: dict[str, Any] = {"rank": int(getattr(worker, "rank", 0)), "connector": None}
+    if not kv_transfer_state.has_kv_transfer_group():
+        return out | {"reason": "no KV connector in this engine"}
+    group = kv_transfer_state.get_kv_transfer_group()
+    out["connector"] = type(group).__name__
+    config = getattr(group, "_kv_transfer_config", None) or getattr(
+        getattr(worker, "vllm_config", None), "kv_transfer_config", None)
+    out["kv_role"] = getattr(config, "kv_role", None)
+    extra = getattr(config, "kv_connector_extra_config", None) or {}
+    out["enforce_handshake_compat"] = bool(extra.get("enforce_handshake_compat", True))
+    inner = getattr(group, "connector_worker", None)
+    missing = []
+    for key, attr in (("region_block_lens", "block_len_per_layer"),
+                      ("kv_cache_layout", "kv_cache_layout"), ("backend_name", "backend_name"),
+                      ("kernel_block_size", "block_size"), ("nixl_compat_hash", "compat_hash"),
+                      ("transfer_mode", "_TRANSFER_MODE")):
+        value = getattr(inner, attr, None)
+        if value is None:
+            missing.append(attr)
+        out[key] = [int(v) for v in value] if isinstance(value, list) else _plain(value)
+    backends = getattr(inner, "attn_backends", None) or []
+    out["backend_names"] = sorted({b.get_name() for b in backends}) or (
+        [out["backend_name"]] if out["backend_name"] else [])
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata
+
+        out["connector_version"] = int(metadata.NIXL_CONNECTOR_VERSION)
+    except (ImportError, AttributeError) as exc:
+        missing.append(f"NIXL_CONNECTOR_VERSION ({exc})")
+        out["connector_version"] = None
+    if missing:
+        out["reason"] = f"not readable on this vLLM: {', '.join(missing)}"
+    return out

@@ -5,8 +5,10 @@ Run as ``python -m tests.release_e2e MODEL_DIR`` by a release venv's interpreter
 ``DSV4_TEST_REPORT_SPECS=1``: every worker then prints its layers' KV cache specs and
 its plugin record when vLLM asks for them (``DSV4_SPECS {...}`` lines on stderr), which
 happens after the layers are constructed and before the first forward pass. Prints one
-``DSV4_E2E {...}`` line: booted or the error, and the generated text on releases that
-run DeepSeek-V4 on CPU (0.30+).
+``DSV4_E2E {...}`` line: booted or the error, and the generated text, or the error of
+the first ``generate`` (a dead engine core raises in the front end), on releases that
+run DeepSeek-V4 on CPU (0.30+). The line is printed whatever happens, so the test
+always has a result to record.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ def run(model: str) -> dict[str, object]:
                   max_model_len=1024, max_num_seqs=2)
     except Exception as exc:  # the release's own failure is the result we report
         return {"booted": False, "error": f"{type(exc).__name__}: {exc}"}
+    frontend = llm.llm_engine.vllm_config.cache_config.cache_dtype
     try:
         out = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0.0))
-        text = out[0].outputs[0].text
+    except Exception as exc:  # booted, then the first forward failed (0.30/0.31 kernels)
+        return {"booted": True, "text": None, "generate_error": f"{type(exc).__name__}: {exc}",
+                "frontend_cache_dtype": frontend}
     finally:
         llm.llm_engine.engine_core.shutdown()
-    return {"booted": True, "text": text,
-            "frontend_cache_dtype": llm.llm_engine.vllm_config.cache_config.cache_dtype}
+    return {"booted": True, "text": out[0].outputs[0].text, "frontend_cache_dtype": frontend}
 
 
 if __name__ == "__main__":

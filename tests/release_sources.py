@@ -17,7 +17,7 @@ torch or C++ library:
   (or, where the class has none, the inherited ``AttentionBackend`` one), verbatim.
 
 What this proves: the decisions of that release's own code, and of the plugin's
-patches applied to it (the same ``PatchSpec.apply`` the plugin runs), for any input.
+patches applied to it (the same ``Patch.apply`` the plugin runs), for any input.
 What it cannot: that the rest of the release (imports, the rest of ``__init__``, the
 KV spec plumbing, a forward pass) works; the import-level and end-to-end checks do that.
 """

@@ -69,7 +69,10 @@ def _e2e_cell(version: str) -> str:
         return "–"
     stock = "AssertionError" if off["upstream_assertion"] else (
         "boots" if off["booted"] else "fails")
-    if on["booted"]:
+    if on["booted"] and on.get("text") is None:
+        with_plugin = (f"{'/'.join(on['spec_dtypes'])} layers, boots, then the first forward "
+                       "fails (CPU fallbacks left alone: kernel changed)")
+    elif on["booted"]:
         with_plugin = f"{'/'.join(on['spec_dtypes'])} layers, generates"
     elif on["cuda_only_stop"]:
         with_plugin = (f"{'/'.join(on.get('layer_dtypes', []))} layers, then stops at the "

@@ -96,15 +96,16 @@ def test_install_is_lazy_idempotent_and_reaches_every_reference() -> None:
         from vllm.v1.attention.backends.mla import sparse_swa  # holds a by-name copy already
         from dsv4_patch import cpu_compat, record
         preloaded = [m for _, m, _ in {_TARGETS!r} if m in sys.modules]
-        rec = record.PatchRecord()  # what dsv4_patch.plugin does with the results
-        first = {{}}
-        for r in cpu_compat.install():
-            first[r.name] = r.status
-            rec.set(r)
+        rec = record.PatchRecord()  # the plugin installs into the process record
+        first = {{r.name: r.status for r in cpu_compat.install(rec)}}
         record.publish(rec)
         import vllm.models.deepseek_v4.cpu.cpu_mla, vllm.models.deepseek_v4.sparse_mla
         import vllm.v1.attention.backends.mla.indexer
-        second = [(r.status, r.reason) for r in cpu_compat.install()]
+        second = [(r.status, r.reason) for r in cpu_compat.install()]  # a fresh record
+        final = [(r.status, r.reason) for r in rec.results]
+        wrapped_twice = [f"{{m}}.{{a}}" for _, m, a in {_TARGETS!r}
+                         if isinstance(getattr(sys.modules[m], a).original,
+                                       cpu_compat.TorchLauncher)]
         not_replaced = [f"{{m}}.{{a}}" for _, m, a in {_TARGETS!r}
                         if not isinstance(getattr(sys.modules[m], a), cpu_compat.TorchLauncher)]
         from vllm.models.deepseek_v4.cpu.cpu_mla import DeepseekV4CPUSparseSWAMetadataBuilder as B
@@ -116,7 +117,7 @@ def test_install_is_lazy_idempotent_and_reaches_every_reference() -> None:
         print(json.dumps({{
             "preloaded": preloaded, "first": first,
             "record": {{r.name: r.status for r in rec.results}}, "second": second,
-            "not_replaced": not_replaced,
+            "not_replaced": not_replaced, "final": final, "wrapped_twice": wrapped_twice,
             "copy": type(sparse_swa.compute_token_to_req_indices).__name__,
             "tile": sorted(B.build_tile_scheduler(None, 5).items()),
             "slots": slots.tolist(),
@@ -130,7 +131,8 @@ def test_install_is_lazy_idempotent_and_reaches_every_reference() -> None:
     assert out["first"] == {n: "applied" if n in now else "pending" for n in modules}
     # Late results replace the pending entries of the published process record.
     assert out["record"] == dict.fromkeys(modules, "applied")
-    assert out["second"] == [["skipped", "already installed"]] * len(modules)
+    # Idempotent: a second install reports what the first applied and changes nothing.
+    assert out["second"] == out["final"] and out["wrapped_twice"] == []
     assert out["not_replaced"] == []
     assert out["copy"] == "TorchLauncher"  # the `from metadata import ...` copy in sparse_swa
     assert out["tile"] == [[k, None] for k in ("c128a", "c1a", "c2a", "c4a", "swaonly")]

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsv4_patch import cpu_ops
+from dsv4_patch import cpu_ops, patch
 
 SEEDS = range(6)
 
@@ -631,7 +631,9 @@ def test_install_is_idempotent_and_reaches_vllm_wrappers() -> None:
 
 def _pretend_native(monkeypatch: pytest.MonkeyPatch, has: Callable[[str], bool]) -> None:
     """Make install() see a loaded library with exactly the ops ``has`` names."""
-    monkeypatch.setattr(cpu_ops, "_installed", {})
+    import vllm.models.deepseek_v4 as package
+
+    monkeypatch.setattr(package, patch.APPLIED, {}, raising=False)  # nothing applied yet
     monkeypatch.setattr(cpu_ops, "_defined", set())
     monkeypatch.setattr(cpu_ops, "_has_op", has)
     monkeypatch.delenv(cpu_ops.MODE_ENV, raising=False)
@@ -656,7 +658,7 @@ def test_install_skips_off_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False)
     results = cpu_ops.install()
-    assert {r.reason for r in results} == {"not a CPU platform"}
+    assert {r.reason for r in results} == {"not the CPU platform"}
 
 
 # --------------------------------------------------------------------------- pipeline

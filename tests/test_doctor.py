@@ -29,6 +29,14 @@ def test_json_report_of_this_cpu_node() -> None:
         "fp8_ds_mla",
     )
     needed = {row["name"]: row["needed"] for row in data["patches"]}
+    # One row per registry patch, CPU ones included (the fallbacks: no Triton here).
+    from dsv4_patch import registry
+
+    assert list(needed) == [p.name for p in registry.all_patches()]
+    assert {needed[n] for n in needed if n.startswith("cpu.")} == {"yes"}
+    ops = {needed[n] for n in needed if n.startswith("cpu_op.")}
+    assert ops == {"no" if data["cpu_ops"]["library"].endswith("(AVX512-BF16)") else "yes"}
+    needed = {n: v for n, v in needed.items() if n.startswith("dsv4.")}
     assert needed == {  # 0.32's resolver is fixed, its layer has no inline assert
         "dsv4.resolve_kv_cache_dtype": "no",
         "dsv4.layer_init_kv_cache_dtype": "no",

@@ -247,10 +247,34 @@ def test_long_prompt_is_deterministic(
 
 
 def test_greedy_is_deterministic_across_batches(
-    llm: Any, corpus_ids: list[int], torch_arm_on_amx: None
+    llm: Any, corpus_ids: list[int], bounds: Bounds, torch_arm_on_amx: None
 ) -> None:
+    """The same batch twice gives the same greedy tokens.
+
+    Exactly on reference hosts. On AMX hosts the kernels are not batch-invariant
+    (``Bounds``), and vLLM's engine core (its own process) may start a step before all
+    four requests of a batch have arrived, so the two runs can group the prompts into
+    steps differently (seen once in CI under load, 2026-12-01; passes alone). There a
+    run may leave the other only at a near tie: identical up to that step, and the
+    other run's token within ``decode_vs_prefill_abs`` nats of this run's pick.
+    """
     prompts = [prompt(corpus_ids, n, offset=5 * n) for n in (3, 30, 300, 60)]
-    assert generate(llm, prompts, 10) == generate(llm, prompts, 10)
+    first = llm.generate(prompts, greedy(10, logprobs=2), use_tqdm=False)
+    second = llm.generate(prompts, greedy(10, logprobs=2), use_tqdm=False)
+    for a, b in zip(first, second, strict=True):
+        ta, tb = list(a.outputs[0].token_ids), list(b.outputs[0].token_ids)
+        if ta == tb:
+            continue
+        assert bounds is AMX, f"greedy tokens differ between two runs: {ta} vs {tb}"
+        step = next(i for i, (x, y) in enumerate(zip(ta, tb, strict=True)) if x != y)
+        top = a.outputs[0].logprobs[step]
+        assert tb[step] in top, (
+            f"runs part at step {step} ({ta} vs {tb}) but the other run's token "
+            f"{tb[step]} is not among this run's top 2: not a near tie")
+        gap = float(top[ta[step]].logprob) - float(top[tb[step]].logprob)
+        assert gap <= bounds.decode_vs_prefill_abs, (
+            f"runs part at step {step} ({ta} vs {tb}) with a {gap:.3f}-nat gap: beyond "
+            f"the {bounds.decode_vs_prefill_abs} nats a batch-variant near tie may move")
 
 
 # ------------------------------------------------------------------ decode vs prefill

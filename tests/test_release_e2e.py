@@ -80,10 +80,11 @@ def _save(version: str, plugin: bool, run: dict) -> None:
         "booted": run["result"]["booted"],
         "upstream_assertion": raised_upstream_assertion(stderr),
         "cuda_only_stop": CUDA_ONLY in stderr,
-        "spec_dtypes": sorted({s["cache_dtype_str"] for w in run["workers"]
+        "spec_dtypes": sorted({str(s["cache_dtype_str"]) for w in run["workers"]
                                for s in _compressed(w)}),
-        "layer_dtypes": sorted({la["kv_cache_dtype"] for la in run["layers"]}),
+        "layer_dtypes": sorted({str(la["kv_cache_dtype"]) for la in run["layers"]}),
         "text": run["result"].get("text"),
+        "generate_error": run["result"].get("generate_error"),
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"e2e-{version}-{'on' if plugin else 'off'}"
@@ -92,7 +93,9 @@ def _save(version: str, plugin: bool, run: dict) -> None:
 
 
 def _compressed(worker: dict) -> list[dict]:
-    return [s for s in worker["specs"] if s["compress_ratio"] not in (None, 1)]
+    """The compressed layers' main attention specs (their indexer caches have no dtype)."""
+    return [s for s in worker["specs"] if s["compress_ratio"] not in (None, 1)
+            and ".indexer." not in s["layer"]]
 
 
 @pytest.mark.parametrize("version", _params())

@@ -2,7 +2,7 @@
 
 For each released wheel 0.20.0-0.33.0 (``tests/release_sources.py`` downloads each once
 and cuts the decision code out of it), these tests run that release's own resolver /
-layer dtype block / SM120 validator, stock and with the plugin's ``PatchSpec.apply``.
+layer dtype block / SM120 validator, stock and with the plugin's ``Patch.apply``.
 
 Proves: what each release decides for every input of ``rules.PROBE_DTYPES`` on both
 layouts, that ``rules.upstream_resolver_decision`` *is* the real 0.30-0.33 code, and that
@@ -143,3 +143,26 @@ def test_python_O_process_runs_the_same_matrix() -> None:
     proc = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("version", rs.RELEASES)
+def test_plan_and_doctor_say_what_the_release_does(version: str) -> None:
+    """``rules.stock_vllm_crashes_on`` is what ``plan`` warns about (stock-vllm-crash) and
+    ``doctor`` prints ("stock vLLM of this version crashes"): it must equal what the
+    release's own code does with ``auto`` on fp8_ds_mla, the table's "stock auto" column;
+    and ``rules.resolve_kv_cache_dtype`` (the replica's and the planner's decision) must
+    store what the release with the plugin stores, for every string input."""
+    stock = rs.release(version, plugin=False)
+    outcome = patches.call_resolver(stock.resolver(), True, "auto")
+    assert rules.stock_vllm_crashes_on(version, rules.Layout.FP8_DS_MLA, "auto") is (
+        outcome.error is not None and outcome.error.startswith("AssertionError"))
+    patched = rs.release(version, plugin=True)
+    for value in (v for v in rules.PROBE_DTYPES if isinstance(v, str)):
+        engine = value.strip().lower()
+        got = patches.call_resolver(patched.resolver(), True, engine)
+        try:
+            res = rules.resolve_kv_cache_dtype(rules.Layout.FP8_DS_MLA, value)
+        except rules.KVCacheDtypeError:
+            assert got.error is not None, (value, got)
+            continue
+        assert got.error is None and got.cache_dtype_str == res.cache_dtype_str, (value, got)

@@ -25,7 +25,9 @@ RESOLUTIONS = [
     (PACKED, "FP8", ("fp8", "fp8_ds_mla", Storage.FP8_DS_MLA)),
     (PACKED, "bfloat16", "kv_cache_dtype='bfloat16' cannot be stored on the fp8_ds_mla"),
     (PACKED, "float16", "kv_cache_dtype='float16' cannot be stored on the fp8_ds_mla"),
-    (PACKED, "fp8_e5m2", "kv_cache_dtype='fp8_e5m2' cannot be stored on the fp8_ds_mla"),
+    (PACKED, "fp8_e5m2", ("fp8_e5m2", "fp8_ds_mla", Storage.FP8_DS_MLA)),  # as upstream 0.30+
+    (PACKED, "fp8_inc", ("fp8_inc", "fp8_ds_mla", Storage.FP8_DS_MLA)),
+    (PACKED, "", "kv_cache_dtype='' cannot be stored on the fp8_ds_mla"),
     (PACKED, "int8", "kv_cache_dtype='int8' cannot be stored on the fp8_ds_mla"),
     (ROWS, "auto", ("auto", "auto", Storage.BF16_ROWS)),
     (ROWS, None, ("auto", "auto", Storage.BF16_ROWS)),
@@ -171,3 +173,19 @@ def test_model_shape_rejects_short_ratio_list() -> None:
     }
     with pytest.raises(ValueError, match="compress_ratios has 2 entries for num_hidden_layers=4"):
         rules.ModelShape.from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("value", [v for v in rules.PROBE_DTYPES if isinstance(v, str)])
+def test_packed_rules_decide_like_the_fixed_upstream_resolver(value: str) -> None:
+    """The replica's decision on fp8_ds_mla is upstream 0.30+'s for the value the engine
+    gets (config strips and lower-cases it; auto is handed over as fp8): same stored
+    dtype, or a refusal where upstream raises."""
+    engine = value.strip().lower()
+    upstream = rules.upstream_resolver_decision(True, engine)
+    if upstream.error is not None:
+        with pytest.raises(KVCacheDtypeError, match="Fix: set kv_cache_dtype: auto"):
+            rules.resolve_kv_cache_dtype(PACKED, value)
+        return
+    res = rules.resolve_kv_cache_dtype(PACKED, value)
+    assert res.cache_dtype_str == upstream.cache_dtype_str == "fp8_ds_mla"
+    assert rules.upstream_resolver_decision(True, res.engine_dtype) == upstream

@@ -1,0 +1,20 @@
+"""The registry: every ``patch.Patch`` dsv4_patch may apply, in install order.
+
+The plugin installs all of them (``patch.install``) and ``dsv4-serve doctor`` probes all
+of them, through the same loop; nothing else special-cases a patch. Each module that
+defines patches owns its documentation: ``patches`` (kv cache dtype on 0.20-0.29, the
+SM120 validator, the engine's lifetime), ``cpu_compat`` (Triton launchers and one CPU
+builder bug), ``cpu_ops`` (the DeepSeek-V4 CPU ops); the CPU ones sit behind
+``cpu_gate``.
+"""
+
+from __future__ import annotations
+
+from dsv4_patch.patch import Patch
+
+
+def all_patches() -> tuple[Patch, ...]:
+    """Every patch. Imported on demand: the CPU modules load torch (a vLLM process has it)."""
+    from dsv4_patch import cpu_compat, cpu_ops, patches
+
+    return (*patches.PATCHES, *cpu_compat.PATCHES, *cpu_ops.PATCHES)

@@ -1,0 +1,206 @@
+"""The P/D compatibility check and the P/D config: pure, no Ray, no engine."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.standin import standin_spec
+from deployments import pd_compat
+from deployments.config import ConfigError, load_serve_config, parse_app_args
+from deployments.wire import PDVerdict, ReplicaSpec, State, TransferSpec
+from dsv4_patch.tiny_model import ensure_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+PD_CONFIG = REPO / "configs" / "local-cpu-pd.yaml"
+
+
+def transfer(pool: str, **changes: Any) -> TransferSpec:
+    base = {"pool": pool, "model_hash": "sha256:abc", "model_files": ["config.json"],
+            "model_path": "/models/a", "connector": "NixlConnector", "connector_version": 14,
+            "kv_role": "kv_producer" if pool == "prefill" else "kv_consumer",
+            "transfer_mode": "pull", "backend_names": ["CPU_DSV4"],
+            "kv_cache_layout": "NHD", "kernel_block_size": 256,
+            "region_block_lens": [37440, 8640, 37440]}
+    return TransferSpec.model_validate(base | changes)
+
+
+def replica(rid: str, pool: str, *, reordered: bool = False, vllm: str | None = None,
+            **changes: Any) -> ReplicaSpec:
+    spec = standin_spec(rid, 0, reordered=reordered)
+    versions = spec.versions | ({"vllm": vllm} if vllm else {})
+    return spec.model_copy(update={"transfer": transfer(pool, **changes),
+                                   "versions": versions})
+
+
+def test_identical_pools_are_compatible_and_every_pair_is_allowed() -> None:
+    prefill = [replica("p0", "prefill"), replica("p1", "prefill")]
+    decode = [replica("d0", "decode")]
+    report = pd_compat.judge(prefill, decode, {})
+    assert report.verdict is PDVerdict.COMPATIBLE and report.differences == []
+    assert report.allowed == {"d0": ["p0", "p1"]} and report.blocked_prefill == []
+
+
+def test_the_model_path_string_does_not_matter_its_content_does() -> None:
+    """NIXL's hash differs for a copy at another path; ours compares content."""
+    prefill = [replica("p0", "prefill", model_path="/models/a", nixl_compat_hash="h1")]
+    decode = [replica("d0", "decode", model_path="/mnt/copy", nixl_compat_hash="h2")]
+    assert pd_compat.judge(prefill, decode, {}).verdict is PDVerdict.COMPATIBLE
+    other = [replica("d0", "decode", model_hash="sha256:other")]
+    report = pd_compat.judge(prefill, other, {})
+    assert report.verdict is PDVerdict.INCOMPATIBLE
+    assert [d.field for d in report.differences] == ["model_hash"]
+
+
+@pytest.mark.parametrize(("field", "changes"), [
+    ("region_block_lens", {"region_block_lens": [37440, 8640, 74880]}),
+    ("kernel_block_size", {"kernel_block_size": 128}),
+    ("backend_names", {"backend_names": ["FLASHMLA"]}),
+    ("connector_version", {"connector_version": 13}),
+    ("transfer_mode", {"transfer_mode": "push"}),
+    ("kv_cache_layout", {"kv_cache_layout": "HND"}),
+])
+def test_each_transfer_field_is_compared_and_named(field: str, changes: dict[str, Any]) -> None:
+    report = pd_compat.judge([replica("p0", "prefill")], [replica("d0", "decode", **changes)],
+                             {})
+    assert report.verdict is PDVerdict.INCOMPATIBLE
+    assert [d.field for d in report.differences] == [field]
+    assert field in report.message and "p0" in report.message and "d0" in report.message
+
+
+def test_a_layer_mix_difference_names_the_layers() -> None:
+    report = pd_compat.judge([replica("p0", "prefill")],
+                             [replica("d0", "decode", reordered=True)], {})
+    [diff] = report.differences
+    assert diff.field == "fingerprint"
+    assert {d.layer for d in diff.layers} >= {"model.layers.2.attn", "model.layers.3.attn"}
+
+
+def test_vllm_version_and_unknown_identity_are_differences() -> None:
+    report = pd_compat.judge([replica("p0", "prefill", vllm="0.32.0")],
+                             [replica("d0", "decode", vllm="0.31.0")], {})
+    assert [d.field for d in report.differences] == ["vllm_version"]
+    unknown = pd_compat.judge([replica("p0", "prefill", model_hash=None)],
+                              [replica("d0", "decode", model_hash=None)], {})
+    assert [d.field for d in unknown.differences] == ["model_hash"]
+
+
+def test_roles_and_a_missing_transfer_spec_are_differences() -> None:
+    report = pd_compat.judge([replica("p0", "prefill", kv_role="kv_consumer")],
+                             [replica("d0", "decode")], {})
+    assert [d.field for d in report.differences] == ["kv_role"]
+    bare = standin_spec("d0", 0)
+    assert [d.field for d in pd_compat.compare(replica("p0", "prefill"), bare)] == ["transfer"]
+
+
+def test_one_odd_prefill_is_routed_around() -> None:
+    prefill = [replica("p0", "prefill"), replica("p1", "prefill", kernel_block_size=64)]
+    report = pd_compat.judge(prefill, [replica("d0", "decode"), replica("d1", "decode")], {})
+    assert report.verdict is PDVerdict.PARTIAL
+    assert report.allowed == {"d0": ["p0"], "d1": ["p0"]} and report.blocked_prefill == ["p1"]
+
+
+def test_no_answers_yet_means_no_transfers() -> None:
+    report = pd_compat.judge([], [replica("d0", "decode")], {})
+    assert report.verdict is PDVerdict.NOT_CHECKED and report.allowed == {}
+    assert pd_compat.combined_state(State.AGREE, report.verdict) is State.NOT_CHECKED
+    assert pd_compat.combined_state(State.AGREE, PDVerdict.PARTIAL) is State.DISAGREE
+    assert pd_compat.pool_state([State.AGREE, State.INCOMPLETE]) is State.INCOMPLETE
+
+
+def test_model_identity_is_by_content(tmp_path: Path) -> None:
+    tiny = ensure_tiny_model()
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny, copy)
+    digest, files = pd_compat.model_identity(tiny)
+    assert digest is not None and "config.json" in files and "tokenizer.json" in files
+    assert pd_compat.model_identity(copy) == (digest, files)
+    (copy / "tokenizer_config.json").write_text("{}")
+    assert pd_compat.model_identity(copy)[0] != digest
+    assert pd_compat.model_identity(tmp_path / "nowhere") == (None, [])
+
+
+# ------------------------------------------------------------------ config
+
+
+def pd_args(**pd: Any) -> dict[str, Any]:
+    [(_, args)] = load_serve_config(PD_CONFIG).ours()
+    raw = args.model_dump(mode="json", exclude_none=True)
+    raw["pd"] = raw["pd"] | pd
+    return raw
+
+
+def test_the_cpu_pd_config_builds_two_pools() -> None:
+    [(_, args)] = load_serve_config(PD_CONFIG).ours()
+    assert type(args).__name__ == "PDAppArgs" and args.max_replicas_total == 2
+    prefill = args.pool_llm_config_dict("prefill", "/m")
+    decode = args.pool_llm_config_dict("decode", "/m")
+    assert prefill["engine_kwargs"]["kv_transfer_config"]["kv_role"] == "kv_producer"
+    assert decode["engine_kwargs"]["kv_transfer_config"]["kv_role"] == "kv_consumer"
+    assert prefill["runtime_env"]["env_vars"]["UCX_TLS"] == "tcp,self,sm"
+
+
+def test_handshake_hash_off_is_refused_without_our_check() -> None:
+    off = {"kv_connector": "NixlConnector",
+           "kv_connector_extra_config": {"enforce_handshake_compat": False}}
+    with pytest.raises(ConfigError, match=r"enforce_handshake_compat=false with "
+                       r"pd.compat_check=false.*Fix: set pd.compat_check: true"):
+        parse_app_args(pd_args(kv_transfer_config=off, compat_check=False))
+    parse_app_args(pd_args(kv_transfer_config=off, compat_check=True))  # ours covers it
+
+
+def test_connectors_without_hybrid_kv_support_and_roles_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"kv_connector='ExampleConnector'.*NixlConnector"):
+        parse_app_args(pd_args(kv_transfer_config={"kv_connector": "ExampleConnector"}))
+    with pytest.raises(ConfigError, match=r"kv_role='kv_both'.*remove kv_role"):
+        parse_app_args(pd_args(kv_transfer_config={"kv_connector": "NixlConnector",
+                                                   "kv_role": "kv_both"}))
+    with pytest.raises(ConfigError, match=r"replica_overrides\[0\].rank=1.*at most 1"):
+        parse_app_args(pd_args(decode={"replica_overrides": [
+            {"rank": 1, "engine_kwargs": {"hf_overrides": {}}}]}))
+
+
+# ------------------------------------------------------------------ routing, status, plan
+
+
+def test_the_decode_whitelist_is_empty_until_checked_and_then_exact() -> None:
+    from deployments import pd_route
+    from deployments.wire import PDRouteMessage
+
+    route = pd_route.Route()
+    assert not route.may_transfer() and not route.permits("p0")  # not checked: no transfer
+    saved = pd_route.ROUTE
+    try:
+        pd_route.ROUTE = route
+        message = PDRouteMessage(checked_at=1.0, verdict=PDVerdict.PARTIAL,
+                                 allowed={"d0": ["p0"], "d1": []})
+        taken = pd_route.take(message, "d0")
+        assert taken.may_transfer() and taken.permits("p0") and not taken.permits("p1")
+        assert pd_route.live_route() is route
+        assert not pd_route.take(message, "d1").may_transfer()  # stranded: prefill locally
+    finally:
+        pd_route.ROUTE = saved
+    assert pd_route.Route(check=False).permits("anything")
+
+
+def test_status_and_plan_show_the_pools_and_the_verdict() -> None:
+    from deployments import pd_plan
+    from deployments.report_text import describe
+    from deployments.wire import Expected, FleetReport, PDPool
+
+    prefill = [replica("p0", "prefill"), replica("p1", "prefill", kernel_block_size=64)]
+    pools = {"prefill": PDPool(deployment="Prefill:m", state=State.AGREE, replicas=["p0", "p1"]),
+             "decode": PDPool(deployment="Decode:m", state=State.AGREE, replicas=["d0"])}
+    pd = pd_compat.judge(prefill, [replica("d0", "decode")], pools)
+    report = FleetReport(state=State.DISAGREE, agree=False, policy="enforce",
+                         expected=Expected(layout="fp8_ds_mla", reference="prediction"), pd=pd)
+    text = describe(report)
+    assert "P/D: partial" in text and "decode d0 takes KV from prefill ['p0']" in text
+    [(_, args)] = load_serve_config(PD_CONFIG).ours()
+    summary = pd_plan.summary(args, 3915.0, 256, 1000, 2048)
+    assert summary["bytes_moved_per_request"] == {"1024": 1024 * 3915, "2048": 2048 * 3915}
+    rows = dict(pd_plan.rows(summary))
+    assert "NixlConnector" in rows["P/D connector"] and "prefill 1 x 1,000" in rows["P/D pools"]
