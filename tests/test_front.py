@@ -93,3 +93,51 @@ def test_kv_spec_route_is_mounted_and_redacted(client: TestClient) -> None:
     resp = client.get(KV_SPEC_ROUTE)
     assert resp.status_code == 409 and resp.headers["x-dsv4-refresh"] == "cached"
     assert "pid" not in resp.json() and "/opt/" not in resp.text
+
+
+class _AppOnlyEngine:
+    """Stands in for the engine of a replica; builds vLLM's real OpenAI app, runs nothing."""
+
+    async def build_asgi_app(self) -> FastAPI:
+        return vllm_app()
+
+
+def test_the_pd_decode_replica_serves_rays_prefill_first_routes_behind_our_edge() -> None:
+    """The P/D decode replica's app (``DSv4PDDecodeServer.__serve_build_asgi_app__``
+    through the real MRO): chat/completions are Ray's P/D routes (they call the
+    replica's prefill-first ``chat``/``completions``), not vLLM's local ones; our edge
+    is outermost, vLLM's CORS gone, ``/v1/kv-spec`` mounted. The live path:
+    ``tests/test_pd_serving.py``."""
+    import asyncio
+
+    from fastapi.routing import APIRoute
+    from ray.serve.llm import LLMConfig
+
+    from deployments.pd_server import DSv4PDDecodeServer
+
+    server = DSv4PDDecodeServer.sync_init(LLMConfig(model_loading_config={
+        "model_id": "m"}))
+    server.engine = _AppOnlyEngine()
+    server._http = HTTPEdge()
+
+    async def kv_spec() -> None:
+        raise AssertionError("not called")
+
+    server._kv_spec, server._kv_spec_report = object(), kv_spec
+    app = asyncio.run(server.__serve_build_asgi_app__())
+    endpoints = {r.path: r.endpoint.__qualname__ for r in app.routes
+                 if isinstance(r, APIRoute) and r.path in
+                 ("/v1/completions", "/v1/chat/completions", KV_SPEC_ROUTE)}
+    assert "PDOrchestratorMixin" in endpoints["/v1/completions"], endpoints
+    assert "PDOrchestratorMixin" in endpoints["/v1/chat/completions"], endpoints
+    assert KV_SPEC_ROUTE in endpoints
+    assert app.user_middleware[0].cls is EdgeMiddleware
+    assert not [m for m in app.user_middleware if m.cls is CORSMiddleware]
+
+
+def test_the_deployments_that_answer_http_are_the_servers_and_the_decode_pool() -> None:
+    from deployments.app import serves_http
+
+    assert serves_http("DSv4Server:dsv4-tiny") and serves_http("DSv4DPServer:dsv4-tiny")
+    assert serves_http("Decode:dsv4-tiny")
+    assert not serves_http("Prefill:dsv4-tiny") and not serves_http("KVSpecController")
