@@ -21,7 +21,7 @@ import yaml
 from deployments import k8s
 from deployments.config import ConfigError, ServeConfig, parse_app_args
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 CRD = REPO.parent / "shared" / "reference" / "kuberay" / "ray.io_rayservices.yaml"
 MANIFESTS = sorted(K8S.glob(f"*{k8s.MANIFEST_SUFFIX}"))
