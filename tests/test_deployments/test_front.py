@@ -6,7 +6,7 @@ built here from vLLM's own default front-end arguments (no engine: routes are ne
 reached), so what vLLM mounts and adds by default is checked against what we close:
 its CORS middleware (``--allowed-origins`` defaults to ``*``), its extra routes
 (``/metrics``, ``/tokenize``, ``/health``, docs), its validation handler. The live
-path is ``tests/test_serve_security.py``.
+path is ``tests/test_deployments/test_serve_security.py``.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def test_the_pd_decode_replica_serves_rays_prefill_first_routes_behind_our_edge(
     through the real MRO): chat/completions are Ray's P/D routes (they call the
     replica's prefill-first ``chat``/``completions``), not vLLM's local ones; our edge
     is outermost, vLLM's CORS gone, ``/v1/kv-spec`` mounted. The live path:
-    ``tests/test_pd_serving.py``."""
+    ``tests/test_deployments/test_pd_serving.py``."""
     import asyncio
 
     from fastapi.routing import APIRoute
