@@ -130,8 +130,13 @@ class _Metrics:
 class KVSpecController:
     """One replica; its loop checks every ``controller_period_s`` seconds."""
 
-    async def __init__(self, server: DeploymentHandle, dsv4: dict[str, Any]):
+    async def __init__(self, server: DeploymentHandle | str, dsv4: dict[str, Any]):
         self._settings = DSv4Section.model_validate(dsv4)
+        if isinstance(server, str):
+            # By name when the servers bind us (they are the ingress and answer
+            # /v1/kv-spec from our report; a Serve graph has no cycles).
+            server = serve.get_deployment_handle(
+                server, app_name=serve.get_replica_context().app_name)
         self._server = server
         self._policy_override: str | None = None
         self._lock = asyncio.Lock()

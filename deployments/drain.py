@@ -37,19 +37,20 @@ def drain_deadline_s(config: ServeConfig) -> float:
 
 
 def in_flight_requests(app_names: list[str]) -> int:
-    """Requests the apps' ingress replicas are handling now (every client request
-    passes one), read from the replica actors; 0 once they have stopped."""
+    """Requests the apps' serving replicas are handling now (every client request
+    passes exactly one: they are the ingress), read from the replica actors; 0 once
+    they have stopped."""
     import ray
     from ray.serve._private.common import ReplicaID
 
-    from deployments.app import INGRESS_NAME
+    from deployments.app import serves_http
 
     handles = []
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if not ReplicaID.is_full_id_str(actor["name"]):
             continue
         replica = ReplicaID.from_full_id_str(actor["name"]).deployment_id
-        if replica.app_name in app_names and replica.name == INGRESS_NAME:
+        if replica.app_name in app_names and serves_http(replica.name):
             handles.append(ray.get_actor(actor["name"], namespace=actor["namespace"]))
     counts = ray.get([h.get_num_ongoing_requests.remote() for h in handles], timeout=10)
     return int(sum(counts))
