@@ -450,15 +450,23 @@ class KVSpecController:
 
     # ------------------------------------------------------------------ control
 
-    async def set_policy(self, policy: str) -> dict[str, Any]:
+    async def set_policy(self, policy: str | None) -> dict[str, Any]:
         """An operator's run-time policy for every replica (logged); checks now.
 
-        Without it each replica obeys its own configured ``dsv4.policy``.
+        The route is ``dsv4-serve policy`` (``deployments.policy_cli``, over a Serve
+        handle, so only who can reach the Ray cluster may change it): switching e.g.
+        ``warn`` -> ``enforce`` after a rollout without restarting a replica (a
+        config change would reboot every engine). ``None`` clears it: each replica
+        obeys its own configured ``dsv4.policy`` again. It lives in this controller:
+        a restarted controller starts without it (the report's ``policy_override``
+        says which is in force).
         """
-        new = Policy(policy).value
-        if new != self._policy:
-            logger.warning("dsv4: KV-spec policy %s -> %s (operator override for every "
-                           "replica)", self._policy, new)
+        new = None if policy is None else Policy(policy).value
+        if new != self._policy_override:
+            logger.warning("dsv4: KV-spec policy %s -> %s (%s)", self._policy,
+                           new or self._settings.policy.value,
+                           "operator override for every replica" if new else
+                           "override cleared: each replica obeys its own dsv4.policy")
         self._policy_override = new
         return await self.check()
 

@@ -166,7 +166,8 @@ class PDController:
                 logger.warning("dsv4: on-demand P/D check exceeded %.0f s", bound)
         return self.current().model_dump(mode="json")
 
-    async def set_policy(self, policy: str) -> dict[str, Any]:
+    async def set_policy(self, policy: str | None) -> dict[str, Any]:
+        """``KVSpecController.set_policy`` on both pools, then the pairs judged again."""
         for c in self._pools.values():
             await c.set_policy(policy)
         await self.judge()
