@@ -19,29 +19,24 @@ override). This Serve deployment does, periodically and on demand:
    ``stale`` with its age, and the controller then fails its health check so
    Serve restarts it.
 
-Ray internals touched (Ray 2.60; probed at start, logged, fallback below):
-
-* target ``ray.serve.handle.DeploymentBroadcastResponse._fetch_replica_results_async``
-  and ``ReplicaResult.get_async`` / ``cancel`` (``ray.serve._private.replica_result``).
-  Why: the public ``results_async(timeout_s=...)`` is all-or-nothing -- one hung
-  replica discards every answer. How: take the per-replica results and await each
-  under its own timeout; cancel the ones that miss it. Upstream: no per-replica
-  timeout in ``broadcast`` as of Ray 2.60 (alpha API). Affected: Ray 2.60.
-  Removal: when ``broadcast`` exposes per-replica results with timeouts.
-  Fallback when absent: ``results_async`` (all-or-nothing), logged once.
+Ray internals touched, documented and probed in ``deployments.ray_touches``:
+``serve.broadcast_per_replica_results`` (each replica's answer under its own
+deadline; asked once per controller, fallback ``results_async``, all-or-nothing,
+logged) and ``serve.replica_ids`` (naming the replicas that missed a deadline).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Collection
 from typing import Any
 
 from ray import serve
-from ray.serve.handle import DeploymentBroadcastResponse, DeploymentHandle
+from ray.serve.handle import DeploymentHandle
 from ray.serve.metrics import Counter, Gauge
 
-from deployments import kvspec
+from deployments import kvspec, ray_touches
 from deployments.config import DSv4Section, Policy
 from deployments.logs import get_logger
 from deployments.wire import (
@@ -58,8 +53,6 @@ from deployments.wire import (
 
 logger = get_logger("controller")
 
-PER_REPLICA_RESULTS = hasattr(DeploymentBroadcastResponse, "_fetch_replica_results_async")
-
 
 def running_replicas(app_name: str, deployment_name: str) -> int | None:
     """RUNNING replicas of one deployment per Serve, or None if Serve does not list it."""
@@ -69,14 +62,30 @@ def running_replicas(app_name: str, deployment_name: str) -> int | None:
     return int(app.deployments[deployment_name].replica_states.get("RUNNING", 0))
 
 
-def alive_replica_ids(app_name: str, deployment_name: str) -> set[str]:
-    """Replica ids of the deployment's live actors (Serve names them ``...#<id>``)."""
-    import ray
+def replica_actors(app_names: Collection[str],
+                   deployment_name: str) -> list[tuple[str, dict[str, str]]]:
+    """(replica id, named-actor entry) of each live replica actor of one deployment.
 
-    prefix = f"SERVE_REPLICA::{app_name}#{deployment_name}#"
-    return {a["name"].removeprefix(prefix)
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(prefix)}
+    Serve's replica actors are found by parsing their names with Serve's own
+    ``ReplicaID`` (the ``serve.replica_ids`` touch), never a hard-coded format.
+    """
+    import ray
+    from ray.serve._private.common import ReplicaID
+
+    found = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if not ReplicaID.is_full_id_str(actor["name"]):
+            continue
+        replica = ReplicaID.from_full_id_str(actor["name"])
+        deployment = replica.deployment_id
+        if deployment.app_name in app_names and deployment.name == deployment_name:
+            found.append((replica.unique_id, actor))
+    return found
+
+
+def alive_replica_ids(app_name: str, deployment_name: str) -> set[str]:
+    """Replica ids of the deployment's live actors."""
+    return {rid for rid, _ in replica_actors({app_name}, deployment_name)}
 
 
 class _Metrics:
@@ -149,7 +158,8 @@ class KVSpecController:
                                         self._settings.enforce_backoff_s)
         self._report = self._not_checked()
         self._metrics = _Metrics(server.deployment_name)
-        if not PER_REPLICA_RESULTS:
+        self._per_replica = ray_touches.present("serve.broadcast_per_replica_results")
+        if not self._per_replica:
             logger.warning("dsv4: this Ray has no per-replica broadcast results; one hung "
                            "replica will make a whole check incomplete")
         # Async constructor: the loop task lives on the replica's event loop.
@@ -256,7 +266,7 @@ class KVSpecController:
         timeout = self._settings.broadcast_timeout_s
         try:
             response = self._server.broadcast(method, *args, **kwargs)
-            if not PER_REPLICA_RESULTS:
+            if not self._per_replica:
                 return await response.results_async(timeout_s=timeout,
                                                     return_exceptions=True), 0, None
             results = await asyncio.wait_for(

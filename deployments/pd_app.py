@@ -14,19 +14,18 @@ both pools. The prefill deployment routes with ``deployments.pd_route.PDPrefillR
 
 from __future__ import annotations
 
-import logging
-
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 
 from deployments import pd_route
 from deployments.app import bind_ingress, controller_deployment, resolve_model_source
+from deployments.logs import get_logger
 from deployments.pd_config import PDAppArgs
 from deployments.pd_controller import PDController
 from deployments.pd_server import DSv4PDDecodeServer, DSv4PDPrefillServer
 from deployments.router import with_kv_router
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("pd")
 
 PREWARM_KEY = "_prewarm_prefill_decode"
 

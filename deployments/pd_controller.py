@@ -13,7 +13,6 @@ replicas (``apply_pd_route``, a ``wire.PDRouteMessage``) and publishes the verdi
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import Any
 
@@ -22,6 +21,7 @@ from ray.serve.metrics import Gauge
 
 from deployments import pd_compat
 from deployments.controller import KVSpecController
+from deployments.logs import get_logger
 from deployments.wire import (
     FleetReport,
     PDPool,
@@ -32,7 +32,7 @@ from deployments.wire import (
     State,
 )
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("pd")
 
 POOLS = ("prefill", "decode")
 
