@@ -107,6 +107,26 @@ class Patch:
         return result
 
 
+@dataclass(frozen=True)
+class Read:
+    """A vLLM internal dsv4_patch reads or calls but never changes, documented like a patch.
+
+    ``probe()`` says what the installed vLLM lacks (None: present as used); code that
+    reads the internal falls back (said in ``how``) when it is missing, and
+    ``dsv4-serve doctor`` lists every read with its probe.
+    """
+
+    name: str
+    module: str
+    target: str
+    why: str
+    how: str
+    upstream: str
+    affected: str
+    remove_when: str
+    probe: Callable[[], str | None]
+
+
 def original_of(obj: Any) -> Any:
     """The vLLM object behind one of our replacements (or ``obj`` itself)."""
     return getattr(obj, ORIGINAL, obj)
