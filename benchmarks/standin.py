@@ -23,7 +23,9 @@ uses. Knobs make chosen ranks differ the ways a fleet can:
 * ``canaries``: ranks that declare a ``replica_overrides`` entry;
 * ``split``: ranks whose second worker reports another spec (intra-replica);
 * ``hang_s``: rank -> seconds ``kv_page_spec`` stalls, from its second call on
-  (the first answers, so the controller knows the replica it then waits for).
+  (the first answers, so the controller knows the replica it then waits for);
+  with ``hang_flag``, only while that file exists instead (a test first sees every
+  replica answer, however slow the box made that first answer, then starts the hang).
 
 Like ``DSv4Server``, a stand-in refuses to start under ``enforce`` when it
 contradicts its own config (split ranks, caches its own prediction rules out):
@@ -154,13 +156,15 @@ class StandInReplica:
     def __init__(self, cache_dtype: str = "fp8_ds_mla", variants: dict[int, str] | None = None,
                  reordered: tuple[int, ...] = (), canaries: tuple[int, ...] = (),
                  split: tuple[int, ...] = (), hang_s: dict[int, float] | None = None,
-                 policy: str = "enforce", expected_layout: str = "fp8_ds_mla"):
+                 hang_flag: str | None = None, policy: str = "enforce",
+                 expected_layout: str = "fp8_ds_mla"):
         ctx = serve.get_replica_context()
         self._replica_id = ctx.replica_id.unique_id
         self._rank = ctx.rank.rank if ctx.rank is not None else None
         self._dtype = (variants or {}).get(self._rank, cache_dtype) \
             if self._rank is not None else cache_dtype
         self._hang_s = (hang_s or {}).get(self._rank, 0.0) if self._rank is not None else 0.0
+        self._hang_flag = Path(hang_flag) if hang_flag else None
         self._policy = policy
         self._spec = standin_spec(
             self._replica_id, self._rank, dtype=self._dtype, reordered=self._rank in reordered,
@@ -177,10 +181,15 @@ class StandInReplica:
     async def kv_page_spec(self, known: dict[str, str] | None = None) -> dict[str, Any]:
         """What ``DSv4Server.kv_page_spec`` returns (stalls if told to)."""
         self._calls += 1
-        if self._hang_s and self._calls > 1:
+        if self._hang_s and self._stalls():
             await asyncio.sleep(self._hang_s)
         return answer_kv_page_spec(self._spec.model_copy(update={"verdict": self._verdict}),
                                    known)
+
+    def _stalls(self) -> bool:
+        if self._hang_flag is not None:
+            return self._hang_flag.exists()
+        return self._calls > 1
 
     async def apply_kv_verdict(self, message: dict[str, Any]) -> dict[str, Any]:
         self._verdict = kvspec.take_verdict(message, self._replica_id, self._policy,

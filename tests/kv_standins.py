@@ -9,6 +9,8 @@ from deployments.controller import KVSpecController
 
 # While this file exists, the first StuckStatusController's serve.status() never returns.
 STUCK_FLAG = Path("/tmp/dsv4-test-stuck-status")
+# While this file exists, a stand-in given ``hang_flag`` stalls its kv_page_spec answers.
+HANG_FLAG = Path("/tmp/dsv4-test-hung-replica")
 
 
 class StuckStatusController(KVSpecController):

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import Stack
-from tests.kv_standins import STUCK_FLAG
+from tests.kv_standins import HANG_FLAG, STUCK_FLAG
 
 pytestmark = pytest.mark.slow
 
@@ -159,13 +159,21 @@ def test_a_hung_replica_is_named_while_the_others_get_their_verdict(app_name: st
     from ray import serve
 
     timeout = 2.0
+    HANG_FLAG.unlink(missing_ok=True)
     serve.run(standin_app(3, {"policy": "enforce", "broadcast_timeout_s": timeout},
-                          hang_s={1: 60.0}), name=app_name, route_prefix=None)
-    first = wait_report(app_name, lambda r: r["answered"] == 3)
-    assert first["state"] == "agree", first["problems"]
-    hung = by_rank(first)[1]["id"]
-    started = time.monotonic()
-    rep = wait_report(app_name, lambda r: r["state"] != "agree", timeout_s=30)
+                          hang_s={1: 60.0}, hang_flag=str(HANG_FLAG)),
+              name=app_name, route_prefix=None)
+    try:
+        # Every replica answers first (on a loaded box a first answer may miss one
+        # check's deadline; the next one gets it), then rank 1 hangs.
+        first = wait_report(app_name, lambda r: r["answered"] == 3)
+        assert first["state"] == "agree", first["problems"]
+        hung = by_rank(first)[1]["id"]
+        HANG_FLAG.touch()
+        started = time.monotonic()
+        rep = wait_report(app_name, lambda r: r["state"] != "agree", timeout_s=30)
+    finally:
+        HANG_FLAG.unlink(missing_ok=True)
     print(f"hung replica named after {time.monotonic() - started:.1f} s; check took "
           f"{rep['check_seconds']} s (per-replica timeout {timeout} s)")
     assert rep["state"] == "incomplete" and rep["answered"] == 2, rep["problems"]
