@@ -114,3 +114,14 @@ def test_vllm_plugins_parsed_as_vllm_does():
     """One parse for config and doctor, vLLM's own: a space before the name hides it."""
     assert rules.plugin_allowed(None) and rules.plugin_allowed("a,dsv4_patch")
     assert not rules.plugin_allowed("a, dsv4_patch") and not rules.plugin_allowed("")
+
+
+def test_pool_replicas_pack_gpu_nodes():
+    """P/D pools share nodes: 1 TP4 prefill + 1 TP4 decode = one 8-GPU node."""
+    assert sizing.nodes_for([(1, 4), (1, 4)], 8) == 1
+    assert sizing.nodes_for([(2, 4), (5, 4)], 8) == 4
+    assert sizing.nodes_for([(3, 4), (2, 2)], 8) == 2  # 16 GPUs: 4+4 | 4+2+2
+    assert sizing.nodes_for([(0, 3), (1, 8)], 8) == 1  # an empty pool does not count
+    for bad in ([(1, 3), (1, 4)], [(1, 16)], [(1, 2), (1, 6)]):
+        with pytest.raises(ValueError, match="divide the node's GPU count"):
+            sizing.nodes_for(bad, 8)
