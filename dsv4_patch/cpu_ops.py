@@ -29,8 +29,8 @@ read back by ``implementation_of``) and printed by ``dsv4-serve doctor``.
 ``DSV4_CPU_OPS=torch`` registers ours as the CPU kernel even over a native one (all but
 the packed-weight pair, see ``choose``), so the torch path is exercised on AVX512-BF16
 hosts too. Ours agree with the native kernels within rounding on a real engine's inputs
-(tests/test_cpu_ops_native.py: bit-exact state rows and top-k sets, fp8 bytes but for a
-few ties, bf16 outputs within one ulp, fp32 within fp32 rounding).
+(tests/test_dsv4_patch/test_cpu_ops_native.py: bit-exact state rows and top-k sets,
+fp8 bytes but for a few ties, bf16 outputs within one ulp, fp32 within fp32 rounding).
 
 Cache formats (writers and readers are all here on such a host, but they follow the
 real kernels' byte layout so pages vLLM allocates are never overrun):
@@ -1061,8 +1061,9 @@ PAIRED = ("convert_weight_packed", "bmm_cpu")
 # The switch that picks the implementation. "auto": the native kernel wherever the loaded
 # library has it, ours where it does not (what serving uses). "torch": ours for every op,
 # also over a native kernel -- a diagnostic and test switch, so the torch path is exercised
-# on AVX512-BF16 hosts too (tests/test_engine_generation.py runs both). Forcing overrides
-# the ops' CPU kernels for the whole process, except the packed-weight pair (see choose()).
+# on AVX512-BF16 hosts too (tests/test_dsv4_patch/test_engine_generation.py runs both).
+# Forcing overrides the ops' CPU kernels for the whole process, except the packed-weight
+# pair (see choose()).
 MODE_ENV = "DSV4_CPU_OPS"
 MODES = ("auto", "torch")
 

@@ -7,7 +7,7 @@ changes the installed symbol only where it is broken, so a fixed vLLM is left al
 The whole registry, CPU patches included, is ``dsv4_patch.registry.PATCHES``.
 
 The contract on every release (docs/versions.md, proven per release by
-tests/test_release_matrix.py): with the plugin, DeepSeek-V4's KV cache dtype is
+tests/test_dsv4_patch/test_release_matrix.py): with the plugin, DeepSeek-V4's KV cache dtype is
 decided exactly like the fixed upstream resolver of vLLM 0.30-0.33
 (``rules.upstream_resolver_decision``): same result string, torch dtype,
 ``cache_config`` write-back, error or not. Only the error texts are ours.

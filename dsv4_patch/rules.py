@@ -337,7 +337,7 @@ def upstream_resolver_decision(
     unless it already is), anything else raises. Plain rows: ``fp8*`` keep their name
     with float8_e4m3fn, everything else is returned unchanged as bf16. ``None`` raises
     on both (upstream: ``AttributeError`` from ``None.startswith``).
-    Pinned to the real 0.30-0.33 code by tests/test_release_matrix.py.
+    Pinned to the real 0.30-0.33 code by tests/test_dsv4_patch/test_release_matrix.py.
     """
     if not isinstance(kv_cache_dtype, str):
         return UpstreamDecision(None, None, None, f"kv_cache_dtype={kv_cache_dtype!r} is not "

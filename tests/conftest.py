@@ -47,8 +47,29 @@ class Stack:
     running_s: dict[str, float]
     cluster_s: float
     # The API-key file the session's ingress re-reads (DSV4_API_KEYS_FILE): empty, so the
-    # loopback app is open; tests/test_serve_security.py writes keys into it and empties it.
+    # loopback app is open; tests/test_deployments/test_serve_security.py writes keys into it
+    # and empties it.
     keys_file: Path | None = None
+
+
+TESTS = Path(__file__).resolve().parent
+# pyproject's testpaths. Named test_<package>, not <package>: engine subprocesses get
+# tests/ on PYTHONPATH (engine_site's hooks import its harnesses by top-level name), where
+# a tests/dsv4_patch/ would shadow the real plugin and tests/packaging/ PyPI's packaging.
+MIRRORS = ("test_dsv4_patch", "test_deployments", "test_packaging")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Refuse a test file outside the mirror tree: pyproject's testpaths would skip it."""
+    strays = sorted(p.relative_to(TESTS.parent).as_posix() for p in TESTS.glob("test_*.py"))
+    strays += sorted(p.relative_to(TESTS.parent).as_posix() for p in TESTS.glob("*/test_*.py")
+                     if p.parent.name not in MIRRORS)
+    if strays:
+        raise pytest.UsageError(
+            f"test files outside the mirror tree would never run: {', '.join(strays)}; "
+            f"expected tests/test_<package>/test_<module>.py in one of {MIRRORS}. "
+            "Fix: git mv each into the package its module belongs to (or add the new "
+            "package to MIRRORS and pyproject's testpaths).")
 
 
 def read_until_serving(proc: subprocess.Popen[str], timeout_s: float) -> str:

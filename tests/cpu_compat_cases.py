@@ -1,6 +1,6 @@
 """Bit-exact check of every dsv4_patch.cpu_compat fallback against vLLM's own Triton kernel.
 
-Run as a script in a fresh interpreter (tests/test_cpu_compat.py does): it sets
+Run as a script in a fresh interpreter (tests/test_dsv4_patch/test_cpu_compat.py does): it sets
 TRITON_INTERPRET=1 before Triton is imported and hands vLLM the real Triton module, so
 the original kernels run in Triton's CPU interpreter. Every case launches the original
 launcher and the torch fallback on identical inputs whose output buffers are pre-filled

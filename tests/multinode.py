@@ -1,5 +1,6 @@
-"""The multi-node scenario, step by step: shared by tests/test_multinode.py (in CI) and
-benchmarks/multinode.py (timings for docs/benchmarks.md).
+"""The multi-node scenario, step by step: shared by
+tests/test_deployments/test_multinode.py (in CI) and benchmarks/multinode.py (timings for
+docs/benchmarks.md).
 
 Everything runs the way a user runs it: ``dsv4-serve run --nodes N`` in its own
 process group, real HTTP on 127.0.0.1, Ray's autoscaler adding and removing
@@ -64,7 +65,7 @@ class Run:
 
     def all_pids(self) -> set[int]:
         """Every live process of the run: its own tree plus the cluster's session."""
-        from tests.test_run_cli import descendants
+        from tests.test_deployments.test_run_cli import descendants
 
         return {self.proc.pid} | descendants(self.proc.pid) | set(session_pids(self.session))
 

@@ -1,6 +1,6 @@
 """Our DeepSeek-V4 CPU ops against vLLM's native kernels, on the inputs a real engine makes.
 
-Used by tests/test_cpu_ops_native.py and runnable on its own for the numbers
+Used by tests/test_dsv4_patch/test_cpu_ops_native.py and runnable on its own for the numbers
 (``python tests/native_compare.py``). Only meaningful on a host whose loaded
 ``vllm/_C`` has the native kernels (AVX512-BF16; see ``cpu_ops._loaded_library``).
 

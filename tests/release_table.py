@@ -113,8 +113,9 @@ def render() -> str:
         "error-or-not with the fixed upstream resolver for auto, None, fp8, fp8_e4m3, "
         "fp8_e5m2, fp8_ds_mla, bfloat16, float16, FP8, \"\" and garbage, on both layouts",
         "where the release has both. Import level: the real modules imported over torch",
-        "2.13.0+cpu (tests/test_release_import.py). End to end: the tiny DeepSeek-V4 with",
-        "`auto`, plugin off/on (tests/test_release_e2e.py); a dash where it did not run.",
+        "2.13.0+cpu (tests/test_dsv4_patch/test_release_import.py). End to end: the tiny",
+        "DeepSeek-V4 with `auto`, plugin off/on (tests/test_dsv4_patch/test_release_e2e.py);",
+        "a dash where it did not run.",
         "",
         "| " + " | ".join(HEADER) + " |",
         "|" + "---|" * len(HEADER),

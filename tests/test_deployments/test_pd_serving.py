@@ -34,7 +34,7 @@ from tests.conftest import ODD_ENGINE_KWARGS, Stack
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PD_CONFIG = REPO / "configs" / "local-cpu-pd.yaml"
 FULL = os.environ.get("DSV4_FULL_PD") == "1"
 PROMPT = " ".join(["hello world"] * 350)  # ~700 tokens: several 256-token blocks

@@ -19,7 +19,7 @@ import pytest
 
 from dsv4_patch import cpu_compat
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SEEDS = 80  # random batches per kernel; about a minute on 2 cores
 
 # Per kernel: minimum number of cases that launched, and the batch features that must have

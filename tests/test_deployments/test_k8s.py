@@ -22,7 +22,7 @@ from deployments import k8s
 from deployments.config import ConfigError, ServeConfig, parse_app_args
 from deployments.pd_config import POOLS, PDAppArgs
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 CRD = REPO.parent / "shared" / "reference" / "kuberay" / "ray.io_rayservices.yaml"
 MANIFESTS = sorted(K8S.glob(f"*{k8s.MANIFEST_SUFFIX}"))

@@ -12,7 +12,7 @@ from deployments.config import load_serve_config, parse_app_args
 from deployments.local_ray import logical_cpus_needed
 from dsv4_patch import rules
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def test_parallel_counts():

@@ -144,7 +144,7 @@ def check(resp: httpx.Response, sent: Any) -> None:
 
 @pytest.fixture(scope="module")
 def http(serve_stack: Stack) -> Iterator[httpx.Client]:
-    from tests.test_serve_faults import wait_agree
+    from tests.test_deployments.test_serve_faults import wait_agree
 
     before = wait_agree(serve_stack.url, 2)
     with httpx.Client(base_url=serve_stack.url, timeout=120) as client:

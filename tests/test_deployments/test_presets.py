@@ -10,7 +10,7 @@ import yaml
 
 from deployments.config import IMPORT_PATH, ConfigError, load_serve_config
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 GPU_PRESETS = ["flash-h200", "flash-b200", "flash-sm120", "pro-h200-2node"]
 REFUSED = "flash-b200-flashinfer-rows"

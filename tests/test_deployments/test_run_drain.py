@@ -27,7 +27,7 @@ import yaml
 
 from deployments.config import DEFAULT_CONFIG
 from tests.conftest import SERVING_LINE, read_until_serving
-from tests.test_run_cli import alive, descendants
+from tests.test_deployments.test_run_cli import alive, descendants
 
 pytestmark = pytest.mark.slow
 

@@ -33,7 +33,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/
 BF16_REL_ULP = 2.0**-7  # one bf16 ulp relative to the largest magnitude in the output
 FP32_REL = 1e-5
 # fp8 bytes that may differ (rounding ties) per byte compared

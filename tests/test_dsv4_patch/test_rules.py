@@ -12,7 +12,7 @@ from dsv4_patch import rules
 from dsv4_patch.rules import KVCacheDtypeError, Layout, LayoutError, Storage
 
 # The published configs, vendored in configs/models/ (copies of ../shared/reference/models).
-MODELS = Path(__file__).resolve().parents[1] / "configs" / "models" / "deepseek-ai"
+MODELS = Path(__file__).resolve().parents[2] / "configs" / "models" / "deepseek-ai"
 PACKED, ROWS = Layout.FP8_DS_MLA, Layout.PLAIN_ROWS
 
 # (layout, requested) -> (engine_dtype, cache_dtype_str, storage) or the error fragment.

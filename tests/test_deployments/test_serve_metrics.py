@@ -58,7 +58,7 @@ def scrape(url: str, replica: str) -> dict[str, list[tuple[dict[str, str], float
 
 def test_kv_spec_gauges_are_exported_with_the_verdict(serve_stack: Stack) -> None:
     from deployments import local_ray
-    from tests.test_serve_faults import wait_agree
+    from tests.test_deployments.test_serve_faults import wait_agree
 
     report = wait_agree(serve_stack.url, 2)
     url = local_ray.metrics_url()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("pyproject.toml", "README.md", "deployments", "dsv4_patch", "configs", "k8s")
 
 pytestmark = pytest.mark.slow  # ~30 s: a wheel build, a venv, `import vllm` for doctor

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from deployments import auth
 from deployments.config import DEFAULT_CONFIG, load_serve_config
 from tests.conftest import Stack
-from tests.test_serve_fuzz import check
+from tests.test_deployments.test_serve_fuzz import check
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def edge_settings(serve_stack: Stack) -> Any:
 @pytest.fixture(scope="module")
 def http(serve_stack: Stack) -> Iterator[httpx.Client]:
     """A client of the session app; the same replicas must be there afterwards."""
-    from tests.test_serve_faults import wait_agree
+    from tests.test_deployments.test_serve_faults import wait_agree
 
     def replica_ids(timeout_s: float) -> set[str]:
         report = wait_agree(serve_stack.url, 2, timeout_s=timeout_s)

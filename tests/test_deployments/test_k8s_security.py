@@ -3,7 +3,7 @@
 Each rule is checked twice: the committed manifests pass it, and the same manifest
 with that one thing undone fails ``k8s.security_problems`` with a message naming
 it (so the check can fail, and ``dsv4-serve k8s render`` refuses such a manifest).
-CRD validity of the RayService documents is ``tests/test_k8s.py``'s.
+CRD validity of the RayService documents is ``tests/test_deployments/test_k8s.py``'s.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import yaml
 from deployments import k8s
 from deployments.config import ConfigError, parse_app_args
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MANIFESTS = sorted((REPO / "k8s").glob(f"*{k8s.MANIFEST_SUFFIX}"))
 Docs = list[dict[str, Any]]
 

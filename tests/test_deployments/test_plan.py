@@ -19,7 +19,7 @@ import yaml
 from deployments import model_configs, plan, plan_cli, weights
 from deployments.config import ConfigError, parse_app_args
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 GIB = 2**30
 

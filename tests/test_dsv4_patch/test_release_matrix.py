@@ -9,7 +9,7 @@ layouts, that ``rules.upstream_resolver_decision`` *is* the real 0.30-0.33 code,
 with the plugin every release decides exactly like it (result string, torch dtype,
 ``cache_config`` write-back, error or not), also under ``python -O``; that no probe
 raises on any release. Cannot prove: that a release's imports, the rest of the layer
-``__init__`` or a forward pass work (tests/test_release_import.py and the end-to-end
+``__init__`` or a forward pass work (tests/test_dsv4_patch/test_release_import.py and the end-to-end
 checks do), nor anything about CUDA kernels.
 """
 

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 from dsv4_patch import lifetime, patches
-from tests.test_serve_faults import pid_alive
+from tests.test_deployments.test_serve_faults import pid_alive
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OWNER = textwrap.dedent("""
     import multiprocessing, signal, sys, time
 

@@ -75,7 +75,8 @@ class Bounds:
     logprobs (measured ~1 ulp, 0.016 nats, at 300 and 2300 tokens).
     ``amx``: an AMX host (vLLM's AMX MoE and the native packed-weight pair; on the
     native arm also the native DSv4 kernels). Each native op agrees with ours within one
-    bf16 ulp of its output on the engine's own inputs (tests/test_cpu_ops_native.py), and
+    bf16 ulp of its output on the engine's own inputs
+    (tests/test_dsv4_patch/test_cpu_ops_native.py), and
     most decode steps agree with one prefill to the last bit, but a one-ulp difference
     that meets a discrete choice -- a MoE top-k routing near tie, the indexer's top-512 --
     turns into a jump. Measured on an Intel Xeon (AMX), native arm, 2026-12-01: decode vs
@@ -136,7 +137,7 @@ def llm(model_dir: Path, backend: str) -> Iterator[Any]:
             f"VLLM_PLUGINS={os.environ['VLLM_PLUGINS']!r} excludes dsv4_patch; these tests "
             "need the plugin. Unset VLLM_PLUGINS or add dsv4_patch to it."
         )
-    tests_dir = Path(__file__).resolve().parent
+    tests_dir = Path(__file__).resolve().parents[1]
     with pytest.MonkeyPatch.context() as mp:
         for key, value in tiny_model.CPU_ENGINE_ENV.items():
             mp.setenv(key, os.environ.get(key, value))
@@ -215,7 +216,7 @@ def test_batch_of_four_lengths_matches_each_prompt_alone(
     steps here). What batching must not do, and what a real bug does (reading another
     request's blocks, per-batch attention): change the prefill token or move logprobs
     by more than rounding at typical steps. dsv4_patch.cpu_ops itself is batch-invariant
-    bit for bit (tests/test_cpu_ops.py); the bounds per regime are ``Bounds``'.
+    bit for bit (tests/test_dsv4_patch/test_cpu_ops.py); the bounds per regime are ``Bounds``'.
     """
     prompts = [prompt(corpus_ids, n, offset=97 * i) for i, n in enumerate((2, 9, 40, 150))]
     batched = _greedy_with_logprobs(llm, prompts, 12)

@@ -24,8 +24,8 @@ import pytest
 
 from deployments.cluster import cmdline
 from tests import multinode as mn
-from tests.test_run_cli import alive
-from tests.test_serve_faults import Traffic
+from tests.test_deployments.test_run_cli import alive
+from tests.test_deployments.test_serve_faults import Traffic
 
 pytestmark = pytest.mark.slow
 

@@ -4,9 +4,9 @@ Every op is called as *our* implementation (``OURS.<op>``: the function ``instal
 registers), never through ``torch.ops._C``: on an AVX512-BF16 host that name is vLLM's
 native kernel, and these tests must check ours on every host. That the registered schema
 dispatches to ours is tested once per mode at the end; ours against the native kernels
-is tests/test_cpu_ops_native.py. The references are deliberately naive (loops over a few
-tokens, byte offsets computed by hand, complex-number RoPE), so they share no code with
-the implementation. Cache round trips check the writers and readers agree on the
+is tests/test_dsv4_patch/test_cpu_ops_native.py. The references are deliberately naive
+(loops over a few tokens, byte offsets computed by hand, complex-number RoPE), so they
+share no code with the implementation. Cache round trips check the writers and readers agree on the
 fp8_ds_mla / indexer layouts and stay inside the pages vLLM allocates.
 """
 

@@ -20,7 +20,7 @@ from tests import legacy_resolver
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BOOT_TIMEOUT_S = 600
 
 

@@ -1,0 +1,1 @@
+"""Tests of the ``deployments`` package (mirrors its modules)."""

@@ -1,0 +1,1 @@
+"""Tests of the ``dsv4_patch`` package (mirrors its modules)."""

@@ -1,0 +1,1 @@
+"""Tests of the packaging (pyproject.toml: the wheel and what it ships)."""
