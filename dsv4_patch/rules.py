@@ -75,7 +75,7 @@ class CudaSelector:
 
     For planning without vLLM only: a node with vLLM asks the installed selector
     (``dsv4_patch.node.installed_layout``). Each row is tested against the real
-    selector source of every release it covers (tests/test_layout_selector.py).
+    selector source of every release it covers (tests/test_dsv4_patch/test_selector.py).
     """
 
     since: tuple[int, int]  # first release (major, minor) with this selection

@@ -1,6 +1,6 @@
 """``dsv4-serve policy``: the operator's route to ``KVSpecController.set_policy``.
 
-The change itself runs against a real app in ``tests/test_serving.py``
+The change itself runs against a real app in ``tests/test_deployments/test_serving.py``
 (``test_enforce_makes_the_differing_replica_unhealthy``); these pin the choices.
 """
 
