@@ -128,7 +128,8 @@ class Canonicalization:
         return (
             f"kv_cache_dtype={res.requested or 'auto'!r} -> engine {res.engine_dtype!r}, "
             f"workers store {res.cache_dtype_str!r} ({res.storage.value}) on layout "
-            f"{self.decision.layout.value} via {self.decision.backend}: {res.reason}"
+            f"{self.decision.layout.value} via {self.decision.backend} "
+            f"({self.decision.reason}): {res.reason}"
         )
 
 
