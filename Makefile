@@ -34,7 +34,7 @@ run: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -v
+	$(BIN)/python -m pytest -v --durations=30
 
 # The quick loop: lint and the unit tests (no vLLM engine, no Ray cluster; ~5 min).
 # CI runs `make test`, the full suite.
@@ -42,8 +42,8 @@ test-fast: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow and not releases"
 
-# The fault steps that each cost one more engine boot (a replica killed and replaced,
-# a node lost under traffic and replaced): not in `make test`/CI, run them here.
+# The single-node fault step that costs one more engine boot (a replica of
+# `dsv4-serve run` killed and replaced): not in `make test`/CI. Node loss is in CI.
 test-faults: setup
 	DSV4_FULL_FAULTS=1 $(BIN)/python -m pytest -v -s tests/test_deployments/test_run_cli.py tests/test_deployments/test_multinode.py
 

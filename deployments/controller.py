@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from ray import serve
@@ -63,8 +63,9 @@ def running_replicas(app_name: str, deployment_name: str) -> int | None:
 
 
 def replica_actors(app_names: Collection[str],
-                   deployment_name: str) -> list[tuple[str, dict[str, str]]]:
-    """(replica id, named-actor entry) of each live replica actor of one deployment.
+                   deployment: Callable[[str], bool]) -> list[tuple[str, dict[str, str]]]:
+    """(replica id, named-actor entry) of each live replica actor of the apps'
+    deployments whose name ``deployment`` accepts.
 
     Serve's replica actors are found by parsing their names with Serve's own
     ``ReplicaID`` (the ``serve.replica_ids`` touch), never a hard-coded format.
@@ -77,15 +78,15 @@ def replica_actors(app_names: Collection[str],
         if not ReplicaID.is_full_id_str(actor["name"]):
             continue
         replica = ReplicaID.from_full_id_str(actor["name"])
-        deployment = replica.deployment_id
-        if deployment.app_name in app_names and deployment.name == deployment_name:
+        owner = replica.deployment_id
+        if owner.app_name in app_names and deployment(owner.name):
             found.append((replica.unique_id, actor))
     return found
 
 
 def alive_replica_ids(app_name: str, deployment_name: str) -> set[str]:
     """Replica ids of the deployment's live actors."""
-    return {rid for rid, _ in replica_actors({app_name}, deployment_name)}
+    return {rid for rid, _ in replica_actors({app_name}, lambda name: name == deployment_name)}
 
 
 class _Metrics:
@@ -139,8 +140,13 @@ class _Metrics:
 class KVSpecController:
     """One replica; its loop checks every ``controller_period_s`` seconds."""
 
-    async def __init__(self, server: DeploymentHandle, dsv4: dict[str, Any]):
+    async def __init__(self, server: DeploymentHandle | str, dsv4: dict[str, Any]):
         self._settings = DSv4Section.model_validate(dsv4)
+        if isinstance(server, str):
+            # By name when the servers bind us (they are the ingress and answer
+            # /v1/kv-spec from our report; a Serve graph has no cycles).
+            server = serve.get_deployment_handle(
+                server, app_name=serve.get_replica_context().app_name)
         self._server = server
         self._policy_override: str | None = None
         self._lock = asyncio.Lock()

@@ -37,15 +37,16 @@ def drain_deadline_s(config: ServeConfig) -> float:
 
 
 def in_flight_requests(app_names: list[str]) -> int:
-    """Requests the apps' ingress replicas are handling now (every client request
-    passes one), read from the replica actors; 0 once they have stopped."""
+    """Requests the apps' serving replicas are handling now (every client request
+    passes exactly one: they are the ingress), read from the replica actors; 0 once
+    they have stopped."""
     import ray
 
-    from deployments.app import INGRESS_NAME
+    from deployments.app import serves_http
     from deployments.controller import replica_actors
 
     handles = [ray.get_actor(actor["name"], namespace=actor["namespace"])
-               for _, actor in replica_actors(app_names, INGRESS_NAME)]
+               for _, actor in replica_actors(app_names, serves_http)]
     counts = ray.get([h.get_num_ongoing_requests.remote() for h in handles], timeout=10)
     return int(sum(counts))
 

@@ -6,13 +6,14 @@ It answers, in this order and before the body is parsed by anyone:
 2. **404/405** for routes this deployment does not serve (embeddings, score,
    transcriptions, tokenize, FastAPI's docs...), before the body is read, so a
    large multipart upload is never spooled;
-3. **503 + Retry-After** when this ingress replica already holds
-   ``http.max_in_flight`` generation requests (a bounded queue: overload is
+3. **503 + Retry-After** when this serving replica already holds its share of
+   ``http.max_in_flight`` generation requests (``in_flight_share``) (a bounded queue: overload is
    refused quickly instead of growing without limit);
 4. **413** for a body above ``http.max_body_bytes`` (Content-Length or counted);
 5. **400** naming the limit for JSON nested deeper than ``http.max_json_depth``
    (600 levels made Ray's pickling fail with a 500), ``n`` above ``http.max_n``,
-   more prompts than ``http.max_prompts``, ``max_tokens`` above ``http.max_tokens``.
+   more prompts than ``http.max_prompts``, ``max_tokens`` above ``http.max_tokens``;
+   and for a chat ``messages`` that is not a list (``deployments.errors.messages_problem``).
 
 While the request runs it bounds streams (``stream_max_s`` overall,
 ``stream_idle_s`` between chunks; the stream then ends with an error event and
@@ -37,6 +38,7 @@ from typing import Any
 
 from deployments.auth import KeyStore, bearer_token
 from deployments.config import HTTPEdge
+from deployments.errors import messages_problem
 from deployments.logs import get_logger
 
 logger = get_logger("edge")
@@ -118,6 +120,20 @@ def limit_problem(body: Any, limits: HTTPEdge) -> tuple[str, str] | None:
 # ------------------------------------------------------------------ the guard
 
 
+def in_flight_share(settings: HTTPEdge, replicas: int) -> tuple[HTTPEdge, str]:
+    """This replica's part of the fleet-wide ``http.max_in_flight`` and how it was derived.
+
+    Every serving replica is an ingress with its own edge (``deployments.front``);
+    ``http.max_in_flight`` stays the bound for the whole deployment at its largest
+    (``max_replicas``), so each replica admits ``ceil(max_in_flight / replicas)``.
+    """
+    if replicas <= 1:
+        return settings, ""
+    share = -(-settings.max_in_flight // replicas)
+    note = f" {settings.max_in_flight} over at most {replicas} replicas"
+    return settings.model_copy(update={"max_in_flight": share}), note
+
+
 @dataclass
 class EdgeGuard:
     """Per-process edge state: settings, keys, whether keys are required, in-flight count."""
@@ -127,6 +143,7 @@ class EdgeGuard:
     bind_host: str | None
     in_flight: int = 0
     rejected: dict[int, int] = field(default_factory=dict)
+    limit_note: str = ""  # how settings.max_in_flight was derived, for the 503 message
 
     @classmethod
     def start(cls, settings: HTTPEdge, bind_host: str | None,
@@ -233,13 +250,14 @@ class EdgeMiddleware:
             return
         if guard.in_flight >= settings.max_in_flight:
             raise _Rejected(503, f"the server is at its limit of {settings.max_in_flight} "
-                            "requests in flight (http.max_in_flight). Fix: retry after "
+                            f"requests in flight (http.max_in_flight{guard.limit_note}). "
+                            "Fix: retry after "
                             f"{settings.retry_after_s} s.", "overloaded",
                             headers=[(b"retry-after", str(settings.retry_after_s).encode())])
         guard.in_flight += 1
         try:
             raw = await _read_body(scope, receive, settings.max_body_bytes)
-            _check_body(raw, settings)
+            _check_body(raw, settings, route)
             await _run_bounded(self.app, scope, _replay(raw, receive), send, settings,
                                request_id)
         finally:
@@ -284,7 +302,10 @@ def _too_large(size: int, limit: int) -> _Rejected:
                      "invalid_request_error")
 
 
-def _check_body(raw: bytes, settings: HTTPEdge) -> None:
+CHAT_ROUTE = "/v1/chat/completions"
+
+
+def _check_body(raw: bytes, settings: HTTPEdge, route: str) -> None:
     depth = json_depth(raw)
     if depth > settings.max_json_depth:
         raise _Rejected(400, f"the body nests {depth} levels deep, above this server's "
@@ -297,6 +318,10 @@ def _check_body(raw: bytes, settings: HTTPEdge) -> None:
     problem = limit_problem(body, settings)
     if problem:
         raise _Rejected(400, problem[1], "invalid_request_error", param=problem[0])
+    bad_messages = messages_problem(body) if route == CHAT_ROUTE else None
+    if bad_messages:
+        raise _Rejected(400, "Invalid request: " + bad_messages, "invalid_request_error",
+                        param="messages")
 
 
 def _replay(raw: bytes, receive: Receive) -> Receive:

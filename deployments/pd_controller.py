@@ -64,7 +64,8 @@ class _PDMetrics:
         self.stranded.set(sum(not v for v in pd.allowed.values()))
 
 
-async def _pool_controller(server: DeploymentHandle, dsv4: dict[str, Any]) -> KVSpecController:
+async def _pool_controller(server: DeploymentHandle | str,
+                           dsv4: dict[str, Any]) -> KVSpecController:
     """A one-pool controller living inside this actor (its own loop and metrics)."""
     pool = KVSpecController.__new__(KVSpecController)
     await pool.__init__(server, dsv4)  # type: ignore[misc]  # an async constructor
@@ -74,15 +75,18 @@ async def _pool_controller(server: DeploymentHandle, dsv4: dict[str, Any]) -> KV
 class PDController:
     """One replica: the two pool controllers, the P/D verdict and the decode whitelists."""
 
-    async def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle,
+    async def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle | str,
                        dsv4_prefill: dict[str, Any], dsv4_decode: dict[str, Any]):
+        """``decode`` may be the decode deployment's name: its replicas are the HTTP
+        ingress and bind this controller (for ``/v1/kv-spec``), so they cannot be bound
+        here too (``deployments.pd_app``)."""
         self._pools = {"prefill": await _pool_controller(prefill, dsv4_prefill),
                        "decode": await _pool_controller(decode, dsv4_decode)}
         self._decode = self._pools["decode"]
         self._period = self._decode._settings.controller_period_s
         self._pd = PDReport(verdict=PDVerdict.NOT_CHECKED, message="no P/D check yet")
         self._lock = asyncio.Lock()
-        self._metrics = _PDMetrics(decode.app_name)
+        self._metrics = _PDMetrics(self._decode._server.app_name)
         self._loop_task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:

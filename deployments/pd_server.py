@@ -12,6 +12,11 @@ identity by content, for ``deployments.pd_compat``.
 The decode server hands a request to a prefill replica only when the controller has
 proven one compatible with it (``deployments.pd_route``); otherwise it prefills on its
 own engine, so no unproven pages are ever copied.
+
+The decode replicas are the HTTP ingress (``deployments.pd_app``): their ASGI app is
+vLLM's OpenAI app, whose chat/completions routes Ray's ``PDOrchestratorMixin`` re-points
+at ``chat``/``completions`` below (registry entry ``llm.pd_direct_ingress_routes``), so
+the prefill-first step, or the local prefill, runs on the HTTP path too.
 """
 
 from __future__ import annotations

@@ -108,83 +108,85 @@ _LLM = "ray.llm._internal.serve"
 
 TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
-        name="ingress.middleware_stack",
-        target=f"{_LLM}.core.ingress.middleware:SetRequestIdMiddleware, "
-               "add_exception_handling_middleware; "
-               f"{_LLM}.observability.metrics.fast_api_metrics:add_http_metrics_middleware, "
-               "metrics_lifespan",
-        used_in="deployments/app.py _ingress_fastapi_app",
-        why="Ray Serve LLM's ingress app (ingress.init) adds CORSMiddleware(allow_origins=['*'], "
-            "allow_credentials=True): any web page could call the API from a visitor's browser",
-        how="rebuild the same middleware stack in the same order with CORS only for "
-            "http.cors_allow_origins, our EdgeMiddleware outermost; pass it to "
-            "make_fastapi_ingress(app=...)",
-        upstream="no CORS option in build_openai_app/ingress as of Ray 2.60",
-        removal="when the ingress takes a CORS policy (or none) publicly",
-        probe=lambda: _symbols(f"{_LLM}.core.ingress.middleware", "SetRequestIdMiddleware",
-                               "add_exception_handling_middleware", "get_request_id")()
-        or _symbols(f"{_LLM}.observability.metrics.fast_api_metrics",
-                    "add_http_metrics_middleware", "metrics_lifespan")(),
+        name="serve.late_bound_ingress",
+        target="ray.serve:ingress() without an app + "
+               f"{_LLM}.core.server.llm_server:LLMServer.__serve_build_asgi_app__",
+        used_in="deployments/app.py build_parsed_app, deployments/server.py, deployments/front.py",
+        why="the ingress replica cost a Python hop per request and per streamed chunk "
+            "(TTFT 1.96x plain vLLM, docs/benchmarks.md 2a): the server replica answers "
+            "HTTP itself with vLLM's OpenAI app",
+        how="build_llm_deployment(deployment_cls=serve.ingress()(DSv4Server)); "
+            "DSv4Server.__serve_build_asgi_app__ hardens vLLM's app (front.harden)",
+        upstream="the late-bound hook is public Serve API in 2.60; Ray Serve LLM's direct "
+                 "streaming uses the same method (with HAProxy, binding all interfaces)",
+        removal="keep while Serve keeps the hook",
+        probe=_attr_chain(f"{_LLM}.core.server.llm_server",
+                          "LLMServer.__serve_build_asgi_app__"),
     ),
     RayTouch(
-        name="ingress.error_handlers",
-        target=f"{_LLM}.utils.server_utils:get_response_for_error; the app's exception "
-               "handlers for HTTPException and RequestValidationError",
-        used_in="deployments/app.py _openai_fastapi_app",
-        why="FastAPI answers HTTPException as {'detail': ...}, which OpenAI clients cannot "
-            "parse; Ray's validation handler echoes raw input, so a non-JSON body or NaN "
-            "became a 500 instead of a 400",
-        how="replace both handlers (add_exception_handler overwrites the dict entry Ray "
-            "registered) with ones that answer OpenAI error bodies via get_response_for_error",
-        upstream="Ray's _handle_validation_error echoes input (Ray 2.60)",
-        removal="when Ray's handlers answer every 4xx in the OpenAI format without echoing input",
-        probe=_symbols(f"{_LLM}.utils.server_utils", "get_response_for_error"),
+        name="llm.pd_direct_ingress_routes",
+        target=f"{_LLM}.serving_patterns.prefill_decode.pd_server:"
+               "PDOrchestratorMixin.__serve_build_asgi_app__",
+        used_in="deployments/pd_app.py build_pd_app, deployments/pd_server.py "
+                "DSv4PDDecodeServer",
+        why="the P/D decode replica is the ingress (no ingress replica, as for one pool); "
+            "vLLM's own chat/completions routes would decode locally and skip the remote "
+            "prefill",
+        how="serve.ingress()(DSv4PDDecodeServer): the hook (reached through "
+            "DSv4ServerMixin.__serve_build_asgi_app__, which then hardens the app) re-points "
+            "/v1/chat/completions and /v1/completions at self.chat / self.completions, "
+            "ours: remote prefill only to a proven prefill replica (pd_route), else local",
+        upstream="Ray 2.60's direct-streaming P/D builder uses it (build_pd_openai_app "
+                 "with RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING); not public API",
+        removal="when Ray exports a P/D server whose ASGI app can be built without the "
+                "direct-streaming builder",
+        probe=lambda: _source_mentions(
+            f"{_LLM}.serving_patterns.prefill_decode.pd_server",
+            "PDOrchestratorMixin.__serve_build_asgi_app__", "self.chat(")() or
+        _source_mentions(f"{_LLM}.serving_patterns.prefill_decode.pd_server",
+                         "PDOrchestratorMixin.__serve_build_asgi_app__", "self.completions(")(),
+        pd_only=True,
     ),
     RayTouch(
-        name="ingress.default_endpoints",
-        target=f"{_LLM}.core.ingress.ingress:DEFAULT_ENDPOINTS",
-        used_in="deployments/app.py _openai_endpoints",
-        why="the routes build_openai_app mounts are not re-exported publicly; we mount the "
-            "generative ones plus GET /v1/kv-spec",
-        how="copy the dict minus the routes DeepSeek-V4 cannot serve, add kv_spec",
+        name="llm.deployment_name",
+        target=f"{_LLM}.core.server.builder:_get_deployment_name",
+        used_in="deployments/app.py server_deployment_name, deployments/pd_app.py",
+        why="the servers bind the controller (for /v1/kv-spec), so the controller finds "
+            "them by name: a Serve graph has no cycles",
+        how="the name build_llm_deployment gives: '<class>:' (P/D: 'Decode:') + "
+            "_get_deployment_name",
         upstream="not public in Ray 2.60",
-        removal="when ray.serve.llm exports the endpoint map",
-        probe=_symbols(f"{_LLM}.core.ingress.ingress", "DEFAULT_ENDPOINTS"),
+        removal="when the builder exposes the deployment name",
+        probe=_symbols(f"{_LLM}.core.server.builder", "_get_deployment_name"),
     ),
     RayTouch(
-        name="ingress.model_cards",
-        target=f"{_LLM}.core.configs.openai_api_models:to_model_metadata",
-        used_in="deployments/app.py _model_cards",
-        why="the ingress needs the model card build_openai_app would build for /v1/models",
-        how="call it for our one LLMConfig",
-        upstream="not public in Ray 2.60",
-        removal="when a public builder accepts a custom ingress class and endpoint map",
-        probe=_symbols(f"{_LLM}.core.configs.openai_api_models", "to_model_metadata"),
+        name="llm.node_init_callback",
+        target="ray.llm._internal.common.callbacks.base:CallbackBase, "
+               "CallbackCtx.run_init_node",
+        used_in="deployments/boot.py LocalModelCallback, deployments/app.py",
+        why="Ray Serve LLM runs a per-node download task (a fresh Ray worker) before every "
+            "engine boot, also for a local model directory (~15 s of a loaded 2-core boot)",
+        how="LLMConfig.callback_config (public) with our callback, which sets "
+            "ctx.run_init_node = False only for a local directory on a one-node group",
+        upstream="callback_config is public; CallbackBase has no public re-export in 2.60",
+        removal="when Ray skips initialize_node for local paths, or exports CallbackBase",
+        probe=lambda: _symbols("ray.llm._internal.common.callbacks.base", "CallbackBase",
+                               "CallbackCtx")() or (
+            None if "run_init_node" in __import__(
+                "ray.llm._internal.common.callbacks.base",
+                fromlist=["CallbackCtx"]).CallbackCtx.__dataclass_fields__
+            else "CallbackCtx has no run_init_node"),
     ),
     RayTouch(
         name="serve.proxy_host",
         target="ray.serve.context:_get_global_client().http_config.host",
-        used_in="deployments/app.py proxy_host",
+        used_in="deployments/front.py proxy_host",
         why="the edge requires an API key unless Serve's proxies bind a loopback address; "
             "only the Serve controller knows the bind address",
-        how="read it once when the ingress starts; unknown = treated as reachable",
+        how="read it once when a server replica starts; unknown = treated as reachable",
         upstream="no public accessor for the running http_options in Ray 2.60",
         removal="when serve exposes the running HTTP options",
         probe=_symbols("ray.serve.context", "_get_global_client"),
-    ),
-    RayTouch(
-        name="vllm.chat_request_validation",
-        target="ray.serve.llm.openai_api_models:ChatCompletionRequest (vLLM's) "
-               "check_system_message_content_type",
-        used_in="deployments/app.py DSv4ChatCompletionRequest",
-        why="vLLM's before-validator iterates messages: messages=null raised TypeError and "
-            "Ray Serve LLM answered 500",
-        how="a subclass whose own before-validator runs first and rejects a non-list "
-            "messages as a validation error (400)",
-        upstream="vLLM does not guard that loop (0.29-0.32)",
-        removal="when vLLM's validator guards a non-list messages",
-        probe=_attr_chain("ray.serve.llm.openai_api_models",
-                          "ChatCompletionRequest.check_system_message_content_type"),
     ),
     RayTouch(
         name="llm_config.update_engine_kwargs",

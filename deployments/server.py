@@ -15,6 +15,10 @@ controller tells a replica it is odd. The replica acts within its *own*
 configured policy: ``warn`` keeps serving, ``drain`` reports itself through
 ``record_routing_stats`` so ``deployments.router.KVSpecRouter`` sends it nothing,
 ``enforce`` fails ``check_health`` so Serve replaces it (bounded by the controller).
+
+The replica is also the application's HTTP ingress (``deployments.front``): Serve
+builds its ASGI app through ``__serve_build_asgi_app__`` once the engine is up --
+vLLM's own OpenAI app, hardened by our edge, plus ``GET /v1/kv-spec``.
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 from ray.serve.llm import LLMConfig, LLMServer
 from ray.serve.llm.deployment import DPServer
 
-from deployments import kvspec
-from deployments.config import WORKER_EXTENSION, DSv4Section, Policy
+from deployments import edge, front, kvspec
+from deployments.config import WORKER_EXTENSION, DSv4Section, HTTPEdge, Policy
 from deployments.kvspec import KVLayoutMismatch, drain_stats, raise_if_enforced, take_verdict
 from deployments.logs import get_logger
+from deployments.public import RefreshGate
 from deployments.wire import (
     Prediction,
     ReplicaSpec,
@@ -124,8 +130,17 @@ class DSv4ServerMixin:
     replica) and its ``DPServer`` (DP attention: one replica per DP rank).
     """
 
-    async def __init__(self, llm_config: LLMConfig, *, dsv4: dict[str, Any], **kwargs: Any):
+    async def __init__(self, llm_config: LLMConfig, *, dsv4: dict[str, Any],
+                       http: dict[str, Any] | None = None, serving_replicas: int = 1,
+                       kv_spec_controller: DeploymentHandle | None = None, **kwargs: Any):
         self._settings = DSv4Section.model_validate(dsv4)
+        # ``http`` is given to the replicas that answer HTTP (the ingress); a P/D
+        # prefill replica is called only by decode replicas and has no edge.
+        self._http = HTTPEdge.model_validate(http or {})
+        if http is not None:
+            self._http = _start_edge(self._http, serving_replicas)
+        self._kv_spec = kv_spec_controller
+        self._refresh = RefreshGate(self._http.kv_spec_refresh_interval_s)
         ctx = serve.get_replica_context()
         self._replica_id = ctx.replica_id.unique_id
         self._rank = ctx.rank.rank if ctx.rank is not None else None
@@ -208,6 +223,19 @@ class DSv4ServerMixin:
                     spec.cache_dtypes, spec.page_sizes, spec.block_sizes, predicted,
                     self._engine_start_s)
 
+    async def __serve_build_asgi_app__(self) -> Any:
+        """Serve's late-bound ingress hook: vLLM's OpenAI app, hardened (``front.harden``)."""
+        app = await super().__serve_build_asgi_app__()  # type: ignore[misc]
+        return front.harden(app, self._http,
+                            self._kv_spec_report if self._kv_spec is not None else None)
+
+    async def _kv_spec_report(self, refresh: bool) -> tuple[Any, str]:
+        """The controller's report for ``GET /v1/kv-spec``: refreshes coalesced, rate-limited."""
+        controller = self._kv_spec
+        assert controller is not None
+        return await self._refresh.report(
+            refresh, lambda fresh: controller.report.remote(refresh=fresh))
+
     async def kv_page_spec(self, known: dict[str, str] | None = None) -> dict[str, Any]:
         """This replica's ``deployments.wire.ReplicaSpec``, dumped to plain JSON.
 
@@ -254,6 +282,21 @@ class DSv4ServerMixin:
         """Engine health first; then, if our verdict says so, fail so Serve replaces us."""
         await super().check_health()  # type: ignore[misc]
         raise_if_enforced(self._verdict)
+
+
+def _start_edge(settings: HTTPEdge, serving_replicas: int) -> HTTPEdge:
+    """Install this process's edge guard; return the settings with this replica's share.
+
+    Refuses (the deployment fails with the message) before the engine boots.
+    """
+    settings, note = edge.in_flight_share(settings, serving_replicas)
+    if note:
+        logger.info("dsv4: this replica admits %d generation requests at once "
+                    "(http.max_in_flight%s)", settings.max_in_flight, note)
+    guard = edge.EdgeGuard.start(settings, front.proxy_host())
+    guard.limit_note = note
+    edge.install(guard)
+    return settings
 
 
 class DSv4Server(DSv4ServerMixin, LLMServer):

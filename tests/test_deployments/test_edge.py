@@ -1,10 +1,11 @@
 """The HTTP edge without Ray: keys, refusals, bounds, overload, stream limits, 5xx scrubbing.
 
-The app is the ingress FastAPI app exactly as ``deployments.app`` builds it (Ray
-Serve LLM's middleware stack, our CORS policy, ``EdgeMiddleware`` outermost) with
-stand-in routes on the served paths, driven through raw ASGI calls so each case
-runs in milliseconds and can see what the app read, sent and when it was
-cancelled. ``test_serve_security.py`` checks the same against the live stack.
+The app is a FastAPI app hardened exactly as each server replica hardens vLLM's
+OpenAI app (``deployments.front.harden``: our CORS policy, our validation handler,
+``EdgeMiddleware`` outermost) with stand-in routes on the served paths, driven
+through raw ASGI calls so each case runs in milliseconds and can see what the app
+read, sent and when it was cancelled. ``test_serve_security.py`` checks the same
+against the live stack.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deployments import auth, edge
-from deployments.app import _openai_fastapi_app
 from deployments.config import (
     SERVE_DEFAULT_HOST,
     AppArgs,
@@ -30,6 +30,7 @@ from deployments.config import (
     HTTPEdge,
     parse_app_args,
 )
+from deployments.front import harden
 from deployments.public import RefreshGate, public_report
 
 KEY = "k" * 20
@@ -50,7 +51,7 @@ class Probe:
 
 
 def build(settings: HTTPEdge, probe: Probe) -> FastAPI:
-    app = _openai_fastapi_app(settings)
+    app = harden(FastAPI(docs_url=None, redoc_url=None, openapi_url=None), settings)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:

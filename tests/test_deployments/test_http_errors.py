@@ -1,9 +1,9 @@
 """The ingress's client-error handling, without Ray: bad bodies get OpenAI 400s, never 500s.
 
-Builds the ingress FastAPI app exactly as ``deployments.app`` does (Ray Serve LLM's
-``init()`` plus our handlers) and mounts stand-in routes with the same body models
-as the real endpoints, so each case runs in milliseconds. ``test_serve_fuzz.py``
-checks the same properties end to end against the served stack.
+Hardens a FastAPI app exactly as each server replica hardens vLLM's OpenAI app
+(``deployments.front.harden``: edge, handlers) and mounts stand-in routes with vLLM's
+own body models (those of the real endpoints), so each case runs in milliseconds.
+``test_serve_fuzz.py`` checks the same properties end to end against the served stack.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
-from ray.serve.llm.openai_api_models import CompletionRequest
+from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 
 from deployments import edge
-from deployments.app import DSv4ChatCompletionRequest, _openai_fastapi_app
 from deployments.config import HTTPEdge
+from deployments.front import harden
 
 
 @pytest.fixture(autouse=True)
@@ -28,10 +28,10 @@ def open_edge() -> None:
 
 @pytest.fixture(scope="module")
 def client() -> TestClient:
-    app: FastAPI = _openai_fastapi_app()
+    app: FastAPI = harden(FastAPI(), HTTPEdge())
 
     @app.post("/v1/chat/completions")
-    async def chat(body: DSv4ChatCompletionRequest, request: Request) -> dict[str, Any]:
+    async def chat(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
         return {"messages": len(body.messages)}
 
     @app.post("/v1/completions")

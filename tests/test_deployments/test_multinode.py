@@ -5,8 +5,7 @@ The module boots one run (``tests.multinode``): a head that takes no replicas an
 worker nodes from Ray's autoscaler, the local app autoscaled 1..2. The tests are
 steps of one story and run in file order, each starting from where the previous
 left the cluster: 1 replica -> load: 2 replicas on 2 nodes -> the first node's
-raylet SIGKILLed under traffic: a replacement on a third node (``make test-faults``
-only: one more engine boot) -> load stops:
+raylet SIGKILLed under traffic: a replacement on a third node -> load stops:
 back to 1 replica and its idle node removed -> SIGTERM: nothing left, exit 0.
 Step times are printed (``-s``); ``benchmarks/multinode.py`` runs the same steps
 for docs/benchmarks.md. The file sorts before the session stack's tests, so the
@@ -84,7 +83,6 @@ def test_load_scales_to_two_replicas_on_two_nodes(run: mn.Run) -> None:
     STATE["two"] = rep
 
 
-@pytest.mark.skipif(not mn.FULL_FAULTS, reason=mn.FULL_FAULTS_REASON)
 def test_node_loss_under_traffic_is_confined_and_replaced_on_a_new_node(run: mn.Run) -> None:
     two = STATE["two"]
     assert isinstance(two, dict)

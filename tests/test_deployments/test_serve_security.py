@@ -211,10 +211,14 @@ def test_twenty_concurrent_refreshes_run_one_check(serve_stack: Stack, http: htt
     before = time.time()
     answers = asyncio.run(refreshes())
     assert {r.status_code for r in answers} == {200}
-    assert len({r.json()["checked_at"] for r in answers}) == 1, "more than one check ran"
-    assert answers[0].json()["checked_at"] >= before - 1
+    # Each serving replica is an ingress with its own gate: at most one check per replica.
+    replicas = answers[0].json()["running_replicas"]
+    checks = {r.json()["checked_at"] for r in answers}
+    assert 1 <= len(checks) <= replicas, f"{len(checks)} checks ran for {replicas} replicas"
+    assert min(checks) >= before - 1
     hows = sorted(r.headers["x-dsv4-refresh"] for r in answers)
-    assert hows.count("ran") == 1 and set(hows) <= {"ran", "coalesced", "rate-limited"}, hows
+    assert 1 <= hows.count("ran") <= replicas, hows
+    assert set(hows) <= {"ran", "coalesced", "rate-limited"}, hows
     text = answers[0].text
     assert '"pid"' not in text and "/home/" not in text and "Traceback" not in text
 
@@ -268,15 +272,14 @@ def engine_requests_running() -> int:
     import ray
     from ray.serve._private.common import ReplicaID
 
-    from deployments.app import CONTROLLER_NAME, INGRESS_NAME
+    from deployments.app import serves_http
 
     actors = []
     for actor in ray.util.list_named_actors(all_namespaces=True):
         if not ReplicaID.is_full_id_str(actor["name"]):
             continue
         deployment = ReplicaID.from_full_id_str(actor["name"]).deployment_id
-        if deployment.app_name == "dsv4" and deployment.name not in (INGRESS_NAME,
-                                                                     CONTROLLER_NAME):
+        if deployment.app_name == "dsv4" and serves_http(deployment.name):
             actors.append(ray.get_actor(actor["name"], namespace=actor["namespace"]))
     assert actors, "no server replica actors found"
     return sum(ray.get([a.__ray_call__.remote(_unfinished) for a in actors], timeout=30))

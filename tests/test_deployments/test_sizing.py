@@ -91,19 +91,20 @@ def test_ray_touches_are_documented_and_probed():
                                         "no such text")() is not None
 
 
-def test_lora_reaches_the_ingress_or_is_refused():
-    """lora_config is never accepted and ignored: the ingress gets the adapters' path,
-    and a CPU node (no LoRA in vLLM's CPU DeepSeek-V4 model) refuses it."""
+def test_lora_is_refused_not_ignored():
+    """lora_config is never accepted and ignored: the server replicas route no adapters
+    (issue 16 removed the ingress that did), and a CPU node (no LoRA in vLLM's CPU
+    DeepSeek-V4 model) refuses it already in the config."""
     from ray.serve.llm import LLMConfig
 
-    from deployments.app import _lora_paths
+    from deployments.app import refuse_lora
 
     raw = load_serve_config(CONFIGS / "flash-sm120.yaml").applications[0].args
     raw["llm"]["lora_config"] = {"dynamic_lora_loading_path": "s3://bucket/loras"}
-    llm = LLMConfig(**parse_app_args(raw).llm_config_dict())
-    assert _lora_paths(llm) == {llm.model_id: "s3://bucket/loras"}
+    with pytest.raises(ValueError, match="lora_config is set"):
+        refuse_lora(LLMConfig(**parse_app_args(raw).llm_config_dict()))
     del raw["llm"]["lora_config"]
-    assert _lora_paths(LLMConfig(**parse_app_args(raw).llm_config_dict())) == {}
+    refuse_lora(LLMConfig(**parse_app_args(raw).llm_config_dict()))
     local = _local()
     local["llm"]["lora_config"] = {"dynamic_lora_loading_path": "s3://bucket/loras"}
     with pytest.raises(ValueError, match="lora_config is set on a CPU node"):

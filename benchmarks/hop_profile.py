@@ -1,0 +1,262 @@
+"""Benchmark: where a request's time and CPU go, hop by hop, in one serving arm.
+
+Boots one arm of ``benchmarks.serving_overhead`` (the same processes, engine and
+config), then measures three things, one phase at a time so they do not disturb
+each other:
+
+1. **Per-hop latency** of sequential one-token completions: the client's own wall
+   time, and each Serve component's access-log time for the same request id
+   (``proxy`` ... ``POST /v1/completions 200 12.3ms``, the ingress replica's line,
+   the server replica's ``CALL ...`` line). A hop's cost is its time minus the
+   time of the hop it waits on.
+2. **CPU seconds per process** while ``vllm bench serve`` runs (``psutil``, every
+   process of the arm's session, grouped by role: proxy, ingress, server replica,
+   engine core, controller, Ray system). On 2 cores, CPU a relay process burns is
+   CPU the engine does not get.
+3. **A profile** of the relay processes under the same load (``py-spy record``,
+   raw collapsed stacks, sampling at a low rate, ``--nonblocking``): per process the
+   samples on CPU and the functions most often on the stack (inclusive), project
+   and library frames only (the event-loop and thread plumbing above them dropped).
+
+Heavy: ``flock /tmp/dsv4-heavy.lock timeout 600 python -m benchmarks.hop_profile --arm ours``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks import load as bench_load
+from benchmarks import serving_overhead as so
+
+ROLES = (  # (role, pattern on the process command line / title), first match wins
+    ("proxy", re.compile(r"ProxyActor")),
+    ("ingress", re.compile(r"ServeReplica:\w+:DSv4Ingress|ServeReplica:\w+:OpenAiIngress")),
+    ("controller", re.compile(r"KVSpecController")),
+    ("server", re.compile(r"ServeReplica:\w+:(DSv4Server|LLMServer|DSv4DPServer)")),
+    ("engine", re.compile(r"VLLM::EngineCore|EngineCore")),
+    ("engine-worker", re.compile(r"VLLM::Worker|VllmWorker")),
+    ("serve-controller", re.compile(r"ServeController")),
+    ("vllm-api", re.compile(r"vllm\.entrypoints\.openai\.api_server")),
+    ("ray-system", re.compile(r"gcs_server|raylet|dashboard|log_monitor|monitor\.py|"
+                              r"runtime_env|ray::IDLE|default_worker")),
+)
+_ACCESS = re.compile(r"^\w+ \S+ \S+ (?P<who>\S+) \S+ (?P<rid>[0-9a-f-]{36}) -- "
+                     r"(?P<what>.+?) (?P<ms>[\d.]+)ms$")
+
+
+def role_of(proc: psutil.Process) -> str:
+    try:
+        text = " ".join(proc.cmdline()) or proc.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "gone"
+    for role, pattern in ROLES:
+        if pattern.search(text):
+            return role
+    return "other"
+
+
+def session_processes(root_pid: int) -> list[psutil.Process]:
+    """Every live process of the arm: the session its server process leads."""
+    out = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.pid != root_pid and os.getsid(proc.pid) == root_pid:
+                out.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            continue
+    return out
+
+
+def cpu_by_role(procs: list[psutil.Process]) -> dict[str, float]:
+    totals: dict[str, float] = collections.defaultdict(float)
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            totals[role_of(proc)] += t.user + t.system
+        except psutil.NoSuchProcess:
+            continue
+    return dict(totals)
+
+
+def serve_log_dir(procs: list[psutil.Process]) -> Path | None:
+    for proc in procs:
+        try:
+            match = re.search(r"--session[-_]dir=(\S+)", " ".join(proc.cmdline()))
+        except psutil.NoSuchProcess:
+            continue
+        if match:
+            return Path(match.group(1)) / "logs" / "serve"
+    return None
+
+
+def one_token(base: str, request_id: str) -> float:
+    body = json.dumps({"model": so.MODEL_ID, "prompt": "hello there", "max_tokens": 1}).encode()
+    req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={
+        "Content-Type": "application/json", "x-request-id": request_id})
+    started = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        resp.read()
+    return (time.perf_counter() - started) * 1000
+
+
+def access_times(log_dir: Path | None, ids: set[str]) -> dict[str, list[float]]:
+    """Per component, the access-log milliseconds of the given request ids."""
+    out: dict[str, list[float]] = collections.defaultdict(list)
+    if log_dir is None or not log_dir.is_dir():
+        return out
+    # Server replicas' access lines land in their worker's stderr (vLLM reconfigures
+    # logging in that process), not in logs/serve/.
+    for path in [*log_dir.glob("*.log"), *log_dir.parent.glob("worker-*.err")]:
+        for line in path.read_text(errors="replace").splitlines():
+            m = _ACCESS.match(line)
+            if m and m["rid"] in ids and ("POST" in m["what"] or "CALL" in m["what"]):
+                who = m["who"].split("_", 1)[-1] if m["who"] != "proxy" else "proxy"
+                out[who].append(float(m["ms"]))
+    return out
+
+
+def py_spy(pids: dict[str, int], seconds: int, out_dir: Path) -> dict[str, list[tuple[str, int]]]:
+    """Top self-time frames per process from ``py-spy record --format raw``."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    procs = {}
+    for role, pid in pids.items():
+        out = out_dir / f"pyspy-{role}.txt"
+        procs[role] = (subprocess.Popen(
+            [exe, "record", "-p", str(pid), "-d", str(seconds), "-r", "25", "--nonblocking",
+             "-f", "raw", "-o", str(out)], stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL), out)
+    tops = {}
+    for role, (proc, out) in procs.items():
+        proc.wait(timeout=seconds + 60)
+        tops[role] = top_frames(out.read_text() if out.exists() else "")
+    return tops
+
+
+# Frames that sit on every stack of a busy Ray worker: plumbing, not cost.
+_PLUMBING = re.compile(r"\((threading|worker|thread|base_events|events|runners|"
+                       r"selectors|asyncio|tasks|futures|replica|router)\.py\)")
+
+
+def top_frames(raw: str, n: int = 15) -> list[tuple[str, int]]:
+    """(function, samples on the stack) for the ``n`` commonest, plus the total."""
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        total += int(count)
+        for frame in {_frame(f) for f in stack.split(";")}:
+            if not _PLUMBING.search(frame):
+                inclusive[frame] += int(count)
+    return [("TOTAL samples", total), *inclusive.most_common(n)]
+
+
+def _frame(frame: str) -> str:
+    # "func (path/to/file.py:123)" -> "func (file.py)"
+    m = re.match(r"(?P<fn>.*?) \((?P<path>[^:)]+)", frame)
+    return f"{m['fn']} ({Path(m['path']).name})" if m else frame
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arm", choices=so.ARMS, default="ours")
+    parser.add_argument("--port", type=int, default=8019)
+    parser.add_argument("--singles", type=int, default=30)
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--profile-s", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=so.REPO / "results" / "hop_profile")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from dsv4_patch.tiny_model import ensure_tiny_model
+
+    tokenizer, base = str(ensure_tiny_model()), f"http://127.0.0.1:{args.port}"
+    load = bench_load.Load(num_prompts=args.num_prompts, concurrency=args.concurrency,
+                           input_len=args.input_len, output_len=args.output_len)
+    result: dict[str, Any] = {"arm": args.arm, "load": load.__dict__}
+    log = args.out / f"{args.arm}.log"
+    with so.arm_server(args.arm, args.port, 1, log, boot_timeout_s=600) as boot_s:
+        result["boot_s"] = round(boot_s, 1)
+        root = _root_pid(log, args)
+        procs = [*session_processes(root), psutil.Process(root)]
+        ids = {str(uuid.uuid4()) for _ in range(args.singles)}
+        client = [one_token(base, rid) for rid in sorted(ids)]
+        time.sleep(2)  # access logs are flushed asynchronously
+        hops = access_times(serve_log_dir(procs), ids)
+        result["one_token_ms"] = {"client": _stats(client)} | {
+            who: _stats(ms) for who, ms in hops.items()}
+        before = cpu_by_role(procs)
+        started = time.monotonic()
+        res = bench_load.summary(bench_load.run(load, base, so.MODEL_ID, tokenizer))
+        wall = time.monotonic() - started
+        after = cpu_by_role([*session_processes(root), psutil.Process(root)])
+        result["load"] = res
+        result["cpu_s_under_load"] = {r: round(after.get(r, 0) - before.get(r, 0), 2)
+                                      for r in sorted(set(after) | set(before))}
+        result["load_wall_s"] = round(wall, 1)
+        pids = _relay_pids([*session_processes(root), psutil.Process(root)])
+        spy: dict[str, Any] = {}
+        loader = threading.Thread(target=lambda: spy.update(
+            py_spy(pids, args.profile_s, args.out)))
+        loader.start()
+        bench_load.run(bench_load.Load(num_prompts=args.num_prompts, concurrency=args.concurrency,
+                                       input_len=args.input_len, output_len=args.output_len,
+                                       seed=1), base, so.MODEL_ID, tokenizer)
+        loader.join()
+        result["py_spy_top_self"] = spy
+    path = args.out / f"{args.arm}.json"
+    path.write_text(json.dumps(result, indent=2))
+    print(json.dumps({k: v for k, v in result.items() if k != "py_spy_top_self"}, indent=2))
+    for role, top in result["py_spy_top_self"].items():
+        print(f"--- py-spy {role}")
+        for frame, count in top:
+            print(f"{count:6d}  {frame}")
+    print(f"wrote {path}")
+    return 0
+
+
+def _root_pid(log: Path, args: argparse.Namespace) -> int:
+    """The arm's server process: the session leader listening on the port's session."""
+    for conn in psutil.net_connections("tcp"):
+        if conn.laddr and conn.laddr.port == args.port and conn.status == "LISTEN" and conn.pid:
+            return os.getsid(conn.pid)
+    raise RuntimeError(f"nothing listens on port {args.port}; log {log}")
+
+
+def _relay_pids(procs: list[psutil.Process]) -> dict[str, int]:
+    pids = {}
+    for proc in procs:
+        role = role_of(proc)
+        if role in ("proxy", "ingress", "server", "vllm-api") and role not in pids:
+            pids[role] = proc.pid
+    return pids
+
+
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {"n": len(values), "p50": round(statistics.median(values), 1),
+            "min": round(min(values), 1), "max": round(max(values), 1)}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+"""The server replica's HTTP front on vLLM's real OpenAI app, without an engine.
+
+``deployments.front.harden`` is what every server replica applies to the app vLLM's
+``build_app`` returns (``DSv4Server.__serve_build_asgi_app__``). vLLM's app is
+built here from vLLM's own default front-end arguments (no engine: routes are never
+reached), so what vLLM mounts and adds by default is checked against what we close:
+its CORS middleware (``--allowed-origins`` defaults to ``*``), its extra routes
+(``/metrics``, ``/tokenize``, ``/health``, docs), its validation handler. The live
+path is ``tests/test_deployments/test_serve_security.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.testclient import TestClient
+from starlette.middleware.cors import CORSMiddleware
+
+from deployments import edge
+from deployments.config import HTTPEdge
+from deployments.edge import EdgeMiddleware
+from deployments.errors import openai_validation_error
+from deployments.front import KV_SPEC_ROUTE, harden
+
+
+def vllm_app() -> FastAPI:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import FrontendArgs
+
+    args = argparse.Namespace(**(vars(FrontendArgs()) | vars(AsyncEngineArgs(model="m"))))
+    return build_app(args, supported_tasks=("generate",))
+
+
+@pytest.fixture(scope="module")
+def client() -> TestClient:
+    async def kv_spec(refresh: bool) -> tuple[dict[str, object], str]:
+        return {"state": "disagree", "pid": 7, "note": "see /opt/x/y.py"}, "cached"
+
+    edge.install(edge.EdgeGuard.start(HTTPEdge(), "127.0.0.1", environ={}))
+    return TestClient(harden(vllm_app(), HTTPEdge(), kv_spec), raise_server_exceptions=False)
+
+
+def test_vllm_app_comes_with_its_own_cors_and_we_drop_it() -> None:
+    app = vllm_app()
+    assert [m for m in app.user_middleware if m.cls is CORSMiddleware], \
+        "vLLM's build_app no longer adds CORS: recheck harden"
+    hardened = harden(app, HTTPEdge())
+    assert not [m for m in hardened.user_middleware if m.cls is CORSMiddleware]
+    assert hardened.user_middleware[0].cls is EdgeMiddleware  # outermost
+    assert hardened.exception_handlers[RequestValidationError] is openai_validation_error
+
+
+def test_configured_cors_is_ours() -> None:
+    hardened = harden(vllm_app(), HTTPEdge(cors_allow_origins=["https://chat.example"]))
+    [cors] = [m for m in hardened.user_middleware if m.cls is CORSMiddleware]
+    assert cors.kwargs["allow_origins"] == ["https://chat.example"]
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/tokenize", "/detokenize", "/health",
+                                  "/docs", "/openapi.json", "/version", "/pooling"])
+def test_vllm_extra_routes_stay_closed(client: TestClient, path: str) -> None:
+    resp = client.get(path)
+    assert resp.status_code == 404, (path, resp.status_code, resp.text[:200])
+    assert resp.json()["error"]["type"] == "not_found_error"
+
+
+def test_chat_messages_null_is_a_400_before_vllm_sees_it(client: TestClient) -> None:
+    resp = client.post("/v1/chat/completions", json={"model": "m", "messages": None})
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "messages"
+
+
+def test_non_json_body_is_a_400_naming_the_content_type(client: TestClient) -> None:
+    resp = client.post("/v1/completions", content=b"\xff\x00",
+                       headers={"Content-Type": "text/plain"})
+    assert resp.status_code == 400, resp.text
+    assert "Content-Type: application/json" in resp.json()["error"]["message"]
+
+
+def test_a_body_that_is_not_utf8_is_an_openai_400(client: TestClient) -> None:
+    resp = client.post("/v1/completions", content=b"\x80",
+                       headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and "Fix:" in error["message"]
+
+
+def test_kv_spec_route_is_mounted_and_redacted(client: TestClient) -> None:
+    resp = client.get(KV_SPEC_ROUTE)
+    assert resp.status_code == 409 and resp.headers["x-dsv4-refresh"] == "cached"
+    assert "pid" not in resp.json() and "/opt/" not in resp.text
+
+
+class _AppOnlyEngine:
+    """Stands in for the engine of a replica; builds vLLM's real OpenAI app, runs nothing."""
+
+    async def build_asgi_app(self) -> FastAPI:
+        return vllm_app()
+
+
+def test_the_pd_decode_replica_serves_rays_prefill_first_routes_behind_our_edge() -> None:
+    """The P/D decode replica's app (``DSv4PDDecodeServer.__serve_build_asgi_app__``
+    through the real MRO): chat/completions are Ray's P/D routes (they call the
+    replica's prefill-first ``chat``/``completions``), not vLLM's local ones; our edge
+    is outermost, vLLM's CORS gone, ``/v1/kv-spec`` mounted. The live path:
+    ``tests/test_deployments/test_pd_serving.py``."""
+    import asyncio
+
+    from fastapi.routing import APIRoute
+    from ray.serve.llm import LLMConfig
+
+    from deployments.pd_server import DSv4PDDecodeServer
+
+    server = DSv4PDDecodeServer.sync_init(LLMConfig(model_loading_config={
+        "model_id": "m"}))
+    server.engine = _AppOnlyEngine()
+    server._http = HTTPEdge()
+
+    async def kv_spec() -> None:
+        raise AssertionError("not called")
+
+    server._kv_spec, server._kv_spec_report = object(), kv_spec
+    app = asyncio.run(server.__serve_build_asgi_app__())
+    endpoints = {r.path: r.endpoint.__qualname__ for r in app.routes
+                 if isinstance(r, APIRoute) and r.path in
+                 ("/v1/completions", "/v1/chat/completions", KV_SPEC_ROUTE)}
+    assert "PDOrchestratorMixin" in endpoints["/v1/completions"], endpoints
+    assert "PDOrchestratorMixin" in endpoints["/v1/chat/completions"], endpoints
+    assert KV_SPEC_ROUTE in endpoints
+    assert app.user_middleware[0].cls is EdgeMiddleware
+    assert not [m for m in app.user_middleware if m.cls is CORSMiddleware]
+
+
+def test_the_deployments_that_answer_http_are_the_servers_and_the_decode_pool() -> None:
+    from deployments.app import serves_http
+
+    assert serves_http("DSv4Server:dsv4-tiny") and serves_http("DSv4DPServer:dsv4-tiny")
+    assert serves_http("Decode:dsv4-tiny")
+    assert not serves_http("Prefill:dsv4-tiny") and not serves_http("KVSpecController")
