@@ -98,8 +98,9 @@ def build_app(args: dict[str, Any]) -> Application:
 
 def build_parsed_app(parsed: AppArgs) -> Application:
     """Build the application from args the loader already validated (``dsv4-serve run``)."""
-    ray_touches.require()  # the Ray internals we build on (deployments/ray_touches.py)
-    if "pd" in type(parsed).model_fields:  # prefill/decode pools: deployments.pd_app
+    pd = "pd" in type(parsed).model_fields  # prefill/decode pools: deployments.pd_app
+    ray_touches.require(pd=pd)  # the Ray internals we build on (deployments/ray_touches.py)
+    if pd:
         from deployments.pd_app import build_pd_app
 
         return build_pd_app(parsed)  # type: ignore[arg-type]  # a PDAppArgs

@@ -19,6 +19,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tiny-model": ("dsv4_patch.tiny_model", "write the tiny random-weight DeepSeek-V4 directory"),
     "run": ("deployments.runner", "run the Serve app locally (default: configs/local-cpu.yaml)"),
     "status": ("deployments.status", "print the KV-spec consensus of a running app"),
+    "policy": ("deployments.policy_cli",
+               "set (or clear) the KV-spec policy of every replica of a running app"),
     "plan": ("deployments.plan_cli", "preflight a config without GPUs: layout, bytes, capacity"),
     "k8s": ("deployments.k8s", "render or check RayService manifests from configs/"),
 }

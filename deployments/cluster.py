@@ -118,7 +118,7 @@ def free_port() -> int:
 
 def node_ip() -> str:
     """The address Ray advertises for this machine (what the fake nodes use too)."""
-    from ray._private.services import get_node_ip_address
+    from ray.util import get_node_ip_address  # public since Ray 2.x (ray.util.__all__)
 
     return str(get_node_ip_address())
 

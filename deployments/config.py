@@ -485,11 +485,14 @@ class AppArgs(_Strict):
         """Server replicas at most, over every pool (P/D apps have two)."""
         return self.llm.deployment_config.max_replicas
 
-    def predicted_layout(self) -> rules.LayoutDecision:
-        """The layout the declared node gives (the replica re-checks on its real node)."""
+    def predicted_layout(self, vllm_version: str | None = None) -> rules.LayoutDecision:
+        """The layout the declared node gives under vLLM ``vllm_version`` (default: the
+        platform's ``rules.DEFAULT_VLLM``), from the release tables; the replica asks
+        its installed vLLM on its real node and refuses to start if they differ."""
         node = self.dsv4.node
         backend = self.llm.engine_kwargs.attention_backend or node.attention_backend
-        return rules.detect_layout(node.platform, node.compute_capability, backend)
+        return rules.detect_layout(node.platform, node.compute_capability, backend,
+                                   vllm_version)
 
     def llm_config_dict(self, model_source: str | None = None) -> dict[str, Any]:
         """The dict for ``ray.serve.llm.LLMConfig`` (server_cls is set by build_app).

@@ -19,29 +19,24 @@ override). This Serve deployment does, periodically and on demand:
    ``stale`` with its age, and the controller then fails its health check so
    Serve restarts it.
 
-Ray internals touched (Ray 2.60; probed at start, logged, fallback below):
-
-* target ``ray.serve.handle.DeploymentBroadcastResponse._fetch_replica_results_async``
-  and ``ReplicaResult.get_async`` / ``cancel`` (``ray.serve._private.replica_result``).
-  Why: the public ``results_async(timeout_s=...)`` is all-or-nothing -- one hung
-  replica discards every answer. How: take the per-replica results and await each
-  under its own timeout; cancel the ones that miss it. Upstream: no per-replica
-  timeout in ``broadcast`` as of Ray 2.60 (alpha API). Affected: Ray 2.60.
-  Removal: when ``broadcast`` exposes per-replica results with timeouts.
-  Fallback when absent: ``results_async`` (all-or-nothing), logged once.
+Ray internals touched, documented and probed in ``deployments.ray_touches``:
+``serve.broadcast_per_replica_results`` (each replica's answer under its own
+deadline; asked once per controller, fallback ``results_async``, all-or-nothing,
+logged) and ``serve.replica_ids`` (naming the replicas that missed a deadline).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Collection
 from typing import Any
 
 from ray import serve
-from ray.serve.handle import DeploymentBroadcastResponse, DeploymentHandle
+from ray.serve.handle import DeploymentHandle
 from ray.serve.metrics import Counter, Gauge
 
-from deployments import kvspec
+from deployments import kvspec, ray_touches
 from deployments.config import DSv4Section, Policy
 from deployments.logs import get_logger
 from deployments.wire import (
@@ -58,8 +53,6 @@ from deployments.wire import (
 
 logger = get_logger("controller")
 
-PER_REPLICA_RESULTS = hasattr(DeploymentBroadcastResponse, "_fetch_replica_results_async")
-
 
 def running_replicas(app_name: str, deployment_name: str) -> int | None:
     """RUNNING replicas of one deployment per Serve, or None if Serve does not list it."""
@@ -69,14 +62,31 @@ def running_replicas(app_name: str, deployment_name: str) -> int | None:
     return int(app.deployments[deployment_name].replica_states.get("RUNNING", 0))
 
 
-def alive_replica_ids(app_name: str, deployment_name: str) -> set[str]:
-    """Replica ids of the deployment's live actors (Serve names them ``...#<id>``)."""
-    import ray
+def replica_actors(app_names: Collection[str],
+                   deployment: Callable[[str], bool]) -> list[tuple[str, dict[str, str]]]:
+    """(replica id, named-actor entry) of each live replica actor of the apps'
+    deployments whose name ``deployment`` accepts.
 
-    prefix = f"SERVE_REPLICA::{app_name}#{deployment_name}#"
-    return {a["name"].removeprefix(prefix)
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(prefix)}
+    Serve's replica actors are found by parsing their names with Serve's own
+    ``ReplicaID`` (the ``serve.replica_ids`` touch), never a hard-coded format.
+    """
+    import ray
+    from ray.serve._private.common import ReplicaID
+
+    found = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if not ReplicaID.is_full_id_str(actor["name"]):
+            continue
+        replica = ReplicaID.from_full_id_str(actor["name"])
+        owner = replica.deployment_id
+        if owner.app_name in app_names and deployment(owner.name):
+            found.append((replica.unique_id, actor))
+    return found
+
+
+def alive_replica_ids(app_name: str, deployment_name: str) -> set[str]:
+    """Replica ids of the deployment's live actors."""
+    return {rid for rid, _ in replica_actors({app_name}, lambda name: name == deployment_name)}
 
 
 class _Metrics:
@@ -154,7 +164,8 @@ class KVSpecController:
                                         self._settings.enforce_backoff_s)
         self._report = self._not_checked()
         self._metrics = _Metrics(server.deployment_name)
-        if not PER_REPLICA_RESULTS:
+        self._per_replica = ray_touches.present("serve.broadcast_per_replica_results")
+        if not self._per_replica:
             logger.warning("dsv4: this Ray has no per-replica broadcast results; one hung "
                            "replica will make a whole check incomplete")
         # Async constructor: the loop task lives on the replica's event loop.
@@ -261,7 +272,7 @@ class KVSpecController:
         timeout = self._settings.broadcast_timeout_s
         try:
             response = self._server.broadcast(method, *args, **kwargs)
-            if not PER_REPLICA_RESULTS:
+            if not self._per_replica:
                 return await response.results_async(timeout_s=timeout,
                                                     return_exceptions=True), 0, None
             results = await asyncio.wait_for(
@@ -455,15 +466,23 @@ class KVSpecController:
 
     # ------------------------------------------------------------------ control
 
-    async def set_policy(self, policy: str) -> dict[str, Any]:
+    async def set_policy(self, policy: str | None) -> dict[str, Any]:
         """An operator's run-time policy for every replica (logged); checks now.
 
-        Without it each replica obeys its own configured ``dsv4.policy``.
+        The route is ``dsv4-serve policy`` (``deployments.policy_cli``, over a Serve
+        handle, so only who can reach the Ray cluster may change it): switching e.g.
+        ``warn`` -> ``enforce`` after a rollout without restarting a replica (a
+        config change would reboot every engine). ``None`` clears it: each replica
+        obeys its own configured ``dsv4.policy`` again. It lives in this controller:
+        a restarted controller starts without it (the report's ``policy_override``
+        says which is in force).
         """
-        new = Policy(policy).value
-        if new != self._policy:
-            logger.warning("dsv4: KV-spec policy %s -> %s (operator override for every "
-                           "replica)", self._policy, new)
+        new = None if policy is None else Policy(policy).value
+        if new != self._policy_override:
+            logger.warning("dsv4: KV-spec policy %s -> %s (%s)", self._policy,
+                           new or self._settings.policy.value,
+                           "operator override for every replica" if new else
+                           "override cleared: each replica obeys its own dsv4.policy")
         self._policy_override = new
         return await self.check()
 

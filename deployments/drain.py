@@ -41,17 +41,12 @@ def in_flight_requests(app_names: list[str]) -> int:
     passes exactly one: they are the ingress), read from the replica actors; 0 once
     they have stopped."""
     import ray
-    from ray.serve._private.common import ReplicaID
 
     from deployments.app import serves_http
+    from deployments.controller import replica_actors
 
-    handles = []
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if not ReplicaID.is_full_id_str(actor["name"]):
-            continue
-        replica = ReplicaID.from_full_id_str(actor["name"]).deployment_id
-        if replica.app_name in app_names and serves_http(replica.name):
-            handles.append(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+    handles = [ray.get_actor(actor["name"], namespace=actor["namespace"])
+               for _, actor in replica_actors(app_names, serves_http)]
     counts = ray.get([h.get_num_ongoing_requests.remote() for h in handles], timeout=10)
     return int(sum(counts))
 

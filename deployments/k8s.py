@@ -37,8 +37,9 @@ from typing import Any
 
 import yaml
 
-from deployments import checks, resources
-from deployments.config import AppArgs, ConfigError, load_serve_config
+from deployments import checks, resources, sizing
+from deployments.config import AppArgs, ConfigError, DeploymentConfig, load_serve_config
+from deployments.pd_config import POOLS, PDAppArgs
 
 # A checkout's top level, or the wheel's deployments/_data (deployments.resources).
 REPO_ROOT = resources.data_root()
@@ -146,15 +147,40 @@ def _gpu_args(config_path: Path) -> tuple[str, AppArgs]:
     return config_path.read_text(), args
 
 
-def _scaling(args: AppArgs) -> tuple[int, int, int]:
-    """(initial, min, max) replicas in Serve's units: DP gangs or multi-node engines."""
-    deploy = args.llm.deployment_config
+def _serve_scaling(deploy: DeploymentConfig) -> tuple[int, int, int]:
+    """(initial, min, max) Serve replicas of one deployment."""
     auto = deploy.autoscaling_config
     if auto is None:
         count = deploy.num_replicas or 1
         return count, count, count
     initial = auto.initial_replicas if auto.initial_replicas is not None else auto.min_replicas
     return initial, auto.min_replicas, auto.max_replicas
+
+
+def _scaling(args: AppArgs) -> tuple[int, int, int]:
+    """(initial, min, max) of the worker group, in its units (numOfHosts pods each).
+
+    One pool: Serve's replicas (DP gangs or multi-node engines), one unit each. A
+    prefill/decode app: the GPU pods both pools' replicas fill together (a 4-GPU
+    prefill and a 4-GPU decode replica share one 8-GPU pod), ``sizing.nodes_for``.
+    """
+    if not isinstance(args, PDAppArgs):
+        return _serve_scaling(args.llm.deployment_config)
+    node = args.dsv4.node
+    if node.nodes_per_replica != 1:
+        raise ConfigError(
+            f"dsv4.node.nodes_per_replica={node.nodes_per_replica} in a P/D preset: "
+            "expected 1 (each pool replica inside one GPU pod; the pools share pods). "
+            "Fix: a TP size that fits one node, nodes_per_replica: 1.")
+    per_pool = [(_serve_scaling(args.pool_deployment_config(p)),
+                 args.pool_parallel(p).gpus_per_replica) for p in POOLS]
+    try:
+        return tuple(sizing.nodes_for([(counts[i], gpus) for counts, gpus in per_pool],
+                                      int(node.gpus_per_node or 0))
+                     for i in range(3))  # type: ignore[return-value]
+    except ValueError as exc:
+        raise ConfigError(f"P/D preset: {exc}. Fix: TP sizes per pool that pack the "
+                          f"{node.gpus_per_node}-GPU nodes.") from exc
 
 
 def image_ref(params: Mapping[str, Any]) -> str:
@@ -529,6 +555,8 @@ def security_problems(docs: list[Mapping[str, Any]]) -> list[str]:
 
 
 def _group_problems(group: Mapping[str, Any], args: AppArgs) -> list[str]:
+    if isinstance(args, PDAppArgs):
+        return _pd_group_problems(group, args)
     ek, node, par = args.llm.engine_kwargs, args.dsv4.node, args.parallel()
     found = []
     hosts = group.get("numOfHosts", 1)
@@ -554,6 +582,35 @@ def _group_problems(group: Mapping[str, Any], args: AppArgs) -> list[str]:
         found.append(f"{group['groupName']}: cpu limit {limits.get('cpu')} < {need:g} CPUs "
                      "the replica's placement bundles need per node: Ray could never "
                      "place it and the autoscaler would add pods forever")
+    return found
+
+
+def _pd_group_problems(group: Mapping[str, Any], args: PDAppArgs) -> list[str]:
+    """P/D: both pools' replicas fit the pods, the pod bounds hold both pools' bounds."""
+    name, found = group["groupName"], []
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    per_pod = int(limits.get("nvidia.com/gpu", 0))
+    if group.get("numOfHosts", 1) != 1:
+        found.append(f"{name}: numOfHosts {group.get('numOfHosts')} != 1 (P/D pool "
+                     "replicas live inside one pod each)")
+    cpus = _cpu_quantity(str(limits.get("cpu", "0")))
+    for pool in POOLS:
+        gpus = args.pool_parallel(pool).gpus_per_replica
+        if not per_pod or gpus > per_pod or per_pod % gpus:
+            found.append(f"{name}: nvidia.com/gpu {per_pod} per pod does not hold whole "
+                         f"{pool} replicas of {gpus} GPUs")
+            continue
+        need = per_pod // gpus * args.pool_replica_cpus(pool)
+        if cpus < need:
+            found.append(f"{name}: cpu limit {limits.get('cpu')} < {need:g} CPUs that "
+                         f"{per_pod // gpus} {pool} replica(s) filling a pod reserve")
+    try:
+        _, low, high = _scaling(args)
+    except ConfigError as exc:
+        return [*found, f"{name}: {exc}"]
+    if (group["minReplicas"], group["maxReplicas"]) != (low, high):
+        found.append(f"{name}: min/maxReplicas {group['minReplicas']}/{group['maxReplicas']}"
+                     f" != the {low}/{high} pods both pools' Serve bounds fill")
     return found
 
 

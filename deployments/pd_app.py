@@ -20,8 +20,6 @@ cycles). The prefill deployment routes with ``deployments.pd_route.PDPrefillRout
 
 from __future__ import annotations
 
-import logging
-
 from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
@@ -37,12 +35,13 @@ from deployments.app import (
     serving_config,
     with_boot_callback,
 )
+from deployments.logs import get_logger
 from deployments.pd_config import PDAppArgs
 from deployments.pd_controller import PDController
 from deployments.pd_server import DSv4PDDecodeServer, DSv4PDPrefillServer
 from deployments.router import with_kv_router
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("pd")
 
 PREWARM_KEY = "_prewarm_prefill_decode"
 

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from deployments import sizing
 from deployments.config import AppArgs, DeploymentConfig, ReplicaOverride, _Strict
 
 # Connectors that declare support for vLLM's hybrid KV cache manager: vLLM turns HMA
@@ -149,6 +150,24 @@ class PDAppArgs(AppArgs):
             return DeploymentConfig.model_validate(base | copy.deepcopy(own))
         except ValueError as exc:
             raise ValueError(f"pd.{pool}.deployment_config: {exc}") from exc
+
+    def pool_parallel(self, pool: str) -> sizing.Parallel:
+        """One replica of ``pool``: ``llm.engine_kwargs`` with the pool's own changes."""
+        ek, own = self.llm.engine_kwargs, self.pd.pool(pool).engine_kwargs
+        return sizing.Parallel(int(own.get("tensor_parallel_size", ek.tensor_parallel_size)),
+                               int(own.get("pipeline_parallel_size",
+                                           ek.pipeline_parallel_size)),
+                               1, bool(own.get("enable_expert_parallel",
+                                               ek.enable_expert_parallel)),
+                               self.dsv4.node.nodes_per_replica)
+
+    def pool_replica_cpus(self, pool: str) -> float:
+        """CPUs one replica of ``pool`` reserves (its actor options, the shared bundles)."""
+        extra = self.pool_deployment_config(pool).model_extra or {}
+        actor = float((extra.get("ray_actor_options") or {}).get(
+            "num_cpus", sizing.REPLICA_ACTOR_CPUS))
+        pg = self.llm.placement_group_config
+        return sizing.replica_cpus(pg.bundles if pg else None, self.pool_parallel(pool), actor)
 
     @property
     def max_replicas_total(self) -> int:

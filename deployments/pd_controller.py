@@ -13,7 +13,6 @@ replicas (``apply_pd_route``, a ``wire.PDRouteMessage``) and publishes the verdi
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from typing import Any
 
@@ -22,6 +21,7 @@ from ray.serve.metrics import Gauge
 
 from deployments import pd_compat
 from deployments.controller import KVSpecController
+from deployments.logs import get_logger
 from deployments.wire import (
     FleetReport,
     PDPool,
@@ -32,7 +32,7 @@ from deployments.wire import (
     State,
 )
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("pd")
 
 POOLS = ("prefill", "decode")
 
@@ -170,7 +170,8 @@ class PDController:
                 logger.warning("dsv4: on-demand P/D check exceeded %.0f s", bound)
         return self.current().model_dump(mode="json")
 
-    async def set_policy(self, policy: str) -> dict[str, Any]:
+    async def set_policy(self, policy: str | None) -> dict[str, Any]:
+        """``KVSpecController.set_policy`` on both pools, then the pairs judged again."""
         for c in self._pools.values():
             await c.set_policy(policy)
         await self.judge()

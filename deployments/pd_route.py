@@ -12,16 +12,16 @@ decode replica prefills on its own engine (``may_transfer`` is False).
 from __future__ import annotations
 
 import importlib
-import logging
 import random
 from dataclasses import dataclass
 
 from ray.serve.request_router import PendingRequest, RunningReplica
 
+from deployments.logs import get_logger
 from deployments.router import ROUTING_STATS_PERIOD_S, KVSpecRouter, drained
 from deployments.wire import PDRouteMessage, PDVerdict
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("pd")
 
 PD_ROUTER_CLASS = "deployments.pd_route.PDPrefillRouter"
 

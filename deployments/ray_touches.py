@@ -12,7 +12,11 @@ deploy time instead of at the first request; ``dsv4-serve doctor`` lists them al
 Optional touches (``required=False``) never refuse a build: the drain's request
 count (logged when it fails), the controller's per-replica broadcast results
 (``deployments.controller`` falls back to ``results_async``, logged), the local
-multi-node cluster of ``dsv4-serve run --nodes``.
+multi-node cluster of ``dsv4-serve run --nodes``. Touches only a P/D app uses
+(``pd_only``) refuse only a P/D build (``require(pd=True)``).
+
+Code that behaves differently when a touch is absent asks ``present(name)``;
+it never probes Ray itself (one place per touch).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class RayTouch:
     probe: Callable[[], str | None]  # None = present as used; else what is missing
     required: bool = True  # a missing required touch refuses build_app
     affected: str = AFFECTED
+    pd_only: bool = False  # used by the P/D app only: refuses only a P/D build
 
 
 def _symbols(module: str, *names: str) -> Callable[[], str | None]:
@@ -140,6 +145,7 @@ TOUCHES: tuple[RayTouch, ...] = (
             "PDOrchestratorMixin.__serve_build_asgi_app__", "self.chat(")() or
         _source_mentions(f"{_LLM}.serving_patterns.prefill_decode.pd_server",
                          "PDOrchestratorMixin.__serve_build_asgi_app__", "self.completions(")(),
+        pd_only=True,
     ),
     RayTouch(
         name="llm.deployment_name",
@@ -197,10 +203,13 @@ TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="serve.replica_ids",
         target="ray.serve._private.common:ReplicaID.is_full_id_str, from_full_id_str",
-        used_in="deployments/drain.py in_flight_requests",
-        why="the drain prints how many requests are in flight; the ingress replicas are "
-            "found among the named actors by their replica id",
-        how="parse every named actor's name; keep our apps' ingress replicas",
+        used_in="deployments/controller.py replica_actors (for alive_replica_ids and "
+                "drain.py in_flight_requests)",
+        why="the drain prints how many requests are in flight; the controller names the "
+            "replicas that missed a check's deadline; both find a deployment's replicas "
+            "among the named actors by their replica id",
+        how="parse every named actor's name (never a hard-coded name format); keep the "
+            "replicas of one deployment",
         upstream="no public per-replica request count in Ray 2.60",
         removal="when serve.status() reports ongoing requests per replica",
         probe=lambda: _attr_chain("ray.serve._private.common", "ReplicaID.is_full_id_str")()
@@ -244,17 +253,53 @@ TOUCHES: tuple[RayTouch, ...] = (
     ),
     RayTouch(
         name="serve.broadcast_per_replica_results",
-        target="ray.serve.handle:DeploymentBroadcastResponse._fetch_replica_results_async",
-        used_in="deployments/controller.py",
+        target="ray.serve.handle:DeploymentBroadcastResponse._fetch_replica_results_async; "
+               "ray.serve._private.replica_result:ReplicaResult.get_async, cancel",
+        used_in="deployments/controller.py KVSpecController._call_each",
         why="the public results_async(timeout_s=) is all-or-nothing: one hung replica "
             "discards every answer",
-        how="await each replica's result under its own timeout (fallback when absent: "
-            "results_async, logged)",
+        how="await each replica's result under its own timeout and cancel the ones that "
+            "miss it (fallback when absent: results_async, logged once per controller)",
         upstream="no per-replica timeout in broadcast (alpha) as of Ray 2.60",
         removal="when broadcast exposes per-replica results with timeouts",
-        probe=_attr_chain("ray.serve.handle",
-                          "DeploymentBroadcastResponse._fetch_replica_results_async"),
+        probe=lambda: _attr_chain(
+            "ray.serve.handle", "DeploymentBroadcastResponse._fetch_replica_results_async")()
+        or _attr_chain("ray.serve._private.replica_result", "ReplicaResult.get_async")()
+        or _attr_chain("ray.serve._private.replica_result", "ReplicaResult.cancel")(),
         required=False,
+    ),
+    RayTouch(
+        name="pd.serving_args",
+        target=f"{_LLM}.serving_patterns.prefill_decode.builder:PDServingArgs",
+        used_in="deployments/pd_app.py pool_configs",
+        why="Ray Serve LLM's own validation of a prefill/decode pair (both kv_transfer_config, "
+            "the roles); build_pd_openai_app takes a dict and builds its own servers and "
+            "ingress, not ours",
+        how="validate our two LLMConfigs with it and use the configs it returns",
+        upstream="PDServingArgs is not exported by ray.serve.llm in Ray 2.60",
+        removal="when ray.serve.llm exports it, or build_pd_openai_app takes server classes "
+                "and an ingress",
+        probe=_symbols(f"{_LLM}.serving_patterns.prefill_decode.builder", "PDServingArgs"),
+        pd_only=True,
+    ),
+    RayTouch(
+        name="pd.local_prefill",
+        target="ray.serve.llm.deployment:PDDecodeServer.chat, completions (the remote-prefill "
+               "path) over LLMServer.chat, completions (the local one)",
+        used_in="deployments/pd_server.py DSv4PDDecodeServer.chat, completions",
+        why="a decode replica with no prefill replica proven compatible must not receive "
+            "unproven KV pages: it prefills on its own engine instead",
+        how="when pd_route forbids a transfer, call LLMServer's method on self, skipping "
+            "PDDecodeServer's override (relies on that override being the only place the "
+            "remote prefill happens)",
+        upstream="no per-request switch for the remote prefill in Ray 2.60",
+        removal="when PDDecodeServer can be told per request to prefill locally",
+        probe=lambda: _source_mentions("ray.serve.llm.deployment", "PDDecodeServer.chat",
+                                       "_pd_handle_request")()
+        or _source_mentions("ray.serve.llm.deployment", "PDDecodeServer.completions",
+                            "_pd_handle_request")()
+        or _attr_chain("ray.serve.llm.deployment", "LLMServer.completions")(),
+        pd_only=True,
     ),
     RayTouch(
         name="autoscaler.fake_multinode",
@@ -278,16 +323,30 @@ def probe_all() -> list[dict[str, str | bool]]:
     for touch in TOUCHES:
         missing = touch.probe()
         rows.append({"name": touch.name, "target": touch.target, "used_in": touch.used_in,
-                     "required": touch.required, "present": missing is None,
+                     "required": touch.required, "pd_only": touch.pd_only,
+                     "present": missing is None,
                      "detail": missing or "present", "why": touch.why, "how": touch.how,
                      "upstream": touch.upstream, "affected": touch.affected,
                      "removal": touch.removal})
     return rows
 
 
-def require() -> None:
-    """Raise if a required touch is missing from the installed Ray (called by build_app)."""
-    missing = [f"{t.name} ({t.target}): {detail}" for t in TOUCHES if t.required
+def present(name: str) -> bool:
+    """Whether the named touch holds in the installed Ray (the probe of its entry)."""
+    touch = next((t for t in TOUCHES if t.name == name), None)
+    if touch is None:
+        raise KeyError(f"no Ray touch named {name!r} in deployments/ray_touches.py "
+                       f"(known: {', '.join(t.name for t in TOUCHES)})")
+    return touch.probe() is None
+
+
+def require(pd: bool = False, touches: tuple[RayTouch, ...] = TOUCHES) -> None:
+    """Raise if a required touch is missing from the installed Ray (called by build_app).
+
+    ``pd``: the app is a prefill/decode one, so its ``pd_only`` touches count too.
+    """
+    missing = [f"{t.name} ({t.target}): {detail}" for t in touches
+               if t.required and (pd or not t.pd_only)
                for detail in [t.probe()] if detail]
     if missing:
         raise RuntimeError(
@@ -300,4 +359,5 @@ def render(rows: list[dict[str, str | bool]]) -> list[str]:
     """Doctor lines: one per touch."""
     return [f"ray touch {r['name']}: {'present' if r['present'] else 'MISSING'}"
             + ("" if r["present"] else f" ({r['detail']})")
-            + ("" if r["required"] else "; optional") + f" [{r['used_in']}]" for r in rows]
+            + ("" if r["required"] else "; optional") + ("; P/D apps" if r.get("pd_only") else "")
+            + f" [{r['used_in']}]" for r in rows]

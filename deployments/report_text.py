@@ -11,7 +11,9 @@ def describe(report: FleetReport) -> str:
     head = (f"KV spec: {report.state.value}"
             + (f" (last completed check: {report.previous_state.value})"
                if report.previous_state else "")
-            + f" (policy {report.policy}, expected {report.expected.layout}, reference "
+            + f" (policy {report.policy}"
+            + (" by operator override" if report.policy_override else "")
+            + f", expected {report.expected.layout}, reference "
               f"{report.expected.reference}{age}); {report.answered}/"
               f"{report.running_replicas} replicas answered")
     lines = [head]

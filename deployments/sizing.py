@@ -92,6 +92,24 @@ def replica_cpus(bundles: Sequence[Mapping[str, float]] | None, par: Parallel,
     return par.dp * engine_cpus(bundles, actor_cpus)
 
 
+def nodes_for(replicas: Sequence[tuple[int, int]], gpus_per_node: int) -> int:
+    """GPU nodes that hold ``(count, GPUs each)`` replicas, every replica inside one node.
+
+    Exact (only the last node may have idle GPUs) when every replica size divides the
+    node's GPUs and the sizes divide each other, as TP sizes (powers of two) do; a
+    prefill/decode app's two pools then share nodes. Anything else raises ValueError:
+    packing it is the Ray autoscaler's problem and no single pod count is right.
+    """
+    sizes = sorted({gpus for count, gpus in replicas if count})
+    bad = [g for g in sizes if g > gpus_per_node or gpus_per_node % g]
+    if bad or any(big % small for small in sizes for big in sizes if big >= small):
+        raise ValueError(
+            f"replicas of {sizes} GPUs on {gpus_per_node}-GPU nodes: expected sizes that "
+            "divide the node's GPU count and each other (e.g. 4 and 4, or 2 and 4 on 8)")
+    total = sum(count * gpus for count, gpus in replicas)
+    return -(-total // gpus_per_node)
+
+
 def cluster_cpus(replicas: Sequence[tuple[int, float]]) -> float:
     """Logical CPUs a cluster needs for applications given as (max_replicas, replica CPUs).
 

@@ -2,9 +2,13 @@
 
 Layers, bottom to top (nothing imports upward):
 
-- ``rules``      pure: KV layouts, dtype resolution, the byte model. No vLLM import.
+- ``rules``      pure: KV layouts (per-release tables), dtype resolution, the byte model.
+                 No vLLM import.
 - ``record``     pure: what the plugin did in this process (JSON-safe).
-- ``patches``    the one place that touches vLLM internals, each touch documented.
+- ``patch`` / ``registry``  every touch of vLLM internals, documented and probed: the
+                 patches (``patches``, ``cpu_compat``, ``cpu_ops``) and the reads
+                 (``selector``, ``worker_ext``).
+- ``selector``   the installed vLLM's own DeepSeek-V4 attention-class (layout) choice.
 - ``cpu_compat`` PyTorch stand-ins for Triton-only kernels, CPU platform only.
 - ``plugin``     the ``vllm.general_plugins`` entry point; applies ``patches``.
 - ``worker_ext`` ``worker_extension_cls`` mixin: KV specs as plain dicts.

@@ -66,6 +66,20 @@ def probe_patches() -> list[dict[str, str]]:
     return rows
 
 
+def probe_reads() -> list[dict[str, str | bool]]:
+    """Every registry read of vLLM internals with its probe (``registry.all_reads``)."""
+    rows = []
+    for read in registry.all_reads():
+        try:
+            missing = read.probe()
+        except Exception as exc:  # reported, like a patch probe that cannot run here
+            missing = f"probe could not run: {type(exc).__name__}: {exc}"
+        rows.append({"name": read.name, "target": read.target, "affected": read.affected,
+                     "present": missing is None, "detail": missing or "present",
+                     "how": read.how})
+    return rows
+
+
 def _verdict(spec: Patch, gates: dict[Any, str | None]) -> Verdict:
     skip = not_here(spec, gates)  # the plugin's own precondition, word for word
     if skip is not None:
@@ -131,6 +145,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "node": node.as_dict(),
         "plugin": plugin_status(),
         "patches": probe_patches(),
+        "reads": probe_reads(),
         "cpu_ops": probe_cpu_ops(node),
     }
     if node.platform == "cpu":
@@ -188,6 +203,9 @@ def render(data: dict[str, Any]) -> str:
     for row in data["patches"]:
         lines.append(f"patch {row['name']}: needed={row['needed']} ({row['why']}); "
                      f"{row['plugin_does']}")
+    for row in data.get("reads", []):
+        lines.append(f"read {row['name']}: "
+                     + ("present" if row["present"] else f"MISSING ({row['detail']})"))
     if "cpu_path" in data:
         lines.append(f"CPU DeepSeek-V4 path: {data['cpu_path']['present']} "
                      f"({data['cpu_path']['why']})")

@@ -1,8 +1,10 @@
 """What this node is (platform, compute capability, attention backend) and what
 ``kv_cache_dtype`` becomes on it, decided before an engine is built.
 
-``probe_node`` asks vLLM's platform layer (imported lazily); ``canonicalize`` is
-pure so the Serve replica, the planner and the tests share one decision.
+``probe_node`` asks vLLM's platform layer (imported lazily); ``canonicalize`` asks
+the installed vLLM's own attention-class selector (``dsv4_patch.selector``) for the
+layout, then resolves the dtype with the pure ``rules``. The planner, without vLLM,
+predicts the same from ``rules.detect_layout``'s per-release tables.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4_patch import rules
+from dsv4_patch.selector import installed_layout
 
 logger = logging.getLogger("dsv4_patch")
 
@@ -125,7 +128,8 @@ class Canonicalization:
         return (
             f"kv_cache_dtype={res.requested or 'auto'!r} -> engine {res.engine_dtype!r}, "
             f"workers store {res.cache_dtype_str!r} ({res.storage.value}) on layout "
-            f"{self.decision.layout.value} via {self.decision.backend}: {res.reason}"
+            f"{self.decision.layout.value} via {self.decision.backend} "
+            f"({self.decision.reason}): {res.reason}"
         )
 
 
@@ -136,7 +140,7 @@ def canonicalize(engine_kwargs: dict[str, Any], node: NodeInfo) -> Canonicalizat
     rewrite that is safe before the engine is built (docs/design.md, section 1).
     Raises ``rules.LayoutError`` / ``rules.KVCacheDtypeError`` with the fix.
     """
-    decision = rules.detect_layout(node.platform, node.capability, node.attention_backend)
+    decision = installed_layout(node.platform, node.capability, node.attention_backend)
     requested = engine_kwargs.get("kv_cache_dtype")
     resolution = rules.resolve_kv_cache_dtype(decision.layout, requested)
     return Canonicalization(decision, resolution)

@@ -59,13 +59,8 @@ class Verdict:
 
 
 @dataclass(frozen=True)
-class Patch:
-    """One documented patch: where, why, how, until when; its probe and its change.
-
-    ``module`` is the target module; ``also`` older releases' paths of the same code
-    (the first that exists in the installed vLLM is hooked). ``gate`` returns why the
-    patch does not apply in this process at all (None: it may), e.g. off the CPU.
-    """
+class Documented:
+    """What every touch of vLLM internals says of itself (a ``Patch`` or a ``Read``)."""
 
     name: str
     module: str
@@ -75,6 +70,17 @@ class Patch:
     upstream: str
     affected: str
     remove_when: str
+
+
+@dataclass(frozen=True)
+class Patch(Documented):
+    """One documented patch: where, why, how, until when; its probe and its change.
+
+    ``module`` is the target module; ``also`` older releases' paths of the same code
+    (the first that exists in the installed vLLM is hooked). ``gate`` returns why the
+    patch does not apply in this process at all (None: it may), e.g. off the CPU.
+    """
+
     probe: Callable[[ModuleType], Verdict]
     change: Callable[[ModuleType], str]
     also: tuple[str, ...] = ()
@@ -105,6 +111,18 @@ class Patch:
         result = PatchResult(self.name, "applied", f"{verdict.reason}; {self.change(module)}")
         done[self.name] = result
         return result
+
+
+@dataclass(frozen=True)
+class Read(Documented):
+    """A vLLM internal dsv4_patch reads or calls but never changes, documented like a patch.
+
+    ``probe()`` says what the installed vLLM lacks (None: present as used); code that
+    reads the internal falls back (said in ``how``) when it is missing, and
+    ``dsv4-serve doctor`` lists every read with its probe.
+    """
+
+    probe: Callable[[], str | None]
 
 
 def original_of(obj: Any) -> Any:

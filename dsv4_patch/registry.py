@@ -6,11 +6,14 @@ defines patches owns its documentation: ``patches`` (kv cache dtype on 0.20-0.29
 SM120 validator, the engine's lifetime), ``cpu_compat`` (Triton launchers and one CPU
 builder bug), ``cpu_ops`` (the DeepSeek-V4 CPU ops); the CPU ones sit behind
 ``cpu_gate``.
+
+``all_reads`` lists the vLLM internals dsv4_patch only reads or calls (``patch.Read``:
+the same documentation fields, a probe, never a change); the doctor shows them too.
 """
 
 from __future__ import annotations
 
-from dsv4_patch.patch import Patch
+from dsv4_patch.patch import Patch, Read
 
 
 def all_patches() -> tuple[Patch, ...]:
@@ -18,3 +21,10 @@ def all_patches() -> tuple[Patch, ...]:
     from dsv4_patch import cpu_compat, cpu_ops, patches
 
     return (*patches.PATCHES, *cpu_compat.PATCHES, *cpu_ops.PATCHES)
+
+
+def all_reads() -> tuple[Read, ...]:
+    """Every read of vLLM internals (the layout selector, the NIXL connector's facts)."""
+    from dsv4_patch import selector, worker_ext
+
+    return (selector.READ, worker_ext.CONNECTOR_READ)

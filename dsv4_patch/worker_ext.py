@@ -17,6 +17,7 @@ from fractions import Fraction
 from typing import Any
 
 from dsv4_patch import record
+from dsv4_patch.patch import Read
 
 # Spec attributes we report, in the order a reader scans them.
 SPEC_FIELDS = (
@@ -133,3 +134,52 @@ def connector_facts(worker: Any) -> dict[str, Any]:
     if missing:
         out["reason"] = f"not readable on this vLLM: {', '.join(missing)}"
     return out
+
+
+NIXL_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+NIXL_FACTS = ("block_len_per_layer", "kv_cache_layout", "backend_name", "block_size",
+              "compat_hash", "attn_backends")
+
+
+def _connector_probe() -> str | None:
+    """What ``connector_facts`` would not find in the installed vLLM (None: all there)."""
+    import importlib
+    import inspect
+
+    try:
+        state = importlib.import_module("vllm.distributed.kv_transfer.kv_transfer_state")
+        metadata = importlib.import_module(
+            "vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata")
+        worker = importlib.import_module(NIXL_WORKER)
+    except ImportError as exc:
+        return f"cannot import the NIXL connector: {exc}"
+    missing = [n for n in ("has_kv_transfer_group", "get_kv_transfer_group")
+               if not hasattr(state, n)]
+    missing += [] if hasattr(metadata, "NIXL_CONNECTOR_VERSION") else ["NIXL_CONNECTOR_VERSION"]
+    cls = getattr(worker, "NixlBaseConnectorWorker", None)
+    if cls is None:
+        return f"{NIXL_WORKER} has no NixlBaseConnectorWorker"
+    source = inspect.getsource(cls)
+    missing += [f"NixlBaseConnectorWorker.{n}" for n in NIXL_FACTS if f"self.{n}" not in source]
+    missing += [] if hasattr(cls, "_TRANSFER_MODE") else ["NixlBaseConnectorWorker._TRANSFER_MODE"]
+    return f"missing: {', '.join(missing)} (those fields read None)" if missing else None
+
+
+CONNECTOR_READ = Read(
+    name="pd.connector_facts",
+    module=NIXL_WORKER,
+    target="vllm.distributed.kv_transfer.kv_transfer_state:get_kv_transfer_group; "
+           "the group's connector_worker (NixlBaseConnectorWorker) "
+           + ", ".join(NIXL_FACTS) + ", _TRANSFER_MODE; nixl.metadata:NIXL_CONNECTOR_VERSION",
+    why="the P/D check (deployments.pd_compat) compares what a KV transfer depends on: "
+        "per-region block lengths, layout, kernel block size, backends, connector version "
+        "and transfer mode are known only to the live connector in each worker",
+    how="DSv4WorkerExtension.dsv4_kv_transfer reads them with getattr (collective_rpc); "
+        "an attribute a release lacks reads None and is named in `reason`, so the check "
+        "reports that field instead of passing it",
+    upstream="NIXL exposes these only through its handshake (compat hash), not per field",
+    affected="vLLM 0.32.0 CPU with NIXL 1.5.1 (checked); GPU 0.29 probed, not assumed",
+    remove_when="vLLM's connector exposes its transfer layout publicly (e.g. in the "
+                "handshake metadata per field)",
+    probe=_connector_probe,
+)

@@ -20,6 +20,7 @@ import yaml
 
 from deployments import k8s
 from deployments.config import ConfigError, ServeConfig, parse_app_args
+from deployments.pd_config import POOLS, PDAppArgs
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
@@ -80,7 +81,7 @@ def test_manifests_exist_for_every_preset_in_params():
     params = k8s.load_params()
     assert sorted(p.name for p in MANIFESTS) == sorted(
         f"{name}{k8s.MANIFEST_SUFFIX}" for name in params["presets"])
-    assert len(MANIFESTS) == 4
+    assert len(MANIFESTS) == 5  # four one-pool GPU presets + the P/D one
 
 
 def test_committed_manifests_are_up_to_date():
@@ -146,7 +147,8 @@ def test_serve_config_is_the_preset_and_parses(path):
 def test_gpu_limits_match_the_parallel_layout(path):
     doc = _load(path)
     serve = ServeConfig.model_validate(yaml.safe_load(doc["spec"]["serveConfigV2"]))
-    ek = parse_app_args(serve.applications[0].args).llm.engine_kwargs
+    args = parse_app_args(serve.applications[0].args)
+    ek = args.llm.engine_kwargs
     cluster = doc["spec"]["rayClusterConfig"]
     (group,) = cluster["workerGroupSpecs"]
     container = group["template"]["spec"]["containers"][0]
@@ -154,7 +156,10 @@ def test_gpu_limits_match_the_parallel_layout(path):
     per_pod = int(limits["nvidia.com/gpu"])
     hosts = group.get("numOfHosts", 1)
     tp, pp, dp = (ek.tensor_parallel_size, ek.pipeline_parallel_size, ek.data_parallel_size)
-    if dp > 1:
+    if isinstance(args, PDAppArgs):  # both pools' replicas share whole-node pods
+        assert (per_pod, hosts) == (args.dsv4.node.gpus_per_node, 1)
+        assert all(per_pod % args.pool_parallel(p).gpus_per_replica == 0 for p in POOLS)
+    elif dp > 1:
         assert per_pod == dp * tp * pp  # one DP gang per node
     else:
         assert per_pod * hosts == tp * pp  # one engine across numOfHosts nodes
@@ -197,11 +202,65 @@ def test_worker_group_follows_serve_autoscaling():
         args = parse_app_args(serve.applications[0].args)
         auto = args.llm.deployment_config.autoscaling_config
         group = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+        assert group["numOfHosts"] == args.dsv4.node.nodes_per_replica
+        if isinstance(args, PDAppArgs):  # pods, not Serve replicas: test_pd_preset_...
+            continue
         assert (group["minReplicas"], group["maxReplicas"]) == (auto.min_replicas,
                                                                 auto.max_replicas)
-        assert group["numOfHosts"] == args.dsv4.node.nodes_per_replica
     pro = _load(K8S / "pro-h200-2node.rayservice.yaml")
     assert pro["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["numOfHosts"] == 2
+
+
+def _pd_preset(tmp_path: Path, change: Any = None) -> k8s.Preset:
+    """The P/D preset as params list it, optionally with its Serve config changed."""
+    params = k8s.load_params()
+    [preset] = [p for p in k8s.presets(params, k8s.DEFAULT_PARAMS) if p.name == "flash-h200-pd"]
+    if change is None:
+        return preset
+    raw = yaml.safe_load(preset.config_path.read_text())
+    change(raw["applications"][0]["args"])
+    path = tmp_path / "flash-h200-pd.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return k8s.Preset(preset.name, path, preset.worker)
+
+
+def test_pd_preset_renders_checks_and_packs_both_pools(tmp_path):
+    """configs/flash-h200-pd.yaml through `k8s render`: a TP4 prefill and a TP4 decode
+    replica share each 8-GPU pod, so 1-2 replicas per pool are 1-2 pods; secure."""
+    params = k8s.load_params()
+    docs = k8s.render_documents(_pd_preset(tmp_path), params)  # raises on any problem
+    service = docs[0]
+    assert k8s.security_problems(docs) == [] and k8s.semantic_problems(service) == []
+    (group,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"],
+            group["numOfHosts"]) == (1, 1, 2, 1)
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == "8"
+    serve = yaml.safe_load(service["spec"]["serveConfigV2"])
+    args = parse_app_args(serve["applications"][0]["args"])
+    assert isinstance(args, PDAppArgs) and args.http.auth.mode == "keys"  # 0.0.0.0: a key
+    assert serve["http_options"]["host"] == "0.0.0.0"
+    # The checks can fail: pod bounds that do not follow both pools, a starved pod.
+    group["maxReplicas"] = 4
+    limits["cpu"] = "32"
+    problems = k8s.semantic_problems(service)
+    assert any("min/maxReplicas 1/4 != the 1/2 pods" in p for p in problems), problems
+    assert any("cpu limit 32 < 66 CPUs that 2 prefill replica(s)" in p for p in problems)
+    # Serve's bounds change the pods: decode up to 5 -> (2 + 5) x 4 GPUs = 4 pods.
+    five = _pd_preset(tmp_path, lambda a: a["pd"].update(decode={"deployment_config": {
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 5}}}))
+    group = k8s.render_manifest(five, params)["spec"]["rayClusterConfig"][
+        "workerGroupSpecs"][0]
+    assert (group["minReplicas"], group["maxReplicas"]) == (1, 4)
+    # A pool size that does not pack 8-GPU pods is refused with the fix.
+    tp3 = _pd_preset(tmp_path, lambda a: a["pd"].update(prefill={"engine_kwargs": {
+        "tensor_parallel_size": 3}}))
+    with pytest.raises(ConfigError, match=r"\[3, 4\] GPUs on 8-GPU nodes.*Fix"):
+        k8s.render_manifest(tp3, params)
+    # Secure by default: the same preset without API keys is not rendered.
+    keyless = _pd_preset(tmp_path, lambda a: a["http"].update(auth={"mode": "off"}))
+    with pytest.raises(ConfigError, match="not secure"):
+        k8s.render_documents(keyless, params)
 
 
 def test_refused_preset_cannot_be_rendered():

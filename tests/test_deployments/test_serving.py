@@ -251,14 +251,31 @@ def test_differing_replica_is_named_and_warn_keeps_serving(mixed_app: str) -> No
     assert again["running_replicas"] == 2
 
 
-def test_enforce_makes_the_differing_replica_unhealthy(mixed_app: str) -> None:
+def _set_policy(policy: str, capsys: pytest.CaptureFixture) -> int:
+    """``dsv4-serve policy POLICY --app MIXED_APP`` in this (Ray-attached) process."""
+    import argparse
+
+    from deployments import policy_cli
+
+    parser = argparse.ArgumentParser()
+    policy_cli.add_arguments(parser)
+    rc = policy_cli.main(parser.parse_args([policy, "--app", MIXED_APP]))
+    out = capsys.readouterr().out
+    assert f"policy {policy_cli.override_of(policy) or 'warn'}" in out, out
+    return rc
+
+
+def test_enforce_makes_the_differing_replica_unhealthy(mixed_app: str,
+                                                       capsys: pytest.CaptureFixture) -> None:
     from ray import serve
 
     before = _mixed_report(mixed_app)
     odd_id = next(iter(before["odd_replicas"]))
-    controller = serve.get_deployment_handle("KVSpecController", MIXED_APP)
-    after = controller.set_policy.remote("enforce").result(timeout_s=120)
-    assert after["policy"] == "enforce" and odd_id in after["odd_replicas"]
+    # The operator's route (the app was deployed under warn): no replica restarts.
+    assert _set_policy("enforce", capsys) == 1  # disagree
+    after = _mixed_report(mixed_app)
+    assert after["policy"] == after["policy_override"] == "enforce"
+    assert odd_id in after["odd_replicas"]
 
     deadline = time.monotonic() + 120
     seen_unhealthy, replaced = False, False
@@ -286,3 +303,9 @@ def test_enforce_makes_the_differing_replica_unhealthy(mixed_app: str) -> None:
     assert newcomer["status"] == "odd" and report["state"] == "disagree"
     # Odd again with the same config: enforce backs off (drains it) instead of looping.
     assert newcomer["action"] == "drain" and newcomer["attempts"] == 1, newcomer
+
+    # Cleared: each replica obeys its own configured policy (warn) again.
+    _set_policy("configured", capsys)
+    cleared = _mixed_report(mixed_app)
+    assert cleared["policy"] == "warn" and cleared["policy_override"] is None
+    assert {r["action"] for r in cleared["replicas"]} == {"serve"}, cleared["replicas"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -73,7 +74,17 @@ def test_ray_touches_are_documented_and_probed():
     for row in rows:
         assert all(row[k] for k in ("target", "why", "how", "upstream", "affected", "removal"))
         assert row["present"], row  # the pinned Ray has every one of them
-    ray_touches.require()
+    ray_touches.require(pd=True)
+    assert ray_touches.present("serve.broadcast_per_replica_results")
+    with pytest.raises(KeyError, match="no Ray touch named 'nope'"):
+        ray_touches.present("nope")
+    # A missing P/D-only touch refuses a P/D build only; an optional one never.
+    gone = dataclasses.replace(ray_touches.TOUCHES[0], name="gone",
+                               probe=ray_touches._symbols("ray.serve", "no_such_symbol"))
+    ray_touches.require(touches=(dataclasses.replace(gone, pd_only=True),))
+    ray_touches.require(pd=True, touches=(dataclasses.replace(gone, required=False),))
+    with pytest.raises(RuntimeError, match=r"(?s)gone .*no_such_symbol.*Fix"):
+        ray_touches.require(pd=True, touches=(dataclasses.replace(gone, pd_only=True),))
     assert ray_touches._parameter("ray", "init", "_no_such_kwarg")() is not None
     assert ray_touches._symbols("ray.serve", "no_such_symbol")() is not None
     assert ray_touches._source_mentions("ray.serve.llm", "LLMConfig.update_engine_kwargs",
@@ -104,3 +115,14 @@ def test_vllm_plugins_parsed_as_vllm_does():
     """One parse for config and doctor, vLLM's own: a space before the name hides it."""
     assert rules.plugin_allowed(None) and rules.plugin_allowed("a,dsv4_patch")
     assert not rules.plugin_allowed("a, dsv4_patch") and not rules.plugin_allowed("")
+
+
+def test_pool_replicas_pack_gpu_nodes():
+    """P/D pools share nodes: 1 TP4 prefill + 1 TP4 decode = one 8-GPU node."""
+    assert sizing.nodes_for([(1, 4), (1, 4)], 8) == 1
+    assert sizing.nodes_for([(2, 4), (5, 4)], 8) == 4
+    assert sizing.nodes_for([(3, 4), (2, 2)], 8) == 2  # 16 GPUs: 4+4 | 4+2+2
+    assert sizing.nodes_for([(0, 3), (1, 8)], 8) == 1  # an empty pool does not count
+    for bad in ([(1, 3), (1, 4)], [(1, 16)], [(1, 2), (1, 6)]):
+        with pytest.raises(ValueError, match="divide the node's GPU count"):
+            sizing.nodes_for(bad, 8)

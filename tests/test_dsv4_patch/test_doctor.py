@@ -33,6 +33,8 @@ def test_json_report_of_this_cpu_node() -> None:
     from dsv4_patch import registry
 
     assert list(needed) == [p.name for p in registry.all_patches()]
+    assert [(r["name"], r["present"]) for r in data["reads"]] == [
+        (r.name, True) for r in registry.all_reads()]
     assert {needed[n] for n in needed if n.startswith("cpu.")} == {"yes"}
     ops = {needed[n] for n in needed if n.startswith("cpu_op.")}
     assert ops == {"no" if data["cpu_ops"]["library"].endswith("(AVX512-BF16)") else "yes"}

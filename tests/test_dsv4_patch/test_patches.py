@@ -130,6 +130,16 @@ def test_every_patch_is_documented() -> None:
         assert spec.target.startswith((spec.module, "torch.ops._C."))
 
 
+def test_every_read_is_documented_and_present() -> None:
+    """The vLLM internals dsv4_patch only reads: the same fields, a probe that holds here."""
+    reads = registry.all_reads()
+    assert [r.name for r in reads] == ["layout.selector", "pd.connector_facts"]
+    for read in reads:
+        for field in ("module", "target", "why", "how", "upstream", "affected", "remove_when"):
+            assert getattr(read, field).strip(), f"{read.name}.{field} is empty"
+        assert read.probe() is None, read.name
+
+
 def test_post_import_hook_fires_on_import_and_immediately(tmp_path, monkeypatch) -> None:
     pkg = tmp_path / "dsv4_hook_probe.py"
     pkg.write_text("VALUE = 41\n")
