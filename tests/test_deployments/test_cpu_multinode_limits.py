@@ -11,6 +11,10 @@ the config rejects what would be ignored (never accept a setting and ignore it).
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -50,6 +54,7 @@ def test_ray_serve_llm_forces_the_mp_executor_on_cpu() -> None:
 @pytest.mark.parametrize(("where", "value", "named"), [
     ("engine", {"distributed_executor_backend": "ray"}, "distributed_executor_backend"),
     ("node", {"nodes_per_replica": 2}, "nodes_per_replica"),
+    ("engine", {"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
 ])
 def test_config_rejects_a_cpu_replica_across_nodes(where: str, value: dict,
                                                    named: str) -> None:
@@ -59,3 +64,48 @@ def test_config_rejects_a_cpu_replica_across_nodes(where: str, value: dict,
     with pytest.raises(ConfigError) as err:
         parse_app_args(args)
     assert named in str(err.value) and "Fix:" in str(err.value)
+
+
+# ---- the nearest real thing: one engine over two worker processes on one node --------
+
+REPO = Path(__file__).resolve().parents[2]
+# Every cache group on both stages: two copies of the tiny model's layer mix.
+EIGHT_LAYERS = {"num_hidden_layers": 8, "compress_ratios": [0, 4, 128, 4, 0, 4, 128, 4, 0]}
+
+
+def _parallel_engine(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tests.parallel_engine", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=420)
+
+
+@pytest.mark.slow
+def test_tp2_engine_spans_two_workers_each_on_fp8_ds_mla_and_generates() -> None:
+    """Pro's multi-node shape needs one engine over several workers; on CPU the nearest
+    that runs is TP 2 over two worker processes of one node, the plugin in both."""
+    proc = _parallel_engine("--tp", "2")
+    line = next((ln for ln in proc.stdout.splitlines()
+                 if ln.startswith("DSV4_PARALLEL_RESULT ")), None)
+    assert line, proc.stderr[-4000:]
+    result = json.loads(line.split(" ", 1)[1])
+    print(f"TP 2 on CPU: boot {result['boot_s']} s, {result['tokens']} tokens")
+    assert result["tokens"] == 8
+    assert sorted(w["rank"] for w in result["workers"]) == [0, 1]
+    for worker in result["workers"]:
+        dtypes = {s["cache_dtype_str"] for s in worker["specs"] if "attn" in s["layer"]
+                  and "indexer" not in s["layer"] and "compressor" not in s["layer"]}
+        assert dtypes == {"fp8_ds_mla"}, (worker["rank"], dtypes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("overrides", "upstream_error"), [
+    # The tiny model split 2/2: stage 0 owns no compress-128 layer (vllm#54711).
+    ({}, "StopIteration"),
+    # Every group on both stages: boots, stage 1's first forward finds no inputs.
+    (EIGHT_LAYERS, "assert self.intermediate_tensors is not None"),
+])
+def test_pp2_on_cpu_fails_in_vllm(overrides: dict, upstream_error: str) -> None:
+    """Why the config refuses pipeline_parallel_size > 1 on CPU. Fails the day vLLM's CPU
+    engine runs DeepSeek-V4 in two stages: then lift the refusal in checks.py."""
+    proc = _parallel_engine("--pp", "2", "--hf-overrides", json.dumps(overrides))
+    assert proc.returncode != 0 and "DSV4_PARALLEL_RESULT" not in proc.stdout
+    assert upstream_error in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
