@@ -53,23 +53,24 @@ class Stack:
 
 
 TESTS = Path(__file__).resolve().parent
-# pyproject's testpaths. Named test_<package>, not <package>: engine subprocesses get
-# tests/ on PYTHONPATH (engine_site's hooks import its harnesses by top-level name), where
-# a tests/dsv4_patch/ would shadow the real plugin and tests/packaging/ PyPI's packaging.
-MIRRORS = ("test_dsv4_patch", "test_deployments", "test_packaging")
+# The mirror folders are pyproject's testpaths, read from there (one list). Named
+# test_<package>, not <package>: engine subprocesses get tests/ on PYTHONPATH
+# (engine_site's hooks import its harnesses by top-level name), where a tests/dsv4_patch/
+# would shadow the real plugin and tests/packaging/ PyPI's packaging.
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Refuse a test file outside the mirror tree: pyproject's testpaths would skip it."""
+    mirrors = tuple(Path(p).name for p in config.getini("testpaths"))
     strays = sorted(p.relative_to(TESTS.parent).as_posix() for p in TESTS.glob("test_*.py"))
     strays += sorted(p.relative_to(TESTS.parent).as_posix() for p in TESTS.glob("*/test_*.py")
-                     if p.parent.name not in MIRRORS)
+                     if p.parent.name not in mirrors)
     if strays:
         raise pytest.UsageError(
             f"test files outside the mirror tree would never run: {', '.join(strays)}; "
-            f"expected tests/test_<package>/test_<module>.py in one of {MIRRORS}. "
+            f"expected tests/test_<package>/test_<module>.py in one of {mirrors}. "
             "Fix: git mv each into the package its module belongs to (or add the new "
-            "package to MIRRORS and pyproject's testpaths).")
+            "package to pyproject's testpaths).")
 
 
 def read_until_serving(proc: subprocess.Popen[str], timeout_s: float) -> str:
