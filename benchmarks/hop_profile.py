@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
 import shutil
 import statistics
@@ -43,44 +42,10 @@ import psutil
 
 from benchmarks import load as bench_load
 from benchmarks import serving_overhead as so
+from benchmarks.arm_procs import role_of, session_processes
 
-ROLES = (  # (role, pattern on the process command line / title), first match wins
-    ("proxy", re.compile(r"ProxyActor")),
-    ("ingress", re.compile(r"ServeReplica:\w+:DSv4Ingress|ServeReplica:\w+:OpenAiIngress")),
-    ("controller", re.compile(r"KVSpecController")),
-    ("server", re.compile(r"ServeReplica:\w+:(DSv4Server|LLMServer|DSv4DPServer)")),
-    ("engine", re.compile(r"VLLM::EngineCore|EngineCore")),
-    ("engine-worker", re.compile(r"VLLM::Worker|VllmWorker")),
-    ("serve-controller", re.compile(r"ServeController")),
-    ("vllm-api", re.compile(r"vllm\.entrypoints\.openai\.api_server")),
-    ("ray-system", re.compile(r"gcs_server|raylet|dashboard|log_monitor|monitor\.py|"
-                              r"runtime_env|ray::IDLE|default_worker")),
-)
 _ACCESS = re.compile(r"^\w+ \S+ \S+ (?P<who>\S+) \S+ (?P<rid>[0-9a-f-]{36}) -- "
                      r"(?P<what>.+?) (?P<ms>[\d.]+)ms$")
-
-
-def role_of(proc: psutil.Process) -> str:
-    try:
-        text = " ".join(proc.cmdline()) or proc.name()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return "gone"
-    for role, pattern in ROLES:
-        if pattern.search(text):
-            return role
-    return "other"
-
-
-def session_processes(root_pid: int) -> list[psutil.Process]:
-    """Every live process of the arm: the session its server process leads."""
-    out = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.pid != root_pid and os.getsid(proc.pid) == root_pid:
-                out.append(proc)
-        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
-            continue
-    return out
 
 
 def cpu_by_role(procs: list[psutil.Process]) -> dict[str, float]:
@@ -194,10 +159,9 @@ def main() -> int:
                            input_len=args.input_len, output_len=args.output_len)
     result: dict[str, Any] = {"arm": args.arm, "load": load.__dict__}
     log = args.out / f"{args.arm}.log"
-    with so.arm_server(args.arm, args.port, 1, log, boot_timeout_s=600) as boot_s:
+    with so.arm_server(args.arm, args.port, 1, log, boot_timeout_s=600) as (boot_s, root):
         result["boot_s"] = round(boot_s, 1)
-        root = _root_pid(log, args)
-        procs = [*session_processes(root), psutil.Process(root)]
+        procs = session_processes(root)
         ids = {str(uuid.uuid4()) for _ in range(args.singles)}
         client = [one_token(base, rid) for rid in sorted(ids)]
         time.sleep(2)  # access logs are flushed asynchronously
@@ -208,12 +172,12 @@ def main() -> int:
         started = time.monotonic()
         res = bench_load.summary(bench_load.run(load, base, so.MODEL_ID, tokenizer))
         wall = time.monotonic() - started
-        after = cpu_by_role([*session_processes(root), psutil.Process(root)])
+        after = cpu_by_role(session_processes(root))
         result["load"] = res
         result["cpu_s_under_load"] = {r: round(after.get(r, 0) - before.get(r, 0), 2)
                                       for r in sorted(set(after) | set(before))}
         result["load_wall_s"] = round(wall, 1)
-        pids = _relay_pids([*session_processes(root), psutil.Process(root)])
+        pids = _relay_pids(session_processes(root))
         spy: dict[str, Any] = {}
         loader = threading.Thread(target=lambda: spy.update(
             py_spy(pids, args.profile_s, args.out)))
@@ -234,19 +198,11 @@ def main() -> int:
     return 0
 
 
-def _root_pid(log: Path, args: argparse.Namespace) -> int:
-    """The arm's server process: the session leader listening on the port's session."""
-    for conn in psutil.net_connections("tcp"):
-        if conn.laddr and conn.laddr.port == args.port and conn.status == "LISTEN" and conn.pid:
-            return os.getsid(conn.pid)
-    raise RuntimeError(f"nothing listens on port {args.port}; log {log}")
-
-
 def _relay_pids(procs: list[psutil.Process]) -> dict[str, int]:
     pids = {}
     for proc in procs:
         role = role_of(proc)
-        if role in ("proxy", "ingress", "server", "vllm-api") and role not in pids:
+        if role in ("proxy", "server", "vllm-api") and role not in pids:
             pids[role] = proc.pid
     return pids
 

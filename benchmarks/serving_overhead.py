@@ -62,7 +62,13 @@ READY = "DSV4-ARM-READY"
 
 
 def raw_config(replicas: int, port: int, arm: str = "ours") -> dict[str, Any]:
-    """``configs/local-cpu.yaml`` with ``replicas`` engines and the benchmark port."""
+    """``configs/local-cpu.yaml`` with ``replicas`` engines and the benchmark port.
+
+    Every arm's engine gets this config's ``runtime_env.env_vars`` (the Serve arms
+    through Ray, the plain-vLLM arm in its process environment), so the engines run
+    with the same threading: ``OMP_NUM_THREADS`` left unset would give the Serve
+    arms 1 thread (Ray's default for a 1-CPU actor) and plain vLLM 2 (torch's).
+    """
     raw = yaml.safe_load(CONFIG.read_text())
     raw["http_options"]["port"] = port
     args = raw["applications"][0]["args"]
@@ -71,6 +77,11 @@ def raw_config(replicas: int, port: int, arm: str = "ours") -> dict[str, Any]:
     if arm == "ours-quiet":
         args["dsv4"]["controller_period_s"] = QUIET_PERIOD_S
     return raw
+
+
+def engine_env() -> dict[str, str]:
+    """The environment every arm's engine runs with (recorded with the results)."""
+    return dict(app_args(1)["llm"]["runtime_env"]["env_vars"])
 
 
 def app_args(replicas: int) -> dict[str, Any]:
@@ -159,13 +170,14 @@ def vllm_command(port: int) -> tuple[list[str], dict[str, str]]:
             cmd.append(flag)
         elif value is not False:
             cmd += [flag, str(value)]
-    return cmd, dict(llm["runtime_env"]["env_vars"])
+    return cmd, engine_env()
 
 
 @contextlib.contextmanager
 def arm_server(arm: str, port: int, replicas: int, log: Path,
-               boot_timeout_s: float) -> Iterator[float]:
-    """Start one arm in its own process group, yield its boot seconds, then stop it.
+               boot_timeout_s: float) -> Iterator[tuple[float, int]]:
+    """Start one arm in its own session, yield its boot seconds and the session's
+    leader pid (``benchmarks.arm_procs`` finds the arm's processes by it), then stop it.
 
     Stopping: SIGTERM (Serve arms shut Serve and Ray down themselves), then after
     60 s SIGKILL to the group this function created -- never to anything else.
@@ -185,7 +197,7 @@ def arm_server(arm: str, port: int, replicas: int, log: Path,
                                 start_new_session=True)
         try:
             wait_ready(f"http://127.0.0.1:{port}", proc, log, boot_timeout_s)
-            yield time.monotonic() - started
+            yield time.monotonic() - started, proc.pid
         finally:
             stop_group(proc)
 
@@ -253,7 +265,7 @@ def measure(arms: list[str], rounds: int, repeats: int, load: bench_load.Load,
     for r in range(first_round, first_round + rounds):
         for arm in (arms if r % 2 == 0 else list(reversed(arms))):
             log = REPO / "results" / "logs" / f"serving_overhead-{arm}-{r}.log"
-            with arm_server(arm, port, replicas, log, boot_timeout_s=600) as boot_s:
+            with arm_server(arm, port, replicas, log, boot_timeout_s=600) as (boot_s, _):
                 for _ in range(repeats):
                     res = bench_load.summary(bench_load.run(
                         load, f"http://127.0.0.1:{port}", MODEL_ID, tokenizer))
@@ -367,10 +379,11 @@ def main() -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
         "load": load.__dict__, "rounds": args.rounds, "repeats": args.repeats,
-        "replicas": args.replicas, "runs": runs, "median": agg,
+        "replicas": args.replicas, "engine_env": engine_env(), "runs": runs, "median": agg,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
+    print(f"engine environment of every arm: {engine_env()}")
     print(table(agg))
     print(f"wrote {args.out}")
     return 0

@@ -1,0 +1,53 @@
+"""The processes of one serving arm: find them and name their role.
+
+A serving arm (``benchmarks.serving_overhead``) is one session: the arm's server
+process and everything it starts (Ray's system processes, Serve's proxy and replicas,
+vLLM's engine core and worker). Profiles and CPU accounting need to know which process
+does what. (Their environment cannot be read back reliably from
+``/proc/<pid>/environ``: the plain-vLLM arm's engine processes showed none of the
+variables their own log proves they had, likely because of ``setproctitle``; the
+benchmark records the environment it gives the engines instead.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import psutil
+
+ROLES = (  # (role, pattern on the process command line / title), first match wins
+    ("proxy", re.compile(r"ProxyActor")),
+    ("controller", re.compile(r"KVSpecController")),
+    ("server", re.compile(r"ServeReplica:\w+:(DSv4Server|LLMServer|DSv4DPServer|\w*Ingress)")),
+    ("engine", re.compile(r"VLLM::EngineCore|EngineCore")),
+    ("engine-worker", re.compile(r"VLLM::Worker|VllmWorker")),
+    ("serve-controller", re.compile(r"ServeController")),
+    ("vllm-api", re.compile(r"vllm\.entrypoints\.openai\.api_server")),
+    ("ray-system", re.compile(r"gcs_server|raylet|dashboard|log_monitor|monitor\.py|"
+                              r"runtime_env|ray::IDLE|default_worker")),
+)
+
+
+def role_of(proc: psutil.Process) -> str:
+    """The arm role of ``proc`` by its command line or title; "gone" if it exited."""
+    try:
+        text = " ".join(proc.cmdline()) or proc.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "gone"
+    for role, pattern in ROLES:
+        if pattern.search(text):
+            return role
+    return "other"
+
+
+def session_processes(root_pid: int) -> list[psutil.Process]:
+    """Every live process of the arm, its server process included: the session it leads."""
+    out = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.pid == root_pid or os.getsid(proc.pid) == root_pid:
+                out.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+            continue
+    return out
