@@ -11,6 +11,7 @@ benchmark records the environment it gives the engines instead.)
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 
@@ -19,6 +20,7 @@ import psutil
 ROLES = (  # (role, pattern on the process command line / title), first match wins
     ("proxy", re.compile(r"ProxyActor")),
     ("controller", re.compile(r"KVSpecController")),
+    ("standin", re.compile(r"StandInReplica")),  # benchmarks.standin (controller benchmarks)
     ("server", re.compile(r"ServeReplica:\w+:(DSv4Server|LLMServer|DSv4DPServer|\w*Ingress)")),
     ("engine", re.compile(r"VLLM::EngineCore|EngineCore")),
     ("engine-worker", re.compile(r"VLLM::Worker|VllmWorker")),
@@ -51,3 +53,15 @@ def session_processes(root_pid: int) -> list[psutil.Process]:
         except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
             continue
     return out
+
+
+def cpu_by_role(procs: list[psutil.Process]) -> dict[str, float]:
+    """CPU seconds (user + system) each role's processes used so far, summed."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            totals[role_of(proc)] += t.user + t.system
+        except psutil.NoSuchProcess:
+            continue
+    return dict(totals)

@@ -17,6 +17,14 @@ replica count N, scaled up in place (same deployment version, only
 * ``full_check_s`` p50: a forced check that first forgets every held spec
   (``report(full=True)``): every replica sends its ~50 kB spec, the controller
   validates and re-hashes each -- the first check of a restarted controller.
+* ``check_cpu_s`` p50: the CPU seconds the controller process used during a forced
+  check (the report's ``check_cpu_seconds``): its own cost, apart from waiting for
+  the replicas or for a core;
+* ``cpu_at_rest_pct``: per process role, the share of the machine the cluster used
+  over ``REST_S`` seconds with only the periodic check running -- on one box the
+  stand-ins' own Serve loops compete with the controller, which a real cluster
+  (a node per replica) does not have; ``--standin-env`` sets the stand-ins'
+  environment (e.g. Serve's metrics export interval) to show what that costs;
 * ``decide_ms``: ``deployments.kvspec.decide`` alone on N stand-in specs (the
   pure part: per-layer prediction check + peer check), to show where the time goes.
 
@@ -45,7 +53,8 @@ SERVER = "StandInReplica"
 DEFAULT_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def build(n: int, period_s: float, timeout_s: float) -> Any:
+def build(n: int, period_s: float, timeout_s: float,
+          standin_env: dict[str, str] | None = None) -> Any:
     """The benchmark app: the real controller bound to N stand-in replicas.
 
     Fixed versions make a change of ``num_replicas`` an in-place scale, not a
@@ -60,9 +69,12 @@ def build(n: int, period_s: float, timeout_s: float) -> Any:
     from benchmarks.standin import StandInReplica
     from deployments.controller import KVSpecController
 
+    actor: dict[str, Any] = {"num_cpus": 0}
+    if standin_env:  # the stand-ins' own settings only; the controller keeps Ray's defaults
+        actor["runtime_env"] = {"env_vars": dict(standin_env)}
     server = serve.deployment(
         StandInReplica, name=SERVER, num_replicas=n,
-        ray_actor_options={"num_cpus": 0}, health_check_period_s=30,
+        ray_actor_options=actor, health_check_period_s=30,
         max_ongoing_requests=1000,
     ).options(version="v1", _internal=True).bind()
     dsv4 = {"expected_layout": "fp8_ds_mla", "policy": "enforce",
@@ -123,8 +135,9 @@ async def _wait_verdict(controller: Any, n: int, deadline_s: float) -> dict[str,
 
 
 async def _forced_checks(controller: Any, n: int, repeats: int,
-                         full: bool = False) -> tuple[list, list]:
-    checks, calls = [], []
+                         full: bool = False) -> tuple[list, list, list]:
+    """(check_seconds, caller round trips, check_cpu_seconds) of ``repeats`` forced checks."""
+    checks, calls, cpu = [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         report = await controller.report.remote(refresh=True, full=full)
@@ -133,11 +146,31 @@ async def _forced_checks(controller: Any, n: int, repeats: int,
             raise RuntimeError(f"forced check at N={n}: {report['state']}, "
                                f"{report['answered']} answered; {report['problems'][:2]}")
         checks.append(report["check_seconds"])
-    return checks, calls
+        cpu.append(report["check_cpu_seconds"])
+    return checks, calls, cpu
 
 
-def measure(counts: list[int], period_s: float, repeats: int,
-            save: Any = None) -> list[dict[str, Any]]:
+REST_S = 10.0  # window over which the fleet's CPU at rest is sampled
+
+
+def cpu_at_rest(seconds: float = REST_S) -> dict[str, float]:
+    """Per role, the share of the machine (100 = every core) the cluster used while
+    nothing but the controller's periodic check ran: who competes with a check."""
+    import psutil
+
+    from benchmarks.arm_procs import cpu_by_role
+
+    procs = psutil.Process().children(recursive=True)
+    before = cpu_by_role(procs)
+    time.sleep(seconds)
+    after = cpu_by_role(procs)
+    cores = os.cpu_count() or 1
+    return {role: round(100 * (after[role] - before.get(role, 0.0)) / (seconds * cores), 1)
+            for role in sorted(after)}
+
+
+def measure(counts: list[int], period_s: float, repeats: int, save: Any = None,
+            standin_env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Scale up through ``counts``; ``save(rows)`` after each row, so a timeout keeps data."""
     import ray
     from ray import serve
@@ -156,13 +189,15 @@ def measure(counts: list[int], period_s: float, repeats: int,
                 rows.append({"replicas": n, "skipped": "memory"})
                 break
             t0 = time.monotonic()
-            serve.run(build(n, period_s, timeout_s=120.0), name=APP, route_prefix=None)
+            serve.run(build(n, period_s, timeout_s=120.0, standin_env=standin_env), name=APP,
+                      route_prefix=None)
             running = time.monotonic()
             controller = serve.get_deployment_handle("KVSpecController", APP)
             verdict = asyncio.run(_wait_verdict(controller, n, deadline_s=period_s + 300))
             after = time.monotonic() - running
-            checks, calls = asyncio.run(_forced_checks(controller, n, repeats))
-            full, _ = asyncio.run(_forced_checks(controller, n, repeats, full=True))
+            checks, calls, cpu = asyncio.run(_forced_checks(controller, n, repeats))
+            full, _, _ = asyncio.run(_forced_checks(controller, n, repeats, full=True))
+            rest = cpu_at_rest()
             ids = {r["id"] for r in verdict["replicas"]}
             row = {
                 "replicas": n,
@@ -173,9 +208,11 @@ def measure(counts: list[int], period_s: float, repeats: int,
                 "check_s_p50": statistics.median(checks),
                 "check_s_max": max(checks),
                 "call_s_p50": statistics.median(calls),
+                "check_cpu_s_p50": statistics.median(cpu),
                 "full_check_s_p50": statistics.median(full),
                 "decide_ms": decide_ms(n),
                 "memory_mib_over_base": round(used_memory_mib() - base_mem),
+                "cpu_at_rest_pct": rest,
             }
             rows.append(row)
             previous = ids
@@ -189,15 +226,17 @@ def measure(counts: list[int], period_s: float, repeats: int,
 
 
 HEADER = (f"{'replicas':>8} {'scale-up s':>10} {'verdict s':>9} {'check p50 s':>11} "
-          f"{'check max s':>11} {'call p50 s':>10} {'full p50 s':>10} {'decide ms':>9} "
-          f"{'mem MiB':>8}")
+          f"{'check max s':>11} {'cpu/check s':>11} {'call p50 s':>10} {'full p50 s':>10} "
+          f"{'decide ms':>9} {'mem MiB':>8} {'box busy %':>10}  at rest by role %")
 
 
 def _fmt(r: dict[str, Any]) -> str:
     return (f"{r['replicas']:8d} {r['scale_up_s']:10.1f} {r['verdict_after_running_s']:9.2f} "
-            f"{r['check_s_p50']:11.3f} {r['check_s_max']:11.3f} {r['call_s_p50']:10.3f} "
-            f"{r['full_check_s_p50']:10.3f} {r['decide_ms']:9.2f} "
-            f"{r['memory_mib_over_base']:8d}")
+            f"{r['check_s_p50']:11.3f} {r['check_s_max']:11.3f} {r['check_cpu_s_p50']:11.3f} "
+            f"{r['call_s_p50']:10.3f} {r['full_check_s_p50']:10.3f} {r['decide_ms']:9.2f} "
+            f"{r['memory_mib_over_base']:8d} {sum(r['cpu_at_rest_pct'].values()):10.1f}  "
+            + ", ".join(f"{k} {v}" for k, v in sorted(r["cpu_at_rest_pct"].items(),
+                                                      key=lambda kv: -kv[1]) if v >= 1))
 
 
 def main() -> int:
@@ -207,10 +246,17 @@ def main() -> int:
     parser.add_argument("--period", type=float, default=2.0,
                         help="controller_period_s of the controller under test")
     parser.add_argument("--repeats", type=int, default=5, help="forced checks per count")
+    parser.add_argument("--standin-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable for the stand-in replicas only (e.g. "
+                             "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=2000); repeatable")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "controller_scaling.json")
     args = parser.parse_args()
     if args.counts != sorted(args.counts):
         parser.error("--counts must ascend: each step scales the running fleet up")
+    bad = [kv for kv in args.standin_env if "=" not in kv]
+    if bad:
+        parser.error(f"--standin-env {bad[0]!r}: expected KEY=VALUE")
+    standin_env = dict(kv.split("=", 1) for kv in args.standin_env)
     # SIGTERM (e.g. from `timeout`) unwinds through measure()'s finally: Serve and Ray stop.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     print(HEADER, flush=True)
@@ -223,6 +269,7 @@ def main() -> int:
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "python": platform.python_version()},
             "period_s": args.period,
+            "standin_env": standin_env,
             "repeats": args.repeats,
             "rows": rows,
             "check_growth_first_to_last": growth,
@@ -233,7 +280,7 @@ def main() -> int:
         args.out.write_text(json.dumps(result, indent=2))
         return result
 
-    result = save(measure(args.counts, args.period, args.repeats, save))
+    result = save(measure(args.counts, args.period, args.repeats, save, standin_env))
     growth = result["check_growth_first_to_last"]
     if growth is not None:
         print(f"check time x{growth:.1f} for x{result['replica_ratio_first_to_last']:.0f} "

@@ -42,21 +42,10 @@ import psutil
 
 from benchmarks import load as bench_load
 from benchmarks import serving_overhead as so
-from benchmarks.arm_procs import role_of, session_processes
+from benchmarks.arm_procs import cpu_by_role, role_of, session_processes
 
 _ACCESS = re.compile(r"^\w+ \S+ \S+ (?P<who>\S+) \S+ (?P<rid>[0-9a-f-]{36}) -- "
                      r"(?P<what>.+?) (?P<ms>[\d.]+)ms$")
-
-
-def cpu_by_role(procs: list[psutil.Process]) -> dict[str, float]:
-    totals: dict[str, float] = collections.defaultdict(float)
-    for proc in procs:
-        try:
-            t = proc.cpu_times()
-            totals[role_of(proc)] += t.user + t.system
-        except psutil.NoSuchProcess:
-            continue
-    return dict(totals)
 
 
 def serve_log_dir(procs: list[psutil.Process]) -> Path | None:

@@ -53,7 +53,7 @@ class ClusterSpec:
 
     max_nodes: int
     node_cpus: float  # CPUs of one worker node = one replica (actor + bundles)
-    head_cpus: float  # the ingress(es); replicas never fit there (no NODE_RESOURCE)
+    head_cpus: float  # logical CPUs of the head; replicas never fit there (no NODE_RESOURCE)
     idle_timeout_s: float = 60.0
     object_store_bytes: int = OBJECT_STORE_BYTES
 

@@ -380,7 +380,7 @@ class KVSpecController:
     async def check(self) -> dict[str, Any]:
         """Run one check now, send each replica its verdict, return the report."""
         async with self._lock:
-            started = time.time()
+            started, cpu_started = time.time(), time.process_time()
             (running, status_error), (specs, gaps) = await asyncio.gather(
                 self._running(), self._collect())
             report = kvspec.decide(specs, gaps, running, self._settings.expected_layout.value)
@@ -393,7 +393,8 @@ class KVSpecController:
                 "policy": self._policy, "policy_override": self._policy_override,
                 "deployment": self._server.deployment_name,
                 "application": self._server.app_name, "checked_at": started,
-                "check_seconds": round(time.time() - started, 3)})
+                "check_seconds": round(time.time() - started, 3),
+                "check_cpu_seconds": round(time.process_time() - cpu_started, 3)})
             await self._push_verdict(report, specs, started)
             self._log_change(report)
             self._known = {s.replica_id: s.rank for s in specs} | {

@@ -20,7 +20,7 @@ logger = get_logger("run")
 def logical_cpus_needed(config: ServeConfig) -> float:
     """Logical CPUs Ray must offer so every replica of every app can be placed.
 
-    At max_replicas, plus one ingress per application (``deployments.sizing``).
+    At max_replicas (``deployments.sizing.cluster_cpus``).
     """
     return sizing.cluster_cpus([(args.max_replicas_total, args.replica_cpus())
                                 for _, args in config.ours()])
@@ -48,7 +48,7 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
     if cpus < needed:
         raise ConfigError(
             f"--num-cpus={cpus} but the config needs {needed} logical CPUs at max_replicas "
-            f"(replica actor + placement-group bundles, plus {sizing.INGRESS_CPUS} per ingress). "
+            "(replica actor + placement-group bundles of every replica). "
             "Fix: raise --num-cpus or lower max_replicas."
         )
     if cpus > (os.cpu_count() or 1):

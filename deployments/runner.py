@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deployments import sizing
 from deployments.client import first_token, wait_for_verdict
 from deployments.config import DEFAULT_CONFIG, ConfigError, ServeConfig, load_serve_config
 from deployments.deploy import base_url, deploy
@@ -173,7 +172,7 @@ def start_nodes(config: ServeConfig, args: argparse.Namespace) -> LocalCluster:
     spec = cluster.ClusterSpec(
         max_nodes=args.nodes,
         node_cpus=max(parsed.replica_cpus() for _, parsed in config.ours()),
-        head_cpus=sizing.INGRESS_CPUS * len(ours),
+        head_cpus=0,  # nothing of ours reserves CPU there (sizing.cluster_cpus)
         idle_timeout_s=args.node_idle_timeout_s,
     )
     return cluster.LocalCluster.start(spec)

@@ -30,8 +30,6 @@ from dsv4_patch.rules import DSV4_BLOCK_SIZE
 
 # Ray Serve's default ``ray_actor_options.num_cpus`` of a replica actor.
 REPLICA_ACTOR_CPUS = 1.0
-# Ray Serve LLM's OpenAI ingress default (one replica per application here).
-INGRESS_CPUS = 1.0
 # The CPUs of one engine when no placement_group_config is given: Ray Serve LLM's
 # CPU default is one ``{CPU: 1}`` bundle (its GPU default bundles carry no CPU).
 DEFAULT_CPU_BUNDLE_CPUS = 1.0
@@ -113,6 +111,8 @@ def nodes_for(replicas: Sequence[tuple[int, int]], gpus_per_node: int) -> int:
 def cluster_cpus(replicas: Sequence[tuple[int, float]]) -> float:
     """Logical CPUs a cluster needs for applications given as (max_replicas, replica CPUs).
 
-    Each application also has one ingress replica.
+    Nothing else of an application reserves CPU: the server replicas are the HTTP
+    ingress (``deployments.front``), the KV-spec controller asks for ``num_cpus: 0``,
+    and so do Ray Serve LLM's node-init tasks and Serve's proxy.
     """
-    return sum(INGRESS_CPUS + top * cpus for top, cpus in replicas)
+    return sum(top * cpus for top, cpus in replicas)

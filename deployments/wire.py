@@ -371,6 +371,9 @@ class FleetReport(_Wire):
     problems: list[Problem] = Field(default_factory=list)
     checked_at: float | None = None
     check_seconds: float | None = None
+    check_cpu_seconds: float | None = Field(default=None, description="CPU seconds the "
+                                            "controller process used during the check (all "
+                                            "its threads): its own cost, apart from waiting")
     age_s: float | None = Field(default=None, description="seconds since checked_at")
     pd: PDReport | None = Field(default=None, description="P/D apps: the two pools and "
                                 "the verdict on transfers between them")

@@ -25,7 +25,7 @@ def test_replica_cpus_count_every_dp_rank_with_its_actor():
     par = sizing.Parallel(tp=1, pp=1, dp=8, ep=True)
     assert sizing.replica_cpus([{"GPU": 1, "CPU": 8}], par) == 8 * (8 + 1)
     assert sizing.replica_cpus(None, sizing.Parallel(1, 1)) == 2.0  # actor + {CPU: 1}
-    assert sizing.cluster_cpus([(2, 2.0), (1, 3.0)]) == 2 * sizing.INGRESS_CPUS + 4 + 3
+    assert sizing.cluster_cpus([(2, 2.0), (1, 3.0)]) == 4 + 3  # no ingress replica
 
 
 def test_runner_and_k8s_agree_on_a_dp_preset():
@@ -35,7 +35,7 @@ def test_runner_and_k8s_agree_on_a_dp_preset():
     per_replica = args.replica_cpus()
     assert per_replica == 8 * (8 + 1)  # 8 DP ranks x (8 CPU bundle + 1 replica actor)
     top = args.llm.deployment_config.max_replicas
-    assert logical_cpus_needed(config) == sizing.INGRESS_CPUS + top * per_replica
+    assert logical_cpus_needed(config) == top * per_replica
 
 
 def test_block_size_is_the_rules_constant():
