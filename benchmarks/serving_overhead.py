@@ -132,6 +132,8 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     config = ServeConfig.model_validate(raw_config(replicas, port, arm))
     phase("imports done")
+    if arm != "stock":
+        deploy.preload_app_module()  # what `dsv4-serve run` does
     try:
         local_ray.start_cluster(config)
         phase("Ray + Serve started")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -13,6 +15,26 @@ def base_url(config: ServeConfig, route_prefix: str | None = "/") -> str:
     http = config.http_options
     prefix = (route_prefix or "/").rstrip("/")
     return f"http://{http.host}:{http.port}{prefix}/v1"
+
+
+APP_MODULE = "deployments.app"
+
+
+def preload_app_module() -> threading.Thread:
+    """Import the app builder's module (Ray Serve LLM, vLLM's config and server classes,
+    ~7 s on 2 cores) in a background thread, so it overlaps starting Ray and Serve,
+    which mostly waits on the processes it spawns.
+
+    Nothing is lost on failure: ``deploy`` imports the module itself, waiting on the
+    import lock if this thread is still at it, and a failed import raises there again.
+    ``ray.serve`` is imported first, here: starting Serve imports from it too, and a
+    package both threads import piecemeal is where import locks could cross.
+    """
+    importlib.import_module("ray.serve")
+    thread = threading.Thread(target=importlib.import_module, args=(APP_MODULE,),
+                              name="dsv4-preload-app", daemon=True)
+    thread.start()
+    return thread
 
 
 def deploy(config: ServeConfig,
