@@ -6,12 +6,12 @@ each other:
 
 1. **Per-hop latency** of sequential one-token completions: the client's own wall
    time, and each Serve component's access-log time for the same request id
-   (``proxy`` ... ``POST /v1/completions 200 12.3ms``, the ingress replica's line,
-   the server replica's ``CALL ...`` line). A hop's cost is its time minus the
-   time of the hop it waits on.
+   (``proxy`` ... ``POST /v1/completions 200 12.3ms``, then the server replica's
+   line: since issue 16 it is the HTTP ingress itself, so ours has two hops where
+   it had three). A hop's cost is its time minus the time of the hop it waits on.
 2. **CPU seconds per process** while ``vllm bench serve`` runs (``psutil``, every
-   process of the arm's session, grouped by role: proxy, ingress, server replica,
-   engine core, controller, Ray system). On 2 cores, CPU a relay process burns is
+   process of the arm's session, grouped by role, ``benchmarks.arm_procs``: proxy,
+   server replica, engine core and worker, controllers, Ray system). On 2 cores, CPU a relay process burns is
    CPU the engine does not get.
 3. **A profile** of the relay processes under the same load (``py-spy record``,
    raw collapsed stacks, sampling at a low rate, ``--nonblocking``): per process the
