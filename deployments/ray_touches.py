@@ -189,6 +189,25 @@ TOUCHES: tuple[RayTouch, ...] = (
         probe=_symbols("ray.serve.context", "_get_global_client"),
     ),
     RayTouch(
+        name="serve.throughput_mode",
+        target="ray.serve._private.constants: RAY_SERVE_THROUGHPUT_OPTIMIZED, "
+               "RAY_SERVE_ENABLE_DIRECT_INGRESS, RAY_SERVE_LOG_TO_STDERR (env flags read at "
+               "import)",
+        used_in="deployments/serve_env.py (set by local_ray.start_cluster, runner, k8s); "
+                "front.proxy_host reads the resolved direct-ingress flag",
+        why="Ray's documented high-throughput mode; measured on the request path "
+            "(docs/benchmarks.md 2e); with direct ingress switched back off Serve's proxy "
+            "stays the one listener on http_options.host",
+        how="set each flag the environment lacks before Ray starts its processes; a "
+            "replica whose Serve resolved direct ingress on counts as reachable (keys)",
+        upstream="documented env flags (docs.ray.io, Enable High Throughput on Ray Serve, "
+                 "Ray 2.55+); the sub-flags and their resolution live in constants.py",
+        removal="when Ray makes the mode its default, or takes it as a serve.start option",
+        probe=_symbols("ray.serve._private.constants", "RAY_SERVE_THROUGHPUT_OPTIMIZED",
+                       "RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_LOG_TO_STDERR"),
+        required=False,
+    ),
+    RayTouch(
         name="llm_config.update_engine_kwargs",
         target="ray.serve.llm:LLMConfig.update_engine_kwargs (updates _engine_config too)",
         used_in="deployments/server.py canonicalize, _apply_override, DSv4ServerMixin",

@@ -1,0 +1,43 @@
+"""The Ray Serve environment dsv4-serve starts clusters with (``deployments.serve_env``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments import auth, serve_env
+from deployments.config import DEFAULT_CONFIG, load_serve_config
+
+
+def test_apply_sets_what_is_missing_and_keeps_what_the_user_set() -> None:
+    env = {"RAY_SERVE_LOG_TO_STDERR": "0"}
+    lines = serve_env.apply(env)
+    assert env == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+                   "RAY_SERVE_LOG_TO_STDERR": "0"}
+    assert any("RAY_SERVE_LOG_TO_STDERR=0 kept from the environment" in line for line in lines)
+    assert any("RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (dsv4-serve default)" in line for line in lines)
+    assert serve_env.apply(env) == ["dsv4: Ray Serve env RAY_SERVE_LOG_TO_STDERR=0 kept from the "
+                                    "environment (dsv4-serve's default is 1)"]
+
+
+@pytest.mark.parametrize("env, listens", [
+    ({}, False),
+    (dict(serve_env.SERVE_ENV), False),
+    ({"RAY_SERVE_ENABLE_HA_PROXY": "1"}, True),
+    ({"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}, True),
+    # Ray's throughput mode turns direct ingress on unless it is set: ours sets it to 0.
+    ({"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}, True),
+])
+def test_listen_requested_follows_rays_resolution(env: dict[str, str], listens: bool) -> None:
+    assert serve_env.listen_requested(env) is listens
+
+
+def test_direct_ingress_needs_a_key_even_on_loopback() -> None:
+    """Under direct ingress each replica listens itself: 127.0.0.1 in http_options no
+    longer bounds who can connect, so the loopback exemption does not apply."""
+    config = load_serve_config(DEFAULT_CONFIG)
+    assert auth.is_loopback(config.http_options.host)
+    auth.preflight(config, environ=dict(serve_env.SERVE_ENV))  # make run: no key needed
+    with pytest.raises(auth.AuthConfigError, match="Serve direct ingress is on"):
+        auth.preflight(config, environ={"RAY_SERVE_ENABLE_HA_PROXY": "1"})
+    auth.preflight(config, environ={"RAY_SERVE_ENABLE_HA_PROXY": "1", "DSV4_API_KEYS": "k" * 32})
+
