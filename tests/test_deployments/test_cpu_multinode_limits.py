@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from deployments.config import DEFAULT_CONFIG, ConfigError, parse_app_args
+from tests import engine_boot
 
 
 def _local_args() -> dict:
@@ -74,7 +75,11 @@ EIGHT_LAYERS = {"num_hidden_layers": 8, "compress_ratios": [0, 4, 128, 4, 0, 4, 
 
 
 def _parallel_engine(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tests.parallel_engine", *args], cwd=REPO,
+    """``tests.engine_boot`` on the tiny model with ``args`` (8 greedy tokens, 4 seqs)."""
+    from dsv4_patch.tiny_model import ensure_tiny_model
+
+    return subprocess.run([sys.executable, "-m", "tests.engine_boot", str(ensure_tiny_model()),
+                           "--generate", "8", "--max-num-seqs", "4", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=420)
 
 
@@ -84,10 +89,10 @@ def test_tp2_engine_spans_two_workers_each_on_fp8_ds_mla_and_generates() -> None
     that runs is TP 2 over two worker processes of one node, the plugin in both."""
     proc = _parallel_engine("--tp", "2")
     line = next((ln for ln in proc.stdout.splitlines()
-                 if ln.startswith("DSV4_PARALLEL_RESULT ")), None)
+                 if ln.startswith(engine_boot.RESULT + " ")), None)
     assert line, proc.stderr[-4000:]
     result = json.loads(line.split(" ", 1)[1])
-    print(f"TP 2 on CPU: boot {result['boot_s']} s, {result['tokens']} tokens")
+    print(f"TP 2 on CPU: boot {result['boot_seconds']} s, {result['tokens']} tokens")
     assert result["tokens"] == 8
     assert sorted(w["rank"] for w in result["workers"]) == [0, 1]
     for worker in result["workers"]:
@@ -107,5 +112,5 @@ def test_pp2_on_cpu_fails_in_vllm(overrides: dict, upstream_error: str) -> None:
     """Why the config refuses pipeline_parallel_size > 1 on CPU. Fails the day vLLM's CPU
     engine runs DeepSeek-V4 in two stages: then lift the refusal in checks.py."""
     proc = _parallel_engine("--pp", "2", "--hf-overrides", json.dumps(overrides))
-    assert proc.returncode != 0 and "DSV4_PARALLEL_RESULT" not in proc.stdout
+    assert proc.returncode != 0 and engine_boot.RESULT not in proc.stdout
     assert upstream_error in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-4000:]
