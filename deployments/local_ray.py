@@ -27,8 +27,7 @@ def logical_cpus_needed(config: ServeConfig) -> float:
 
 
 def start_cluster(config: ServeConfig, num_cpus: float | None = None,
-                  metrics_port: int | None = None, address: str | None = None,
-                  serve_env: bool = True) -> float:
+                  metrics_port: int | None = None, address: str | None = None) -> float:
     """Start a private local Ray cluster and Serve's HTTP proxy; return the CPUs given.
 
     ``address="local"`` never attaches to someone else's cluster: ``run`` owns what
@@ -36,13 +35,8 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
     Prometheus endpoint (``ray.util.metrics``/``ray.serve.metrics`` series, the
     controller's ``ray_dsv4_kv_spec_*`` gauges among them); None takes a free one
     (``metrics_url`` tells which). Ray serves it without the dashboard too.
-    ``serve_env`` puts ``deployments.serve_env.SERVE_ENV`` into the environment the
-    private cluster's processes inherit (False: Ray's defaults, for a stock baseline);
-    an attached cluster keeps the environment it was started with.
     """
     import ray
-
-    from deployments import serve_env as env_flags
 
     if address is not None:  # a cluster someone else started (--nodes: deployments.cluster)
         ray.init(address=address, namespace="serve",
@@ -57,9 +51,6 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
             "(replica actor + placement-group bundles of every replica). "
             "Fix: raise --num-cpus or lower max_replicas."
         )
-    if serve_env:
-        for line in env_flags.apply():
-            logger.info(line)
     if cpus > (os.cpu_count() or 1):
         logger.info("dsv4: offering Ray %s logical CPUs on %s cores: the replicas share them "
                     "(VLLM_CPU_OMP_THREADS_BIND=nobind)", cpus, os.cpu_count())

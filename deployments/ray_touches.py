@@ -189,22 +189,18 @@ TOUCHES: tuple[RayTouch, ...] = (
         probe=_symbols("ray.serve.context", "_get_global_client"),
     ),
     RayTouch(
-        name="serve.throughput_mode",
-        target="ray.serve._private.constants: RAY_SERVE_THROUGHPUT_OPTIMIZED, "
-               "RAY_SERVE_ENABLE_DIRECT_INGRESS, RAY_SERVE_LOG_TO_STDERR (env flags read at "
-               "import)",
-        used_in="deployments/serve_env.py (set by local_ray.start_cluster, runner, k8s); "
-                "front.proxy_host reads the resolved direct-ingress flag",
-        why="Ray's documented high-throughput mode; measured on the request path "
-            "(docs/benchmarks.md 2e); with direct ingress switched back off Serve's proxy "
-            "stays the one listener on http_options.host",
-        how="set each flag the environment lacks before Ray starts its processes; a "
-            "replica whose Serve resolved direct ingress on counts as reachable (keys)",
-        upstream="documented env flags (docs.ray.io, Enable High Throughput on Ray Serve, "
-                 "Ray 2.55+); the sub-flags and their resolution live in constants.py",
-        removal="when Ray makes the mode its default, or takes it as a serve.start option",
-        probe=_symbols("ray.serve._private.constants", "RAY_SERVE_THROUGHPUT_OPTIMIZED",
-                       "RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_LOG_TO_STDERR"),
+        name="serve.direct_ingress_flag",
+        target="ray.serve._private.constants: RAY_SERVE_ENABLE_DIRECT_INGRESS as Serve "
+               "resolved it (RAY_SERVE_THROUGHPUT_OPTIMIZED and RAY_SERVE_ENABLE_HA_PROXY "
+               "turn it on)",
+        used_in="deployments/serve_env.py replicas_listen, read by front.proxy_host",
+        why="under direct ingress each replica listens on its own port beside the proxy, "
+            "so http_options.host no longer bounds who connects: the edge must require keys",
+        how="read the resolved constant when a server replica starts; on = reachable",
+        upstream="the env flags are documented (docs.ray.io, Enable High Throughput on Ray "
+                 "Serve, Ray 2.55+); their resolution lives in constants.py",
+        removal="when Serve exposes whether a replica runs its own HTTP server",
+        probe=_symbols("ray.serve._private.constants", "RAY_SERVE_ENABLE_DIRECT_INGRESS"),
         required=False,
     ),
     RayTouch(

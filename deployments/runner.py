@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from deployments import serve_env
 from deployments.client import first_token, wait_for_verdict
 from deployments.config import DEFAULT_CONFIG, ConfigError, ServeConfig, load_serve_config
 from deployments.deploy import base_url, deploy, preload_app_module
@@ -88,10 +87,6 @@ def main(args: argparse.Namespace) -> int:
         config = load_serve_config(config_path(args))
         from deployments.auth import preflight
 
-        # Before Serve is imported anywhere (the preload below): Ray starts its
-        # processes with this environment, --nodes workers included.
-        for line in serve_env.apply():
-            logger.info(line)
         preflight(config)  # refuses a reachable bind without an API key, before Ray starts
     except ConfigError as exc:
         print(f"dsv4-serve run: {exc}", file=sys.stderr)

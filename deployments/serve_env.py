@@ -1,25 +1,24 @@
-"""The process environment Ray Serve runs with: Ray's high-throughput mode, proxy kept.
+"""Ray Serve's process-environment flags: who can reach a replica, and the throughput mode.
 
-Ray Serve reads these flags when each of its processes imports it, so they belong in
-the environment of every process Ray starts. ``dsv4-serve run`` sets them in its own
-environment before Ray starts (its private cluster, or the ``--nodes`` head and
-workers, inherit it); the KubeRay manifests carry them in every Ray container
-(``deployments.k8s``). A cluster somebody else started keeps its own environment.
+Serve reads these when each of its processes imports it, so they live in the
+environment of every process Ray starts (``ray start``, a pod's env); dsv4-serve sets
+none of them (Ray's defaults). Two things depend on them:
 
-Why (docs/benchmarks.md §2e, measured side by side): ``RAY_SERVE_THROUGHPUT_OPTIMIZED``
-(Ray 2.55+, docs.ray.io "Enable High Throughput on Ray Serve") runs user code on the
-replica's own event loop, sends requests between Serve processes over gRPC and buffers
-request-path logs. Of what that mode switches on, two are switched back:
-
-* direct ingress: every ingress replica would listen on a port of its own, bound as
-  ``RAY_SERVE_DEFAULT_HTTP_HOST`` says (all interfaces under HAProxy), beside Serve's
-  proxy; the proxy stays the one listener and keeps its ``http_options.host``;
-* logs off stderr: replica logs stay where ``ray logs``, users and our tests read them.
-
-A flag the environment already has is kept, never overridden (logged when it differs).
-Turning direct ingress or HAProxy on is the operator's choice; the edge then treats
-every replica as reachable from the network and requires API keys
-(``replicas_listen``, ``deployments.auth``).
+* **Who can connect.** ``RAY_SERVE_ENABLE_DIRECT_INGRESS=1`` or
+  ``RAY_SERVE_ENABLE_HA_PROXY=1`` (and ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, which
+  switches direct ingress on unless it is set) make every ingress replica listen on a
+  port of its own beside Serve's proxy, bound as ``RAY_SERVE_DEFAULT_HTTP_HOST`` says
+  (all interfaces under HAProxy, its stats page too). Then ``http_options.host`` no
+  longer bounds who connects, and ``run``'s preflight (``listen_requested``) and each
+  replica's edge (``replicas_listen``) require an API key even on 127.0.0.1.
+* **The throughput mode, opt-in.** ``SERVE_ENV`` is Ray's documented high-throughput
+  mode (docs.ray.io "Enable High Throughput on Ray Serve", Ray 2.55+: user code on the
+  replica's own event loop, gRPC between Serve processes, buffered request logs) with
+  direct ingress switched back off, so the proxy stays the one listener, and logs kept
+  on stderr. Measured side by side on 2 CPU cores (docs/benchmarks.md §2e) it made no
+  difference beyond the box's noise, so it is not the default; the benchmark's
+  ``ours-tput`` arm applies it (``apply``), and an operator can export the three flags
+  before ``ray start``.
 """
 
 from __future__ import annotations
@@ -37,17 +36,17 @@ LISTEN_FLAGS = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_ENABLE_HA_PROXY")
 
 
 def apply(environ: MutableMapping[str, str] | None = None) -> list[str]:
-    """Set each ``SERVE_ENV`` flag the environment lacks; one line per flag set or kept
-    at another value (nothing for a flag already at ours)."""
+    """Set each ``SERVE_ENV`` flag the environment lacks (before Ray starts); one line
+    per flag set, or kept at another value (nothing for a flag already at ours)."""
     env = os.environ if environ is None else environ
     lines = []
     for name, value in SERVE_ENV.items():
         if name not in env:
             env[name] = value
-            lines.append(f"dsv4: Ray Serve env {name}={value} (dsv4-serve default)")
+            lines.append(f"dsv4: Ray Serve env {name}={value} (throughput mode)")
         elif env[name] != value:
             lines.append(f"dsv4: Ray Serve env {name}={env[name]} kept from the environment "
-                         f"(dsv4-serve's default is {value})")
+                         f"(the throughput mode's is {value})")
     return lines
 
 

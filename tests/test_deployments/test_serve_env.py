@@ -1,4 +1,4 @@
-"""The Ray Serve environment dsv4-serve starts clusters with (``deployments.serve_env``)."""
+"""Ray Serve's environment flags: the throughput-mode opt-in and who can reach a replica."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ def test_apply_sets_what_is_missing_and_keeps_what_the_user_set() -> None:
     assert env == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
                    "RAY_SERVE_LOG_TO_STDERR": "0"}
     assert any("RAY_SERVE_LOG_TO_STDERR=0 kept from the environment" in line for line in lines)
-    assert any("RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (dsv4-serve default)" in line for line in lines)
+    assert any("RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (throughput mode)" in line for line in lines)
     assert serve_env.apply(env) == ["dsv4: Ray Serve env RAY_SERVE_LOG_TO_STDERR=0 kept from the "
-                                    "environment (dsv4-serve's default is 1)"]
+                                    "environment (the throughput mode's is 1)"]
 
 
 @pytest.mark.parametrize("env, listens", [
