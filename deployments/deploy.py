@@ -28,7 +28,9 @@ def preload_app_module() -> threading.Thread:
     Nothing is lost on failure: ``deploy`` imports the module itself, waiting on the
     import lock if this thread is still at it, and a failed import raises there again.
     ``ray.serve`` is imported first, here: starting Serve imports from it too, and a
-    package both threads import piecemeal is where import locks could cross.
+    package both threads import piecemeal is where import locks could cross. So this
+    imports Ray: call it after anything that must set Ray's environment first
+    (``dsv4-serve run --nodes`` starts its cluster, with token auth, before).
     """
     importlib.import_module("ray.serve")
     thread = threading.Thread(target=importlib.import_module, args=(APP_MODULE,),

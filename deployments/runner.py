@@ -93,11 +93,13 @@ def main(args: argparse.Namespace) -> int:
         return 2
     stop = StopSignal().install()
     nodes: LocalCluster | None = None
-    preload_app_module()  # overlaps the ~7 s import of the app builder with Ray's start
     try:
         if args.nodes is not None:
+            # Before anything imports Ray: the driver takes the cluster's token auth
+            # settings from its environment at import (cluster.LocalCluster.start).
             nodes = start_nodes(config, args)
             timings.mark("head up")
+        preload_app_module()  # overlaps the ~7 s import of the app builder with Ray's start
         start_cluster(config, args.num_cpus, args.metrics_port,
                       address=nodes.address if nodes else None)
         # ray.init replaces the SIGTERM handler with one that kills Ray's processes and
