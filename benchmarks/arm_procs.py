@@ -21,7 +21,9 @@ ROLES = (  # (role, pattern on the process command line / title), first match wi
     ("proxy", re.compile(r"ProxyActor")),
     ("controller", re.compile(r"KVSpecController")),
     ("standin", re.compile(r"StandInReplica")),  # benchmarks.standin (controller benchmarks)
-    ("server", re.compile(r"ServeReplica:\w+:(DSv4Server|LLMServer|DSv4DPServer|\w*Ingress)")),
+    # Stock Ray Serve LLM's OpenAiIngress replica (ours has none since issue 16).
+    ("ingress", re.compile(r"ServeReplica:\w+:\w*Ingress")),
+    ("server", re.compile(r"ServeReplica:\w+:(DSv4Server|LLMServer|DSv4DPServer)")),
     ("engine", re.compile(r"VLLM::EngineCore|EngineCore")),
     ("engine-worker", re.compile(r"VLLM::Worker|VllmWorker")),
     ("serve-controller", re.compile(r"ServeController")),

@@ -11,8 +11,8 @@ each other:
    it had three). A hop's cost is its time minus the time of the hop it waits on.
 2. **CPU seconds per process** while ``vllm bench serve`` runs (``psutil``, every
    process of the arm's session, grouped by role, ``benchmarks.arm_procs``: proxy,
-   server replica, engine core and worker, controllers, Ray system). On 2 cores,
-   CPU a relay process burns is CPU the engine does not get.
+   stock's ingress replica, server replica, engine core and worker, controllers, Ray
+   system). On 2 cores, CPU a relay process burns is CPU the engine does not get.
 3. **A profile** of the relay processes under the same load (``py-spy record``,
    raw collapsed stacks, sampling at a low rate, ``--nonblocking``): per process the
    samples on CPU and the functions most often on the stack (inclusive), project
@@ -191,7 +191,7 @@ def _relay_pids(procs: list[psutil.Process]) -> dict[str, int]:
     pids = {}
     for proc in procs:
         role = role_of(proc)
-        if role in ("proxy", "server", "vllm-api") and role not in pids:
+        if role in ("proxy", "ingress", "server", "vllm-api") and role not in pids:
             pids[role] = proc.pid
     return pids
 
