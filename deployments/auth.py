@@ -207,8 +207,7 @@ def preflight(config: ServeConfig, environ: dict[str, str] | None = None) -> Non
     """
     from deployments import serve_env
 
-    listen = serve_env.listen_requested(dict(os.environ) if environ is None else dict(environ))
-    host = None if listen else config.http_options.host
+    host = None if serve_env.listen_requested(environ) else config.http_options.host
     for _, args in config.ours():
         KeyStore(args.http.auth, environ).check_startup(host)
 

@@ -24,7 +24,7 @@ none of them (Ray's defaults). Two things depend on them:
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 SERVE_ENV: dict[str, str] = {
     "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
@@ -50,7 +50,7 @@ def apply(environ: MutableMapping[str, str] | None = None) -> list[str]:
     return lines
 
 
-def listen_requested(environ: MutableMapping[str, str] | None = None) -> bool:
+def listen_requested(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the environment asks Serve's replicas to listen themselves (a flag at 1),
     read before Ray starts (``dsv4-serve run``'s preflight)."""
     env = os.environ if environ is None else environ
