@@ -21,6 +21,14 @@ from typing import Any
 RESULT = "DSV4_BOOT_RESULT"
 
 
+def result_of(stdout: str) -> dict[str, Any] | None:
+    """The ``RESULT`` line a run printed, parsed; None when it printed none (it died)."""
+    for line in stdout.splitlines():
+        if line.startswith(RESULT + " "):
+            return json.loads(line.split(" ", 1)[1])
+    return None
+
+
 def boot(model: str, tp: int = 1, pp: int = 1, hf_overrides: dict[str, Any] | None = None,
          generate: int = 0, max_num_seqs: int = 8) -> dict[str, object]:
     """Boot, ask every worker for its KV specs, optionally generate, shut down."""

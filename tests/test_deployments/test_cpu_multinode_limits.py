@@ -88,10 +88,8 @@ def test_tp2_engine_spans_two_workers_each_on_fp8_ds_mla_and_generates() -> None
     """Pro's multi-node shape needs one engine over several workers; on CPU the nearest
     that runs is TP 2 over two worker processes of one node, the plugin in both."""
     proc = _parallel_engine("--tp", "2")
-    line = next((ln for ln in proc.stdout.splitlines()
-                 if ln.startswith(engine_boot.RESULT + " ")), None)
-    assert line, proc.stderr[-4000:]
-    result = json.loads(line.split(" ", 1)[1])
+    result = engine_boot.result_of(proc.stdout)
+    assert result is not None, proc.stderr[-4000:]
     print(f"TP 2 on CPU: boot {result['boot_seconds']} s, {result['tokens']} tokens")
     assert result["tokens"] == 8
     assert sorted(w["rank"] for w in result["workers"]) == [0, 1]

@@ -8,7 +8,6 @@ fp8_ds_mla pages in 576 B multiples.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import legacy_resolver
+from tests import engine_boot, legacy_resolver
 
 pytestmark = pytest.mark.slow
 
@@ -51,9 +50,9 @@ def _boot(model_dir: Path, plugins: str | None) -> subprocess.CompletedProcess[s
 
 
 def _result(proc: subprocess.CompletedProcess[str]) -> dict:
-    for line in proc.stdout.splitlines():
-        if line.startswith("DSV4_BOOT_RESULT "):
-            return json.loads(line.split(" ", 1)[1])
+    result = engine_boot.result_of(proc.stdout)
+    if result is not None:
+        return result
     raise AssertionError(f"engine did not boot (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
