@@ -13,6 +13,25 @@ import urllib.request
 from typing import Any
 
 
+def _body(status: int, raw: bytes) -> dict[str, Any]:
+    """A response body as JSON; a non-JSON one as an OpenAI-style error naming it.
+
+    Not every answer comes from our edge: when a replica dies with a request in
+    flight, Ray Serve's proxy ends the request and uvicorn answers a plain-text
+    ``500 Internal Server Error`` (seen in CI during node loss). That is an answer
+    to report, not a crash of the client polling through it.
+    """
+    if not raw:
+        return {}
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        text = raw[:300].decode(errors="replace")
+        return {"error": {"message": f"HTTP {status} with a non-JSON body: {text!r}",
+                          "type": "non_json_response", "code": status}}
+    return parsed if isinstance(parsed, dict) else {"body": parsed}
+
+
 def http_json(url: str, method: str = "GET", body: dict[str, Any] | None = None,
               timeout: float = 60.0) -> tuple[int, dict[str, Any]]:
     """(status, JSON body) for a request; HTTP errors are answers, not exceptions."""
@@ -24,9 +43,9 @@ def http_json(url: str, method: str = "GET", body: dict[str, Any] | None = None,
                                           **client_headers()})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
+            return resp.status, _body(resp.status, resp.read())
     except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read() or b"{}")
+        return err.code, _body(err.code, err.read())
 
 
 def wait_for_verdict(url: str, timeout_s: float = 300.0) -> dict[str, Any]:

@@ -87,24 +87,39 @@ def start_run(config: Path, nodes: int, idle_timeout_s: float) -> Run:
         raise
 
 
+class NotAReport(Exception):
+    """An answer that is no report: Ray Serve's proxy ends a request whose replica died
+    in flight, and uvicorn answers a plain-text ``500 Internal Server Error``."""
+
+
 def report() -> dict[str, Any]:
     resp = httpx.get(f"{URL}/kv-spec", params={"refresh": "true"}, timeout=120)
-    return resp.json() | {"http_status": resp.status_code}
+    try:
+        body = resp.json()
+    except ValueError:
+        raise NotAReport(f"HTTP {resp.status_code}: {resp.text[:200]!r}") from None
+    return body | {"http_status": resp.status_code}
 
 
 def wait_report(predicate: Any, what: str, timeout_s: float = STEP_TIMEOUT_S) -> dict[str, Any]:
     """Poll /v1/kv-spec until ``predicate(report)``; the last report in the error."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
+    transient: list[str] = []
     while time.monotonic() < deadline:
         try:
             last = report()
             if predicate(last):
+                if transient:
+                    print(f"{what}: {len(transient)} polls answered no report on the way: "
+                          f"{transient[:3]}")
                 return last
-        except httpx.HTTPError as exc:  # the ingress answers again shortly
+        except (httpx.HTTPError, NotAReport) as exc:  # the ingress answers again shortly
             last = repr(exc)
+            transient.append(last)
         time.sleep(1)
-    raise AssertionError(f"{what}: not reached in {timeout_s} s; last report {last}")
+    raise AssertionError(f"{what}: not reached in {timeout_s} s; last report {last}; "
+                         f"{len(transient)} polls answered no report")
 
 
 def agreeing(count: int, *, new_node_besides: set[str] | None = None) -> Any:
