@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import yaml
 
 from deployments.cluster import FAKE_HEAD_NODE_ID, session_pids, worker_raylets
 from deployments.config import DEFAULT_CONFIG
 from tests.conftest import SERVING_LINE, read_until_serving
+from tests.kv_poll import TRANSIENT, kv_report
 
 PORT = 8020
 URL = f"http://127.0.0.1:{PORT}/v1"
@@ -87,18 +87,9 @@ def start_run(config: Path, nodes: int, idle_timeout_s: float) -> Run:
         raise
 
 
-class NotAReport(Exception):
-    """An answer that is no report: Ray Serve's proxy ends a request whose replica died
-    in flight, and uvicorn answers a plain-text ``500 Internal Server Error``."""
-
-
 def report() -> dict[str, Any]:
-    resp = httpx.get(f"{URL}/kv-spec", params={"refresh": "true"}, timeout=120)
-    try:
-        body = resp.json()
-    except ValueError:
-        raise NotAReport(f"HTTP {resp.status_code}: {resp.text[:200]!r}") from None
-    return body | {"http_status": resp.status_code}
+    status, body = kv_report(URL)
+    return body | {"http_status": status}
 
 
 def wait_report(predicate: Any, what: str, timeout_s: float = STEP_TIMEOUT_S) -> dict[str, Any]:
@@ -114,7 +105,7 @@ def wait_report(predicate: Any, what: str, timeout_s: float = STEP_TIMEOUT_S) ->
                     print(f"{what}: {len(transient)} polls answered no report on the way: "
                           f"{transient[:3]}")
                 return last
-        except (httpx.HTTPError, NotAReport) as exc:  # the ingress answers again shortly
+        except TRANSIENT as exc:  # the ingress answers again shortly
             last = repr(exc)
             transient.append(last)
         time.sleep(1)

@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.conftest import SERVING_LINE, read_until_serving
+from tests.kv_poll import TRANSIENT, kv_report
 from tests.multinode import FULL_FAULTS
 
 pytestmark = pytest.mark.slow
@@ -79,14 +79,13 @@ def wait_for_agreement(url: str, replicas: int, replaced: set[str] = frozenset()
     last: object = None
     while time.monotonic() < deadline:
         try:
-            resp = httpx.get(f"{url}/kv-spec", params={"refresh": "true"}, timeout=60)
-            body = resp.json()
+            status, body = kv_report(url, timeout=60)
             ids = {r["id"] for r in body.get("replicas", [])}
-            last = (resp.status_code, body.get("state"), sorted(ids))
-            if (resp.status_code == 200 and len(ids) == replicas
+            last = (status, body.get("state"), sorted(ids))
+            if (status == 200 and len(ids) == replicas
                     and (not replaced or ids - replaced)):
                 return body
-        except httpx.HTTPError as exc:
+        except TRANSIENT as exc:  # a replica lost in flight, a proxy restarting
             last = repr(exc)
         time.sleep(2)
     raise AssertionError(f"no agreement over {replicas} replicas in {timeout_s} s: {last}")

@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from tests.conftest import Stack
+from tests.kv_poll import TRANSIENT, kv_report
 
 pytestmark = pytest.mark.slow
 
@@ -39,9 +40,7 @@ HEAL_TIMEOUT_S = 300.0
 
 
 def report(url: str, refresh: bool = True) -> tuple[int, dict[str, Any]]:
-    resp = httpx.get(f"{url}/kv-spec", params={"refresh": str(refresh).lower()},
-                     timeout=REQUEST_TIMEOUT_S)
-    return resp.status_code, resp.json()
+    return kv_report(url, refresh, REQUEST_TIMEOUT_S)
 
 
 def wait_agree(url: str, replicas: int, exclude: set[str] = frozenset(),
@@ -57,7 +56,7 @@ def wait_agree(url: str, replicas: int, exclude: set[str] = frozenset(),
             if (status == 200 and body["answered"] == body["running_replicas"] == replicas
                     and not ids & exclude):
                 return body
-        except httpx.HTTPError as exc:  # the ingress answers again shortly: keep polling
+        except TRANSIENT as exc:  # the ingress answers again shortly: keep polling
             last = repr(exc)
         time.sleep(2)
     raise AssertionError(f"no agreement over {replicas} replicas in {timeout_s}s; last {last}")
