@@ -36,7 +36,7 @@ def main(args: argparse.Namespace) -> int:
     url = f"{args.url.rstrip('/')}/kv-spec" + ("?refresh=true" if args.refresh else "")
     try:
         _, report = http_json(url, timeout=90)
-    except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+    except (urllib.error.URLError, OSError) as exc:  # a non-JSON body is an answer
         print(f"dsv4-serve status: cannot read {url}: {exc}. Is the app running "
               "(`dsv4-serve run`) and is --url its OpenAI base URL?", file=sys.stderr)
         return EXIT_INCOMPLETE

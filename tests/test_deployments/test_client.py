@@ -20,6 +20,7 @@ ANSWERS = {
     "/list200": (200, "application/json", b"[1, 2]"),
     "/html200": (200, "text/html", b"<html>hi</html>"),
     "/dying/kv-spec?refresh=true": (500, "text/plain", b"Internal Server Error"),
+    "/dying/kv-spec": (500, "text/plain", b"Internal Server Error"),
 }
 
 
@@ -68,3 +69,34 @@ def test_a_non_json_body_is_an_error_answer_naming_it(base: str, path: str,
 def test_wait_for_verdict_polls_through_non_json_answers(base: str) -> None:
     with pytest.raises(TimeoutError, match="non-JSON body"):
         client.wait_for_verdict(f"{base}/dying", timeout_s=0.5)
+
+
+def _status(url: str) -> int:
+    import argparse
+
+    from deployments import status
+
+    parser = argparse.ArgumentParser()
+    status.add_arguments(parser)
+    return status.main(parser.parse_args(["--url", url]))
+
+
+def test_status_names_a_non_json_answer_and_exits_incomplete(
+        base: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from deployments.status import EXIT_INCOMPLETE
+
+    assert _status(f"{base}/dying") == EXIT_INCOMPLETE
+    err = capsys.readouterr().err
+    assert "not a KV-spec report" in err and "Internal Server Error" in err
+
+
+def test_status_names_an_unreachable_url_and_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    from deployments.status import EXIT_INCOMPLETE
+
+    with socket.socket() as sock:  # a port nothing listens on: bound, never listening
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        assert _status(f"http://127.0.0.1:{port}/v1") == EXIT_INCOMPLETE
+    assert "cannot read" in capsys.readouterr().err
