@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deployments.controller import KVSpecController
+from deployments.control.controller import KVSpecController
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER = "StandInReplica"

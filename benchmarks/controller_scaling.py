@@ -25,7 +25,7 @@ replica count N, scaled up in place (same deployment version, only
   stand-ins' own Serve loops compete with the controller, which a real cluster
   (a node per replica) does not have; ``--standin-env`` sets the stand-ins'
   environment (e.g. Serve's metrics export interval) to show what that costs;
-* ``decide_ms``: ``deployments.kvspec.decide`` alone on N stand-in specs (the
+* ``decide_ms``: ``deployments.control.verdict.decide`` alone on N stand-in specs (the
   pure part: per-layer prediction check + peer check), to show where the time goes.
 
 Also the system memory the stand-ins took (the limit on N here). Prints a table,
@@ -47,6 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deployments.control.verdict import decide
+
 REPO = Path(__file__).resolve().parents[1]
 APP = "kvbench"
 SERVER = "StandInReplica"
@@ -67,7 +69,7 @@ def build(n: int, period_s: float, timeout_s: float,
     from ray import serve
 
     from benchmarks.standin import StandInReplica
-    from deployments.controller import KVSpecController
+    from deployments.control.controller import KVSpecController
 
     actor: dict[str, Any] = {"num_cpus": 0}
     if standin_env:  # the stand-ins' own settings only; the controller keeps Ray's defaults
@@ -86,16 +88,15 @@ def build(n: int, period_s: float, timeout_s: float,
 
 
 def decide_ms(n: int, repeats: int = 5) -> float:
-    """Median wall time of ``kvspec.decide`` over N stand-in-shaped specs, in ms."""
+    """Median wall time of ``decide`` over N stand-in-shaped specs, in ms."""
     from benchmarks.standin import standin_spec
-    from deployments import kvspec
 
     one = standin_spec("r0", 0)
     specs = [one.model_copy(update={"replica_id": f"r{i}", "rank": i}) for i in range(n)]
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        report = kvspec.decide(specs, [], n, "fp8_ds_mla")
+        report = decide(specs, [], n, "fp8_ds_mla")
         times.append((time.perf_counter() - t0) * 1e3)
         if report.state.value != "agree":
             raise RuntimeError(f"decide on {n} identical specs said {report.state}")

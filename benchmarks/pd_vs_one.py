@@ -4,7 +4,7 @@ Both arms are deployed side by side in one local Ray cluster (``configs/local-cp
 at ``/pd``, ``configs/local-cpu.yaml`` with one replica at ``/one``) and get the same
 ``vllm bench serve`` load (``benchmarks.load``), alternating arm by arm for ``--rounds``
 rounds, so machine noise hits both. Reports TTFT, TPOT and throughput per arm and their
-ratios, and the cost of the P/D check itself (``pd_compat.judge`` over N x N replicas,
+ratios, and the cost of the P/D check itself (``compat.judge`` over N x N replicas,
 and one ``/v1/kv-spec?refresh=true`` of the live P/D app).
 
 Run under the machine lock: ``flock /tmp/dsv4-heavy.lock .venv/bin/python -m
@@ -24,9 +24,10 @@ import yaml
 
 from benchmarks import load as bench_load
 from benchmarks.standin import standin_spec
-from deployments import client, deploy, local_ray, pd_compat
 from deployments.config import DEFAULT_CONFIG, ServeApplication, load_serve_config
-from deployments.wire import TransferSpec
+from deployments.control.wire import TransferSpec
+from deployments.local import client, deploy, ray_head
+from deployments.pd import compat
 from dsv4_patch.tiny_model import ensure_tiny_model
 
 PD_CONFIG = DEFAULT_CONFIG.parent / "local-cpu-pd.yaml"
@@ -50,7 +51,7 @@ def deploy_arms() -> tuple[dict[str, str], Any]:
                                 import_path="deployments.app:build_app", args=a)
                for n, a in apps.items()]
     config = config.model_copy(update={"applications": entries})
-    local_ray.start_cluster(config, num_cpus=local_ray.logical_cpus_needed(config))
+    ray_head.start_cluster(config, num_cpus=ray_head.logical_cpus_needed(config))
     deploy.deploy(config)
     urls = {n: deploy.base_url(config, f"/{n}") for n in apps}
     for url in urls.values():
@@ -71,7 +72,7 @@ def judge_ms(n: int, repeats: int = 3) -> float:
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
-        pd_compat.judge(prefill, decode, {})
+        compat.judge(prefill, decode, {})
         times.append((time.perf_counter() - started) * 1000)
     return round(min(times), 2)
 
@@ -106,7 +107,7 @@ def main() -> int:
         check = {"refresh_s": refresh_s(urls["pd"]),
                  "judge_ms": {n: judge_ms(n) for n in (1, 8, 32)}}
     finally:
-        local_ray.shutdown()
+        ray_head.shutdown()
     agg = {arm: {m: statistics.median(r[m] for r in rs if r.get(m) is not None)
                  for m in METRICS} for arm, rs in runs.items()}
     print(json.dumps({"load": load.__dict__, "boot_s": boot_s, "runs": runs, "median": agg,

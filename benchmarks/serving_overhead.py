@@ -114,15 +114,16 @@ def stock_app(replicas: int) -> Any:
 def serve_arm(arm: str, port: int, replicas: int) -> int:
     """Run one Serve arm in this process until SIGTERM (the arm's server process).
 
-    Every Serve arm starts Ray the way ``dsv4-serve run`` does (``local_ray.start_cluster``:
+    Every Serve arm starts Ray the way ``dsv4-serve run`` does (``ray_head.start_cluster``:
     a private cluster with the logical CPUs the replicas reserve, Ray Serve's default
     environment but for ours-tput). The application is ours (``deploy.deploy`` ->
     ``build_app``) or stock.
     """
     from ray import serve
 
-    from deployments import deploy, local_ray, serve_env
+    from deployments import serve_env
     from deployments.config import ServeConfig
+    from deployments.local import deploy, ray_head
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -134,11 +135,11 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
         cpus = None
         if arm == "stock":
             cpus = max(float(os.cpu_count() or 1),
-                       local_ray.logical_cpus_needed(config) + STOCK_INGRESS_CPUS)
+                       ray_head.logical_cpus_needed(config) + STOCK_INGRESS_CPUS)
         if arm == "ours-tput":  # before Ray starts its processes: they inherit the flags
             for line in serve_env.apply():
                 print(line, flush=True)
-        local_ray.start_cluster(config, cpus)
+        ray_head.start_cluster(config, cpus)
         phase("Ray + Serve started")
         if arm != "stock":
             deploy.deploy(config)
@@ -148,7 +149,7 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
         print(READY, flush=True)
         stop.wait()
     finally:
-        local_ray.shutdown()
+        ray_head.shutdown()
     return 0
 
 

@@ -1,8 +1,8 @@
 """Stand-in Serve replicas for the KV-spec controller: the replica contract, no engine.
 
-The controller (``deployments.controller.KVSpecController``) needs four methods
+The controller (``deployments.control.controller.KVSpecController``) needs four methods
 from the server deployment it watches: ``kv_page_spec()`` (a
-``deployments.wire.ReplicaSpec``), ``apply_kv_verdict(message)``,
+``deployments.control.wire.ReplicaSpec``), ``apply_kv_verdict(message)``,
 ``record_routing_stats()`` and ``check_health()``. A real ``DSv4Server`` replica
 needs a vLLM engine (~1 GiB, ~25 s to boot on CPU), so a 2-core box fits two of
 them; a stand-in answers the same calls, so real Ray Serve and the real
@@ -12,7 +12,7 @@ The worker specs a stand-in reports are laid out layer by layer the way vLLM's
 DeepSeek-V4 layers register them (names, roles, block sizes: recorded from the
 real engine on the tiny model, ``tests/data/tiny_worker_specs.json``) for the
 real DeepSeek-V4-Flash ``config.json``, with page sizes from the byte model; its
-prediction comes from the same ``deployments.kvspec.predict`` a real replica
+prediction comes from the same ``deployments.control.prediction.predict`` a real replica
 uses. Knobs make chosen ranks differ the ways a fleet can:
 
 * ``variants``: rank -> cache dtype (``auto``/``bfloat16``: bf16 rows, a B200 with
@@ -45,8 +45,10 @@ from typing import Any
 
 from ray import serve
 
-from deployments import kvspec
-from deployments.wire import ReplicaSpec, ReplicaVerdict, answer_kv_page_spec
+from deployments.control.enforcement import drain_stats, raise_if_enforced, take_verdict
+from deployments.control.prediction import predict, self_problem
+from deployments.control.summary import KVLayoutMismatch, layer_role, summarize_workers
+from deployments.control.wire import ReplicaSpec, ReplicaVerdict, answer_kv_page_spec
 from dsv4_patch import rules
 
 FLASH_CONFIG = (Path(__file__).resolve().parent.parent / "configs" / "models" /
@@ -119,7 +121,7 @@ def flash_worker_specs(cache_dtype: str = "fp8_ds_mla",
 
 def count_layer_kinds(rows: list[dict[str, Any]]) -> dict[str, int]:
     """How many C4 and C128 main caches the rows hold (a self-check of the shape)."""
-    main = [r for r in rows if kvspec.layer_role(r["layer"])[1] == rules.MAIN]
+    main = [r for r in rows if layer_role(r["layer"])[1] == rules.MAIN]
     return {"c4": sum(r["compress_ratio"] == 4 for r in main),
             "c128": sum(r["compress_ratio"] == 128 for r in main)}
 
@@ -134,10 +136,10 @@ def standin_spec(replica_id: str, rank: int | None, *, dtype: str = "fp8_ds_mla"
                for r in range(max(workers, 2 if split else 1))]
     if split:
         answers[1]["specs"] = flash_worker_specs("bfloat16", cfg)
-    kv = kvspec.summarize_workers(answers)
-    deployment = kvspec.predict(flash_config(), rules.Layout(expected_layout), "auto",
+    kv = summarize_workers(answers)
+    deployment = predict(flash_config(), rules.Layout(expected_layout), "auto",
                                 STANDIN_VLLM, source="DeepSeek-V4-Flash config.json (stand-in)")
-    own = kvspec.predict(cfg, rules.Layout(expected_layout), "auto", STANDIN_VLLM,
+    own = predict(cfg, rules.Layout(expected_layout), "auto", STANDIN_VLLM,
                          source="stand-in override") if canary else None
     return ReplicaSpec(
         replica_id=replica_id, rank=rank, node_id=None, pid=os.getpid(),
@@ -173,9 +175,9 @@ class StandInReplica:
                 update={"deployment_version": getattr(ctx, "code_version", None)})
         self._verdict = ReplicaVerdict()
         self._calls = 0
-        problem = kvspec.self_problem(self._spec)
+        problem = self_problem(self._spec)
         if problem and policy == "enforce":
-            raise kvspec.KVLayoutMismatch(f"stand-in {self._replica_id} (rank {self._rank}) "
+            raise KVLayoutMismatch(f"stand-in {self._replica_id} (rank {self._rank}) "
                                           f"refuses to start under enforce: {problem}")
 
     async def kv_page_spec(self, known: dict[str, str] | None = None) -> dict[str, Any]:
@@ -192,16 +194,16 @@ class StandInReplica:
         return self._calls > 1
 
     async def apply_kv_verdict(self, message: dict[str, Any]) -> dict[str, Any]:
-        self._verdict = kvspec.take_verdict(message, self._replica_id, self._policy,
+        self._verdict = take_verdict(message, self._replica_id, self._policy,
                                             self._verdict)
         return {"replica_id": self._replica_id, "odd": self._verdict.odd,
                 "action": self._verdict.action.value}
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        return kvspec.drain_stats(self._verdict)
+        return drain_stats(self._verdict)
 
     async def check_health(self) -> None:
-        kvspec.raise_if_enforced(self._verdict)
+        raise_if_enforced(self._verdict)
 
     async def __call__(self) -> dict[str, Any]:
         """Rank and dtype, so a test can see which replica answered a request."""

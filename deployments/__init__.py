@@ -1,12 +1,19 @@
 """deployments: DeepSeek-V4 on Ray Serve LLM with KV-spec consensus.
 
-- ``config``     pydantic models of our part of a Serve config (validated before Ray).
-- ``server``     the DSv4 ``LLMServer`` subclass: canonicalize, self-check, ``kv_page_spec()``.
-- ``controller`` the KV-spec controller: broadcast, consensus, policy, metrics.
-- ``app``        ``build_app``: the one Serve application builder.
-- ``runner``     ``dsv4-serve run`` / ``status``: the local default.
-- ``policy_cli`` ``dsv4-serve policy``: the operator's run-time KV-spec policy.
-- ``plan``       preflight without GPUs.
-- ``k8s``        RayService manifests rendered from ``configs/``.
-- ``cli``        the ``dsv4-serve`` command.
+Floors, bottom to top (a module imports only from its own floor or below):
+
+1. ``logs``, ``resources``, ``serve_env``, ``ray_touches``: light shared names, the
+   packaged data, Ray Serve's process flags, and the registry of every Ray internal we
+   touch (probed; shown by ``dsv4-serve doctor``).
+2. ``config/``: every config model, validated before Ray starts.
+3. ``control/`` (the KV-spec controller and its typed wire), ``http/`` (the edge in
+   front of vLLM's OpenAI app), ``plan/`` (preflight without GPUs), ``k8s/`` (KubeRay
+   manifests).
+4. ``serving/``: the server replica and the one-pool application.
+5. ``pd/``: the prefill/decode pattern, built on ``serving``.
+6. ``app``: ``deployments.app:build_app``, the ``import_path`` users write.
+7. ``local/``: the stack on this machine (private Ray, multi-node, deploy, drain).
+8. ``cli/``: the ``dsv4-serve`` command.
+
+Each package's ``__init__`` says what its modules do and what it may import.
 """

@@ -11,7 +11,7 @@ deploy time instead of at the first request; ``dsv4-serve doctor`` lists them al
 
 Optional touches (``required=False``) never refuse a build: the drain's request
 count (logged when it fails), the controller's per-replica broadcast results
-(``deployments.controller`` falls back to ``results_async``, logged), the local
+(``deployments.control.controller`` falls back to ``results_async``, logged), the local
 multi-node cluster of ``dsv4-serve run --nodes``. Touches only a P/D app uses
 (``pd_only``) refuse only a P/D build (``require(pd=True)``).
 
@@ -111,7 +111,8 @@ TOUCHES: tuple[RayTouch, ...] = (
         name="serve.late_bound_ingress",
         target="ray.serve:ingress() without an app + "
                f"{_LLM}.core.server.llm_server:LLMServer.__serve_build_asgi_app__",
-        used_in="deployments/app.py build_parsed_app, deployments/server.py, deployments/front.py",
+        used_in="deployments/app.py build_parsed_app, deployments/serving/server.py, "
+                "deployments/http/front.py",
         why="the ingress replica cost a Python hop per request and per streamed chunk "
             "(TTFT 1.96x plain vLLM, docs/benchmarks.md 2a): the server replica answers "
             "HTTP itself with vLLM's OpenAI app",
@@ -127,7 +128,7 @@ TOUCHES: tuple[RayTouch, ...] = (
         name="llm.pd_direct_ingress_routes",
         target=f"{_LLM}.serving_patterns.prefill_decode.pd_server:"
                "PDOrchestratorMixin.__serve_build_asgi_app__",
-        used_in="deployments/pd_app.py build_pd_app, deployments/pd_server.py "
+        used_in="deployments/pd/builder.py build_pd_app, deployments/pd/server.py "
                 "DSv4PDDecodeServer",
         why="the P/D decode replica is the ingress (no ingress replica, as for one pool); "
             "vLLM's own chat/completions routes would decode locally and skip the remote "
@@ -150,7 +151,7 @@ TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="llm.deployment_name",
         target=f"{_LLM}.core.server.builder:_get_deployment_name",
-        used_in="deployments/app.py server_deployment_name, deployments/pd_app.py",
+        used_in="deployments/app.py server_deployment_name, deployments/pd/builder.py",
         why="the servers bind the controller (for /v1/kv-spec), so the controller finds "
             "them by name: a Serve graph has no cycles",
         how="the name build_llm_deployment gives: '<class>:' (P/D: 'Decode:') + "
@@ -163,7 +164,7 @@ TOUCHES: tuple[RayTouch, ...] = (
         name="llm.node_init_callback",
         target="ray.llm._internal.common.callbacks.base:CallbackBase, "
                "CallbackCtx.run_init_node",
-        used_in="deployments/boot.py LocalModelCallback, deployments/app.py",
+        used_in="deployments/serving/boot.py LocalModelCallback, deployments/app.py",
         why="Ray Serve LLM runs a per-node download task (a fresh Ray worker) before every "
             "engine boot, also for a local model directory (~15 s of a loaded 2-core boot)",
         how="LLMConfig.callback_config (public) with our callback, which sets "
@@ -180,7 +181,7 @@ TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="serve.proxy_host",
         target="ray.serve.context:_get_global_client().http_config.host",
-        used_in="deployments/front.py proxy_host",
+        used_in="deployments/http/front.py proxy_host",
         why="the edge requires an API key unless Serve's proxies bind a loopback address; "
             "only the Serve controller knows the bind address",
         how="read it once when a server replica starts; unknown = treated as reachable",
@@ -193,7 +194,7 @@ TOUCHES: tuple[RayTouch, ...] = (
         target="ray.serve._private.constants: RAY_SERVE_ENABLE_DIRECT_INGRESS as Serve "
                "resolved it (RAY_SERVE_THROUGHPUT_OPTIMIZED and RAY_SERVE_ENABLE_HA_PROXY "
                "turn it on)",
-        used_in="deployments/serve_env.py replicas_listen, read by front.proxy_host",
+        used_in="deployments/serving/serve_env.py replicas_listen, read by front.proxy_host",
         why="under direct ingress each replica listens on its own port beside the proxy, "
             "so http_options.host no longer bounds who connects: the edge must require keys",
         how="read the resolved constant when a server replica starts; on = reachable",
@@ -206,7 +207,7 @@ TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="llm_config.update_engine_kwargs",
         target="ray.serve.llm:LLMConfig.update_engine_kwargs (updates _engine_config too)",
-        used_in="deployments/server.py canonicalize, _apply_override, DSv4ServerMixin",
+        used_in="deployments/serving/server.py canonicalize, _apply_override, DSv4ServerMixin",
         why="the replica rewrites kv_cache_dtype (and a canary's override) after Ray Serve "
             "LLM cached the engine config at build time",
         how="rely on update_engine_kwargs also updating the cached _engine_config",
@@ -218,7 +219,7 @@ TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="serve.replica_ids",
         target="ray.serve._private.common:ReplicaID.is_full_id_str, from_full_id_str",
-        used_in="deployments/controller.py replica_actors (for alive_replica_ids and "
+        used_in="deployments/control/controller.py replica_actors (for alive_replica_ids and "
                 "drain.py in_flight_requests)",
         why="the drain prints how many requests are in flight; the controller names the "
             "replicas that missed a check's deadline; both find a deployment's replicas "
@@ -234,7 +235,7 @@ TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="serve.replica_ongoing_requests",
         target="ray.serve._private.replica:ReplicaActor.get_num_ongoing_requests",
-        used_in="deployments/drain.py in_flight_requests",
+        used_in="deployments/local/drain.py in_flight_requests",
         why="the count of in-flight requests the drain waits for",
         how="call it on each ingress replica actor (10 s bound; a failure is logged and the "
             "drain goes on)",
@@ -246,7 +247,7 @@ TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="serve.delete_nonblocking",
         target="ray.serve:delete(_blocking=False)",
-        used_in="deployments/drain.py drain",
+        used_in="deployments/local/drain.py drain",
         why="deleting every application at once lets their drains overlap; a blocking "
             "delete would drain them one after another",
         how="delete each app without waiting, then poll serve.status() until all are gone",
@@ -258,7 +259,7 @@ TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="ray.metrics_export_port",
         target="ray:init(_metrics_export_port=)",
-        used_in="deployments/local_ray.py start_cluster",
+        used_in="deployments/local/ray_head.py start_cluster",
         why="`dsv4-serve run` prints the Prometheus URL, so the port must be ours to know",
         how="pass a free port to ray.init of the private local cluster",
         upstream="underscore keyword of ray.init (popped from **kwargs)",
@@ -270,7 +271,7 @@ TOUCHES: tuple[RayTouch, ...] = (
         name="serve.broadcast_per_replica_results",
         target="ray.serve.handle:DeploymentBroadcastResponse._fetch_replica_results_async; "
                "ray.serve._private.replica_result:ReplicaResult.get_async, cancel",
-        used_in="deployments/controller.py KVSpecController._call_each",
+        used_in="deployments/control/controller.py KVSpecController._call_each",
         why="the public results_async(timeout_s=) is all-or-nothing: one hung replica "
             "discards every answer",
         how="await each replica's result under its own timeout and cancel the ones that "
@@ -286,7 +287,7 @@ TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="pd.serving_args",
         target=f"{_LLM}.serving_patterns.prefill_decode.builder:PDServingArgs",
-        used_in="deployments/pd_app.py pool_configs",
+        used_in="deployments/pd/builder.py pool_configs",
         why="Ray Serve LLM's own validation of a prefill/decode pair (both kv_transfer_config, "
             "the roles); build_pd_openai_app takes a dict and builds its own servers and "
             "ingress, not ours",
@@ -301,7 +302,7 @@ TOUCHES: tuple[RayTouch, ...] = (
         name="pd.local_prefill",
         target="ray.serve.llm.deployment:PDDecodeServer.chat, completions (the remote-prefill "
                "path) over LLMServer.chat, completions (the local one)",
-        used_in="deployments/pd_server.py DSv4PDDecodeServer.chat, completions",
+        used_in="deployments/pd/server.py DSv4PDDecodeServer.chat, completions",
         why="a decode replica with no prefill replica proven compatible must not receive "
             "unproven KV pages: it prefills on its own engine instead",
         how="when pd_route forbids a transfer, call LLMServer's method on self, skipping "
@@ -319,7 +320,7 @@ TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="autoscaler.fake_multinode",
         target="ray.autoscaler._private.fake_multi_node.node_provider:FakeMultiNodeProvider",
-        used_in="deployments/cluster.py (`dsv4-serve run --nodes`, tests)",
+        used_in="deployments/local/cluster.py (`dsv4-serve run --nodes`, tests)",
         why="Ray's real autoscaler adding and removing local raylets stands in for GPU nodes",
         how="declared as an external provider module (Ray's wheel lacks the example.yaml "
             "provider type fake_multinode reads)",

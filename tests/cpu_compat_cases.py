@@ -1,4 +1,4 @@
-"""Bit-exact check of every dsv4_patch.cpu_compat fallback against vLLM's own Triton kernel.
+"""Bit-exact check of every dsv4_patch.patches.cpu fallback against vLLM's own Triton kernel.
 
 Run as a script in a fresh interpreter (tests/test_dsv4_patch/test_cpu_compat.py does): it sets
 TRITON_INTERPRET=1 before Triton is imported and hands vLLM the real Triton module, so
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from dsv4_patch.patches.cpu.fallbacks import FALLBACKS, TorchLauncher
 
 SENTINEL = -777
 
@@ -263,7 +265,6 @@ def run(seeds: int) -> dict[str, Any]:
 
     import vllm
 
-    from dsv4_patch import cpu_compat
 
     makers: dict[str, Callable[..., Case | None]] = {
         "cpu.compute_token_to_req_indices": case_token_map,
@@ -274,14 +275,14 @@ def run(seeds: int) -> dict[str, Any]:
         "cpu.build_c128a_topk_metadata": case_c128a,
     }
     report: dict[str, Any] = {}
-    for fb in cpu_compat.FALLBACKS:
+    for fb in FALLBACKS:
         module = importlib.import_module(fb.module)
         variant, seen = fb.variant_for(module)
         if variant is None:
             report[fb.name] = {"variant": None, "seen": seen}
             continue
         original = getattr(module, variant.attr)
-        if isinstance(original, cpu_compat.TorchLauncher):
+        if isinstance(original, TorchLauncher):
             raise RuntimeError(f"{fb.name}: vLLM kernel already replaced; nothing to compare")
         fallback = variant.function
         params = list(inspect.signature(fallback).parameters)

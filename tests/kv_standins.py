@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from deployments.controller import KVSpecController
+from deployments.control.controller import KVSpecController
 
 # While this file exists, the first StuckStatusController's serve.status() never returns.
 STUCK_FLAG = Path("/tmp/dsv4-test-stuck-status")

@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from deployments.cluster import FAKE_HEAD_NODE_ID, session_pids, worker_raylets
 from deployments.config import DEFAULT_CONFIG
+from deployments.local.cluster import FAKE_HEAD_NODE_ID, session_pids, worker_raylets
 from tests.conftest import SERVING_LINE, read_until_serving
 from tests.kv_poll import TRANSIENT, kv_report
 

@@ -2,7 +2,7 @@
 
 Used by tests/test_dsv4_patch/test_cpu_ops_native.py and runnable on its own for the numbers
 (``python tests/native_compare.py``). Only meaningful on a host whose loaded
-``vllm/_C`` has the native kernels (AVX512-BF16; see ``cpu_ops._loaded_library``).
+``vllm/_C`` has the native kernels (AVX512-BF16; see ``ops._loaded_library``).
 
 How: the tiny DeepSeek-V4 runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 one uniprocess worker) with every call of the 16 ops routed through a comparing wrapper.
@@ -138,9 +138,9 @@ class CompareOps:
     """
 
     def __init__(self) -> None:
-        from dsv4_patch import cpu_ops
+        from dsv4_patch.patches.cpu import ops
 
-        self.impls = {op.name: op.impl for op in cpu_ops.REGISTRY}
+        self.impls = {op.name: op.impl for op in ops.REGISTRY}
         self.calls: dict[str, int] = dict.fromkeys(self.impls, 0)
         self.stats: dict[str, OpStats] = {}  # "op.output" -> stats
         self.packed: dict[int, torch.Tensor] = {}  # native packed data_ptr -> our packing

@@ -4,7 +4,7 @@ Run as ``python -m tests.release_import VERSION on|off`` with the release's over
 first on PYTHONPATH (tests/release_venvs.py); ``on`` loads the general plugins the way
 vLLM does (``vllm.plugins.load_general_plugins``), ``off`` runs with ``VLLM_PLUGINS=""``. Prints one
 ``DSV4_IMPORT {...}`` line: what imported, the doctor's probes, the plugin record,
-and the real code's decisions against upstream 0.30+ (``patches.resolver_mismatches``).
+and the real code's decisions against upstream 0.30+ (``resolver_mismatches``).
 
 0.20-0.22 decide in ``DeepseekV4MLAAttention.__init__``: it is called for real with a
 real ``CacheConfig``. Two things are replaced for that call, both read before the dtype
@@ -20,6 +20,8 @@ import json
 import sys
 from types import SimpleNamespace
 from typing import Any
+
+from dsv4_patch.patches.kv_dtype import RESOLVER_NAME, call_resolver, resolver_mismatches
 
 LEGACY_LAYER = "vllm.model_executor.layers.deepseek_v4_attention"
 ATTENTION = "vllm.models.deepseek_v4.attention"
@@ -72,7 +74,7 @@ def layer_decision(module: Any, dtype: str) -> dict[str, Any]:
 def main(version: str, plugin: bool) -> dict[str, Any]:
     import vllm
 
-    from dsv4_patch import doctor, patches, record
+    from dsv4_patch import doctor, record
     from dsv4_patch.import_hooks import module_exists
 
     out: dict[str, Any] = {"version": version, "plugin": plugin,
@@ -88,12 +90,12 @@ def main(version: str, plugin: bool) -> dict[str, Any]:
     if not legacy:
         _, out["import_model"] = _try(lambda: importlib.import_module(f"{MODEL}.nvidia.model"))
     if module is not None:
-        resolver = getattr(module, patches.RESOLVER_NAME, None)
+        resolver = getattr(module, RESOLVER_NAME, None)
         if resolver is not None:
             out["kind"] = "resolver"
-            out["mismatches"] = patches.resolver_mismatches(resolver, (True, False))
-            out["auto"] = patches.call_resolver(resolver, True, "auto").__dict__
-            out["bfloat16"] = patches.call_resolver(resolver, True, "bfloat16").__dict__
+            out["mismatches"] = resolver_mismatches(resolver, (True, False))
+            out["auto"] = call_resolver(resolver, True, "auto").__dict__
+            out["bfloat16"] = call_resolver(resolver, True, "bfloat16").__dict__
         else:
             out["kind"] = "layer"
             out["auto"] = layer_decision(module, "auto")

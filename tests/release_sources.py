@@ -37,6 +37,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from dsv4_patch.patches.kv_dtype import LAYER_PATCH, RESOLVER_PATCH
 from dsv4_patch.record import PatchResult
 
 CPU_RELEASES = (
@@ -248,12 +249,11 @@ class Release:
 
 def release(version: str, plugin: bool, optimize: int = 0) -> Release:
     """Load ``version``'s decision code afresh; with ``plugin``, apply the plugin's patch."""
-    from dsv4_patch import patches
 
     module = resolver_module(version, optimize)
-    kind, spec = "resolver", patches.RESOLVER_PATCH
+    kind, spec = "resolver", RESOLVER_PATCH
     if module is None:
-        module, kind, spec = layer_module(version, optimize), "layer", patches.LAYER_PATCH
+        module, kind, spec = layer_module(version, optimize), "layer", LAYER_PATCH
     if module is None:
         raise LookupError(f"vLLM {version}: neither a resolver nor an inline-assert layer")
     return Release(version, kind, module, spec.apply(module) if plugin else None)

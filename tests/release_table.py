@@ -13,14 +13,21 @@ import json
 import sys
 from pathlib import Path
 
-from dsv4_patch import patches
+from dsv4_patch.patches.kv_dtype import (
+    LAYER_PATCH,
+    RESOLVER_PATCH,
+    Outcome,
+    call_resolver,
+    resolver_mismatches,
+)
+from dsv4_patch.patches.sm120 import SM120_PATCH
 from tests import release_sources as rs
 from tests.release_e2e import NO_TRITON
 
 RESULTS = Path(__file__).resolve().parent.parent / "build" / "release-results"
 
 
-def _decision(outcome: patches.Outcome) -> str:
+def _decision(outcome: Outcome) -> str:
     if outcome.error is not None:
         return outcome.error.split(":", 1)[0]
     return outcome.cache_dtype_str or "?"
@@ -42,7 +49,7 @@ def _sm120(version: str) -> str:
         return "rejects" if answer and "kv_cache_dtype" in answer else "accepts"
 
     stock = verdict()
-    result = patches.SM120_PATCH.apply(module)
+    result = SM120_PATCH.apply(module)
     return f"{stock} → {verdict()} ({result.status})"
 
 
@@ -96,11 +103,11 @@ def _e2e_cell(version: str) -> str:
 def row(version: str) -> list[str]:
     stock = rs.release(version, plugin=False)
     patched = rs.release(version, plugin=True)
-    auto = _decision(patches.call_resolver(stock.resolver(), True, "auto"))
-    plugin_auto = _decision(patches.call_resolver(patched.resolver(), True, "auto"))
-    plugin_bf16 = _decision(patches.call_resolver(patched.resolver(), True, "bfloat16"))
-    left = patches.resolver_mismatches(patched.resolver(), patched.layouts)
-    spec = patches.RESOLVER_PATCH if stock.kind == "resolver" else patches.LAYER_PATCH
+    auto = _decision(call_resolver(stock.resolver(), True, "auto"))
+    plugin_auto = _decision(call_resolver(patched.resolver(), True, "auto"))
+    plugin_bf16 = _decision(call_resolver(patched.resolver(), True, "bfloat16"))
+    left = resolver_mismatches(patched.resolver(), patched.layouts)
+    spec = RESOLVER_PATCH if stock.kind == "resolver" else LAYER_PATCH
     did = f"{spec.name}: {patched.patch.status}" if patched.patch else "–"
     equal = "yes" if not left else f"NO: {'; '.join(left)}"
     cpu = "yes (cpu/model.py)" if rs.has_cpu_dsv4(version) else "none (fallbacks skipped)"

@@ -1,4 +1,4 @@
-"""``deployments.client`` against a real HTTP server on 127.0.0.1: every answer is an answer."""
+"""``deployments.local.client`` against a real HTTP server on 127.0.0.1: every answer counts."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from deployments import client
+from deployments.local import client
 
 # path -> (status, content type, body)
 ANSWERS = {
@@ -74,7 +74,7 @@ def test_wait_for_verdict_polls_through_non_json_answers(base: str) -> None:
 def _status(url: str) -> int:
     import argparse
 
-    from deployments import status
+    from deployments.cli import status
 
     parser = argparse.ArgumentParser()
     status.add_arguments(parser)
@@ -83,7 +83,7 @@ def _status(url: str) -> int:
 
 def test_status_names_a_non_json_answer_and_exits_incomplete(
         base: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from deployments.status import EXIT_INCOMPLETE
+    from deployments.cli.status import EXIT_INCOMPLETE
 
     assert _status(f"{base}/dying") == EXIT_INCOMPLETE
     err = capsys.readouterr().err
@@ -93,7 +93,7 @@ def test_status_names_a_non_json_answer_and_exits_incomplete(
 def test_status_names_an_unreachable_url_and_the_fix(capsys: pytest.CaptureFixture[str]) -> None:
     import socket
 
-    from deployments.status import EXIT_INCOMPLETE
+    from deployments.cli.status import EXIT_INCOMPLETE
 
     with socket.socket() as sock:  # a port nothing listens on: bound, never listening
         sock.bind(("127.0.0.1", 0))

@@ -15,13 +15,13 @@ import time
 
 import pytest
 
-from deployments.cluster import session_pids
+from deployments.local.cluster import session_pids
 
 pytestmark = pytest.mark.slow
 
 DRIVER = """
 import sys, time
-from deployments.cluster import ClusterSpec, LocalCluster
+from deployments.local.cluster import ClusterSpec, LocalCluster
 cluster = LocalCluster.start(ClusterSpec(max_nodes=1, node_cpus=1, head_cpus=1))
 print(cluster.session, flush=True)
 time.sleep(600)

@@ -155,7 +155,7 @@ def test_drain_settings_default_to_ours_and_keep_the_users() -> None:
 def test_second_signal_while_draining_stops_the_wait() -> None:
     import signal
 
-    from deployments.drain import StopSignal
+    from deployments.local.drain import StopSignal
 
     stop = StopSignal(serving=True)
     stop._handler(signal.SIGTERM, None)  # first: ends the serving loop, no exception

@@ -1,7 +1,7 @@
 """The HTTP edge without Ray: keys, refusals, bounds, overload, stream limits, 5xx scrubbing.
 
 The app is a FastAPI app hardened exactly as each server replica hardens vLLM's
-OpenAI app (``deployments.front.harden``: our CORS policy, our validation handler,
+OpenAI app (``deployments.http.front.harden``: our CORS policy, our validation handler,
 ``EdgeMiddleware`` outermost) with stand-in routes on the served paths, driven
 through raw ASGI calls so each case runs in milliseconds and can see what the app
 read, sent and when it was cancelled. ``test_serve_security.py`` checks the same
@@ -22,7 +22,6 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deployments import auth, edge
 from deployments.config import (
     SERVE_DEFAULT_HOST,
     AppArgs,
@@ -30,8 +29,9 @@ from deployments.config import (
     HTTPEdge,
     parse_app_args,
 )
-from deployments.front import harden
-from deployments.public import RefreshGate, public_report
+from deployments.http import auth, edge
+from deployments.http.front import harden
+from deployments.http.public import RefreshGate, public_report
 
 KEY = "k" * 20
 OTHER = "o" * 20
@@ -460,7 +460,7 @@ def test_run_refuses_a_reachable_bind_without_a_key_before_ray_starts(
 
     import yaml
 
-    from deployments import runner
+    from deployments.cli import run as runner
     from deployments.config import DEFAULT_CONFIG
 
     raw = yaml.safe_load(DEFAULT_CONFIG.read_text())

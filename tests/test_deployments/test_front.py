@@ -1,6 +1,6 @@
 """The server replica's HTTP front on vLLM's real OpenAI app, without an engine.
 
-``deployments.front.harden`` is what every server replica applies to the app vLLM's
+``deployments.http.front.harden`` is what every server replica applies to the app vLLM's
 ``build_app`` returns (``DSv4Server.__serve_build_asgi_app__``). vLLM's app is
 built here from vLLM's own default front-end arguments (no engine: routes are never
 reached), so what vLLM mounts and adds by default is checked against what we close:
@@ -19,11 +19,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.testclient import TestClient
 from starlette.middleware.cors import CORSMiddleware
 
-from deployments import edge
 from deployments.config import HTTPEdge
-from deployments.edge import EdgeMiddleware
-from deployments.errors import openai_validation_error
-from deployments.front import KV_SPEC_ROUTE, harden
+from deployments.http import edge
+from deployments.http.edge import EdgeMiddleware
+from deployments.http.errors import openai_validation_error
+from deployments.http.front import KV_SPEC_ROUTE, harden
 
 
 def vllm_app() -> FastAPI:
@@ -113,7 +113,7 @@ def test_the_pd_decode_replica_serves_rays_prefill_first_routes_behind_our_edge(
     from fastapi.routing import APIRoute
     from ray.serve.llm import LLMConfig
 
-    from deployments.pd_server import DSv4PDDecodeServer
+    from deployments.pd.server import DSv4PDDecodeServer
 
     server = DSv4PDDecodeServer.sync_init(LLMConfig(model_loading_config={
         "model_id": "m"}))
@@ -136,7 +136,7 @@ def test_the_pd_decode_replica_serves_rays_prefill_first_routes_behind_our_edge(
 
 
 def test_the_deployments_that_answer_http_are_the_servers_and_the_decode_pool() -> None:
-    from deployments.app import serves_http
+    from deployments.serving.names import serves_http
 
     assert serves_http("DSv4Server:dsv4-tiny") and serves_http("DSv4DPServer:dsv4-tiny")
     assert serves_http("Decode:dsv4-tiny")

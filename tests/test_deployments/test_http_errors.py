@@ -1,7 +1,7 @@
 """The ingress's client-error handling, without Ray: bad bodies get OpenAI 400s, never 500s.
 
 Hardens a FastAPI app exactly as each server replica hardens vLLM's OpenAI app
-(``deployments.front.harden``: edge, handlers) and mounts stand-in routes with vLLM's
+(``deployments.http.front.harden``: edge, handlers) and mounts stand-in routes with vLLM's
 own body models (those of the real endpoints), so each case runs in milliseconds.
 ``test_serve_fuzz.py`` checks the same properties end to end against the served stack.
 """
@@ -15,9 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 
-from deployments import edge
 from deployments.config import HTTPEdge
-from deployments.front import harden
+from deployments.http import edge
+from deployments.http.front import harden
 
 
 @pytest.fixture(autouse=True)

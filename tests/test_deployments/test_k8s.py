@@ -18,14 +18,26 @@ from typing import Any
 import pytest
 import yaml
 
-from deployments import k8s
+from deployments.cli.k8s import add_arguments, main
 from deployments.config import ConfigError, ServeConfig, parse_app_args
-from deployments.pd_config import POOLS, PDAppArgs
+from deployments.config.pd import POOLS, PDAppArgs
+from deployments.k8s.lint import security_problems, semantic_problems, stale_files
+from deployments.k8s.params import (
+    DEFAULT_PARAMS,
+    MANIFEST_SUFFIX,
+    METRICS_PORT,
+    SERVE_PORT,
+    UPGRADE_TYPES,
+    Preset,
+    load_params,
+    presets,
+)
+from deployments.k8s.render import render_all, render_documents, render_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 CRD = REPO.parent / "shared" / "reference" / "kuberay" / "ray.io_rayservices.yaml"
-MANIFESTS = sorted(K8S.glob(f"*{k8s.MANIFEST_SUFFIX}"))
+MANIFESTS = sorted(K8S.glob(f"*{MANIFEST_SUFFIX}"))
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -78,14 +90,14 @@ def pruned_fields(node: Any, schema: Mapping[str, Any], path: str = "") -> Itera
 
 
 def test_manifests_exist_for_every_preset_in_params():
-    params = k8s.load_params()
+    params = load_params()
     assert sorted(p.name for p in MANIFESTS) == sorted(
-        f"{name}{k8s.MANIFEST_SUFFIX}" for name in params["presets"])
+        f"{name}{MANIFEST_SUFFIX}" for name in params["presets"])
     assert len(MANIFESTS) == 5  # four one-pool GPU presets + the P/D one
 
 
 def test_committed_manifests_are_up_to_date():
-    assert k8s.stale_files(K8S, k8s.render_all()) == [], "run: dsv4-serve k8s render"
+    assert stale_files(K8S, render_all()) == [], "run: dsv4-serve k8s render"
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
@@ -108,9 +120,9 @@ def test_schema_checks_can_fail(schema):
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_manifest_semantics(path):
     doc = _load(path)
-    assert k8s.semantic_problems(doc) == []
+    assert semantic_problems(doc) == []
     spec = doc["spec"]
-    assert spec["upgradeStrategy"]["type"] in k8s.UPGRADE_TYPES
+    assert spec["upgradeStrategy"]["type"] in UPGRADE_TYPES
     cluster = spec["rayClusterConfig"]
     assert cluster["enableInTreeAutoscaling"] is True
     assert cluster["rayVersion"] == "2.60.0"
@@ -121,20 +133,20 @@ def test_semantic_checks_can_fail():
     doc["spec"]["upgradeStrategy"]["type"] = "BlueGreen"
     group = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
     group["numOfHosts"] = 1
-    problems = k8s.semantic_problems(doc)
+    problems = semantic_problems(doc)
     assert any("BlueGreen" in p for p in problems)
     assert any("numOfHosts 1" in p for p in problems)
     group["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] = "16"
-    assert any("cpu limit 16 < 64.5 CPUs" in p for p in k8s.semantic_problems(doc))
+    assert any("cpu limit 16 < 64.5 CPUs" in p for p in semantic_problems(doc))
     doc["spec"]["upgradeStrategy"]["type"] = "NewClusterWithIncrementalUpgrade"
-    assert any("clusterUpgradeOptions" in p for p in k8s.semantic_problems(doc))
+    assert any("clusterUpgradeOptions" in p for p in semantic_problems(doc))
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_serve_config_is_the_preset_and_parses(path):
     doc = _load(path)
     text = doc["spec"]["serveConfigV2"]
-    preset = REPO / "configs" / path.name.replace(k8s.MANIFEST_SUFFIX, ".yaml")
+    preset = REPO / "configs" / path.name.replace(MANIFEST_SUFFIX, ".yaml")
     assert text == preset.read_text()
     serve = ServeConfig.model_validate(yaml.safe_load(text))
     (app,) = [a for a in serve.applications if a.is_ours]
@@ -186,12 +198,12 @@ def test_pod_plumbing(path):
     assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
     assert "value" not in env["HF_TOKEN"]
     assert spec["nodeSelector"] and spec["tolerations"]
-    assert any(p["containerPort"] == k8s.METRICS_PORT for p in container["ports"])
+    assert any(p["containerPort"] == METRICS_PORT for p in container["ports"])
     head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert {p["name"] for p in head["ports"]} == {"serve", "metrics", "dashboard", "gcs"}
-    # readiness is KubeRay's injected raylet + Serve-proxy probe (see deployments/k8s.py)
+    # readiness is KubeRay's injected raylet + Serve-proxy probe (see deployments/py)
     assert "readinessProbe" not in container and "readinessProbe" not in head
-    assert doc["spec"]["serveService"]["spec"]["ports"][0]["port"] == k8s.SERVE_PORT
+    assert doc["spec"]["serveService"]["spec"]["ports"][0]["port"] == SERVE_PORT
     assert not re.search(r"hf_[A-Za-z0-9]{20,}", path.read_text())  # no inline token
 
 
@@ -211,26 +223,26 @@ def test_worker_group_follows_serve_autoscaling():
     assert pro["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["numOfHosts"] == 2
 
 
-def _pd_preset(tmp_path: Path, change: Any = None) -> k8s.Preset:
+def _pd_preset(tmp_path: Path, change: Any = None) -> Preset:
     """The P/D preset as params list it, optionally with its Serve config changed."""
-    params = k8s.load_params()
-    [preset] = [p for p in k8s.presets(params, k8s.DEFAULT_PARAMS) if p.name == "flash-h200-pd"]
+    params = load_params()
+    [preset] = [p for p in presets(params, DEFAULT_PARAMS) if p.name == "flash-h200-pd"]
     if change is None:
         return preset
     raw = yaml.safe_load(preset.config_path.read_text())
     change(raw["applications"][0]["args"])
     path = tmp_path / "flash-h200-pd.yaml"
     path.write_text(yaml.safe_dump(raw))
-    return k8s.Preset(preset.name, path, preset.worker)
+    return Preset(preset.name, path, preset.worker)
 
 
 def test_pd_preset_renders_checks_and_packs_both_pools(tmp_path):
     """configs/flash-h200-pd.yaml through `k8s render`: a TP4 prefill and a TP4 decode
     replica share each 8-GPU pod, so 1-2 replicas per pool are 1-2 pods; secure."""
-    params = k8s.load_params()
-    docs = k8s.render_documents(_pd_preset(tmp_path), params)  # raises on any problem
+    params = load_params()
+    docs = render_documents(_pd_preset(tmp_path), params)  # raises on any problem
     service = docs[0]
-    assert k8s.security_problems(docs) == [] and k8s.semantic_problems(service) == []
+    assert security_problems(docs) == [] and semantic_problems(service) == []
     (group,) = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert (group["replicas"], group["minReplicas"], group["maxReplicas"],
             group["numOfHosts"]) == (1, 1, 2, 1)
@@ -243,36 +255,36 @@ def test_pd_preset_renders_checks_and_packs_both_pools(tmp_path):
     # The checks can fail: pod bounds that do not follow both pools, a starved pod.
     group["maxReplicas"] = 4
     limits["cpu"] = "32"
-    problems = k8s.semantic_problems(service)
+    problems = semantic_problems(service)
     assert any("min/maxReplicas 1/4 != the 1/2 pods" in p for p in problems), problems
     assert any("cpu limit 32 < 66 CPUs that 2 prefill replica(s)" in p for p in problems)
     # Serve's bounds change the pods: decode up to 5 -> (2 + 5) x 4 GPUs = 4 pods.
     five = _pd_preset(tmp_path, lambda a: a["pd"].update(decode={"deployment_config": {
         "autoscaling_config": {"min_replicas": 1, "max_replicas": 5}}}))
-    group = k8s.render_manifest(five, params)["spec"]["rayClusterConfig"][
+    group = render_manifest(five, params)["spec"]["rayClusterConfig"][
         "workerGroupSpecs"][0]
     assert (group["minReplicas"], group["maxReplicas"]) == (1, 4)
     # A pool size that does not pack 8-GPU pods is refused with the fix.
     tp3 = _pd_preset(tmp_path, lambda a: a["pd"].update(prefill={"engine_kwargs": {
         "tensor_parallel_size": 3}}))
     with pytest.raises(ConfigError, match=r"\[3, 4\] GPUs on 8-GPU nodes.*Fix"):
-        k8s.render_manifest(tp3, params)
+        render_manifest(tp3, params)
     # Secure by default: the same preset without API keys is not rendered.
     keyless = _pd_preset(tmp_path, lambda a: a["http"].update(auth={"mode": "off"}))
     with pytest.raises(ConfigError, match="not secure"):
-        k8s.render_documents(keyless, params)
+        render_documents(keyless, params)
 
 
 def test_refused_preset_cannot_be_rendered():
-    preset = k8s.Preset("rows", REPO / "configs" / "flash-b200-flashinfer-rows.yaml", {})
+    preset = Preset("rows", REPO / "configs" / "flash-b200-flashinfer-rows.yaml", {})
     with pytest.raises(ConfigError, match="expected_layout"):
-        k8s.render_manifest(preset, k8s.load_params())
+        render_manifest(preset, load_params())
 
 
 def test_cpu_config_cannot_be_rendered():
-    preset = k8s.Preset("cpu", REPO / "configs" / "local-cpu.yaml", {})
+    preset = Preset("cpu", REPO / "configs" / "local-cpu.yaml", {})
     with pytest.raises(ConfigError, match="needs a GPU node"):
-        k8s.render_manifest(preset, k8s.load_params())
+        render_manifest(preset, load_params())
 
 
 def test_bad_params_name_the_fix(tmp_path):
@@ -281,30 +293,30 @@ def test_bad_params_name_the_fix(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     with pytest.raises(ConfigError, match="buildx imagetools inspect"):
-        k8s.load_params(path)
+        load_params(path)
     params["image_digest"] = "sha256:" + "a" * 64
     params["upgrade_strategy"] = "BlueGreen"
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     with pytest.raises(ConfigError, match="expected one of NewCluster"):
-        k8s.load_params(path)
+        load_params(path)
 
 
 def _cli(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    k8s.add_arguments(parser)
+    add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
 def test_cli_check_passes_then_fails_on_a_stale_copy(tmp_path, capsys):
-    assert k8s.main(_cli("check")) == 0
-    assert k8s.main(_cli("render", "--out", str(tmp_path))) == 0
-    assert k8s.main(_cli("check", "--out", str(tmp_path))) == 0
+    assert main(_cli("check")) == 0
+    assert main(_cli("render", "--out", str(tmp_path))) == 0
+    assert main(_cli("check", "--out", str(tmp_path))) == 0
     stale = tmp_path / "flash-h200.rayservice.yaml"
     stale.write_text(stale.read_text().replace("maxReplicas: 4", "maxReplicas: 5"))
     (tmp_path / "old.rayservice.yaml").write_text("kind: RayService\n")
     capsys.readouterr()
-    assert k8s.main(_cli("render", "--check", "--out", str(tmp_path))) == 1
+    assert main(_cli("render", "--check", "--out", str(tmp_path))) == 1
     err = capsys.readouterr().err
     assert "flash-h200.rayservice.yaml: out of date" in err
     assert "old.rayservice.yaml: not rendered" in err
@@ -330,7 +342,7 @@ def test_dockerfile_base_image_and_install():
     assert re.search(rf"^ARG RAY_VERSION={re.escape(ray)}$", text, flags=re.M)
     assert re.search(rf"^ARG VLLM_VERSION={re.escape(_pyproject_pin('vllm'))}$", text,
                      flags=re.M)
-    assert k8s.load_params()["ray_version"] == ray
+    assert load_params()["ray_version"] == ray
     run = re.search(r"^RUN pip install (.*)$", text, flags=re.M)
     assert run and "--no-deps" in run.group(1) and "/home/ray/dsv4-serve" in run.group(1)
     assert "vllm.general_plugins" in text  # the build proves the plugin is registered
@@ -349,7 +361,7 @@ def test_dockerfile_copies_what_the_package_needs():
 
 
 def test_dsv4_serve_cli_dispatches_k8s_check(capsys):
-    from deployments import cli
+    from deployments.cli import main as cli
 
     assert cli.main(["k8s", "check"]) == 0
     assert cli.main(["k8s", "render", "--check"]) == 0

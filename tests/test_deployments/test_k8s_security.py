@@ -1,7 +1,7 @@
 """The KubeRay security rules (docs/security.md), one test per rule, on the rendered manifests.
 
 Each rule is checked twice: the committed manifests pass it, and the same manifest
-with that one thing undone fails ``k8s.security_problems`` with a message naming
+with that one thing undone fails ``security_problems`` with a message naming
 it (so the check can fail, and ``dsv4-serve k8s render`` refuses such a manifest).
 CRD validity of the RayService documents is ``tests/test_deployments/test_k8s.py``'s.
 """
@@ -17,11 +17,20 @@ from typing import Any
 import pytest
 import yaml
 
-from deployments import k8s
 from deployments.config import ConfigError, parse_app_args
+from deployments.k8s.lint import security_problems
+from deployments.k8s.params import (
+    API_KEYS_DIR,
+    CLIENT_PORT,
+    DASHBOARD_PORT,
+    MANIFEST_SUFFIX,
+    RAY_UID,
+    SERVE_PORT,
+)
+from deployments.k8s.render import render_all
 
 REPO = Path(__file__).resolve().parents[2]
-MANIFESTS = sorted((REPO / "k8s").glob(f"*{k8s.MANIFEST_SUFFIX}"))
+MANIFESTS = sorted((REPO / "k8s").glob(f"*{MANIFEST_SUFFIX}"))
 Docs = list[dict[str, Any]]
 
 
@@ -54,13 +63,13 @@ def docs(request: pytest.FixtureRequest) -> Docs:
 
 def test_committed_manifests_pass_every_rule(docs: Docs) -> None:
     assert [d["kind"] for d in docs] == ["RayService", "NetworkPolicy"]
-    assert k8s.security_problems(docs) == []
+    assert security_problems(docs) == []
 
 
 def broken(docs: Docs, edit: Callable[[Docs], None]) -> list[str]:
     copy_ = copy.deepcopy(docs)
     edit(copy_)
-    return k8s.security_problems(copy_)
+    return security_problems(copy_)
 
 
 def test_rule_token_auth(docs: Docs) -> None:
@@ -73,11 +82,11 @@ def test_rule_token_auth(docs: Docs) -> None:
 
 def test_rule_ray_client_not_published(docs: Docs) -> None:
     head = cluster(docs)["headGroupSpec"]["template"]["spec"]["containers"][0]
-    assert k8s.CLIENT_PORT not in {p["containerPort"] for p in head["ports"]}
+    assert CLIENT_PORT not in {p["containerPort"] for p in head["ports"]}
 
     def publish(d: Docs) -> None:
         cluster(d)["headGroupSpec"]["template"]["spec"]["containers"][0]["ports"].append(
-            {"name": "client", "containerPort": k8s.CLIENT_PORT})
+            {"name": "client", "containerPort": CLIENT_PORT})
 
     assert any("Ray Client port 10001" in p for p in broken(docs, publish))
 
@@ -87,17 +96,17 @@ def test_rule_network_policy_lets_in_only_the_serve_port(docs: Docs) -> None:
     name = kind(docs, "RayService")["metadata"]["name"]
     assert policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == name
     open_rules = [r for r in policy["spec"]["ingress"] if not r.get("from")]
-    assert [[p["port"] for p in r["ports"]] for r in open_rules] == [[k8s.SERVE_PORT]]
+    assert [[p["port"] for p in r["ports"]] for r in open_rules] == [[SERVE_PORT]]
     # the dashboard (Jobs API) only from the operator, never from any pod
     [dash] = [r for r in policy["spec"]["ingress"]
-              if {p["port"] for p in r.get("ports", [])} == {k8s.DASHBOARD_PORT}]
+              if {p["port"] for p in r.get("ports", [])} == {DASHBOARD_PORT}]
     assert dash["from"][0]["podSelector"]["matchLabels"]
     for pod in pods(docs):  # the policy selects every pod of the cluster
         assert pod["metadata"]["labels"]["app.kubernetes.io/instance"] == name
 
     def open_dashboard(d: Docs) -> None:
         kind(d, "NetworkPolicy")["spec"]["ingress"].append(
-            {"ports": [{"port": k8s.DASHBOARD_PORT}]})
+            {"ports": [{"port": DASHBOARD_PORT}]})
 
     assert any("open to every source on ports [8265]" in p
                for p in broken(docs, open_dashboard))
@@ -135,7 +144,7 @@ def test_rule_container_security_context(docs: Docs, field: str, value: Any,
 def test_rule_non_root(docs: Docs) -> None:
     for pod in pods(docs):
         ctx = pod["spec"]["securityContext"]
-        assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] == k8s.RAY_UID
+        assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] == RAY_UID
     problems = broken(docs, lambda d: pods(d)[0]["spec"]["securityContext"].update(
         runAsNonRoot=False))
     assert any("head: securityContext.runAsNonRoot must be true" in p for p in problems)
@@ -153,7 +162,7 @@ def test_rule_secrets_only_from_secrets(docs: Docs) -> None:
         env = {e["name"]: e for e in container["env"]}
         assert set(env["HF_TOKEN"]) == {"name", "valueFrom"}
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
-        assert env["DSV4_API_KEYS_FILE"]["value"].startswith(k8s.API_KEYS_DIR + "/")
+        assert env["DSV4_API_KEYS_FILE"]["value"].startswith(API_KEYS_DIR + "/")
     for pod in pods(docs):
         [keys] = [v for v in pod["spec"]["volumes"] if v["name"] == "api-keys"]
         assert keys["secret"] == {"secretName": "dsv4-api-keys", "optional": False,
@@ -204,4 +213,4 @@ def test_render_refuses_an_insecure_manifest(tmp_path: Path) -> None:
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     with pytest.raises(ConfigError, match=r"not secure:(.|\n)*every pod of every namespace"):
-        k8s.render_all(path)
+        render_all(path)

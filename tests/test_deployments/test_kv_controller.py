@@ -34,8 +34,8 @@ def standin_app(replicas: int, dsv4: dict[str, Any], controller: Any = None,
     from ray import serve
 
     from benchmarks.standin import StandInReplica
-    from deployments.controller import KVSpecController
-    from deployments.router import router_config
+    from deployments.control.controller import KVSpecController
+    from deployments.serving.router import router_config
 
     server = serve.deployment(
         StandInReplica, name=SERVER, num_replicas=replicas,

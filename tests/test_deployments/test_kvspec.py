@@ -9,8 +9,28 @@ from typing import Any
 import pytest
 
 from benchmarks.standin import flash_worker_specs, standin_spec
-from deployments import kvspec, wire
-from deployments.wire import Action, FleetReport, ReplicaSpec, ReplicaVerdict, State
+from deployments.control import wire
+from deployments.control.enforcement import (
+    EnforceBook,
+    drain_stats,
+    raise_if_enforced,
+    take_verdict,
+    verdicts_held,
+)
+from deployments.control.prediction import (
+    peer_differences,
+    predict,
+    prediction_differences,
+    self_problem,
+)
+from deployments.control.summary import (
+    KVLayoutMismatch,
+    WorkerSpecError,
+    fingerprint,
+    summarize_workers,
+)
+from deployments.control.verdict import NoAnswer, decide
+from deployments.control.wire import Action, FleetReport, ReplicaSpec, ReplicaVerdict, State
 from dsv4_patch import rules
 from dsv4_patch.tiny_model import tiny_config
 
@@ -22,17 +42,17 @@ FP8 = rules.Layout.FP8_DS_MLA
 
 
 def tiny_prediction(**overrides: Any) -> wire.Prediction:
-    return kvspec.predict(tiny_config(1024) | overrides, FP8, "auto", "0.32.0", "tiny")
+    return predict(tiny_config(1024) | overrides, FP8, "auto", "0.32.0", "tiny")
 
 
 # ------------------------------------------------------------------ prediction
 
 
 def test_prediction_equals_the_real_engine_specs_of_the_tiny_model() -> None:
-    kv = kvspec.summarize_workers(TINY_WORKERS)
+    kv = summarize_workers(TINY_WORKERS)
     prediction = tiny_prediction()
     assert prediction.layers and len(prediction.layers) == 5  # 2 C4 (main+indexer) + 1 C128
-    assert kvspec.prediction_differences(kv.layers, prediction) == []
+    assert prediction_differences(kv.layers, prediction) == []
 
 
 @pytest.mark.parametrize(("model", "per_token", "caches"),
@@ -41,7 +61,7 @@ def test_prediction_equals_the_real_engine_specs_of_the_tiny_model() -> None:
 def test_per_layer_prediction_sums_to_the_byte_model(model: str, per_token: float,
                                                      caches: int) -> None:
     cfg = json.loads((MODELS / model / "config.json").read_text())
-    prediction = kvspec.predict(cfg, FP8, "auto", "0.29.0", model)
+    prediction = predict(cfg, FP8, "auto", "0.29.0", model)
     assert prediction.cache_dtype_str == "fp8_ds_mla" and len(prediction.layers or []) == caches
     total = sum(e.page_size_bytes or 0 for e in prediction.layers or []) / rules.DSV4_BLOCK_SIZE
     shape = rules.ModelShape.from_hf_config(cfg)
@@ -50,10 +70,10 @@ def test_per_layer_prediction_sums_to_the_byte_model(model: str, per_token: floa
 
 def test_no_prediction_for_unknown_architectures_or_old_vllm() -> None:
     llama = {"architectures": ["LlamaForCausalLM"]}
-    assert "LlamaForCausalLM" in (kvspec.predict(llama, FP8, "auto", "0.32.0", "x").reason or "")
-    assert "no DeepSeek-V4" in (kvspec.predict(tiny_config(1024), FP8, "auto", "0.19.0",
+    assert "LlamaForCausalLM" in (predict(llama, FP8, "auto", "0.32.0", "x").reason or "")
+    assert "no DeepSeek-V4" in (predict(tiny_config(1024), FP8, "auto", "0.19.0",
                                                "x").reason or "")
-    assert kvspec.predict(None, FP8, "auto", "0.32.0", "x").layers is None
+    assert predict(None, FP8, "auto", "0.32.0", "x").layers is None
 
 
 # ------------------------------------------------------------------ fingerprint
@@ -62,17 +82,17 @@ def test_no_prediction_for_unknown_architectures_or_old_vllm() -> None:
 def test_fingerprint_covers_which_layer_has_which_spec() -> None:
     # The issue's case: compress_ratios [0, 4, 128, 4, 0] vs [0, 4, 4, 128, 0] -- the same
     # multiset of caches, a different model. The old multiset fingerprint said agree.
-    normal = kvspec.summarize_workers(TINY_WORKERS)
+    normal = summarize_workers(TINY_WORKERS)
     swapped = [dict(w, specs=_swap_layers(w["specs"], 2, 3)) for w in TINY_WORKERS]
-    odd = kvspec.summarize_workers(swapped)
+    odd = summarize_workers(swapped)
     assert sorted(json.dumps(e.model_dump(exclude={"layer", "index"}), sort_keys=True)
                   for e in normal.layers) == sorted(
         json.dumps(e.model_dump(exclude={"layer", "index"}), sort_keys=True)
         for e in odd.layers)
     assert odd.fingerprint != normal.fingerprint
-    diffs = kvspec.peer_differences(odd.layers, normal.layers)
+    diffs = peer_differences(odd.layers, normal.layers)
     assert {d.layer.split(".attn")[0] for d in diffs} == {"model.layers.2", "model.layers.3"}
-    reversed_order = kvspec.summarize_workers(
+    reversed_order = summarize_workers(
         [dict(w, specs=list(reversed(w["specs"]))) for w in TINY_WORKERS])
     assert reversed_order.fingerprint == normal.fingerprint  # order of the list is irrelevant
 
@@ -91,22 +111,22 @@ def test_split_ranks_and_malformed_answers_are_named() -> None:
     one = TINY_WORKERS[0]
     bad = dict(one, rank=1, specs=[dict(s, page_size_bytes=1) if i == 1 else s
                                    for i, s in enumerate(one["specs"])])
-    assert kvspec.summarize_workers([one, bad]).ranks_disagreeing == [1]
+    assert summarize_workers([one, bad]).ranks_disagreeing == [1]
     # PP stages report different layers: that is not a disagreement.
     stage0 = dict(one, specs=one["specs"][:6])
     stage1 = dict(one, rank=1, specs=one["specs"][6:])
-    assert kvspec.summarize_workers([stage0, stage1]).ranks_disagreeing == []
-    with pytest.raises(kvspec.WorkerSpecError, match=r"worker answer 0 .*specs"):
-        kvspec.summarize_workers([{"rank": 0}])
-    with pytest.raises(kvspec.WorkerSpecError, match="no worker answered"):
-        kvspec.summarize_workers([])
+    assert summarize_workers([stage0, stage1]).ranks_disagreeing == []
+    with pytest.raises(WorkerSpecError, match=r"worker answer 0 .*specs"):
+        summarize_workers([{"rank": 0}])
+    with pytest.raises(WorkerSpecError, match="no worker answered"):
+        summarize_workers([])
 
 
 # ------------------------------------------------------------------ verdicts
 
 
 def test_agree_against_the_prediction() -> None:
-    report = kvspec.decide([standin_spec("a", 0), standin_spec("b", 1)], [], 2, "fp8_ds_mla")
+    report = decide([standin_spec("a", 0), standin_spec("b", 1)], [], 2, "fp8_ds_mla")
     assert report.state is State.AGREE and report.agree and report.problems == []
     assert report.expected.reference == "prediction"
     assert report.expected.fingerprint == report.replicas[0].fingerprint
@@ -115,7 +135,7 @@ def test_agree_against_the_prediction() -> None:
 def test_rank0_canary_is_named_not_the_correct_rank1() -> None:
     """Issue test 1: a 1-1 tie where rank 0 is the odd one (the old vote named rank 1)."""
     specs = [standin_spec("a", 0, reordered=True, canary=True), standin_spec("b", 1)]
-    report = kvspec.decide(specs, [], 2, "fp8_ds_mla")
+    report = decide(specs, [], 2, "fp8_ds_mla")
     assert report.state is State.DISAGREE and list(report.odd_replicas) == ["a"]
     [problem] = report.problems
     assert problem.kind == "prediction" and problem.replica == "a"
@@ -127,7 +147,7 @@ def test_a_wrong_majority_does_not_win() -> None:
     """Issue test 2: 3 replicas, 2 odd the same way; the conforming one is kept."""
     specs = [standin_spec("a", 0, reordered=True), standin_spec("b", 1, reordered=True),
              standin_spec("c", 2)]
-    report = kvspec.decide(specs, [], 3, "fp8_ds_mla")
+    report = decide(specs, [], 3, "fp8_ds_mla")
     assert sorted(report.odd_replicas) == ["a", "b"]
     assert "its own config does not explain it" in report.odd_replicas["a"]
     assert {r.id: r.status.value for r in report.replicas} == {"a": "odd", "b": "odd",
@@ -142,48 +162,48 @@ def _unpredicted(spec: ReplicaSpec) -> ReplicaSpec:
 def test_without_a_prediction_the_majority_decides_and_ties_go_against_canaries() -> None:
     tie = [_unpredicted(standin_spec("a", 0, reordered=True, canary=True)),
            _unpredicted(standin_spec("b", 1))]
-    report = kvspec.decide(tie, [], 2, "fp8_ds_mla")
+    report = decide(tie, [], 2, "fp8_ds_mla")
     assert list(report.odd_replicas) == ["a"] and report.expected.reference == "majority"
     assert "no prediction" in (report.expected.note or "")
     assert report.problems[0].kind == "mismatch" and report.problems[0].layers
     # Without canaries the majority wins, ties to the lowest rank.
     three = [_unpredicted(standin_spec("a", 0, reordered=True)),
              _unpredicted(standin_spec("b", 1)), _unpredicted(standin_spec("c", 2))]
-    assert list(kvspec.decide(three, [], 3, "fp8_ds_mla").odd_replicas) == ["a"]
+    assert list(decide(three, [], 3, "fp8_ds_mla").odd_replicas) == ["a"]
 
 
 def test_intra_replica_disagreement_makes_the_replica_odd() -> None:
     """Issue test 7."""
-    report = kvspec.decide([standin_spec("a", 0, split=True), standin_spec("b", 1)], [], 2,
+    report = decide([standin_spec("a", 0, split=True), standin_spec("b", 1)], [], 2,
                            "fp8_ds_mla")
     assert report.state is State.DISAGREE and list(report.odd_replicas) == ["a"]
     assert report.problems[0].kind == "intra_replica"
 
 
 def test_wrong_layout_is_odd_even_when_alone() -> None:
-    report = kvspec.decide([standin_spec("a", 0, dtype="bfloat16")], [], 1, "fp8_ds_mla")
+    report = decide([standin_spec("a", 0, dtype="bfloat16")], [], 1, "fp8_ds_mla")
     assert report.state is State.DISAGREE
     assert report.problems[0].kind == "expected"
     assert "expected fp8_ds_mla" in report.odd_replicas["a"]
 
 
 def test_no_answer_is_incomplete_and_named() -> None:
-    gap = kvspec.NoAnswer("b", "replica b did not answer within its 3 s deadline")
-    report = kvspec.decide([standin_spec("a", 0)], [gap], 2, "fp8_ds_mla")
+    gap = NoAnswer("b", "replica b did not answer within its 3 s deadline")
+    report = decide([standin_spec("a", 0)], [gap], 2, "fp8_ds_mla")
     assert report.state is State.INCOMPLETE and not report.agree
     assert {r.id: r.status.value for r in report.replicas} == {"a": "ok", "b": "no_answer"}
-    silent = kvspec.decide([standin_spec("a", 0)], [], 2, "fp8_ds_mla")
+    silent = decide([standin_spec("a", 0)], [], 2, "fp8_ds_mla")
     assert silent.state is State.INCOMPLETE
     assert "1 RUNNING replica(s) did not answer" in silent.problems[0].message
-    assert kvspec.decide([], [], 0, "fp8_ds_mla").state is State.INCOMPLETE
+    assert decide([], [], 0, "fp8_ds_mla").state is State.INCOMPLETE
 
 
 def test_a_rollout_judges_each_replica_by_its_own_config() -> None:
     """Old replicas keep their expected_layout and prediction while new ones arrive."""
     old = [standin_spec("a", 0), standin_spec("b", 1)]
     new = standin_spec("c", 0, dtype="auto", expected_layout="plain_rows")  # bf16 rows
-    assert kvspec.self_problem(new) is None
-    report = kvspec.decide([*old, new], [], 3, "plain_rows")
+    assert self_problem(new) is None
+    report = decide([*old, new], [], 3, "plain_rows")
     assert report.state is State.AGREE, [p.message for p in report.problems]
     assert "2 deployment configs are live" in (report.expected.note or "")
 
@@ -192,7 +212,7 @@ def test_a_rollout_judges_each_replica_by_its_own_config() -> None:
 
 
 def test_enforce_is_bounded_with_backoff_then_drains() -> None:
-    book = kvspec.EnforceBook(max_attempts=2, backoff_s=10)
+    book = EnforceBook(max_attempts=2, backoff_s=10)
     first = standin_spec("r1", 1, reordered=True)
     assert book.action(first, True, "enforce", now=0) == (Action.FAIL_HEALTH, 1, None)
     assert book.action(first, True, "enforce", now=1)[0] is Action.FAIL_HEALTH  # still it
@@ -216,34 +236,34 @@ def test_a_restarted_controller_remembers_a_given_up_rank_from_its_replica() -> 
     given_up = standin_spec("r3", 1, reordered=True).model_copy(update={
         "verdict": ReplicaVerdict(odd=True, reason="gave up", action=Action.DRAIN,
                                   policy="enforce", attempts=2)})
-    fresh = kvspec.EnforceBook(max_attempts=2, backoff_s=10)
+    fresh = EnforceBook(max_attempts=2, backoff_s=10)
     action, attempts, note = fresh.action(given_up, True, "enforce", now=1000)
     assert (action, attempts) == (Action.DRAIN, 2) and "gave up" in (note or "")
     # Mid-backoff after 1 replacement: drained, the backoff counted again from now.
     waiting = given_up.model_copy(update={"verdict": given_up.verdict.model_copy(
         update={"attempts": 1})})
-    fresh = kvspec.EnforceBook(max_attempts=2, backoff_s=10)
+    fresh = EnforceBook(max_attempts=2, backoff_s=10)
     assert fresh.action(waiting, True, "enforce", now=1000)[:2] == (Action.DRAIN, 1)
     assert fresh.action(waiting, True, "enforce", now=1011)[:2] == (Action.FAIL_HEALTH, 2)
     # A replica whose verdict came from another policy starts a clean book.
     warned = given_up.model_copy(update={"verdict": given_up.verdict.model_copy(
         update={"policy": "warn"})})
-    fresh = kvspec.EnforceBook(max_attempts=2, backoff_s=10)
+    fresh = EnforceBook(max_attempts=2, backoff_s=10)
     assert fresh.action(warned, True, "enforce", now=0)[:2] == (Action.FAIL_HEALTH, 1)
 
 
 def test_a_replica_obeys_its_own_policy_unless_an_operator_overrides() -> None:
     told = {"checked_at": 1.0, "replicas": {"x": ReplicaVerdict(
         odd=True, reason="r", action=Action.FAIL_HEALTH).model_dump(mode="json")}}
-    own = kvspec.take_verdict(told, "x", "warn", ReplicaVerdict())
+    own = take_verdict(told, "x", "warn", ReplicaVerdict())
     assert own.odd and own.action is Action.SERVE and own.policy == "warn"
-    drained = kvspec.take_verdict(told, "x", "drain", ReplicaVerdict())
-    assert drained.action is Action.DRAIN and kvspec.drain_stats(drained)["dsv4_kv_drain"]
-    forced = kvspec.take_verdict(told | {"policy_override": "enforce"}, "x", "warn",
+    drained = take_verdict(told, "x", "drain", ReplicaVerdict())
+    assert drained.action is Action.DRAIN and drain_stats(drained)["dsv4_kv_drain"]
+    forced = take_verdict(told | {"policy_override": "enforce"}, "x", "warn",
                                  ReplicaVerdict())
-    with pytest.raises(kvspec.KVLayoutMismatch, match="attempt"):
-        kvspec.raise_if_enforced(forced)
-    kept = kvspec.take_verdict({"checked_at": 2.0, "replicas": {}}, "x", "drain", drained)
+    with pytest.raises(KVLayoutMismatch, match="attempt"):
+        raise_if_enforced(forced)
+    kept = take_verdict({"checked_at": 2.0, "replicas": {}}, "x", "drain", drained)
     assert kept == drained  # not judged this time: the last word stands
 
 
@@ -252,12 +272,12 @@ def test_a_replica_obeys_its_own_policy_unless_an_operator_overrides() -> None:
 
 def test_published_schema_is_current() -> None:
     published = (REPO / "docs" / "kv-spec.schema.json").read_text()
-    assert published == wire.schema_json(), "run: python -m deployments.wire > " \
+    assert published == wire.schema_json(), "run: python -m deployments.control.wire > " \
         "docs/kv-spec.schema.json"
 
 
 def test_report_round_trips_through_json() -> None:
-    report = kvspec.decide([standin_spec("a", 0, reordered=True, canary=True),
+    report = decide([standin_spec("a", 0, reordered=True, canary=True),
                             standin_spec("b", 1)], [], 2, "fp8_ds_mla")
     again = FleetReport.model_validate(json.loads(json.dumps(report.model_dump(mode="json"))))
     assert again == report
@@ -271,11 +291,11 @@ def test_flash_standin_has_flash_layer_kinds() -> None:
 
 
 def test_status_describes_stale_and_silent_replicas() -> None:
-    from deployments.report_text import describe
-    from deployments.status import EXIT, EXIT_INCOMPLETE
+    from deployments.cli.status import EXIT, EXIT_INCOMPLETE
+    from deployments.control.report import describe
 
-    gap = kvspec.NoAnswer("b", "replica b did not answer within its 3 s deadline")
-    report = kvspec.decide([standin_spec("a", 0)], [gap], 2, "fp8_ds_mla")
+    gap = NoAnswer("b", "replica b did not answer within its 3 s deadline")
+    report = decide([standin_spec("a", 0)], [gap], 2, "fp8_ds_mla")
     stale = report.model_copy(update={"state": State.STALE, "previous_state": report.state,
                                       "policy": "enforce", "age_s": 95.0})
     text = describe(FleetReport.model_validate(stale.model_dump(mode="json")))
@@ -291,7 +311,7 @@ FLASH_FINGERPRINT = "sha256:72f928b84436042ddbc603cb9a960608aeebe8082628c1a17b80
 
 def test_fingerprint_is_stable_across_versions() -> None:
     spec = standin_spec("r0", 0)
-    assert kvspec.fingerprint(spec.layers) == spec.fingerprint == FLASH_FINGERPRINT
+    assert fingerprint(spec.layers) == spec.fingerprint == FLASH_FINGERPRINT
 
 
 def test_a_held_spec_is_answered_briefly_and_anything_else_in_full() -> None:
@@ -313,17 +333,17 @@ def _message(**entry: Any) -> wire.VerdictMessage:
 def test_a_verdict_is_resent_only_when_a_replica_would_act_differently() -> None:
     spec = standin_spec("r0", 0, policy="drain")
     # A new replica holds the default verdict (no policy yet): it must be told once.
-    assert not kvspec.verdicts_held(_message(policy="drain"), [spec])
-    taken = kvspec.take_verdict(_message(policy="drain").model_dump(mode="json"), "r0",
+    assert not verdicts_held(_message(policy="drain"), [spec])
+    taken = take_verdict(_message(policy="drain").model_dump(mode="json"), "r0",
                                 "drain", spec.verdict)
     held = spec.model_copy(update={"verdict": taken})
-    assert kvspec.verdicts_held(_message(policy="drain"), [held])
+    assert verdicts_held(_message(policy="drain"), [held])
     # enforce's fail_health, clamped by the replica's own drain policy, is a drain:
     odd = dict(odd=True, reason="differs", action=Action.FAIL_HEALTH, attempts=1)
-    assert not kvspec.verdicts_held(_message(**odd), [held])
-    taken = kvspec.take_verdict(_message(**odd).model_dump(mode="json"), "r0", "drain",
+    assert not verdicts_held(_message(**odd), [held])
+    taken = take_verdict(_message(**odd).model_dump(mode="json"), "r0", "drain",
                                 taken)
     assert taken.action is Action.DRAIN
-    assert kvspec.verdicts_held(_message(**odd), [held.model_copy(update={"verdict": taken})])
+    assert verdicts_held(_message(**odd), [held.model_copy(update={"verdict": taken})])
     # A replica the message names but that did not answer now: send.
-    assert not kvspec.verdicts_held(_message(**odd), [])
+    assert not verdicts_held(_message(**odd), [])

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from deployments.cluster import cmdline
+from deployments.local.cluster import cmdline
 from tests import multinode as mn
 from tests.test_deployments.test_run_cli import alive
 from tests.test_deployments.test_serve_faults import Traffic

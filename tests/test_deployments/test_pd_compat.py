@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from benchmarks.standin import standin_spec
-from deployments import pd_compat
 from deployments.config import ConfigError, load_serve_config, parse_app_args
-from deployments.wire import PDVerdict, ReplicaSpec, State, TransferSpec
+from deployments.control.wire import PDVerdict, ReplicaSpec, State, TransferSpec
+from deployments.pd import compat
 from dsv4_patch.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,7 +39,7 @@ def replica(rid: str, pool: str, *, reordered: bool = False, vllm: str | None = 
 def test_identical_pools_are_compatible_and_every_pair_is_allowed() -> None:
     prefill = [replica("p0", "prefill"), replica("p1", "prefill")]
     decode = [replica("d0", "decode")]
-    report = pd_compat.judge(prefill, decode, {})
+    report = compat.judge(prefill, decode, {})
     assert report.verdict is PDVerdict.COMPATIBLE and report.differences == []
     assert report.allowed == {"d0": ["p0", "p1"]} and report.blocked_prefill == []
 
@@ -48,9 +48,9 @@ def test_the_model_path_string_does_not_matter_its_content_does() -> None:
     """NIXL's hash differs for a copy at another path; ours compares content."""
     prefill = [replica("p0", "prefill", model_path="/models/a", nixl_compat_hash="h1")]
     decode = [replica("d0", "decode", model_path="/mnt/copy", nixl_compat_hash="h2")]
-    assert pd_compat.judge(prefill, decode, {}).verdict is PDVerdict.COMPATIBLE
+    assert compat.judge(prefill, decode, {}).verdict is PDVerdict.COMPATIBLE
     other = [replica("d0", "decode", model_hash="sha256:other")]
-    report = pd_compat.judge(prefill, other, {})
+    report = compat.judge(prefill, other, {})
     assert report.verdict is PDVerdict.INCOMPATIBLE
     assert [d.field for d in report.differences] == ["model_hash"]
 
@@ -64,7 +64,7 @@ def test_the_model_path_string_does_not_matter_its_content_does() -> None:
     ("kv_cache_layout", {"kv_cache_layout": "HND"}),
 ])
 def test_each_transfer_field_is_compared_and_named(field: str, changes: dict[str, Any]) -> None:
-    report = pd_compat.judge([replica("p0", "prefill")], [replica("d0", "decode", **changes)],
+    report = compat.judge([replica("p0", "prefill")], [replica("d0", "decode", **changes)],
                              {})
     assert report.verdict is PDVerdict.INCOMPATIBLE
     assert [d.field for d in report.differences] == [field]
@@ -72,7 +72,7 @@ def test_each_transfer_field_is_compared_and_named(field: str, changes: dict[str
 
 
 def test_a_layer_mix_difference_names_the_layers() -> None:
-    report = pd_compat.judge([replica("p0", "prefill")],
+    report = compat.judge([replica("p0", "prefill")],
                              [replica("d0", "decode", reordered=True)], {})
     [diff] = report.differences
     assert diff.field == "fingerprint"
@@ -80,47 +80,47 @@ def test_a_layer_mix_difference_names_the_layers() -> None:
 
 
 def test_vllm_version_and_unknown_identity_are_differences() -> None:
-    report = pd_compat.judge([replica("p0", "prefill", vllm="0.32.0")],
+    report = compat.judge([replica("p0", "prefill", vllm="0.32.0")],
                              [replica("d0", "decode", vllm="0.31.0")], {})
     assert [d.field for d in report.differences] == ["vllm_version"]
-    unknown = pd_compat.judge([replica("p0", "prefill", model_hash=None)],
+    unknown = compat.judge([replica("p0", "prefill", model_hash=None)],
                               [replica("d0", "decode", model_hash=None)], {})
     assert [d.field for d in unknown.differences] == ["model_hash"]
 
 
 def test_roles_and_a_missing_transfer_spec_are_differences() -> None:
-    report = pd_compat.judge([replica("p0", "prefill", kv_role="kv_consumer")],
+    report = compat.judge([replica("p0", "prefill", kv_role="kv_consumer")],
                              [replica("d0", "decode")], {})
     assert [d.field for d in report.differences] == ["kv_role"]
     bare = standin_spec("d0", 0)
-    assert [d.field for d in pd_compat.compare(replica("p0", "prefill"), bare)] == ["transfer"]
+    assert [d.field for d in compat.compare(replica("p0", "prefill"), bare)] == ["transfer"]
 
 
 def test_one_odd_prefill_is_routed_around() -> None:
     prefill = [replica("p0", "prefill"), replica("p1", "prefill", kernel_block_size=64)]
-    report = pd_compat.judge(prefill, [replica("d0", "decode"), replica("d1", "decode")], {})
+    report = compat.judge(prefill, [replica("d0", "decode"), replica("d1", "decode")], {})
     assert report.verdict is PDVerdict.PARTIAL
     assert report.allowed == {"d0": ["p0"], "d1": ["p0"]} and report.blocked_prefill == ["p1"]
 
 
 def test_no_answers_yet_means_no_transfers() -> None:
-    report = pd_compat.judge([], [replica("d0", "decode")], {})
+    report = compat.judge([], [replica("d0", "decode")], {})
     assert report.verdict is PDVerdict.NOT_CHECKED and report.allowed == {}
-    assert pd_compat.combined_state(State.AGREE, report.verdict) is State.NOT_CHECKED
-    assert pd_compat.combined_state(State.AGREE, PDVerdict.PARTIAL) is State.DISAGREE
-    assert pd_compat.pool_state([State.AGREE, State.INCOMPLETE]) is State.INCOMPLETE
+    assert compat.combined_state(State.AGREE, report.verdict) is State.NOT_CHECKED
+    assert compat.combined_state(State.AGREE, PDVerdict.PARTIAL) is State.DISAGREE
+    assert compat.pool_state([State.AGREE, State.INCOMPLETE]) is State.INCOMPLETE
 
 
 def test_model_identity_is_by_content(tmp_path: Path) -> None:
     tiny = ensure_tiny_model()
     copy = tmp_path / "copy"
     shutil.copytree(tiny, copy)
-    digest, files = pd_compat.model_identity(tiny)
+    digest, files = compat.model_identity(tiny)
     assert digest is not None and "config.json" in files and "tokenizer.json" in files
-    assert pd_compat.model_identity(copy) == (digest, files)
+    assert compat.model_identity(copy) == (digest, files)
     (copy / "tokenizer_config.json").write_text("{}")
-    assert pd_compat.model_identity(copy)[0] != digest
-    assert pd_compat.model_identity(tmp_path / "nowhere") == (None, [])
+    assert compat.model_identity(copy)[0] != digest
+    assert compat.model_identity(tmp_path / "nowhere") == (None, [])
 
 
 # ------------------------------------------------------------------ config
@@ -167,8 +167,8 @@ def test_connectors_without_hybrid_kv_support_and_roles_are_refused() -> None:
 
 
 def test_the_decode_whitelist_is_empty_until_checked_and_then_exact() -> None:
-    from deployments import pd_route
-    from deployments.wire import PDRouteMessage
+    from deployments.control.wire import PDRouteMessage
+    from deployments.pd import route as pd_route
 
     route = pd_route.Route()
     assert not route.may_transfer() and not route.permits("p0")  # not checked: no transfer
@@ -187,14 +187,14 @@ def test_the_decode_whitelist_is_empty_until_checked_and_then_exact() -> None:
 
 
 def test_status_and_plan_show_the_pools_and_the_verdict() -> None:
-    from deployments import pd_plan
-    from deployments.report_text import describe
-    from deployments.wire import Expected, FleetReport, PDPool
+    from deployments.control.report import describe
+    from deployments.control.wire import Expected, FleetReport, PDPool
+    from deployments.plan import pd as pd_plan
 
     prefill = [replica("p0", "prefill"), replica("p1", "prefill", kernel_block_size=64)]
     pools = {"prefill": PDPool(deployment="Prefill:m", state=State.AGREE, replicas=["p0", "p1"]),
              "decode": PDPool(deployment="Decode:m", state=State.AGREE, replicas=["d0"])}
-    pd = pd_compat.judge(prefill, [replica("d0", "decode")], pools)
+    pd = compat.judge(prefill, [replica("d0", "decode")], pools)
     report = FleetReport(state=State.DISAGREE, agree=False, policy="enforce",
                          expected=Expected(layout="fp8_ds_mla", reference="prediction"), pd=pd)
     text = describe(report)

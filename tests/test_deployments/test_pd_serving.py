@@ -55,8 +55,8 @@ def deploy(stack: Stack, name: str, args: dict[str, Any]) -> str:
     """Deploy one P/D app next to the session stack; return its OpenAI base URL."""
     import ray
 
-    from deployments import deploy as deploying
     from deployments.config import ServeApplication
+    from deployments.local import deploy as deploying
 
     free = ray.available_resources().get("CPU", 0)
     assert free >= 5, (f"{free} logical CPUs free; a P/D app needs 5 (ingress, two pools): "
@@ -86,9 +86,9 @@ def engine_samples(pools: dict[str, str]) -> dict[tuple[str, str], float]:
     replica's ``ReplicaId`` label; ``pools`` maps those ids to prefill/decode (from
     ``/v1/kv-spec``'s ``pd.pools``).
     """
-    from deployments import local_ray
+    from deployments.local import ray_head
 
-    with urllib.request.urlopen(local_ray.metrics_url(), timeout=10) as resp:
+    with urllib.request.urlopen(ray_head.metrics_url(), timeout=10) as resp:
         text = resp.read().decode()
     out: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(text):
@@ -105,9 +105,9 @@ def engine_samples(pools: dict[str, str]) -> dict[tuple[str, str], float]:
 
 def pd_gauges(app: str) -> dict[str, float]:
     """The controller's ``dsv4_pd_*`` gauges of one app (Ray-prefixed ``ray_``)."""
-    from deployments import local_ray
+    from deployments.local import ray_head
 
-    with urllib.request.urlopen(local_ray.metrics_url(), timeout=10) as resp:
+    with urllib.request.urlopen(ray_head.metrics_url(), timeout=10) as resp:
         text = resp.read().decode()
     return {s.name: s.value for family in text_string_to_metric_families(text)
             for s in family.samples
@@ -135,7 +135,7 @@ def value(samples: dict[tuple[str, str], float], suffix: str, where: str) -> flo
 
 
 def complete(url: str) -> dict[str, Any]:
-    from deployments import client
+    from deployments.local import client
 
     status, body = client.http_json(f"{url}/completions", "POST", {
         "model": "dsv4-tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0},
@@ -145,7 +145,7 @@ def complete(url: str) -> dict[str, Any]:
 
 
 def verdict(url: str) -> dict[str, Any]:
-    from deployments import client
+    from deployments.local import client
 
     return client.wait_for_verdict(url, timeout_s=120)
 

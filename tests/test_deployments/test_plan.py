@@ -1,7 +1,7 @@
 """``dsv4-serve plan``: numbers checked against hand-computed values.
 
 The expected values below are worked out by hand from the published configs
-(configs/models/) and the formulas in deployments/plan.py's docstring, so a
+(configs/models/) and the formulas in deployments/plan/capacity.py's docstring, so a
 change to the weight model, the parallel split or the capacity formula shows up
 as a concrete wrong number, not as a silently different table.
 """
@@ -16,24 +16,25 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deployments import model_configs, plan, plan_cli, weights
+from deployments.cli import plan as plan_cli
 from deployments.config import ConfigError, parse_app_args
+from deployments.plan import model_configs, preflight, weights
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 GIB = 2**30
 
 
-def _plan(name: str, **kwargs) -> plan.PlanReport:
-    return plan.plan_config(CONFIGS / f"{name}.yaml", **kwargs)
+def _plan(name: str, **kwargs) -> preflight.PlanReport:
+    return preflight.plan_config(CONFIGS / f"{name}.yaml", **kwargs)
 
 
-def _only(report: plan.PlanReport) -> plan.ReplicaPlan:
+def _only(report: preflight.PlanReport) -> preflight.ReplicaPlan:
     assert len(report.applications) == 1
     return report.applications[0]
 
 
-def _codes(p: plan.ReplicaPlan) -> dict[str, str]:
+def _codes(p: preflight.ReplicaPlan) -> dict[str, str]:
     return {problem.code: problem.severity for problem in p.problems}
 
 
@@ -131,7 +132,7 @@ def test_dp8_vs_tp8_on_b200_matches_upstream_measurement():
                                        enable_expert_parallel=False)
     raw["llm"]["placement_group_config"]["bundles"] = [{"GPU": 1, "CPU": 8}] * 8
     tp_args = parse_app_args(raw)
-    tp = plan.plan_application("tp8", tp_args, _model_cfg("DeepSeek-V4-Flash"))
+    tp = preflight.plan_application("tp8", tp_args, _model_cfg("DeepSeek-V4-Flash"))
     ratio = dp / tp.capacity.kv_tokens_per_replica
     assert ratio == pytest.approx(7.675, abs=0.01)
     # plan prints the same counterfactual for every DP preset
@@ -185,7 +186,7 @@ def test_weights_that_do_not_fit_are_refused():
     raw = _raw_args("flash-sm120")
     raw["llm"]["engine_kwargs"]["tensor_parallel_size"] = 1
     raw["llm"]["placement_group_config"]["bundles"] = [{"GPU": 1, "CPU": 8}]
-    p = plan.plan_application("tp1", parse_app_args(raw), _model_cfg("DeepSeek-V4-Flash"))
+    p = preflight.plan_application("tp1", parse_app_args(raw), _model_cfg("DeepSeek-V4-Flash"))
     assert _codes(p)["weights-do-not-fit"] == "error"
     assert _codes(p)["idle-gpus"] == "warning"
     assert p.capacity.kv_tokens_per_engine == 0
@@ -198,7 +199,7 @@ def test_replica_override_that_changes_pages_disagrees(policy, severity):
     raw["dsv4"]["policy"] = policy
     raw["dsv4"]["replica_overrides"] = [{"rank": 1, "engine_kwargs": {"block_size": 128}}]
     cfg = model_configs.find_model_config(parse_app_args(raw), CONFIGS / "flash-sm120.yaml")
-    p = plan.plan_application("canary", parse_app_args(raw), cfg)
+    p = preflight.plan_application("canary", parse_app_args(raw), cfg)
     assert _codes(p)["replicas-disagree"] == severity
     disagree = next(x for x in p.problems if x.code == "replicas-disagree")
     assert "block_size 128 vs 256" in disagree.message
@@ -208,18 +209,18 @@ def test_fleet_serving_one_model_with_two_layouts_disagrees():
     fp8 = _only(_plan("flash-b200"))
     raw = _raw_args("flash-b200-flashinfer-rows")
     raw["dsv4"]["expected_layout"] = "plain_rows"  # an all-rows deployment, on its own fine
-    rows = plan.plan_application("rows", parse_app_args(raw), _model_cfg("DeepSeek-V4-Flash"))
+    rows = preflight.plan_application("rows", parse_app_args(raw), _model_cfg("DeepSeek-V4-Flash"))
     assert not rows.refused
-    problems = plan.fleet_problems([fp8, rows])
+    problems = preflight.fleet_problems([fp8, rows])
     assert [p.code for p in problems] == ["replicas-disagree"]
-    assert plan.fleet_problems([fp8, fp8]) == []
+    assert preflight.fleet_problems([fp8, fp8]) == []
 
 
 def test_non_dsv4_model_config_names_the_missing_keys(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "llama", "hidden_size": 4096}))
     with pytest.raises(ConfigError, match=r"lacks num_hidden_layers.*model_type='llama'"):
-        plan.plan_config(CONFIGS / "flash-h200.yaml", model_config=cfg)
+        preflight.plan_config(CONFIGS / "flash-h200.yaml", model_config=cfg)
 
 
 def test_unknown_model_names_the_fix(tmp_path):
@@ -228,7 +229,7 @@ def test_unknown_model_names_the_fix(tmp_path):
     path = tmp_path / "x.yaml"
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match="--model-config"):
-        plan.plan_config(path)
+        preflight.plan_config(path)
 
 
 # ------------------------------------------------------------------ CLI
@@ -267,7 +268,7 @@ def test_cli_invalid_config_exits_2(tmp_path, capsys):
 
 
 def test_dsv4_serve_cli_dispatches_plan(capsys):
-    from deployments import cli
+    from deployments.cli import main as cli
 
     assert cli.main(["plan", str(CONFIGS / "flash-sm120.yaml")]) == 0
     assert "KV tokens/engine" in capsys.readouterr().out
@@ -282,5 +283,5 @@ def test_policy_problems_are_planned_not_raised(tmp_path):
     path = tmp_path / "dp-no-ep.yaml"
     path.write_text(yaml.safe_dump(raw))
     model = CONFIGS / "models" / "deepseek-ai" / "DeepSeek-V4-Flash" / "config.json"
-    report = plan.plan_config(path, model_config=model)
+    report = preflight.plan_config(path, model_config=model)
     assert report.refused and "dp-without-ep" in _codes(_only(report))

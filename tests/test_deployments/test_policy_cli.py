@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from deployments import cli, policy_cli
+from deployments.cli import main as cli
+from deployments.cli import policy
 
 CONTROLLER = "KVSpecController"
 
@@ -19,8 +20,8 @@ def test_the_subcommand_takes_each_policy_and_configured_clears() -> None:
     for choice in ("warn", "drain", "enforce", "configured"):
         args = cli.build_parser(["policy", choice]).parse_args(["policy", choice, "--app", "a"])
         assert (args.policy, args.app, args.address) == (choice, "a", "auto")
-    assert policy_cli.override_of("enforce") == "enforce"
-    assert policy_cli.override_of("configured") is None
+    assert policy.override_of("enforce") == "enforce"
+    assert policy.override_of("configured") is None
     with pytest.raises(SystemExit):
         cli.build_parser(["policy", "off"]).parse_args(["policy", "off"])
 
@@ -28,12 +29,12 @@ def test_the_subcommand_takes_each_policy_and_configured_clears() -> None:
 def test_the_app_is_the_only_one_with_a_controller_or_named() -> None:
     apps = {"dsv4": SimpleNamespace(deployments={CONTROLLER: 1, "DSv4Ingress": 1}),
             "other": SimpleNamespace(deployments={"Foo": 1})}
-    found = policy_cli.controller_apps(apps, CONTROLLER)
+    found = policy.controller_apps(apps, CONTROLLER)
     assert found == ["dsv4"]
-    assert policy_cli.pick_app(None, found, CONTROLLER) == "dsv4"
+    assert policy.pick_app(None, found, CONTROLLER) == "dsv4"
     with pytest.raises(ValueError, match=r"--app='other'.*found: \['dsv4'\].*Fix"):
-        policy_cli.pick_app("other", found, CONTROLLER)
+        policy.pick_app("other", found, CONTROLLER)
     with pytest.raises(ValueError, match=r"2 running applications.*Fix: pass --app"):
-        policy_cli.pick_app(None, ["a", "b"], CONTROLLER)
+        policy.pick_app(None, ["a", "b"], CONTROLLER)
     with pytest.raises(ValueError, match="Fix: start the app first"):
-        policy_cli.pick_app(None, [], CONTROLLER)
+        policy.pick_app(None, [], CONTROLLER)

@@ -6,7 +6,7 @@ import pytest
 from ray.serve.llm import LLMConfig
 
 from deployments.config import DSv4Section
-from deployments.server import KVLayoutMismatch, canonicalize, probe_node
+from deployments.serving.server import KVLayoutMismatch, canonicalize, probe_node
 from dsv4_patch import rules
 from dsv4_patch.node import NodeInfo
 

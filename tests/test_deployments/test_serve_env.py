@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from deployments import auth, serve_env
+from deployments import serve_env
 from deployments.config import DEFAULT_CONFIG, load_serve_config
+from deployments.http import auth
 
 
 def test_apply_sets_what_is_missing_and_keeps_what_the_user_set() -> None:

@@ -290,7 +290,7 @@ def _standin_app(replicas: int) -> Any:
     from ray import serve
 
     from benchmarks.standin import StandInReplica
-    from deployments.controller import KVSpecController
+    from deployments.control.controller import KVSpecController
 
     server = serve.deployment(
         StandInReplica, name="StandInReplica", num_replicas=replicas,

@@ -1,7 +1,7 @@
 """The controller's Prometheus gauges, scraped from Ray's metrics endpoint of the session stack.
 
 ``ray.serve.metrics`` series are exported by Ray's per-node metrics agent
-(``local_ray.start_cluster`` gives it a known port; ``local_ray.metrics_url``), prefixed
+(``ray_head.start_cluster`` gives it a known port; ``ray_head.metrics_url``), prefixed
 ``ray_``, about one report interval (~10 s) after the controller sets them. The
 session stack runs 2 agreeing replicas, so the gauges must say agree=1, running=2,
 answered=2, odd=0 for the ``dsv4`` application, and checks with state ``agree``
@@ -57,11 +57,11 @@ def scrape(url: str, replica: str) -> dict[str, list[tuple[dict[str, str], float
 
 
 def test_kv_spec_gauges_are_exported_with_the_verdict(serve_stack: Stack) -> None:
-    from deployments import local_ray
+    from deployments.local import ray_head
     from tests.test_deployments.test_serve_faults import wait_agree
 
     report = wait_agree(serve_stack.url, 2)
-    url = local_ray.metrics_url()
+    url = ray_head.metrics_url()
     replica = controller_replica_id()
     started = time.monotonic()
     deadline = started + SCRAPE_TIMEOUT_S

@@ -27,8 +27,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deployments import auth
 from deployments.config import DEFAULT_CONFIG, load_serve_config
+from deployments.http import auth
 from tests.conftest import Stack
 from tests.test_deployments.test_serve_fuzz import check
 
@@ -272,7 +272,7 @@ def engine_requests_running() -> int:
     import ray
     from ray.serve._private.common import ReplicaID
 
-    from deployments.app import serves_http
+    from deployments.serving.names import serves_http
 
     actors = []
     for actor in ray.util.list_named_actors(all_namespaces=True):

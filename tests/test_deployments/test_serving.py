@@ -199,7 +199,7 @@ def test_kv_spec_cached_read_matches_refresh(http: httpx.Client) -> None:
 def test_status_cli_reads_the_verdict(serve_stack: Stack, capsys: pytest.CaptureFixture) -> None:
     import argparse
 
-    from deployments import status
+    from deployments.cli import status
 
     parser = argparse.ArgumentParser()
     status.add_arguments(parser)
@@ -255,7 +255,7 @@ def _set_policy(policy: str, capsys: pytest.CaptureFixture) -> int:
     """``dsv4-serve policy POLICY --app MIXED_APP`` in this (Ray-attached) process."""
     import argparse
 
-    from deployments import policy_cli
+    from deployments.cli import policy as policy_cli
 
     parser = argparse.ArgumentParser()
     policy_cli.add_arguments(parser)

@@ -1,4 +1,4 @@
-"""deployments.sizing: one replica sized the same way by config, plan, k8s and the runner."""
+"""deployments.config.sizing: one replica sized the same way by config, plan, k8s and the runner."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from deployments import checks, sizing
-from deployments.config import load_serve_config, parse_app_args
-from deployments.local_ray import logical_cpus_needed
+from deployments.config import checks, load_serve_config, parse_app_args, sizing
+from deployments.local.ray_head import logical_cpus_needed
 from dsv4_patch import rules
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -97,7 +96,7 @@ def test_lora_is_refused_not_ignored():
     DeepSeek-V4 model) refuses it already in the config."""
     from ray.serve.llm import LLMConfig
 
-    from deployments.app import refuse_lora
+    from deployments.serving.builder import refuse_lora
 
     raw = load_serve_config(CONFIGS / "flash-sm120.yaml").applications[0].args
     raw["llm"]["lora_config"] = {"dynamic_lora_loading_path": "s3://bucket/loras"}

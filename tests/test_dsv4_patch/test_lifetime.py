@@ -1,4 +1,4 @@
-"""``dsv4_patch.lifetime``: a spawned process ends when its owner is SIGKILLed.
+"""``dsv4_patch.patches.lifetime``: a spawned process ends when its owner is SIGKILLed.
 
 Real processes, the way vLLM makes them: an owner process (standing in for the
 Serve replica) spawns a child with ``multiprocessing`` spawn (what vLLM forces in
@@ -16,7 +16,9 @@ import textwrap
 import time
 from pathlib import Path
 
-from dsv4_patch import lifetime, patches
+from dsv4_patch import registry
+from dsv4_patch.patches import lifetime
+from dsv4_patch.patches.parent_watch import PARENT_WATCH
 from tests.test_deployments.test_serve_faults import pid_alive
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +28,7 @@ OWNER = textwrap.dedent("""
     def child(ignore_term, grace):
         if ignore_term:  # an engine stuck in its shutdown: only SIGKILL ends it
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        from dsv4_patch import lifetime
+        from dsv4_patch.patches import lifetime
         assert lifetime.watch_parent(grace_s=grace) is not None
         time.sleep(600)
 
@@ -74,7 +76,7 @@ def test_not_watching_where_multiprocessing_did_not_start_us() -> None:
     # pytest's own process: started by a shell, owned by nobody we know.
     assert lifetime.watch_parent() is None
     assert not lifetime.watching()
-    result = patches.PARENT_WATCH.apply(patches)  # the module argument is unused
+    result = PARENT_WATCH.apply(lifetime)  # the module argument is unused
     assert "not started by multiprocessing" in result.reason, result
     assert not lifetime.watching()
 
@@ -82,6 +84,6 @@ def test_not_watching_where_multiprocessing_did_not_start_us() -> None:
 def test_the_watch_is_in_the_registry_and_the_doctor() -> None:
     from dsv4_patch import doctor
 
-    assert patches.PARENT_WATCH in patches.PATCHES
-    [row] = [r for r in doctor.probe_patches() if r["name"] == patches.PARENT_WATCH.name]
+    assert PARENT_WATCH in registry.general_patches()
+    [row] = [r for r in doctor.probe_patches() if r["name"] == PARENT_WATCH.name]
     assert row["needed"] == "yes", row

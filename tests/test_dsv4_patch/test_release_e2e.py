@@ -12,7 +12,7 @@ AssertionError in the worker (the bug is real there; 0.30+ are recorded: without
 plugin's CPU fallbacks they have no Triton CPU backend). Plugin on, every worker
 constructs every compressed layer with an fp8_ds_mla spec from ``auto``, and no patch
 records an error; 0.30-0.32 boot and generate (each release's metadata kernels run the
-torch variant of its own form: dsv4_patch/cpu_compat.py ``Variant``, bit-exact against
+torch variant of its own form: dsv4_patch/patches/cpu/fallbacks.py ``Variant``, bit-exact against
 that release's kernels in tests/test_dsv4_patch/test_release_cpu_compat.py); 0.27-0.29
 then stop in the FlashMLA subclass ``__init__``, which computes its CUDA-only ``o_proj``
 recipe (no CPU DeepSeek-V4 attention there; the CPU fallbacks record why they step

@@ -20,7 +20,9 @@ import sys
 
 import pytest
 
-from dsv4_patch import patches, rules
+from dsv4_patch import rules
+from dsv4_patch.patches.kv_dtype import call_resolver, resolver_mismatches
+from dsv4_patch.patches.sm120 import SM120_PATCH
 from tests import release_sources as rs
 
 ASSERTING = tuple(v for v in rs.RELEASES if v not in rs.FIXED_RELEASES)
@@ -42,8 +44,8 @@ def test_upstream_oracle_is_the_real_fixed_resolver(version: str) -> None:
     both layouts (so it may serve as the oracle for the older releases)."""
     stock = rs.release(version, plugin=False)
     assert stock.kind == "resolver"
-    assert patches.resolver_mismatches(stock.resolver(), (True, False)) == []
-    outcome = patches.call_resolver(stock.resolver(), True, "fp8_e5m2")  # upstream accepts
+    assert resolver_mismatches(stock.resolver(), (True, False)) == []
+    outcome = call_resolver(stock.resolver(), True, "fp8_e5m2")  # upstream accepts
     assert (outcome.cache_dtype_str, outcome.cache_config_after) == ("fp8_ds_mla", "fp8_ds_mla")
 
 
@@ -52,10 +54,10 @@ def test_stock_release_fails_auto_with_the_upstream_assertion(version: str) -> N
     """The bug, on each release's own code: ``auto`` on fp8_ds_mla raises AssertionError."""
     stock = rs.release(version, plugin=False)
     assert stock.kind == ("layer" if version in LAYER_RELEASES else "resolver")
-    outcome = patches.call_resolver(stock.resolver(), True, "auto")
+    outcome = call_resolver(stock.resolver(), True, "auto")
     assert outcome.error is not None and outcome.error.startswith("AssertionError")
     # Everything else the asserting releases decide like upstream already.
-    assert [m.split(":")[0] for m in patches.resolver_mismatches(stock.resolver(),
+    assert [m.split(":")[0] for m in resolver_mismatches(stock.resolver(),
                                                                   stock.layouts)] == ["'auto'"]
 
 
@@ -69,7 +71,7 @@ def test_plugin_decides_like_upstream(version: str, optimize: int) -> None:
     assert patched.patch is not None
     expected = "skipped" if version in rs.FIXED_RELEASES else "applied"
     assert patched.patch.status == expected, patched.patch
-    assert patches.resolver_mismatches(patched.resolver(), patched.layouts) == []
+    assert resolver_mismatches(patched.resolver(), patched.layouts) == []
 
 
 @pytest.mark.parametrize("version", ASSERTING)
@@ -77,9 +79,9 @@ def test_python_O_stock_accepts_what_upstream_refuses(version: str) -> None:
     """Why the probes compare every input: under -O the stock releases pass ``auto``
     (0.23+) or keep it unconverted (0.20-0.22), and take ``bfloat16`` silently."""
     stock = rs.release(version, plugin=False, optimize=1)
-    outcome = patches.call_resolver(stock.resolver(), True, "bfloat16")
+    outcome = call_resolver(stock.resolver(), True, "bfloat16")
     assert outcome.error is None
-    assert "'bfloat16'" in " ".join(patches.resolver_mismatches(stock.resolver()))
+    assert "'bfloat16'" in " ".join(resolver_mismatches(stock.resolver()))
 
 
 @pytest.mark.parametrize("version", rs.RELEASES)
@@ -101,7 +103,7 @@ def test_sm120_probe_never_raises_and_fixes_auto(version: str) -> None:
     full = (*args, False) if own else args  # 0.23.0's base has no use_mm_prefix
     sm100 = backend.supports_combination(*full, DeviceCapability(10, 0))
     assert (backend.supports_combination(*full, DeviceCapability(12, 0)) is None) is (not own)
-    result = patches.SM120_PATCH.apply(module)
+    result = SM120_PATCH.apply(module)
     assert result.status == ("applied" if own else "skipped"), result
     verdict = backend.supports_combination(*full, DeviceCapability(12, 0))
     assert verdict is None or "kv_cache_dtype" not in verdict
@@ -133,10 +135,11 @@ def test_python_O_process_runs_the_same_matrix() -> None:
     still makes an asserting resolver release and a layer release decide like upstream."""
     code = (
         "import sys\nif sys.flags.optimize != 1: raise SystemExit(2)\n"
-        "from dsv4_patch import patches; from tests import release_sources as rs\n"
+        "from dsv4_patch.patches.kv_dtype import resolver_mismatches\n"
+        "from tests import release_sources as rs\n"
         "for v in ('0.22.1', '0.29.0'):\n"
         "    r = rs.release(v, plugin=True)\n"
-        "    bad = patches.resolver_mismatches(r.resolver(), r.layouts)\n"
+        "    bad = resolver_mismatches(r.resolver(), r.layouts)\n"
         "    print(v, r.patch.status, bad)\n"
         "    if r.patch.status != 'applied' or bad: raise SystemExit(1)\n"
     )
@@ -153,13 +156,13 @@ def test_plan_and_doctor_say_what_the_release_does(version: str) -> None:
     and ``rules.resolve_kv_cache_dtype`` (the replica's and the planner's decision) must
     store what the release with the plugin stores, for every string input."""
     stock = rs.release(version, plugin=False)
-    outcome = patches.call_resolver(stock.resolver(), True, "auto")
+    outcome = call_resolver(stock.resolver(), True, "auto")
     assert rules.stock_vllm_crashes_on(version, rules.Layout.FP8_DS_MLA, "auto") is (
         outcome.error is not None and outcome.error.startswith("AssertionError"))
     patched = rs.release(version, plugin=True)
     for value in (v for v in rules.PROBE_DTYPES if isinstance(v, str)):
         engine = value.strip().lower()
-        got = patches.call_resolver(patched.resolver(), True, engine)
+        got = call_resolver(patched.resolver(), True, engine)
         try:
             res = rules.resolve_kv_cache_dtype(rules.Layout.FP8_DS_MLA, value)
         except rules.KVCacheDtypeError:

@@ -66,17 +66,40 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_wheel_loads_its_shipped_configs(installed: Path, tmp_path: Path) -> None:
     code = (
-        "import json, deployments, deployments.config as c, deployments.k8s as k\n"
+        "import json, deployments, deployments.config as c\n"
+        "from deployments.k8s import params as p, render as r\n"
         "cfg = c.load_serve_config(c.DEFAULT_CONFIG)\n"
         "print(json.dumps({'pkg': deployments.__file__, 'default': str(c.DEFAULT_CONFIG),\n"
         "  'model': cfg.ours()[0][1].llm.model_loading_config.model_id,\n"
-        "  'params': str(k.DEFAULT_PARAMS), 'presets': len(k.render_all())}))\n")
+        "  'params': str(p.DEFAULT_PARAMS), 'presets': len(r.render_all())}))\n")
     out = json.loads(_run([str(installed / "python"), "-c", code], tmp_path).stdout)
     assert str(ROOT) not in out["pkg"] and "site-packages" in out["pkg"]
     assert Path(out["default"]).is_file() and "site-packages" in out["default"]
     assert out["model"] == "dsv4-tiny" and Path(out["params"]).is_file()
     # Every manifest the repo ships renders from the wheel (a new preset counts itself).
     assert out["presets"] == len(list((ROOT / "k8s").glob("*.rayservice.yaml")))
+
+
+def _source_modules() -> list[str]:
+    """Every module of our two packages in the checkout, dotted."""
+    names = []
+    for top in ("deployments", "dsv4_patch"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT).with_suffix("")
+            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+            names.append(".".join(parts))
+    return names
+
+
+def test_wheel_ships_every_module_of_the_tree(installed: Path, tmp_path: Path) -> None:
+    """A subpackage left out of pyproject's ``packages`` is missing from the wheel."""
+    modules = _source_modules()
+    code = ("import importlib.util, json, sys\n"
+            "names = json.loads(sys.argv[1])\n"
+            "print(json.dumps([n for n in names if importlib.util.find_spec(n) is None]))\n")
+    out = _run([str(installed / "python"), "-c", code, json.dumps(modules)], tmp_path)
+    assert json.loads(out.stdout) == [], "modules missing from the wheel"
+    assert len(modules) > 90  # the tree was read
 
 
 def test_wheel_cli_doctor_plan_and_k8s_check(installed: Path, tmp_path: Path) -> None:

@@ -1,0 +1,80 @@
+"""``args.http``: the HTTP edge's keys and bounds, and where API keys come from (never the YAML)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    field_validator,
+)
+
+from deployments.config.base import _Strict
+
+# Where the HTTP edge reads API keys (deployments/http/auth.py); never from the YAML.
+DEFAULT_API_KEYS_ENV = "DSV4_API_KEYS"
+DEFAULT_API_KEYS_FILE_ENV = "DSV4_API_KEYS_FILE"
+# Secrets that must never sit in runtime_env (the state API echoes runtime_env back).
+SECRET_ENV_VARS = (DEFAULT_API_KEYS_ENV, "VLLM_API_KEY", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+
+
+# -------------------------------------------------------------------- http part
+
+
+class AuthConfig(_Strict):
+    """Who may call the API: the key *sources* (names and paths), never the keys."""
+
+    mode: Literal["auto", "keys", "off"] = Field(
+        default="auto", description="auto: keys required unless the proxy binds a loopback "
+        "address; keys: always; off: never (explicit opt-out, no key may be configured)")
+    keys_env: str = Field(default=DEFAULT_API_KEYS_ENV, min_length=1,
+                          description="env var holding comma/space-separated keys")
+    keys_file_env: str = Field(default=DEFAULT_API_KEYS_FILE_ENV, min_length=1,
+                               description="env var holding the path of a key file")
+    keys_file: str | None = Field(default=None, min_length=1,
+                                  description="key file (one per line), e.g. a mounted Secret")
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML 1.1 reads an unquoted ``mode: off`` as ``false``: that is the word off."""
+        if value is False:
+            return "off"
+        if value is True:
+            raise ValueError("mode: true (YAML reads on/yes/true as a boolean): expected "
+                             "auto, keys or off. Fix: write mode: keys.")
+        return value
+
+
+class HTTPEdge(_Strict):
+    """The HTTP edge of the ingress: auth, CORS, body and request bounds, overload.
+
+    Every bound answers a client error (4xx) or an overload (503 + Retry-After) that
+    names the limit, so no client input can make the server answer 5xx or run away.
+    """
+
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    cors_allow_origins: list[str] = Field(
+        default_factory=list, description="origins browsers may call from; empty = CORS off")
+    max_body_bytes: int = Field(default=1 << 20, ge=1024, le=64 << 20)
+    max_json_depth: int = Field(default=32, ge=4, le=256)
+    max_n: int = Field(default=4, ge=1, le=128)
+    max_prompts: int = Field(default=16, ge=1, le=4096)
+    max_tokens: int = Field(default=8192, ge=1, le=1 << 24)
+    # Requests one ingress replica holds at once (running + waiting); above: 503.
+    max_in_flight: int = Field(default=256, ge=1)
+    retry_after_s: int = Field(default=1, ge=1, le=3600)
+    stream_max_s: float = Field(default=1800.0, gt=0)
+    stream_idle_s: float = Field(default=120.0, gt=0)
+    # A refresh of /v1/kv-spec runs 2N RPCs: at most one per interval per ingress replica.
+    kv_spec_refresh_interval_s: float = Field(default=1.0, ge=0, le=3600)
+
+    @field_validator("cors_allow_origins")
+    @classmethod
+    def _no_wildcard(cls, origins: list[str]) -> list[str]:
+        if "*" in origins:
+            raise ValueError(
+                "cors_allow_origins contains '*': any web page could then call the API "
+                "with a visitor's browser. Fix: list the origins, e.g. "
+                "[\"https://chat.example.com\"].")
+        return origins

@@ -1,0 +1,505 @@
+"""The KV-spec controller: proves every RUNNING replica stores the KV pages its config predicts.
+
+vLLM checks that the ranks of one engine agree; nothing checks separate
+replicas (mixed GPU generations, a rolling vLLM upgrade, a node-local backend
+override). This Serve deployment does, periodically and on demand:
+
+1. count RUNNING replicas of the server deployment (``serve.status()``, bounded
+   by ``dsv4.status_timeout_s``; at most one call in flight), so a replica that
+   silently does not answer makes the verdict ``incomplete``;
+2. call ``kv_page_spec`` on every replica, each under its own deadline
+   (``dsv4.broadcast_timeout_s``): a hung replica is ``no_answer`` while the
+   others are judged in the same check;
+3. judge with ``deployments.control.verdict.decide`` (the byte-model prediction first,
+   peers second), choose each odd replica's action within its own policy
+   (``EnforceBook``: enforce is bounded, then drains) and send every
+   replica its verdict (``apply_kv_verdict``, a ``wire.VerdictMessage``);
+4. publish the report (``GET /v1/kv-spec``, a ``wire.FleetReport``) and
+   Prometheus gauges. A report older than ``dsv4.stale_bound_s`` is served as
+   ``stale`` with its age, and the controller then fails its health check so
+   Serve restarts it.
+
+Ray internals touched, documented and probed in ``deployments.ray_touches``:
+``serve.broadcast_per_replica_results`` (each replica's answer under its own
+deadline; asked once per controller, fallback ``results_async``, all-or-nothing,
+logged) and ``serve.replica_ids`` (naming the replicas that missed a deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Collection
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from ray.serve.metrics import Counter, Gauge
+
+from deployments import ray_touches
+from deployments.config import DSv4Section, Policy
+from deployments.control.enforcement import EnforceBook, verdicts_held
+from deployments.control.summary import fingerprint
+from deployments.control.verdict import NoAnswer, decide
+from deployments.control.wire import (
+    Action,
+    Expected,
+    FleetReport,
+    Problem,
+    ReplicaSpec,
+    ReplicaSpecBrief,
+    ReplicaVerdict,
+    State,
+    VerdictMessage,
+)
+from deployments.logs import get_logger
+
+logger = get_logger("controller")
+
+
+def running_replicas(app_name: str, deployment_name: str) -> int | None:
+    """RUNNING replicas of one deployment per Serve, or None if Serve does not list it."""
+    app = serve.status().applications.get(app_name)
+    if app is None or deployment_name not in app.deployments:
+        return None
+    return int(app.deployments[deployment_name].replica_states.get("RUNNING", 0))
+
+
+def replica_actors(app_names: Collection[str],
+                   deployment: Callable[[str], bool]) -> list[tuple[str, dict[str, str]]]:
+    """(replica id, named-actor entry) of each live replica actor of the apps'
+    deployments whose name ``deployment`` accepts.
+
+    Serve's replica actors are found by parsing their names with Serve's own
+    ``ReplicaID`` (the ``serve.replica_ids`` touch), never a hard-coded format.
+    """
+    import ray
+    from ray.serve._private.common import ReplicaID
+
+    found = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if not ReplicaID.is_full_id_str(actor["name"]):
+            continue
+        replica = ReplicaID.from_full_id_str(actor["name"])
+        owner = replica.deployment_id
+        if owner.app_name in app_names and deployment(owner.name):
+            found.append((replica.unique_id, actor))
+    return found
+
+
+def alive_replica_ids(app_name: str, deployment_name: str) -> set[str]:
+    """Replica ids of the deployment's live actors."""
+    return {rid for rid, _ in replica_actors({app_name}, lambda name: name == deployment_name)}
+
+
+class _Metrics:
+    """Prometheus series; tagged by deployment so several apps can share a cluster."""
+
+    def __init__(self, deployment: str):
+        tags = ("llm_deployment",)
+        self._tags = {"llm_deployment": deployment}
+        self.agree = Gauge("dsv4_kv_spec_agree", "1 if every RUNNING replica has the "
+                           "predicted KV spec (fresh report), else 0", tag_keys=tags)
+        self.running = Gauge("dsv4_kv_spec_running_replicas", "RUNNING replicas per Serve",
+                             tag_keys=tags)
+        self.answered = Gauge("dsv4_kv_spec_answered_replicas", "replicas that answered "
+                              "kv_page_spec in the last check", tag_keys=tags)
+        self.odd = Gauge("dsv4_kv_spec_odd_replicas", "replicas whose KV spec differs from "
+                         "the prediction, their peers or the expected layout", tag_keys=tags)
+        self.drained = Gauge("dsv4_kv_spec_drained_replicas", "odd replicas kept up but "
+                             "routed no requests (policy drain, or enforce gave up)",
+                             tag_keys=tags)
+        self.stale = Gauge("dsv4_kv_spec_stale", "1 if the last completed check is older "
+                           "than dsv4.stale_bound_s", tag_keys=tags)
+        self.age = Gauge("dsv4_kv_spec_report_age_seconds", "seconds since the last "
+                         "completed check", tag_keys=tags)
+        self.checks = Counter("dsv4_kv_spec_checks_total", "KV-spec checks run",
+                              tag_keys=(*tags, "state"))
+        self.replacements = Counter("dsv4_kv_spec_enforce_replacements_total", "odd "
+                                    "replicas told to fail health under enforce",
+                                    tag_keys=tags)
+        for gauge in (self.agree, self.running, self.answered, self.odd, self.drained,
+                      self.stale, self.age):
+            gauge.set_default_tags(dict(self._tags))  # Serve adds its tags in place
+
+    def record(self, report: FleetReport) -> None:
+        self.agree.set(1 if report.agree else 0)
+        self.stale.set(1 if report.state is State.STALE else 0)
+        self.age.set(report.age_s or 0.0)
+        if report.state is State.STALE:
+            return  # the counts below are the last check's; leave them, flagged stale
+        self.running.set(report.running_replicas or 0)
+        self.answered.set(report.answered)
+        self.odd.set(len(report.odd_replicas))
+        self.drained.set(sum(r.action is Action.DRAIN and r.reason is not None
+                             for r in report.replicas))
+
+    def checked(self, report: FleetReport, replaced: int) -> None:
+        self.checks.inc(tags={**self._tags, "state": report.state.value})
+        if replaced:
+            self.replacements.inc(replaced, tags=dict(self._tags))
+
+
+class KVSpecController:
+    """One replica; its loop checks every ``controller_period_s`` seconds."""
+
+    async def __init__(self, server: DeploymentHandle | str, dsv4: dict[str, Any]):
+        self._settings = DSv4Section.model_validate(dsv4)
+        if isinstance(server, str):
+            # By name when the servers bind us (they are the ingress and answer
+            # /v1/kv-spec from our report; a Serve graph has no cycles).
+            server = serve.get_deployment_handle(
+                server, app_name=serve.get_replica_context().app_name)
+        self._server = server
+        self._policy_override: str | None = None
+        self._lock = asyncio.Lock()
+        self._started = time.time()
+        self._completed_at: float | None = None
+        self._status_call: asyncio.Future[int | None] | None = None
+        self._status_since = 0.0
+        self._known: dict[str, int | None] = {}  # replica id -> rank, from past answers
+        self.specs: list[ReplicaSpec] = []  # the last check's answers (P/D compares them)
+        # Validated full specs by replica id: a replica whose spec is held answers
+        # with a ReplicaSpecBrief (see wire.answer_kv_page_spec).
+        self._held: dict[str, ReplicaSpec] = {}
+        self._brief = True  # False once a replica rejected `known` (older dsv4-serve)
+        self._book = EnforceBook(self._settings.enforce_max_attempts,
+                                        self._settings.enforce_backoff_s)
+        self._report = self._not_checked()
+        self._metrics = _Metrics(server.deployment_name)
+        self._per_replica = ray_touches.present("serve.broadcast_per_replica_results")
+        if not self._per_replica:
+            logger.warning("dsv4: this Ray has no per-replica broadcast results; one hung "
+                           "replica will make a whole check incomplete")
+        # Async constructor: the loop task lives on the replica's event loop.
+        self._loop_task = asyncio.create_task(self._run())
+
+    # ------------------------------------------------------------------ report
+
+    @property
+    def _policy(self) -> str:
+        return self._policy_override or self._settings.policy.value
+
+    def _not_checked(self) -> FleetReport:
+        return FleetReport(
+            state=State.NOT_CHECKED, agree=False, policy=self._policy,
+            deployment=self._server.deployment_name, application=self._server.app_name,
+            expected=Expected(layout=self._settings.expected_layout.value, reference="none"),
+            problems=[Problem(kind="not_checked", message="no check has completed since the "
+                              "controller started")])
+
+    def current(self) -> FleetReport:
+        """The last report, marked ``stale`` (with its age) when older than the bound."""
+        now = time.time()
+        since = self._completed_at or self._started
+        age = round(now - since, 3)
+        report = self._report.model_copy(update={"age_s": age})
+        if age <= self._settings.stale_bound_s:
+            return report
+        stale = Problem(kind="stale", message=(
+            f"no check completed in {age:.0f} s (bound {self._settings.stale_bound_s:.0f} s): "
+            "the verdict below is from then and may be wrong"))
+        return report.model_copy(update={
+            "state": State.STALE, "agree": False, "previous_state": self._report.state,
+            "problems": [stale, *report.problems]})
+
+    async def report(self, refresh: bool = False, full: bool = False) -> dict[str, Any]:
+        """The latest verdict (a ``wire.FleetReport``); ``refresh`` checks now first.
+
+        ``full`` forgets the specs held, so every replica sends its whole spec
+        again: the cost of the first check of a restarted controller.
+        """
+        if full:
+            self._held = {}
+        if refresh or full:
+            await self._bounded_check("on-demand")
+        report = self.current()
+        self._metrics.record(report)
+        return report.model_dump(mode="json")
+
+    # ------------------------------------------------------------------ loop
+
+    def _check_bound_s(self) -> float:
+        s = self._settings
+        return s.status_timeout_s + 2 * s.broadcast_timeout_s + 5.0
+
+    async def _bounded_check(self, kind: str) -> None:
+        """One check under the overall bound; on timeout the report just ages."""
+        try:
+            await asyncio.wait_for(self.check(), self._check_bound_s())
+        except TimeoutError:
+            logger.warning("dsv4: %s KV-spec check exceeded %.0f s; the report ages", kind,
+                           self._check_bound_s())
+
+    async def _run(self) -> None:
+        """The periodic check; a failing check is logged and retried, never fatal."""
+        while True:
+            try:
+                await self._bounded_check("periodic")
+            except Exception:
+                logger.exception("dsv4: KV-spec check failed; retrying in %ss",
+                                 self._settings.controller_period_s)
+            self._metrics.record(self.current())
+            await asyncio.sleep(self._settings.controller_period_s)
+
+    async def _running(self) -> tuple[int | None, str | None]:
+        """RUNNING count from ``serve.status()``, bounded; never two calls in flight.
+
+        A call that missed its deadline keeps running in its thread; while it is
+        stuck no new one starts, so a wedged status call cannot pile up threads.
+        """
+        timeout = self._settings.status_timeout_s
+        if self._status_call is not None and not self._status_call.done():
+            stuck = time.time() - self._status_since
+            return None, f"serve.status() has not answered for {stuck:.0f} s"
+        loop = asyncio.get_running_loop()
+        self._status_call = loop.run_in_executor(
+            None, self._status_target, self._server.app_name, self._server.deployment_name)
+        self._status_since = time.time()
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._status_call), timeout), None
+        except TimeoutError:
+            return None, f"serve.status() did not answer within {timeout} s"
+
+    def _status_target(self, app_name: str, deployment_name: str) -> int | None:
+        """What the status thread runs (a seam: tests make it block like a wedged GCS)."""
+        return running_replicas(app_name, deployment_name)
+
+    async def _call_each(self, method: str, *args: Any,
+                         **kwargs: Any) -> tuple[list[Any], int, str | None]:
+        """``method`` on every replica, each under its own deadline.
+
+        Returns (answers or exceptions of the replicas that finished, how many
+        missed the deadline, an error reaching the replica set).
+        """
+        timeout = self._settings.broadcast_timeout_s
+        try:
+            response = self._server.broadcast(method, *args, **kwargs)
+            if not self._per_replica:
+                return await response.results_async(timeout_s=timeout,
+                                                    return_exceptions=True), 0, None
+            results = await asyncio.wait_for(
+                response._fetch_replica_results_async(), timeout)
+        except TimeoutError:
+            return [], 0, f"{method}: could not reach the replica set within {timeout} s"
+        except Exception as exc:  # DeploymentUnavailableError while (re)starting
+            return [], 0, f"{method} failed: {type(exc).__name__}: {exc}"
+
+        async def one(result: Any) -> Any:
+            try:
+                return await asyncio.wait_for(result.get_async(), timeout)
+            except TimeoutError as exc:
+                result.cancel()  # a hung call must not pile up on the replica
+                return exc
+            except Exception as exc:  # the replica raised: recorded as its no_answer
+                return exc
+
+        answers = await asyncio.gather(*(one(r) for r in results))
+        late = sum(isinstance(a, TimeoutError) for a in answers)
+        return [a for a in answers if not isinstance(a, TimeoutError)], late, None
+
+    async def _ask_specs(self) -> tuple[list[Any], int, str | None]:
+        """``kv_page_spec`` on every replica, passing the fingerprints already held.
+
+        A replica of an older dsv4-serve (a rolling upgrade) has no ``known``
+        parameter: then every replica is asked again without it in the same
+        check, and this controller stops sending it (logged once).
+        """
+        if not (self._brief and self._held):
+            return await self._call_each("kv_page_spec")
+        known = {rid: spec.fingerprint for rid, spec in self._held.items()}
+        answers, late, error = await self._call_each("kv_page_spec", known=known)
+        if any(isinstance(a, TypeError) and "known" in str(a) for a in answers):
+            logger.warning("dsv4: a replica's kv_page_spec takes no `known` (an older "
+                           "dsv4-serve); asking every replica for its full spec from now on")
+            self._brief = False
+            return await self._call_each("kv_page_spec")
+        return answers, late, error
+
+    def _parse_spec(self, answer: Any) -> ReplicaSpec | NoAnswer:
+        """One answer validated on receipt: a full spec (re-hashed) or a brief one."""
+        if isinstance(answer, BaseException):
+            return NoAnswer(None, f"a replica failed kv_page_spec: "
+                                   f"{type(answer).__name__}: {answer}")
+        try:
+            if isinstance(answer, dict) and answer.get("brief") is True:
+                return self._from_brief(ReplicaSpecBrief.model_validate(answer))
+            spec = ReplicaSpec.model_validate(answer)
+        except ValueError as exc:
+            return NoAnswer(None, f"a replica answered kv_page_spec with something "
+                                   f"that is not a ReplicaSpec: {exc}")
+        if fingerprint(spec.layers) != spec.fingerprint:
+            return NoAnswer(spec.replica_id, (
+                f"replica {spec.replica_id} sent fingerprint {spec.fingerprint[:19]} that "
+                "does not hash its own layers: not judged"))
+        return spec
+
+    def _from_brief(self, brief: ReplicaSpecBrief) -> ReplicaSpec | NoAnswer:
+        held = self._held.get(brief.replica_id)
+        if held is None or held.fingerprint != brief.fingerprint:
+            # Only a race with a replaced cache can get here; the next check asks in full.
+            return NoAnswer(brief.replica_id, (
+                f"replica {brief.replica_id} answered briefly for a spec this controller "
+                "does not hold; asked in full next check"))
+        return held.model_copy(update={"verdict": brief.verdict})
+
+    async def _collect(self) -> tuple[list[ReplicaSpec], list[NoAnswer]]:
+        """Every replica's validated ``ReplicaSpec``; failures become named gaps."""
+        answers, late, error = await self._ask_specs()
+        gaps = [NoAnswer(None, error)] if error else []
+        specs = []
+        for answer in answers:
+            parsed = self._parse_spec(answer)
+            (specs if isinstance(parsed, ReplicaSpec) else gaps).append(parsed)
+        if late:
+            gaps += await self._name_late(late, {s.replica_id for s in specs})
+        # Hold what answered, and what is silent now but may answer again.
+        self._held = {s.replica_id: s for s in specs} | {
+            g.replica: self._held[g.replica] for g in gaps if g.replica in self._held}
+        return specs, gaps
+
+    async def _name_late(self, late: int, answered: set[str]) -> list[NoAnswer]:
+        """Name the replicas that missed their deadline, where that can be known.
+
+        Broadcast results carry no replica id; a replica that answered before,
+        whose actor is still alive and that did not answer now, is a late one.
+        """
+        timeout = self._settings.broadcast_timeout_s
+        try:
+            alive = await asyncio.wait_for(asyncio.to_thread(
+                alive_replica_ids, self._server.app_name, self._server.deployment_name),
+                self._settings.status_timeout_s)
+        except (TimeoutError, Exception) as exc:  # naming is best effort; counted anyway
+            logger.warning("dsv4: cannot list replica actors to name late ones: %r", exc)
+            alive = set()
+        suspects = sorted((set(self._known) & alive) - answered)
+        msg = f"did not answer kv_page_spec within its {timeout} s deadline"
+        if len(suspects) <= late:
+            named = [NoAnswer(r, f"replica {r} (rank {self._known[r]}) {msg}")
+                     for r in suspects]
+            return named + [NoAnswer(None, f"a replica {msg}")] * (late - len(suspects))
+        return [NoAnswer(None, f"a replica (one of {suspects}) {msg}")] * late
+
+    async def check(self) -> dict[str, Any]:
+        """Run one check now, send each replica its verdict, return the report."""
+        async with self._lock:
+            started, cpu_started = time.time(), time.process_time()
+            (running, status_error), (specs, gaps) = await asyncio.gather(
+                self._running(), self._collect())
+            report = decide(specs, gaps, running, self._settings.expected_layout.value)
+            if status_error:
+                report.problems.append(Problem(kind="status", message=status_error))
+                if report.state is State.AGREE:
+                    report.state, report.agree = State.INCOMPLETE, False
+            replaced = self._plan_actions(report, specs, started)
+            report = report.model_copy(update={
+                "policy": self._policy, "policy_override": self._policy_override,
+                "deployment": self._server.deployment_name,
+                "application": self._server.app_name, "checked_at": started,
+                "check_seconds": round(time.time() - started, 3),
+                "check_cpu_seconds": round(time.process_time() - cpu_started, 3)})
+            await self._push_verdict(report, specs, started)
+            self._log_change(report)
+            self._known = {s.replica_id: s.rank for s in specs} | {
+                g.replica: self._known.get(g.replica) for g in gaps if g.replica}
+            # Without the RUNNING count a check is not complete: its answers still
+            # drive the verdicts, but the report keeps ageing toward `stale`.
+            self._report = report
+            self.specs = specs
+            if status_error is None:
+                self._completed_at = time.time()
+            self._metrics.checked(report, replaced)
+            self._metrics.record(self.current())
+            return self.current().model_dump(mode="json")
+
+    def _plan_actions(self, report: FleetReport, specs: list[ReplicaSpec], now: float) -> int:
+        """Each answered replica's action; returns how many were told to fail health."""
+        by_id = {s.replica_id: s for s in specs}
+        replaced = 0
+        for row in report.replicas:
+            spec = by_id.get(row.id)
+            if spec is None:
+                continue
+            policy = self._policy_override or spec.policy
+            before = self._book.ranks.get(spec.rank if spec.rank is not None else spec.replica_id)
+            attempts_before = before.attempts if before else 0
+            action, attempts, note = self._book.action(spec, row.reason is not None, policy, now)
+            row.action, row.attempts = action, attempts
+            replaced += int(action is Action.FAIL_HEALTH and attempts > attempts_before)
+            if note:
+                row.reason = f"{row.reason}; {note}"
+                report.odd_replicas[row.id] = row.reason
+                report.problems.append(Problem(kind="enforce_exhausted", replica=row.id,
+                                               message=f"replica {row.id}: {note}"))
+        return replaced
+
+    async def _push_verdict(self, report: FleetReport, specs: list[ReplicaSpec],
+                            checked_at: float) -> None:
+        """Tell every replica its verdict; each acts on its own entry.
+
+        Skipped when every answering replica already acts on the verdict it
+        would get (each answer echoes it): at steady state a check is then one
+        round trip per replica, not two.
+        """
+        if not report.answered:
+            return
+        message = VerdictMessage(checked_at=checked_at, policy_override=self._policy_override,
+                                 replicas={r.id: ReplicaVerdict(
+                                     odd=r.reason is not None, reason=r.reason, action=r.action,
+                                     policy=r.policy, attempts=r.attempts,
+                                     checked_at=checked_at)
+                                     for r in report.replicas if r.status.value != "no_answer"})
+        if verdicts_held(message, specs):
+            return
+        acks, late, error = await self._call_each("apply_kv_verdict",
+                                                   message.model_dump(mode="json"))
+        failed = [a for a in acks if not isinstance(a, dict)]
+        if failed or late or error:
+            logger.warning("dsv4: %d replica(s) did not take the verdict (%d late): %s",
+                           len(failed) + late, late, error or (failed[0] if failed else ""))
+
+    def _log_change(self, report: FleetReport) -> None:
+        prev = self._report
+        if (prev.state, sorted(prev.odd_replicas.items())) == (
+                report.state, sorted(report.odd_replicas.items())):
+            return
+        log = logger.info if report.agree else logger.warning
+        log("dsv4: KV spec %s: %d/%s replicas answered, reference %s; %s", report.state.value,
+            report.answered, report.running_replicas, report.expected.reference,
+            "; ".join(p.message for p in report.problems) or "one fingerprint, as predicted")
+
+    # ------------------------------------------------------------------ control
+
+    async def set_policy(self, policy: str | None) -> dict[str, Any]:
+        """An operator's run-time policy for every replica (logged); checks now.
+
+        The route is ``dsv4-serve policy`` (``deployments.cli.policy``, over a Serve
+        handle, so only who can reach the Ray cluster may change it): switching e.g.
+        ``warn`` -> ``enforce`` after a rollout without restarting a replica (a
+        config change would reboot every engine). ``None`` clears it: each replica
+        obeys its own configured ``dsv4.policy`` again. It lives in this controller:
+        a restarted controller starts without it (the report's ``policy_override``
+        says which is in force).
+        """
+        new = None if policy is None else Policy(policy).value
+        if new != self._policy_override:
+            logger.warning("dsv4: KV-spec policy %s -> %s (%s)", self._policy,
+                           new or self._settings.policy.value,
+                           "operator override for every replica" if new else
+                           "override cleared: each replica obeys its own dsv4.policy")
+        self._policy_override = new
+        return await self.check()
+
+    async def check_health(self) -> None:
+        """Unhealthy when the loop died or no check completed within the stale bound.
+
+        Serve then restarts the controller; verdicts themselves never make it unhealthy.
+        """
+        if self._loop_task.done():
+            exc = self._loop_task.exception()
+            raise RuntimeError(f"dsv4: the KV-spec check loop stopped: {exc!r}")
+        report = self.current()
+        if report.state is State.STALE:
+            raise RuntimeError(f"dsv4: KV-spec report is stale ({report.age_s:.0f} s > "
+                               f"{self._settings.stale_bound_s:.0f} s): "
+                               f"{report.problems[0].message}")

@@ -1,0 +1,147 @@
+"""What a replica's workers should report (the byte model), and how a report differs from it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from deployments.control.summary import COMPARED, PREDICTED, SHOWN_LAYERS, layer_role
+from deployments.control.wire import (
+    LayerDifference,
+    LayerEntry,
+    Prediction,
+    ReplicaSpec,
+)
+from dsv4_patch import rules
+
+# ------------------------------------------------------------------ prediction
+
+
+def predict(hf_config: Mapping[str, Any] | None, layout: rules.Layout, requested: str | None,
+            vllm_version: str | None, source: str) -> Prediction:
+    """What the engine will allocate for this config, layout, dtype and vLLM, per layer."""
+    if hf_config is None:
+        return Prediction(source=source, reason="the model's config.json could not be read")
+    why = rules.predictable(hf_config, vllm_version)
+    if why:
+        return Prediction(source=source, reason=why)
+    resolution = rules.resolve_kv_cache_dtype(layout, requested)
+    shape = rules.ModelShape.from_hf_config(hf_config)
+    layers = [LayerEntry(layer=f"layers.{p.index}.{p.role}", index=p.index, role=p.role,
+                         spec_type="MLAAttentionSpec", cache_dtype_str=p.cache_dtype_str,
+                         page_size_bytes=p.page_size_bytes, block_size=p.block_size,
+                         head_size=None, compress_ratio=p.compress_ratio)
+              for p in rules.predict_layers(shape, resolution)]
+    return Prediction(source=source, storage=resolution.storage.value,
+                      cache_dtype_str=resolution.cache_dtype_str, layers=layers,
+                      fingerprint=_prediction_fingerprint(layers))
+
+
+def _prediction_fingerprint(layers: Sequence[LayerEntry]) -> str:
+    rows = [e.model_dump(include={"index", "role", *PREDICTED}) for e in layers]
+    canonical = json.dumps(rows, sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+
+
+_DIFFS: dict[tuple[str, str], list[LayerDifference]] = {}
+
+
+def replica_vs_prediction(spec_fingerprint: str, layers: Sequence[LayerEntry],
+                          prediction: Prediction) -> list[LayerDifference]:
+    """``prediction_differences``, memoized by (fingerprint, prediction fingerprint).
+
+    A fleet of N alike replicas then costs one comparison, not N (256 Flash-shaped
+    replicas: ~40 ms -> ~2 ms per check).
+    """
+    key = (spec_fingerprint, prediction.fingerprint or "")
+    if key not in _DIFFS:
+        if len(_DIFFS) > 1024:
+            _DIFFS.clear()
+        _DIFFS[key] = prediction_differences(layers, prediction)
+    return _DIFFS[key]
+
+
+def prediction_differences(layers: Sequence[LayerEntry],
+                           prediction: Prediction) -> list[LayerDifference]:
+    """Where the predicted caches (main + indexer, per layer index) differ from the real ones."""
+    assert prediction.layers is not None
+    actual = {(e.index, e.role): e for e in layers if e.role in (rules.MAIN, rules.INDEXER)}
+    diffs = []
+    for want in prediction.layers:
+        got = actual.pop((want.index, want.role), None)
+        name = f"layers.{want.index} {want.role}"
+        if got is None:
+            diffs.append(LayerDifference(layer=name, field="present", value=False,
+                                         reference=True))
+            continue
+        diffs += [LayerDifference(layer=got.layer, field=f, value=getattr(got, f),
+                                  reference=getattr(want, f))
+                  for f in PREDICTED if getattr(got, f) != getattr(want, f)]
+    diffs += [LayerDifference(layer=e.layer, field="present", value=True, reference=False)
+              for e in actual.values()]
+    return diffs
+
+
+def peer_differences(layers: Sequence[LayerEntry],
+                     reference: Sequence[LayerEntry]) -> list[LayerDifference]:
+    """Layer for layer (by name), the compared fields where a replica differs from a peer."""
+    mine, ref = {e.layer: e for e in layers}, {e.layer: e for e in reference}
+    diffs = []
+    for name in sorted(mine.keys() | ref.keys(), key=lambda n: (layer_role(n)[0] or -1, n)):
+        a, b = mine.get(name), ref.get(name)
+        if a is None or b is None:
+            diffs.append(LayerDifference(layer=name, field="present", value=a is not None,
+                                         reference=b is not None))
+            continue
+        diffs += [LayerDifference(layer=name, field=f, value=getattr(a, f),
+                                  reference=getattr(b, f))
+                  for f in COMPARED if getattr(a, f) != getattr(b, f)]
+    return diffs
+
+
+def describe_differences(diffs: Sequence[LayerDifference]) -> str:
+    shown = "; ".join(f"{d.layer} {d.field}={d.value} vs {d.reference}"
+                      for d in diffs[:SHOWN_LAYERS])
+    more = f"; and {len(diffs) - SHOWN_LAYERS} more" if len(diffs) > SHOWN_LAYERS else ""
+    return shown + more
+
+
+def layout_problem(layers: Sequence[LayerEntry], expected_layout: str) -> str | None:
+    """Why a replica's specs contradict the expected layout, or None.
+
+    fp8_ds_mla: every attention cache must store the packed record (the specs
+    with a cache dtype; state-only specs carry None). plain_rows: none may.
+    """
+    dtypes = [e.cache_dtype_str for e in layers if e.cache_dtype_str is not None]
+    if not dtypes:
+        return "no layer reports a cache dtype; expected at least one attention layer"
+    packed = [d == "fp8_ds_mla" for d in dtypes]
+    if expected_layout == "fp8_ds_mla" and not all(packed):
+        bad = sorted({d for d in dtypes if d != "fp8_ds_mla"})
+        return f"cache_dtype: expected fp8_ds_mla on every attention layer, found {bad}"
+    if expected_layout == "plain_rows" and any(packed):
+        return "cache_dtype: expected plain rows, found fp8_ds_mla layers"
+    return None
+
+
+def self_problem(spec: ReplicaSpec) -> str | None:
+    """What a replica can tell about itself alone: split ranks, layout, its own prediction.
+
+    Used by the replica before it serves (under enforce it then refuses to start,
+    which holds a rolling update back) and by the controller as the first test.
+    """
+    if spec.ranks_disagreeing:
+        return (f"worker ranks {spec.ranks_disagreeing} report other specs than rank "
+                f"{spec.workers[0].rank} for the same layers")
+    bad = layout_problem(spec.layers, spec.expected_layout)
+    if bad:
+        return bad
+    own = spec.own_prediction or spec.prediction
+    if own.layers is not None:
+        diffs = prediction_differences(spec.layers, own)
+        if diffs:
+            return (f"the engine built other KV caches than its own config predicts "
+                    f"({own.source}): {describe_differences(diffs)}")
+    return None

@@ -1,0 +1,47 @@
+"""The KV-spec verdict in a few lines, for people: ``dsv4-serve status`` and ``run`` print it."""
+
+from __future__ import annotations
+
+from deployments.control.wire import FleetReport
+
+
+def describe(report: FleetReport) -> str:
+    """The verdict in a few lines, for people: state, reference, each replica, problems."""
+    age = f", {report.age_s:.0f} s old" if report.age_s is not None else ""
+    head = (f"KV spec: {report.state.value}"
+            + (f" (last completed check: {report.previous_state.value})"
+               if report.previous_state else "")
+            + f" (policy {report.policy}"
+            + (" by operator override" if report.policy_override else "")
+            + f", expected {report.expected.layout}, reference "
+              f"{report.expected.reference}{age}); {report.answered}/"
+              f"{report.running_replicas} replicas answered")
+    lines = [head]
+    if report.expected.note:
+        lines.append(f"  note: {report.expected.note}")
+    for rep in report.replicas:
+        if rep.fingerprint is None:
+            lines.append(f"  {rep.id}: [{rep.status.value}] {rep.reason or ''}")
+            continue
+        action = "" if rep.action.value == "serve" else f", action {rep.action.value}"
+        pool = f"{rep.pool} " if rep.pool else ""
+        lines.append(f"  {pool}{rep.id} rank {rep.rank} on node {rep.node_id}: "
+                     f"{rep.cache_dtype}, blocks "
+                     f"{rep.block_sizes}, pages {rep.page_sizes} B, {rep.fingerprint[:19]} "
+                     f"[{rep.status.value}{action}]")
+    lines += describe_pd(report)
+    lines += [f"  problem: {p.message}" for p in report.problems]
+    return "\n".join(lines)
+
+
+def describe_pd(report: FleetReport) -> list[str]:
+    """The P/D verdict: each pool's state, then which prefill replicas each decode uses."""
+    pd = report.pd
+    if pd is None:
+        return []
+    pools = ", ".join(f"{name} {p.deployment} {p.state.value} ({len(p.replicas)} answered)"
+                      for name, p in pd.pools.items())
+    lines = [f"  P/D: {pd.verdict.value}; pools: {pools or 'none checked'}"]
+    lines += [f"    decode {d} takes KV from prefill {ids or 'none (prefills locally)'}"
+              for d, ids in pd.allowed.items()]
+    return lines

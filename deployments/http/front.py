@@ -1,0 +1,122 @@
+"""The server replica as its own HTTP ingress: vLLM's OpenAI app behind our edge.
+
+Why (issue 16, measured in ``docs/benchmarks.md`` section 2): with Ray Serve LLM's
+``OpenAiIngress`` every request crossed three Python processes before the engine --
+Serve's proxy, the ingress replica (parses the body into pydantic, calls the server
+through a ``DeploymentHandle``, re-serializes every streamed chunk) and the server
+replica. On 2 cores that doubled TTFT over plain ``vllm serve``. Here the server
+replica is the Serve ingress (``serve.ingress()`` with the late-bound
+``__serve_build_asgi_app__`` hook, the mechanism Ray Serve LLM's own direct
+streaming uses): Serve's proxy hands the HTTP request to the replica that runs the
+engine, and vLLM's own OpenAI app answers it in-process, as under ``vllm serve``.
+
+What the removed hop gave us is kept by hardening that app (``harden``) the same way
+the ingress app was hardened, so the OpenAI API, errors, streaming and usage are
+vLLM's own, and on top of them:
+
+* ``deployments.http.edge.EdgeMiddleware`` outermost: API keys, 404/405 for unserved
+  routes (vLLM's app also mounts ``/metrics``, ``/tokenize``, ``/health``...: they stay
+  closed), body/size/nesting/limits bounds, overload 503s, stream limits, 5xx scrubbing;
+* our CORS policy instead of vLLM's (``allowed_origins=["*"]`` by default);
+* our ``RequestValidationError`` handler (400 naming the field, never echoing raw input)
+  and ``HTTPException`` handler (OpenAI error bodies, never ``{"detail": ...}``);
+* ``GET /v1/kv-spec``, answered from the KV-spec controller through a handle.
+
+Routing stays Serve's: the proxy picks a server replica with the deployment's
+``request_router_config`` (``deployments.serving.router.KVSpecRouter``), so drained replicas
+get no requests. Drain on shutdown stays Serve's graceful shutdown of the replica
+that holds the stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, HTTPException
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+
+from deployments import serve_env
+from deployments.config import HTTPEdge
+from deployments.http.edge import KV_SPEC_ROUTE, EdgeMiddleware
+from deployments.http.errors import openai_http_error, openai_validation_error
+from deployments.http.public import public_report
+from deployments.logs import get_logger
+
+logger = get_logger("front")
+
+
+
+# (report, how) for ``GET /v1/kv-spec``: ``deployments.http.public.RefreshGate.report``.
+KVSpecSource = Callable[[bool], Awaitable[tuple[Any, str]]]
+
+
+def proxy_host() -> str | None:
+    """The address Serve's HTTP proxies bind, asked from the Serve controller.
+
+    None when it cannot be told, or when Serve's direct ingress makes this replica
+    listen on a port of its own (``deployments.serve_env``): the edge then treats the
+    bind as reachable.
+    """
+    if serve_env.replicas_listen():
+        logger.warning("dsv4: Serve's direct ingress is on: this replica listens on its own "
+                       "port beside the proxy; treated as reachable beyond this machine")
+        return None
+    try:
+        from ray.serve.context import _get_global_client
+
+        return _get_global_client().http_config.host
+    except Exception as exc:  # the answer decides a refusal; an unknown host is not loopback
+        logger.warning("dsv4: could not read Serve's http_options.host (%r); treating the "
+                       "proxy as reachable beyond this machine", exc)
+        return None
+
+
+def _close_cors(app: FastAPI, settings: HTTPEdge) -> None:
+    """Drop every CORS middleware the app came with; add ours only if configured.
+
+    vLLM's ``build_app`` adds ``CORSMiddleware(allow_origins=args.allowed_origins)``,
+    ``["*"]`` unless told otherwise: any web page could call the API from a
+    visitor's browser.
+    """
+    app.user_middleware = [m for m in app.user_middleware if m.cls is not CORSMiddleware]
+    if settings.cors_allow_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_allow_origins),
+                           allow_credentials=True, allow_methods=["GET", "POST"],
+                           allow_headers=["authorization", "content-type"])
+
+
+def kv_spec_response(report: Any, how: str) -> JSONResponse:
+    """200 agree, 409 disagree, 503 otherwise; the public (redacted) report as the body."""
+    if hasattr(report, "model_dump"):  # a typed report: its plain-JSON form
+        report = report.model_dump(mode="json")
+    status = {"agree": 200, "disagree": 409}.get(report["state"], 503)
+    return JSONResponse(public_report(report), status_code=status,
+                        headers={"x-dsv4-refresh": how})
+
+
+def harden(app: FastAPI, settings: HTTPEdge, kv_spec: KVSpecSource | None = None) -> FastAPI:
+    """``app`` (vLLM's OpenAI app, or a stand-in in tests) with our edge, CORS and handlers.
+
+    Works on an app whose middleware stack is already built (vLLM's ``build_app``
+    builds it): the cached stack is dropped so Starlette rebuilds it, with
+    ``EdgeMiddleware`` outermost, on the first request.
+    """
+    app.middleware_stack = None
+    _close_cors(app, settings)
+    app.add_exception_handler(RequestValidationError, openai_validation_error)
+    # Starlette's (body parsing: "There was an error parsing the body") and FastAPI's
+    # (vLLM registers its own for that one; ours names the fix and the error type).
+    app.add_exception_handler(StarletteHTTPException, openai_http_error)
+    app.add_exception_handler(HTTPException, openai_http_error)
+    if kv_spec is not None:
+        async def kv_spec_route(refresh: bool = False) -> JSONResponse:
+            """The controller's verdict; ``?refresh=true`` checks every replica now."""
+            return kv_spec_response(*await kv_spec(refresh))
+
+        app.add_api_route(KV_SPEC_ROUTE, kv_spec_route, methods=["GET"])
+    app.add_middleware(EdgeMiddleware)
+    return app

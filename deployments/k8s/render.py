@@ -1,0 +1,279 @@
+"""RayService manifests rendered from ``configs/`` and ``k8s/params.yaml``."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from deployments.config import (
+    AppArgs,
+    ConfigError,
+)
+from deployments.k8s.lint import security_problems, semantic_problems
+from deployments.k8s.params import (
+    API_KEYS_DIR,
+    DASHBOARD_PORT,
+    DEFAULT_PARAMS,
+    HEAD_PORTS,
+    HEADER,
+    MANIFEST_SUFFIX,
+    METRICS_PORT,
+    RAY_GID,
+    RAY_UID,
+    REPO_ROOT,
+    SERVE_PORT,
+    WRITABLE_DIRS,
+    Preset,
+    gpu_args,
+    load_params,
+    presets,
+    scaling,
+)
+
+# A checkout's top level, or the wheel's deployments/_data (deployments.resources).
+
+def image_ref(params: Mapping[str, Any]) -> str:
+    """The image by digest (``name[:tag]@sha256:...``): what runs is what was tested."""
+    return f"{params['image']}@{params['image_digest']}"
+
+
+def _env(params: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Pod env: secrets only by reference (never a value in the manifest or runtime_env)."""
+    secret = params["hf_token_secret"]
+    ref = {"secretKeyRef": {"name": secret["name"], "key": secret["key"], "optional": True}}
+    keys = params["api_keys_secret"]
+    return [
+        {"name": "HF_TOKEN", "valueFrom": ref},
+        {"name": "HF_HOME", "value": params["model_cache_mount"]},
+        # The ingress (any pod) re-reads this file: a Secret update rotates keys live.
+        {"name": "DSV4_API_KEYS_FILE", "value": f"{API_KEYS_DIR}/{keys['key']}"},
+    ]
+
+
+def pod_security_context() -> dict[str, Any]:
+    """Non-root (the image's user has passwordless sudo), default seccomp."""
+    return {"runAsNonRoot": True, "runAsUser": RAY_UID, "runAsGroup": RAY_GID,
+            "fsGroup": RAY_GID, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security_context() -> dict[str, Any]:
+    """No privilege escalation (sudo is setuid), no capabilities, read-only root."""
+    return {"allowPrivilegeEscalation": False, "privileged": False,
+            "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
+
+
+def _secure_pod(spec: dict[str, Any], params: Mapping[str, Any]) -> None:
+    """Security context, writable scratch dirs and the API-key Secret on one pod spec."""
+    spec["securityContext"] = pod_security_context()
+    keys = params["api_keys_secret"]
+    spec.setdefault("volumes", [])
+    spec["volumes"] += [{"name": name, "emptyDir": {}} for name in WRITABLE_DIRS]
+    spec["volumes"].append({"name": "api-keys", "secret": {
+        "secretName": keys["name"], "optional": False, "defaultMode": 0o440}})
+    for container in spec["containers"]:
+        container["securityContext"] = container_security_context()
+        container.setdefault("volumeMounts", [])
+        container["volumeMounts"] = [
+            *({"name": n, "mountPath": p} for n, p in WRITABLE_DIRS.items()),
+            {"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True},
+            *container["volumeMounts"]]
+
+
+def _labels(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "dsv4-serve", "app.kubernetes.io/instance": name}
+
+
+def _resources(cpu: str, memory: str, gpus: int | None = None) -> dict[str, Any]:
+    amounts: dict[str, Any] = {"cpu": str(cpu), "memory": str(memory)}
+    if gpus:
+        amounts["nvidia.com/gpu"] = str(gpus)
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def head_group(params: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """Head: GCS, dashboard, Serve controller and a proxy; no GPU, no Ray CPUs.
+
+    ``dashboard-host: 0.0.0.0`` because the KubeRay operator posts serveConfigV2 to
+    the dashboard through the head Service; token auth and the NetworkPolicy
+    (operator pods only) are what close it.
+    """
+    head = params["head"]
+    ports = [{"name": k, "containerPort": v, "protocol": "TCP"} for k, v in HEAD_PORTS.items()]
+    spec: dict[str, Any] = {"containers": [{
+        "name": "ray-head",
+        "image": image_ref(params),
+        "ports": ports,
+        "env": _env(params),
+        "resources": _resources(head["cpu"], head["memory"]),
+    }]}
+    _placement(spec, head)
+    _secure_pod(spec, params)
+    return {
+        "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0",
+                           "metrics-export-port": str(METRICS_PORT)},
+        "template": {"metadata": {"labels": _labels(name)}, "spec": spec},
+    }
+
+
+def _placement(spec: dict[str, Any], where: Mapping[str, Any]) -> None:
+    if where.get("node_selector"):
+        spec["nodeSelector"] = dict(where["node_selector"])
+    if where.get("tolerations"):
+        spec["tolerations"] = [dict(t) for t in where["tolerations"]]
+
+
+def worker_group(preset: Preset, args: AppArgs, params: Mapping[str, Any]) -> dict[str, Any]:
+    """One pod per GPU node; a replica is ``nodes_per_replica`` pods (numOfHosts)."""
+    node, worker = args.dsv4.node, preset.worker
+    initial, low, high = scaling(args)
+    container = {
+        "name": "ray-worker",
+        "image": image_ref(params),
+        "env": _env(params),
+        "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
+        "resources": _resources(worker["cpu"], worker["memory"], node.gpus_per_node),
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "model-cache", "mountPath": params["model_cache_mount"]},
+        ],
+    }
+    spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": [
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": worker["shm"]}},
+            {"name": "model-cache", **dict(params["model_cache_volume"])},
+        ],
+    }
+    _placement(spec, worker)
+    _secure_pod(spec, params)
+    return {
+        "groupName": f"gpu-{preset.name}",
+        "replicas": initial,
+        "minReplicas": low,
+        "maxReplicas": high,
+        "numOfHosts": node.nodes_per_replica,
+        "rayStartParams": {"metrics-export-port": str(METRICS_PORT)},
+        "template": {"metadata": {"labels": _labels(f"dsv4-{preset.name}")}, "spec": spec},
+    }
+
+
+def network_policy(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Ingress to the cluster's pods: Ray among themselves; from elsewhere only the API.
+
+    Ray's processes talk on many ports (GCS, raylets, object manager, workers), so
+    pods of this instance reach each other on all of them. From outside: the
+    serve port from anyone (API keys guard it), the dashboard only from the
+    KubeRay operator (it posts serveConfigV2; token auth guards it too), metrics
+    only from the monitoring namespace. Ray Client, the Jobs API and the GCS are
+    not reachable from any other pod.
+    """
+    selector = {"matchLabels": _labels(name)}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "labels": _labels(name)},
+        "spec": {
+            "podSelector": selector,
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": selector}]},
+                {"ports": [{"port": SERVE_PORT, "protocol": "TCP"}]},
+                {"from": [{"namespaceSelector": {},
+                           "podSelector": {"matchLabels": dict(
+                               params["kuberay_operator_labels"])}}],
+                 "ports": [{"port": DASHBOARD_PORT, "protocol": "TCP"}]},
+                {"from": [{"namespaceSelector": {"matchLabels": {
+                    "kubernetes.io/metadata.name": params["metrics_namespace"]}}}],
+                 "ports": [{"port": METRICS_PORT, "protocol": "TCP"}]},
+            ],
+        },
+    }
+
+
+def render_documents(preset: Preset, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The RayService and its NetworkPolicy; refuses to render an insecure or
+    inconsistent pair (``security_problems``, ``semantic_problems``: every render and
+    every ``dsv4-serve k8s check`` runs both)."""
+    name = f"dsv4-{preset.name}"
+    docs = [render_manifest(preset, params), network_policy(name, params)]
+    problems = security_problems(docs)
+    if problems:
+        raise ConfigError(f"{preset.name}: the rendered manifest is not secure:\n  "
+                          + "\n  ".join(problems))
+    problems = semantic_problems(docs[0])
+    if problems:
+        raise ConfigError(f"{preset.name}: the rendered manifest contradicts its preset:\n  "
+                          + "\n  ".join(problems))
+    return docs
+
+
+def render_manifest(preset: Preset, params: Mapping[str, Any]) -> dict[str, Any]:
+    """The RayService for one preset (a plain dict, ready for YAML)."""
+    serve_text, args = gpu_args(preset.config_path)
+    name = f"dsv4-{preset.name}"
+    security = container_security_context()
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayService",
+        "metadata": {"name": name, "labels": _labels(name)},
+        "spec": {
+            "upgradeStrategy": {"type": params["upgrade_strategy"]},
+            "serveService": {
+                "metadata": {"name": f"{name}-serve"},
+                "spec": {"type": "ClusterIP", "ports": [
+                    {"name": "serve", "port": SERVE_PORT, "targetPort": SERVE_PORT}]},
+            },
+            "serveConfigV2": serve_text,  # verbatim: the preset's comments cite sources
+            "rayClusterConfig": {
+                "rayVersion": str(params["ray_version"]),
+                # Ray token auth: dashboard, Jobs API, Ray Client and GCS need the
+                # token KubeRay generates into a Secret; nothing answers without it.
+                "authOptions": {"mode": "token"},
+                "enableInTreeAutoscaling": True,
+                "autoscalerOptions": {
+                    "upscalingMode": "Default",
+                    "idleTimeoutSeconds": int(params.get("autoscaler_idle_timeout_s", 600)),
+                    # the sidecar KubeRay injects: same restrictions (its root fs stays
+                    # writable: it writes Ray's session files under /tmp)
+                    "securityContext": security | {"readOnlyRootFilesystem": False},
+                },
+                "headGroupSpec": head_group(params, name),
+                "workerGroupSpecs": [worker_group(preset, args, params)],
+            },
+        },
+    }
+
+
+def _block_str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    """Multi-line strings (serveConfigV2) as literal blocks, the way humans read them."""
+    style = "|" if "\n" in data else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+class _Dumper(yaml.SafeDumper):
+    def ignore_aliases(self, data: Any) -> bool:  # no &id001 anchors: people read these
+        return True
+
+
+_Dumper.add_representer(str, _block_str)
+
+
+def manifest_text(preset: Preset, params: Mapping[str, Any]) -> str:
+    """The file content: generated-file header plus the YAML document."""
+    rel = preset.config_path.relative_to(REPO_ROOT) if preset.config_path.is_relative_to(
+        REPO_ROOT) else preset.config_path
+    header = HEADER.format(config=rel, secret=params["hf_token_secret"]["name"],
+                           keys=params["api_keys_secret"]["name"])
+    body = yaml.dump_all(render_documents(preset, params), Dumper=_Dumper, sort_keys=False,
+                         width=100, explicit_start=True)
+    return header + body
+
+
+def render_all(params_path: Path = DEFAULT_PARAMS) -> dict[str, str]:
+    """File name -> content for every preset in params."""
+    params = load_params(params_path)
+    return {f"{p.name}{MANIFEST_SUFFIX}": manifest_text(p, params)
+            for p in presets(params, params_path)}

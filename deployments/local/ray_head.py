@@ -1,0 +1,120 @@
+"""The private local Ray cluster of ``dsv4-serve run``: start it, find its endpoints, stop it.
+
+``address="local"`` never attaches to someone else's cluster: ``run`` owns what it
+starts and can shut all of it down. Reused by the test session fixture and the
+benchmarks, so they boot Ray exactly the way users do.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from deployments.config import ConfigError, ServeConfig, sizing
+from deployments.logs import get_logger
+
+logger = get_logger("run")
+
+
+def logical_cpus_needed(config: ServeConfig) -> float:
+    """Logical CPUs Ray must offer so every replica of every app can be placed.
+
+    At max_replicas (``deployments.config.sizing.cluster_cpus``).
+    """
+    return sizing.cluster_cpus([(args.max_replicas_total, args.replica_cpus())
+                                for _, args in config.ours()])
+
+
+def start_cluster(config: ServeConfig, num_cpus: float | None = None,
+                  metrics_port: int | None = None, address: str | None = None) -> float:
+    """Start a private local Ray cluster and Serve's HTTP proxy; return the CPUs given.
+
+    ``address="local"`` never attaches to someone else's cluster: ``run`` owns what
+    it starts and can shut all of it down. ``metrics_port`` fixes the port of Ray's
+    Prometheus endpoint (``ray.util.metrics``/``ray.serve.metrics`` series, the
+    controller's ``ray_dsv4_kv_spec_*`` gauges among them); None takes a free one
+    (``metrics_url`` tells which). Ray serves it without the dashboard too.
+    """
+    import ray
+
+    if address is not None:  # a cluster someone else started (--nodes: deployments.local.cluster)
+        ray.init(address=address, namespace="serve",
+                 log_to_driver=os.environ.get("DSV4_LOG_TO_DRIVER") == "1")
+        _start_serve(config)
+        return float(ray.cluster_resources().get("CPU", 0))
+    needed = logical_cpus_needed(config)
+    cpus = num_cpus if num_cpus is not None else max(float(os.cpu_count() or 1), needed)
+    if cpus < needed:
+        raise ConfigError(
+            f"--num-cpus={cpus} but the config needs {needed} logical CPUs at max_replicas "
+            "(replica actor + placement-group bundles of every replica). "
+            "Fix: raise --num-cpus or lower max_replicas."
+        )
+    if cpus > (os.cpu_count() or 1):
+        logger.info("dsv4: offering Ray %s logical CPUs on %s cores: the replicas share them "
+                    "(VLLM_CPU_OMP_THREADS_BIND=nobind)", cpus, os.cpu_count())
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False,
+             namespace="serve", log_to_driver=os.environ.get("DSV4_LOG_TO_DRIVER") == "1",
+             _metrics_export_port=metrics_port or free_port())
+    _start_serve(config)
+    return cpus
+
+
+def _start_serve(config: ServeConfig) -> None:
+    from ray import serve
+
+    extra = config.model_extra or {}
+    serve.start(http_options=config.http_options.model_dump(),
+                proxy_location=extra.get("proxy_location", "HeadOnly"))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now.
+
+    Passed to Ray explicitly so the port is ours to know and print (Ray's own
+    default, 0, leaves the choice to its metrics agent).
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def gcs_reachable(timeout_s: float = 2.0) -> bool:
+    """Whether this driver's GCS still accepts TCP connections (no RPC, no waiting).
+
+    Serve and Ray calls against a dead GCS block for ~60 s, after which Ray ends
+    the driver with "Failed to connect to GCS within 60 seconds".
+    """
+    import ray
+
+    host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def metrics_url() -> str:
+    """Ray's Prometheus endpoint on this node (the local cluster has one node).
+
+    Series appear there one metrics report interval (~10 s) after they are set.
+    """
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    [node] = [n for n in ray.nodes() if n["NodeID"] == node_id]
+    return f"http://127.0.0.1:{node['MetricsExportPort']}/metrics"
+
+
+def shutdown() -> None:
+    """Stop Serve (proxies, controller, whatever replicas remain), then Ray.
+
+    Run ``drain`` first to let in-flight requests finish.
+    """
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,185 @@
+"""The P/D app's one controller: both pools' KV-spec checks plus the P/D verdict.
+
+Each pool (prefill, decode) is checked exactly as a one-pool app is
+(``deployments.control.controller.KVSpecController``: per-replica deadlines, prediction,
+per-replica policy, its own Prometheus series tagged by deployment). On top, every
+``controller_period_s`` (and on ``?refresh=true``) this controller compares every
+prefill replica that answered with every decode replica that answered
+(``deployments.pd.compat.judge``), sends each decode replica its whitelist of prefill
+replicas (``apply_pd_route``, a ``wire.PDRouteMessage``) and publishes the verdict in
+``GET /v1/kv-spec`` (``FleetReport.pd``) and as ``dsv4_pd_*`` gauges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from ray.serve.handle import DeploymentHandle
+from ray.serve.metrics import Gauge
+
+from deployments.control.controller import KVSpecController
+from deployments.control.wire import (
+    FleetReport,
+    PDPool,
+    PDReport,
+    PDRouteMessage,
+    PDVerdict,
+    Problem,
+    State,
+)
+from deployments.logs import get_logger
+from deployments.pd import compat
+
+logger = get_logger("pd")
+
+POOLS = ("prefill", "decode")
+
+
+class _PDMetrics:
+    def __init__(self, application: str):
+        tags = ("pd_application",)
+        self._tags = {"pd_application": application}
+        self.compatible = Gauge("dsv4_pd_compatible", "1 if every prefill replica is "
+                                "KV-compatible with every decode replica", tag_keys=tags)
+        self.verdict = Gauge("dsv4_pd_verdict", "0 not_checked, 1 compatible, 2 partial, "
+                             "3 incompatible", tag_keys=tags)
+        self.pairs = Gauge("dsv4_pd_allowed_pairs", "(decode, prefill) replica pairs "
+                           "allowed to transfer KV", tag_keys=tags)
+        self.blocked = Gauge("dsv4_pd_blocked_prefill_replicas", "prefill replicas no "
+                             "decode replica routes to", tag_keys=tags)
+        self.stranded = Gauge("dsv4_pd_stranded_decode_replicas", "decode replicas with no "
+                              "compatible prefill replica (they prefill locally)", tag_keys=tags)
+        for gauge in (self.compatible, self.verdict, self.pairs, self.blocked, self.stranded):
+            gauge.set_default_tags(dict(self._tags))
+
+    def record(self, pd: PDReport) -> None:
+        order = [PDVerdict.NOT_CHECKED, PDVerdict.COMPATIBLE, PDVerdict.PARTIAL,
+                 PDVerdict.INCOMPATIBLE]
+        self.compatible.set(1 if pd.verdict is PDVerdict.COMPATIBLE else 0)
+        self.verdict.set(order.index(pd.verdict))
+        self.pairs.set(sum(len(v) for v in pd.allowed.values()))
+        self.blocked.set(len(pd.blocked_prefill))
+        self.stranded.set(sum(not v for v in pd.allowed.values()))
+
+
+async def _pool_controller(server: DeploymentHandle | str,
+                           dsv4: dict[str, Any]) -> KVSpecController:
+    """A one-pool controller living inside this actor (its own loop and metrics)."""
+    pool = KVSpecController.__new__(KVSpecController)
+    await pool.__init__(server, dsv4)  # type: ignore[misc]  # an async constructor
+    return pool
+
+
+class PDController:
+    """One replica: the two pool controllers, the P/D verdict and the decode whitelists."""
+
+    async def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle | str,
+                       dsv4_prefill: dict[str, Any], dsv4_decode: dict[str, Any]):
+        """``decode`` may be the decode deployment's name: its replicas are the HTTP
+        ingress and bind this controller (for ``/v1/kv-spec``), so they cannot be bound
+        here too (``deployments.pd.builder``)."""
+        self._pools = {"prefill": await _pool_controller(prefill, dsv4_prefill),
+                       "decode": await _pool_controller(decode, dsv4_decode)}
+        self._decode = self._pools["decode"]
+        self._period = self._decode._settings.controller_period_s
+        self._pd = PDReport(verdict=PDVerdict.NOT_CHECKED, message="no P/D check yet")
+        self._lock = asyncio.Lock()
+        self._metrics = _PDMetrics(self._decode._server.app_name)
+        self._loop_task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.judge()
+            except Exception:
+                logger.exception("dsv4: P/D check failed; retrying in %ss", self._period)
+            await asyncio.sleep(self._period)
+
+    async def judge(self) -> PDReport:
+        """Compare the pools' last answers; send every decode replica its whitelist."""
+        async with self._lock:
+            started = time.time()
+            pools = {name: PDPool(deployment=c._server.deployment_name,
+                                  state=c.current().state,
+                                  replicas=[s.replica_id for s in c.specs])
+                     for name, c in self._pools.items()}
+            report = compat.judge(self._pools["prefill"].specs, self._decode.specs, pools,
+                                     checked_at=started)
+            if self._decode.specs:
+                await self._push(report, started)
+            if (report.verdict, report.allowed) != (self._pd.verdict, self._pd.allowed):
+                log = logger.info if report.verdict is PDVerdict.COMPATIBLE else logger.warning
+                log("dsv4: P/D %s: %s", report.verdict.value, report.message)
+            self._pd = report
+            self._metrics.record(report)
+            return report
+
+    async def _push(self, report: PDReport, checked_at: float) -> None:
+        message = PDRouteMessage(checked_at=checked_at, verdict=report.verdict,
+                                 allowed=report.allowed)
+        acks, late, error = await self._decode._call_each("apply_pd_route",
+                                                          message.model_dump(mode="json"))
+        failed = [a for a in acks if not isinstance(a, dict)]
+        if failed or late or error:
+            logger.warning("dsv4: %d decode replica(s) did not take the P/D route (%d late): "
+                           "%s", len(failed) + late, late, error or (failed[0] if failed else ""))
+
+    async def check(self) -> dict[str, Any]:
+        """Check both pools now, then judge the pairs; return the combined report."""
+        await asyncio.gather(*(c.check() for c in self._pools.values()))
+        await self.judge()
+        return self.current().model_dump(mode="json")
+
+    def current(self) -> FleetReport:
+        """The decode pool's report widened to both pools, with the P/D verdict."""
+        reports = {name: c.current() for name, c in self._pools.items()}
+        decode = reports["decode"]
+        rows, problems, odd = [], [], {}
+        for name in POOLS:
+            r = reports[name]
+            rows += [row.model_copy(update={"pool": name}) for row in r.replicas]
+            problems += [p.model_copy(update={"message": f"{name} pool: {p.message}"})
+                         for p in r.problems]
+            odd |= r.odd_replicas
+        pd = self._pd
+        for p in pd.blocked_prefill:
+            odd.setdefault(p, "P/D: " + pd.message)
+        if pd.verdict is not PDVerdict.COMPATIBLE:
+            problems.append(Problem(kind="pd", message=f"P/D {pd.verdict.value}: {pd.message}",
+                                    field=",".join(sorted({d.field for d in pd.differences}))
+                                    or None))
+        state = compat.combined_state(compat.pool_state([r.state for r in
+                                                               reports.values()]), pd.verdict)
+        running = [r.running_replicas for r in reports.values()]
+        return decode.model_copy(update={
+            "state": state, "agree": state is State.AGREE, "replicas": rows,
+            "problems": problems, "odd_replicas": odd, "pd": pd,
+            "answered": sum(r.answered for r in reports.values()),
+            "running_replicas": None if None in running else sum(running),  # type: ignore[arg-type]
+            "deployment": f"{reports['prefill'].deployment} + {decode.deployment}"})
+
+    async def report(self, refresh: bool = False) -> dict[str, Any]:
+        """The latest combined verdict; ``refresh`` checks both pools and the pairs now."""
+        if refresh:
+            bound = self._decode._check_bound_s() + 10.0
+            try:
+                await asyncio.wait_for(self.check(), bound)
+            except TimeoutError:
+                logger.warning("dsv4: on-demand P/D check exceeded %.0f s", bound)
+        return self.current().model_dump(mode="json")
+
+    async def set_policy(self, policy: str | None) -> dict[str, Any]:
+        """``KVSpecController.set_policy`` on both pools, then the pairs judged again."""
+        for c in self._pools.values():
+            await c.set_policy(policy)
+        await self.judge()
+        return self.current().model_dump(mode="json")
+
+    async def check_health(self) -> None:
+        if self._loop_task.done():
+            raise RuntimeError(f"dsv4: the P/D check loop stopped: "
+                               f"{self._loop_task.exception()!r}")
+        for c in self._pools.values():
+            await c.check_health()

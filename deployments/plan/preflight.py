@@ -1,0 +1,290 @@
+"""Preflight a Serve config for GPUs, without GPUs (what `dsv4-serve plan` prints).
+
+For every application (replica type) of a Serve config it answers, before any
+node is rented: which KV layout the declared node will use, what
+``kv_cache_dtype: auto`` becomes there, what one context token costs in KV bytes
+(``dsv4_patch.rules`` byte model), how many context tokens fit per engine and per
+replica once the weights are loaded, and every problem -- a config that would
+crash on stock vLLM without dsv4_patch, a layout that contradicts the declared
+expectation (refused: exit status 1), replicas that would disagree.
+
+The numbers come from ``deployments.plan.weights`` (weight bytes), ``deployments.plan.capacity``
+(KV tokens per engine/replica) and ``deployments.config.sizing`` (GPUs per replica); the
+policy rules from ``deployments.config.checks``; the table and the CLI are
+``deployments.cli.plan``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from deployments.config import AppArgs, Policy, checks, load_serve_config, refuse_problems
+from deployments.config.checks import Problem
+from deployments.config.sizing import Parallel
+from deployments.plan import pd as pd_plan
+from deployments.plan.capacity import GIB, Capacity, capacity, engine_extra
+from deployments.plan.model_configs import find_model_config
+from deployments.plan.weights import estimate_weights
+from dsv4_patch import rules
+
+
+@dataclass
+class ReplicaPlan:
+    """Everything ``plan`` knows about one application's replicas."""
+
+    application: str
+    model: str
+    node: dict[str, Any]
+    parallel: dict[str, Any]
+    vllm_version: str
+    layout: str
+    backend: str
+    layout_reason: str
+    expected_layout: str
+    kv_cache_dtype: str
+    engine_kv_cache_dtype: str
+    cache_dtype_str: str
+    resolution_reason: str
+    block_size: int
+    max_model_len: int | None
+    weights_total_bytes: float
+    parameters: int
+    capacity: Capacity
+    fp8_ds_mla_capacity: Capacity | None = None  # the counterfactual, when rows
+    # DP presets: the same GPUs as one tensor-parallel engine (KV replicated per rank)
+    tp_alternative: Capacity | None = None
+    pd: dict[str, Any] | None = None  # P/D apps: deployments.plan.pd.summary
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def refused(self) -> bool:
+        return any(p.severity == "error" for p in self.problems)
+
+
+def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
+                     vllm_version: str | None = None,
+                     reserve_gib: float = 0.0) -> ReplicaPlan:
+    """Plan one application's replicas on its declared node."""
+    node, ek = args.dsv4.node, args.llm.engine_kwargs
+    version = vllm_version or rules.DEFAULT_VLLM[node.platform]
+    decision = args.predicted_layout(version)
+    resolution = rules.resolve_kv_cache_dtype(decision.layout, ek.kv_cache_dtype)
+    shape = rules.ModelShape.from_hf_config(model_cfg)
+    weights = estimate_weights(model_cfg)
+    block = args.block_size()
+    cap = capacity(args, shape, weights, resolution.storage, block, reserve_gib)
+    plan = ReplicaPlan(
+        application=name,
+        model=args.llm.model_loading_config.model_source or args.llm.model_loading_config.model_id,
+        node=node.model_dump(mode="json"),
+        parallel=args.parallel().as_dict(),
+        vllm_version=version,
+        layout=decision.layout.value,
+        backend=decision.backend,
+        layout_reason=decision.reason,
+        expected_layout=args.dsv4.expected_layout.value,
+        kv_cache_dtype=ek.kv_cache_dtype,
+        engine_kv_cache_dtype=resolution.engine_dtype,
+        cache_dtype_str=resolution.cache_dtype_str,
+        resolution_reason=resolution.reason,
+        block_size=block,
+        max_model_len=engine_extra(args, "max_model_len",
+                                    model_cfg.get("max_position_embeddings")),
+        weights_total_bytes=weights.total,
+        parameters=weights.parameters,
+        capacity=cap,
+    )
+    if resolution.storage is not rules.Storage.FP8_DS_MLA:
+        plan.fp8_ds_mla_capacity = capacity(args, shape, weights, rules.Storage.FP8_DS_MLA,
+                                            block, reserve_gib)
+    par = args.parallel()
+    if par.dp > 1:
+        as_tp = Parallel(par.tp * par.dp, par.pp, 1, par.ep, par.nodes)
+        plan.tp_alternative = capacity(args, shape, weights, resolution.storage, block,
+                                       reserve_gib, as_tp)
+    if hasattr(args, "pd"):  # a PDAppArgs
+        plan.pd = pd_plan.summary(args, cap.kv_bytes_per_token, block,
+                                  cap.kv_tokens_per_replica, plan.max_model_len)
+    plan.problems = find_problems(plan, args, shape)
+    return plan
+
+
+# ------------------------------------------------------------------ problems
+
+
+def find_problems(plan: ReplicaPlan, args: AppArgs, shape: rules.ModelShape) -> list[Problem]:
+    """Every problem of one application, errors first."""
+    # The policy rules, except the layout contradiction: planned below, with its cost.
+    policy = [p for p in checks.check(args)
+              if p.code not in checks.UNPLANNABLE | {"layout-contradicts-expectation"}]
+    found = [
+        *policy,
+        *_layout_problems(plan),
+        *_stock_crash(plan),
+        *_capacity_problems(plan, args),
+        *_override_problems(plan, args, shape),
+    ]
+    return sorted(found, key=lambda p: p.severity != "error")
+
+
+def _layout_problems(plan: ReplicaPlan) -> list[Problem]:
+    if plan.layout == plan.expected_layout:
+        return []
+    cap, alt = plan.capacity, plan.fp8_ds_mla_capacity
+    msg = (
+        f"expected_layout={plan.expected_layout} but this node ({capability_text(plan.node)}, "
+        f"backend {plan.backend}) stores "
+        f"{plan.layout}: kv_cache_dtype={plan.kv_cache_dtype} becomes {cap.storage}, "
+        f"{cap.kv_bytes_per_token:g} B per context token"
+    )
+    if alt is not None:
+        msg += (f" instead of {alt.kv_bytes_per_token:g} B on fp8_ds_mla "
+                f"({cap.kv_bytes_per_token / alt.kv_bytes_per_token:.2f}x)")
+        if cap.kv_tokens_per_replica is not None and alt.kv_tokens_per_replica:
+            change = cap.kv_tokens_per_replica / alt.kv_tokens_per_replica - 1
+            msg += (f"; KV tokens per replica {cap.kv_tokens_per_replica:,} instead of "
+                    f"{alt.kv_tokens_per_replica:,} ({change:+.1%})")
+    msg += (". Such replicas refuse to start under this expectation, and a fleet mixing "
+            "them with fp8_ds_mla replicas would run different page layouts and numerics. "
+            "Fix: unset attention_backend (FlashMLA stores fp8_ds_mla), or set "
+            f"expected_layout: {plan.layout} for a fleet that is entirely this node type.")
+    return [Problem("error", "layout-contradicts-expectation", msg)]
+
+
+def _stock_crash(plan: ReplicaPlan) -> list[Problem]:
+    layout = rules.Layout(plan.layout)
+    if not rules.stock_vllm_crashes_on(plan.vllm_version, layout, plan.kv_cache_dtype):
+        return []
+    return [Problem(
+        "warning", "stock-vllm-crash",
+        f"stock vLLM {plan.vllm_version} (0.20-0.29 assert 'DeepseekV4 fp8_ds_mla layout "
+        "only supports fp8 kv-cache, got auto', vllm-project/vllm#47174) would crash "
+        f"building layers with kv_cache_dtype={plan.kv_cache_dtype} on {plan.layout}. "
+        "dsv4_patch's vLLM plugin makes every vLLM process that loads it decide like "
+        "vLLM 0.30+ (auto -> fp8_ds_mla; checked on the real code of 0.20.0-0.33.0, "
+        "docs/versions.md: the resolver patch on 0.23-0.29, the layer __init__ hook on "
+        "0.20-0.22); it must be installed on every node (the serving image in "
+        "Dockerfile installs it) and allowed by VLLM_PLUGINS.",
+    )]
+
+
+def _capacity_problems(plan: ReplicaPlan, args: AppArgs) -> list[Problem]:
+    cap, found = plan.capacity, []
+    node = args.dsv4.node
+    if node.platform != "cpu" and node.gpu_memory_gib is None:
+        found.append(Problem("warning", "capacity-unknown",
+                             "dsv4.node.gpu_memory_gib is not set, so KV capacity is not "
+                             "estimated. Fix: set it to the GPU memory nvidia-smi reports."))
+    if cap.kv_budget_per_gpu_bytes is not None and cap.kv_budget_per_gpu_bytes <= 0:
+        found.append(Problem(
+            "error", "weights-do-not-fit",
+            f"weights need {cap.weights_per_gpu_bytes / GIB:.1f} GiB per GPU, more than "
+            "gpu_memory_gib x gpu_memory_utilization leaves. Fix: more GPUs per replica "
+            "(tensor/pipeline/expert parallel) or larger GPUs."))
+    tokens, limit = cap.kv_tokens_per_engine, plan.max_model_len
+    if tokens is not None and limit and tokens < limit:
+        found.append(Problem(
+            "error", "max-model-len-does-not-fit",
+            f"max_model_len={limit} but one engine's KV pool holds {tokens:,} tokens: a "
+            "full-length request cannot be scheduled. Fix: lower max_model_len or add "
+            "memory per engine."))
+    room = (node.gpus_per_node or 0) * node.nodes_per_replica
+    # A P/D app's prefill and decode replica share a node (deployments.plan.pd).
+    idle = room - int(plan.parallel["gpus_per_replica"]) * (2 if plan.pd else 1)
+    if node.platform != "cpu" and node.gpus_per_node and idle > 0:
+        found.append(Problem(
+            "warning", "idle-gpus",
+            f"a replica uses {plan.parallel['gpus_per_replica']} of the "
+            f"{node.gpus_per_node * node.nodes_per_replica} GPUs of its node(s); {idle} "
+            "stay idle unless another deployment fills them."))
+    return found
+
+
+def _override_problems(plan: ReplicaPlan, args: AppArgs,
+                       shape: rules.ModelShape) -> list[Problem]:
+    """Replica overrides that change the page spec make replicas disagree."""
+    found = []
+    severity = "error" if args.dsv4.policy is Policy.ENFORCE else "warning"
+    for override in args.dsv4.replica_overrides:
+        ek = override.engine_kwargs
+        diffs = []
+        block = ek.get("block_size", plan.block_size)
+        if block != plan.block_size:
+            diffs.append(f"block_size {block} vs {plan.block_size}")
+        backend = ek.get("attention_backend")
+        if backend:
+            node = args.dsv4.node
+            other = rules.detect_layout(node.platform, node.compute_capability, backend,
+                                        plan.vllm_version)
+            if other.layout.value != plan.layout:
+                diffs.append(f"layout {other.layout.value} vs {plan.layout}")
+        if diffs:
+            consequence = ("the KV-spec controller fails its health check"
+                           if severity == "error" else "the controller reports it")
+            found.append(Problem(
+                severity, "replicas-disagree",
+                f"replica rank {override.rank} ({override.reason}) would disagree with the "
+                f"fleet: {', '.join(diffs)}; {consequence}."))
+    return found
+
+
+def fleet_problems(plans: Sequence[ReplicaPlan]) -> list[Problem]:
+    """Applications serving the same model with different page specs would disagree."""
+    found, by_model = [], {}
+    for plan in plans:
+        by_model.setdefault(plan.model, []).append(plan)
+    for model, group in by_model.items():
+        specs = {(p.capacity.storage, p.block_size) for p in group}
+        if len(specs) > 1:
+            detail = "; ".join(f"{p.application}: {p.capacity.storage}, block {p.block_size}"
+                               for p in group)
+            found.append(Problem(
+                "error", "replicas-disagree",
+                f"{model} is served with different KV page specs ({detail}): clients and "
+                "P/D transfers would see different layouts. Fix: one layout per model."))
+    return found
+
+
+# ------------------------------------------------------------------ whole config
+
+
+@dataclass
+class PlanReport:
+    config: str
+    applications: list[ReplicaPlan]
+    problems: list[Problem]
+
+    @property
+    def refused(self) -> bool:
+        return any(p.severity == "error" for p in self.problems) or any(
+            a.refused for a in self.applications)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "refused": self.refused,
+                "applications": [asdict(a) | {"refused": a.refused} for a in self.applications],
+                "problems": [asdict(p) for p in self.problems]}
+
+
+def plan_config(path: str | Path, *, model_config: Path | None = None,
+                vllm_version: str | None = None, reserve_gib: float = 0.0) -> PlanReport:
+    """Plan every ``deployments.app:build_app`` application of a Serve config."""
+    path = Path(path)
+    config = load_serve_config(path, refuse=False)  # policy problems are planned, not raised
+    plans = []
+    for app, args in config.ours():
+        # Without a layout and a dtype resolution there is nothing to plan.
+        refuse_problems([p for p in checks.check(args) if p.code in checks.UNPLANNABLE],
+                        app.where, str(path))
+        cfg = find_model_config(args, path, model_config)
+        plans.append(plan_application(app.name, args, cfg, vllm_version=vllm_version,
+                                      reserve_gib=reserve_gib))
+    return PlanReport(str(path), plans, fleet_problems(plans))
+
+
+def capability_text(node: Mapping[str, Any]) -> str:
+    """``sm 9.0`` for a node dict with a compute capability, else empty."""
+    cap = node.get("compute_capability")
+    return f"sm {cap[0]}.{cap[1]}" if cap else ""

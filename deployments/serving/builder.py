@@ -1,0 +1,145 @@
+"""The one-pool Serve application, and the pieces every pattern's builder shares.
+
+The application is Ray Serve LLM's server deployment (``build_llm_deployment`` /
+``build_dp_deployment``) with ``DSv4Server`` replicas that are their own HTTP ingress
+(``deployments.http.front``: vLLM's OpenAI app in the replica, behind our edge, plus
+``GET /v1/kv-spec``), and a ``KVSpecController`` deployment that watches them. Serve's
+proxy hands each request straight to a server replica, picked by
+``deployments.serving.router.KVSpecRouter``: no ingress replica in between
+(``docs/benchmarks.md`` section 2 has the per-hop numbers). The P/D pattern
+(``deployments.pd.builder``) reuses the shared pieces; this module never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.deployment import Application
+from ray.serve.llm import LLMConfig, build_dp_deployment, build_llm_deployment
+
+from deployments.config import AppArgs, HTTPEdge
+from deployments.control.controller import KVSpecController
+from deployments.logs import get_logger
+from deployments.serving.boot import LocalModelCallback
+from deployments.serving.names import CONTROLLER_DRAIN_S, CONTROLLER_NAME
+from deployments.serving.router import with_kv_router
+from deployments.serving.server import DSv4DPServer, DSv4Server
+
+logger = get_logger("app")
+
+# Room above http.max_in_flight for cheap requests (models, kv-spec, 401/404 answers).
+INGRESS_HEADROOM = 64
+
+
+def ingress_queue_options(http: HTTPEdge, deployment_config: dict[str, Any]) -> dict[str, Any]:
+    """Bounded queues in front of the edge, so overload is a 503 at every layer.
+
+    Ray Serve LLM's server default is ``max_ongoing_requests`` 1e9 with an unbounded
+    proxy queue. A value the user set in ``llm.deployment_config`` is kept. The edge
+    refuses generation above its share of ``http.max_in_flight`` itself (an OpenAI 503
+    body); these bounds make Serve's proxy refuse the rest (503 with
+    ``Retry-After``, Ray 2.60 ``backpressure_config``) instead of queueing without end.
+    """
+    defaults = {"max_ongoing_requests": 2 * http.max_in_flight + INGRESS_HEADROOM,
+                "max_queued_requests": http.max_in_flight,
+                "backpressure_config": {"status_code": 503,
+                                        "retry_after_s": http.retry_after_s}}
+    return {k: v for k, v in defaults.items() if k not in deployment_config}
+
+
+def resolve_model_source(args: AppArgs) -> str | None:
+    """The tiny-model alias becomes the directory ``ensure_tiny_model`` builds (logged)."""
+    if not args.llm.model_loading_config.is_tiny:
+        return None
+    from dsv4_patch.tiny_model import ensure_tiny_model
+
+    path = str(ensure_tiny_model())
+    logger.info("dsv4: model_source %r -> %s", args.llm.model_loading_config.model_source,
+                path)
+    return path
+
+
+def build_one_pool_app(parsed: AppArgs) -> Application:
+    """The one-pool application: server replicas (each its own HTTP ingress) and the
+    KV-spec controller that watches them."""
+    config_dict = parsed.llm_config_dict(resolve_model_source(parsed))
+    # The KV-spec router keeps requests off replicas the controller drains.
+    config_dict["deployment_config"] = with_kv_router(config_dict["deployment_config"])
+    dp = parsed.llm.engine_kwargs.data_parallel_size > 1
+    server_cls = DSv4DPServer if dp else DSv4Server
+    # The class that runs: on the DP path build_dp_deployment's deployment_cls wins.
+    llm_config = LLMConfig(**serving_config(config_dict, parsed.http), server_cls=server_cls)
+    refuse_lora(llm_config)
+    dsv4 = parsed.dsv4.model_dump(mode="json")
+    # The controller finds the servers by name: they bind it (for /v1/kv-spec), and a
+    # Serve graph has no cycles.
+    controller = controller_deployment(KVSpecController, parsed).bind(
+        server=server_deployment_name(server_cls, llm_config), dsv4=dsv4)
+    bind_kwargs = {"dsv4": dsv4} | ingress_bind_kwargs(
+        parsed.http, parsed.llm.deployment_config.max_replicas, controller)
+    if dp:
+        # DP attention: Ray Serve LLM's gang-scheduled DPServer pattern, our checks on top.
+        return build_dp_deployment(llm_config, bind_kwargs=bind_kwargs,
+                                   deployment_cls=serve.ingress()(DSv4DPServer))
+    return build_llm_deployment(llm_config, bind_kwargs=bind_kwargs,
+                                deployment_cls=serve.ingress()(DSv4Server))
+
+
+def serving_config(config_dict: dict[str, Any], http: HTTPEdge) -> dict[str, Any]:
+    """``config_dict`` for the deployment that answers HTTP: queue bounds, boot callback.
+
+    The queue bounds make overload a 503 at Serve's proxy as well as at the edge.
+    """
+    deployment_config = config_dict["deployment_config"]
+    config_dict = config_dict | {
+        "deployment_config": deployment_config | ingress_queue_options(http, deployment_config)}
+    return with_boot_callback(config_dict)
+
+
+def with_boot_callback(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """Skips the per-node download task for a local model directory (boot time);
+    a ``callback_config`` the user set is kept."""
+    if "callback_config" in config_dict:
+        return config_dict
+    return config_dict | {"callback_config": {"callback_class": LocalModelCallback}}
+
+
+def ingress_bind_kwargs(http: HTTPEdge, max_replicas: int,
+                        controller: Application) -> dict[str, Any]:
+    """What a server replica that is the HTTP ingress is bound with (``DSv4ServerMixin``):
+    the edge settings, how many replicas share ``http.max_in_flight``, the controller."""
+    return {"http": http.model_dump(mode="json"), "serving_replicas": max_replicas,
+            "kv_spec_controller": controller}
+
+
+def controller_deployment(cls: type, parsed: AppArgs) -> Any:
+    """The one controller deployment (``KVSpecController``, or P/D's ``PDController``)."""
+    return serve.deployment(
+        cls, name=CONTROLLER_NAME, num_replicas=1,
+        ray_actor_options={"num_cpus": 0}, graceful_shutdown_timeout_s=CONTROLLER_DRAIN_S,
+        graceful_shutdown_wait_loop_s=parsed.llm.deployment_config.drain_poll_s)
+
+
+def refuse_lora(llm_config: LLMConfig) -> None:
+    """LoRA adapters are refused, not ignored: nothing routes them on this path yet.
+
+    Ray Serve LLM's ingress turned ``model: base:adapter`` into a multiplexed model id;
+    the server replicas now answer HTTP themselves (``deployments.http.front``) and Serve's
+    proxy sets that id only from the ``serve_multiplexed_model_id`` header.
+    """
+    if llm_config.lora_config is not None:
+        raise ValueError(
+            "llm.lora_config is set, but the DSv4 server replicas serve vLLM's OpenAI app "
+            "directly and route no LoRA adapters yet. Fix: remove lora_config.")
+
+
+def server_deployment_name(cls: type, llm_config: LLMConfig,
+                           name_prefix: str | None = None) -> str:
+    """The name Ray Serve LLM's builder gives a server deployment (``<prefix><model>``;
+    the prefix defaults to ``<class>:``)."""
+    from ray.llm._internal.serve.core.server.builder import _get_deployment_name
+
+    options = cls.get_deployment_options(llm_config)
+    prefix = name_prefix or f"{cls.__name__}:"
+    return prefix + options.get("name", _get_deployment_name(llm_config))

