@@ -17,6 +17,36 @@ from dsv4_patch import rules
 
 # ------------------------------------------------------------------ app args
 
+# vLLM reads the Responses store switch from the environment of the process that
+# serves HTTP (``vllm.envs``); off, it drops ``store`` silently.
+RESPONSES_STORE_ENV = "VLLM_ENABLE_RESPONSES_API_STORE"
+
+
+def apply_http_to_engine(data: dict[str, Any], http: HTTPEdge) -> list[str]:
+    """What ``http`` decides inside the engine, written into an ``LLMConfig`` dict;
+    returns one line per value set, for the builder's log.
+
+    * A request without a token limit generates up to ``max_model_len`` minus the prompt
+      unless the generation config has a default (vLLM ``get_max_tokens``): that default
+      is ``http.max_tokens`` (``override_generation_config.max_new_tokens``) unless the
+      config sets one (``checks`` refuses one above ``http.max_tokens``).
+    * The Responses store follows ``http.responses_store``, so the edge and vLLM agree
+      whatever the node's environment says (``checks`` refuses a contradicting env var).
+    """
+    lines = []
+    overrides = data["engine_kwargs"].setdefault("override_generation_config", {})
+    if "max_new_tokens" not in overrides:
+        overrides["max_new_tokens"] = http.max_tokens
+        lines.append(f"engine_kwargs.override_generation_config.max_new_tokens="
+                     f"{http.max_tokens} (http.max_tokens: the bound of a request that "
+                     "sets no token limit)")
+    env = data.setdefault("runtime_env", {}).setdefault("env_vars", {})
+    if RESPONSES_STORE_ENV not in env:
+        env[RESPONSES_STORE_ENV] = "1" if http.responses_store else "0"
+        lines.append(f"runtime_env.env_vars.{RESPONSES_STORE_ENV}={env[RESPONSES_STORE_ENV]} "
+                     f"(http.responses_store={str(http.responses_store).lower()})")
+    return lines
+
 
 class AppArgs(_Strict):
     """``args`` of ``deployments.app:build_app``: one DeepSeek-V4 model."""

@@ -49,12 +49,39 @@ def errors(problems: list[Problem]) -> list[Problem]:
 def check(args: AppArgs) -> list[Problem]:
     """Every policy problem of one application's args, errors first."""
     found = [*_parallel_problems(args), *_layout_problems(args), *_shape_problems(args),
-             *_override_problems(args)]
+             *_override_problems(args), *_http_engine_problems(args)]
     return sorted(found, key=lambda p: not p.is_error)
 
 
 def _error(code: str, message: str) -> Problem:
     return Problem(ERROR, code, message)
+
+
+def _http_engine_problems(args: AppArgs) -> list[Problem]:
+    """Engine settings that would contradict the edge (``app_args.apply_http_to_engine``):
+    a default token limit above ``http.max_tokens``, a Responses store env var that
+    says otherwise than ``http.responses_store``."""
+    found = []
+    overrides = (args.llm.engine_kwargs.model_extra or {}).get("override_generation_config")
+    default = (overrides or {}).get("max_new_tokens") if isinstance(overrides, dict) else None
+    if isinstance(default, int) and default > args.http.max_tokens:
+        found.append(_error(
+            "default-tokens-above-bound",
+            f"llm.engine_kwargs.override_generation_config.max_new_tokens={default} is above "
+            f"http.max_tokens={args.http.max_tokens}: a request without a token limit would "
+            "get more than one with the largest allowed limit. Fix: lower max_new_tokens or "
+            "raise http.max_tokens."))
+    env = (args.llm.runtime_env.get("env_vars") or {}).get("VLLM_ENABLE_RESPONSES_API_STORE")
+    store = "1" if args.http.responses_store else "0"
+    if env is not None and env.strip().lower() not in ({"1", "true"} if store == "1"
+                                                       else {"0", "false", ""}):
+        found.append(_error(
+            "responses-store-conflict",
+            f"llm.runtime_env.env_vars.VLLM_ENABLE_RESPONSES_API_STORE={env!r} but "
+            f"http.responses_store={args.http.responses_store}: the edge would judge "
+            "Responses requests by one and vLLM serve them by the other. Fix: remove the "
+            "env var and set http.responses_store."))
+    return found
 
 
 def _parallel_problems(args: AppArgs) -> list[Problem]:

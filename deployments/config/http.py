@@ -63,6 +63,14 @@ class HTTPEdge(_Strict):
     max_tokens: int = Field(default=8192, ge=1, le=1 << 24)
     # Requests one ingress replica holds at once (running + waiting); above: 503.
     max_in_flight: int = Field(default=256, ge=1)
+    # vLLM's own default ``max_logprobs``: the engine refuses more, the edge says so first.
+    max_logprobs: int = Field(default=20, ge=0, le=1 << 20)
+    # A body that has not fully arrived by then is refused (408): a slow upload must not
+    # hold a connection or a slot.
+    body_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    # vLLM's Responses store (VLLM_ENABLE_RESPONSES_API_STORE) is per process: stored
+    # responses, background runs and previous_response_id live on one replica.
+    responses_store: bool = False
     retry_after_s: int = Field(default=1, ge=1, le=3600)
     stream_max_s: float = Field(default=1800.0, gt=0)
     stream_idle_s: float = Field(default=120.0, gt=0)

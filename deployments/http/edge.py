@@ -1,25 +1,31 @@
-"""The HTTP edge of the ingress: one ASGI middleware in front of Ray Serve LLM's app.
+"""The HTTP edge of a serving replica: one ASGI middleware in front of vLLM's app.
 
 It answers, in this order and before the body is parsed by anyone:
 
-1. **401** without a valid ``Authorization: Bearer <key>`` (``deployments.http.auth``);
-2. **404/405** for routes this deployment does not serve (embeddings, score,
-   transcriptions, tokenize, FastAPI's docs...), before the body is read, so a
-   large multipart upload is never spooled;
-3. **503 + Retry-After** when this serving replica already holds its share of
-   ``http.max_in_flight`` generation requests (``in_flight_share``) (a bounded queue: overload is
-   refused quickly instead of growing without limit);
-4. **413** for a body above ``http.max_body_bytes`` (Content-Length or counted);
-5. **400** naming the limit for JSON nested deeper than ``http.max_json_depth``
-   (600 levels made Ray's pickling fail with a 500), ``n`` above ``http.max_n``,
-   more prompts than ``http.max_prompts``, ``max_tokens`` above ``http.max_tokens``;
-   and for a chat ``messages`` that is not a list (``deployments.http.errors.messages_problem``).
+1. **401** without a valid ``Authorization: Bearer <key>`` (``deployments.http.auth``),
+   on every route, ``/health`` included;
+2. **404/405** for routes this deployment does not serve (``deployments.http.routes``:
+   a closed route's 404 says why it is closed), before the body is read;
+3. **503 + Retry-After** when this replica already holds its share of
+   ``http.max_in_flight`` requests (``in_flight_share``): checked before the body is
+   read and again before the slot is taken, which is only once the body is here;
+4. **408** when the body does not arrive within ``http.body_timeout_s``; **413** above
+   ``http.max_body_bytes`` (Content-Length or counted);
+5. **400** naming the field for: a body that is not UTF-8; JSON nested deeper than
+   ``http.max_json_depth`` (counted in one linear pass); ``kv_transfer_params`` or
+   ``ec_transfer_params`` from a client; any of the route's bounded fields above its
+   limit, read as vLLM's models read them (``"256"`` and ``256.0`` are 256); too many
+   prompts; a chat ``messages`` that is not a list; Responses that need the response
+   store while ``http.responses_store`` is off.
+
+An absent token limit is bounded too, by the engine: the builder sets vLLM's
+``override_generation_config.max_new_tokens`` to ``http.max_tokens``.
 
 While the request runs it bounds streams (``stream_max_s`` overall,
 ``stream_idle_s`` between chunks; the stream then ends with an error event and
 ``[DONE]``, and the cancellation reaches the engine, which aborts the request),
-and it rewrites every 5xx body (and 5xx error events inside a stream) to carry
-only a request id: the exception text goes to the log, not to the client.
+and it rewrites every 5xx body of every route (and 5xx error events inside a stream)
+to carry only a request id: the exception text goes to the log, not to the client.
 
 Pure ASGI (no ``BaseHTTPMiddleware``), so client disconnects still reach the app.
 """
@@ -36,7 +42,10 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from deployments.config import HTTPEdge
+from deployments.http import routes
 from deployments.http.auth import KeyStore, bearer_token
 from deployments.http.errors import messages_problem
 from deployments.logs import get_logger
@@ -49,17 +58,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-GENERATE_ROUTES = {"/v1/completions": "POST", "/v1/chat/completions": "POST"}
-KV_SPEC_ROUTE = "/v1/kv-spec"  # served by front; owned here, the lowest module using it
-READ_ROUTES = {"/v1/models": "GET", KV_SPEC_ROUTE: "GET"}
-MODEL_ROUTE = re.compile(r"^/v1/models/.+$")
-# OpenAI/vLLM routes a DeepSeek-V4 chat deployment does not serve: named in the 404.
-NOT_SERVED = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v1/audio/transcriptions",
-              "/v1/audio/translations", "/tokenize", "/detokenize", "/pooling",
-              "/classify")
-SERVED = sorted([*GENERATE_ROUTES, *READ_ROUTES, "/v1/models/{model}"])
-
-
 def error_body(status: int, message: str, kind: str, param: str | None = None) -> bytes:
     """The OpenAI error shape every answer of the edge uses."""
     return json.dumps({"error": {"message": message, "type": kind, "param": param,
@@ -68,54 +66,126 @@ def error_body(status: int, message: str, kind: str, param: str | None = None) -
 
 # ------------------------------------------------------------------ body checks
 
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+# A JSON string, or an unterminated one running to the end of the body (a trailing lone
+# backslash included). Every match attempt that starts at a quote succeeds and consumes
+# through its end, so ``sub`` never rescans: linear in the body, whatever it holds. (The
+# old pattern without the end alternatives restarted at every escaped quote of an
+# unterminated string and rescanned to the end: quadratic, ~50 min on 1 MiB.)
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.S)
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+_INT = TypeAdapter(int)  # lax, like vLLM's request models: "256", 256.0 and True are ints
+# Set only by dsv4-serve's own P/D path (through a handle, never HTTP): vLLM's NIXL
+# connector reads remote_host/remote_port/remote_block_ids from them.
+FORBIDDEN_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+UTF8 = ("utf-8", "utf-8-sig")
 
 
 def json_depth(raw: bytes) -> int:
     """Nesting depth of a JSON text, without parsing it (strings skipped).
 
-    Linear, iterative and bounded by the body size, so it is safe to run on a
-    hostile body before ``json.loads``/pydantic/pickle, which all recurse.
+    Linear and iterative, so it is safe to run on a hostile body before
+    ``json.loads``/pydantic/pickle, which all recurse.
     """
     skeleton = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
     return max(accumulate(_STEP[b] for b in skeleton), default=0)
 
 
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+def engine_int(value: Any) -> int | None:
+    """``value`` as vLLM's request models will read an ``int`` field, or None when they
+    will refuse it (their 400 then names the type). Same library, same lax rules."""
+    if value is None or isinstance(value, (dict, list)):
+        return None
+    try:
+        return _INT.validate_python(value)
+    except ValidationError:
+        return None
 
 
 def _prompt_count(prompt: Any) -> int:
-    """Prompts in a completion request: a list of strings or of token-id lists is a batch."""
+    """Prompts in a batch field: a list of strings, token-id lists or conversations."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         return len(prompt)
     return 1
 
 
-def limit_problem(body: Any, limits: HTTPEdge) -> tuple[str, str] | None:
+def _limit(limits: HTTPEdge, name: str) -> int:
+    return int(getattr(limits, name))
+
+
+def limit_problem(body: Any, limits: HTTPEdge,
+                  route: routes.Route = routes.EXACT[routes.COMPLETIONS_ROUTE],
+                  ) -> tuple[str, str] | None:
     """(param, message) for the first bound a parsed body exceeds, else None.
 
-    Only well-typed values are judged here; a wrongly typed field is left to the
-    request schema, whose 400 says what type was expected.
+    Each field is judged as the engine will read it (``engine_int``); a value the
+    request schema will refuse is left to that schema's 400.
     """
     if not isinstance(body, dict):
         return None
-    n = _int(body.get("n"))
-    if n is not None and n > limits.max_n:
-        return "n", (f"n={n} is above this server's limit http.max_n={limits.max_n}. "
-                     f"Fix: ask for at most {limits.max_n} choices per request.")
-    prompts = _prompt_count(body.get("prompt"))
-    if prompts > limits.max_prompts:
-        return "prompt", (f"prompt holds {prompts} prompts, above this server's limit "
-                          f"http.max_prompts={limits.max_prompts}. Fix: split the batch.")
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = _int(body.get(name))
-        if value is not None and value > limits.max_tokens:
-            return name, (f"{name}={value} is above this server's limit http.max_tokens="
-                          f"{limits.max_tokens}. Fix: ask for at most {limits.max_tokens}.")
+    for name, limit_name in route.bounds.items():
+        value, limit = engine_int(body.get(name)), _limit(limits, limit_name)
+        if value is not None and value > limit:
+            return name, (f"{name}={value} is above this server's limit http.{limit_name}="
+                          f"{limit}. Fix: ask for at most {limit}.")
+    if route.prompts is not None:
+        prompts = _prompt_count(body.get(route.prompts))
+        if prompts > limits.max_prompts:
+            return route.prompts, (
+                f"{route.prompts} holds {prompts} prompts, above this server's limit "
+                f"http.max_prompts={limits.max_prompts}. Fix: split the batch.")
     return None
+
+
+def forbidden_problem(body: Any) -> tuple[str, str] | None:
+    """(param, message) when a client sets a field only dsv4-serve's P/D path may set."""
+    if not isinstance(body, dict):
+        return None
+    for name in FORBIDDEN_FIELDS:
+        if name in body:
+            return name, (f"{name} is set by the server's own prefill/decode path, never "
+                          "by a client (it names hosts and KV blocks to pull). Fix: remove "
+                          f"{name} from the request.")
+    return None
+
+
+STORE_SETTING = "http.responses_store"
+
+
+def state_problem(body: Any, store: bool) -> tuple[str, str] | None:
+    """(param, message) for a Responses request that needs the response store when it is
+    off: vLLM would drop ``store`` silently and answer ``previous_response_id`` 404."""
+    if store or not isinstance(body, dict):
+        return None
+    for name, wants in (("store", body.get("store") is True),
+                        ("background", body.get("background") is True),
+                        ("previous_response_id", body.get("previous_response_id") is not None)):
+        if wants:
+            return name, (f"{name} needs stored responses, and this server does not store "
+                          f"them ({STORE_SETTING} is false). Fix: omit {name} and send the "
+                          "whole conversation as input, or ask the operator to enable "
+                          f"{STORE_SETTING}.")
+    return None
+
+
+def encoding_problem(raw: bytes) -> str | None:
+    """JSON between systems is UTF-8 (RFC 8259 section 8.1). ``json.loads`` also takes
+    UTF-16/32, where the byte-level depth count is off: such a body that reads as a JSON
+    object or array is refused; bytes that are no JSON text in any encoding are left to
+    the request schema's 400."""
+    if not raw:
+        return None
+    encoding = json.detect_encoding(raw)
+    if encoding in UTF8:
+        return None
+    try:
+        text = raw.decode(encoding)
+    except UnicodeDecodeError:
+        return None
+    if not text.lstrip("\ufeff \t\r\n").startswith(("{", "[")):
+        return None
+    return (f"the body is {encoding}-encoded JSON; this server takes UTF-8 only. Fix: send "
+            "the body as UTF-8.")
 
 
 # ------------------------------------------------------------------ the guard
@@ -233,7 +303,7 @@ class EdgeMiddleware:
 
     async def _handle(self, guard: EdgeGuard, scope: Scope, receive: Receive, send: Send,
                       request_id: str) -> None:
-        settings, route, method = guard.settings, _route(scope), scope.get("method", "GET")
+        settings, path, method = guard.settings, _route(scope), scope.get("method", "GET")
         if method == "OPTIONS" and settings.cors_allow_origins:
             await self.app(scope, receive, send)  # CORS preflight carries no credentials
             return
@@ -245,44 +315,71 @@ class EdgeMiddleware:
                                 "`Authorization: Bearer <key>` with a key the server "
                                 "operator gave you.", "authentication_error",
                                 headers=[(b"www-authenticate", b"Bearer")])
-        _check_route(route, method)
-        if route not in GENERATE_ROUTES:
-            await self.app(scope, receive, send)
+        route = _check_route(path, method)
+        if route.stateful and not settings.responses_store and route is not _RESPONSES:
+            raise _Rejected(404, f"response {routes.response_id(path)} was not stored: this "
+                            f"server does not store responses ({STORE_SETTING} is false). "
+                            "Fix: keep the response the create call returned, or ask the "
+                            f"operator to enable {STORE_SETTING}.", "not_found_error")
+        if not route.body:
+            await _run_bounded(self.app, scope, receive, send, settings, request_id)
             return
-        if guard.in_flight >= settings.max_in_flight:
-            raise _Rejected(503, f"the server is at its limit of {settings.max_in_flight} "
-                            f"requests in flight (http.max_in_flight{guard.limit_note}). "
-                            "Fix: retry after "
-                            f"{settings.retry_after_s} s.", "overloaded",
-                            headers=[(b"retry-after", str(settings.retry_after_s).encode())])
+        _admit(guard)  # shed load before reading anything
+        raw = await _read_body(scope, receive, settings)
+        _check_body(raw, settings, route)
+        _admit(guard)  # the slot is taken only once the body is here and judged
         guard.in_flight += 1
         try:
-            raw = await _read_body(scope, receive, settings.max_body_bytes)
-            _check_body(raw, settings, route)
             await _run_bounded(self.app, scope, _replay(raw, receive), send, settings,
                                request_id)
         finally:
             guard.in_flight -= 1
 
 
-def _check_route(route: str, method: str) -> None:
-    expected = GENERATE_ROUTES.get(route) or READ_ROUTES.get(route) or (
-        "GET" if MODEL_ROUTE.match(route) else None)
-    if expected is None:
-        why = ("is not served by this deployment (a DeepSeek-V4 chat/completions model)"
-               if route in NOT_SERVED else "does not exist")
-        raise _Rejected(404, f"route {route} {why}. Served routes: {', '.join(SERVED)}.",
-                        "not_found_error")
-    if method != expected:
-        raise _Rejected(405, f"{method} {route}: this route takes {expected}.",
-                        "invalid_request_error", headers=[(b"allow", expected.encode())])
+_RESPONSES = routes.EXACT[routes.RESPONSES_ROUTE]
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole body, refusing (413) as soon as it is known to exceed ``limit``."""
+def _admit(guard: EdgeGuard) -> None:
+    """503 + Retry-After when this replica holds its share of ``http.max_in_flight``."""
+    settings = guard.settings
+    if guard.in_flight >= settings.max_in_flight:
+        raise _Rejected(503, f"the server is at its limit of {settings.max_in_flight} "
+                        f"requests in flight (http.max_in_flight{guard.limit_note}). "
+                        f"Fix: retry after {settings.retry_after_s} s.", "overloaded",
+                        headers=[(b"retry-after", str(settings.retry_after_s).encode())])
+
+
+def _check_route(path: str, method: str) -> routes.Route:
+    """The served route, or 404 (with the reason for a closed one) / 405."""
+    route = routes.find(path)
+    if route is None:
+        why = routes.CLOSED.get(path)
+        text = f"is closed on this server: {why}" if why else "does not exist"
+        raise _Rejected(404, f"route {path} {text}. Served routes: "
+                        f"{', '.join(routes.SERVED)}.", "not_found_error")
+    if method != route.method:
+        raise _Rejected(405, f"{method} {path}: this route takes {route.method}.",
+                        "invalid_request_error", headers=[(b"allow", route.method.encode())])
+    return route
+
+
+async def _read_body(scope: Scope, receive: Receive, settings: HTTPEdge) -> bytes:
+    """The whole body within ``http.body_timeout_s``, refusing (413) as soon as it is known
+    to exceed ``http.max_body_bytes``. Serve's proxy may hand the body on in pieces as the
+    client trickles it: without the deadline a slow upload holds its connection forever."""
+    limit = settings.max_body_bytes
     declared = _header(scope, b"content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
+    try:
+        return await asyncio.wait_for(_receive_all(receive, limit), settings.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise _Rejected(408, f"the request body did not arrive within "
+                        f"{settings.body_timeout_s:g} s (http.body_timeout_s). Fix: send "
+                        "the body at once.", "timeout_error") from None
+
+
+async def _receive_all(receive: Receive, limit: int) -> bytes:
     chunks, size = [], 0
     while True:
         message = await receive()
@@ -303,26 +400,41 @@ def _too_large(size: int, limit: int) -> _Rejected:
                      "invalid_request_error")
 
 
-CHAT_ROUTE = "/v1/chat/completions"
+def body_problem(raw: bytes, settings: HTTPEdge,
+                 route: routes.Route) -> tuple[str | None, str] | None:
+    """(param, message) for the first thing wrong with a body before vLLM reads it.
 
-
-def _check_body(raw: bytes, settings: HTTPEdge, route: str) -> None:
+    Order: encoding, nesting (both on bytes, linear), then the parsed fields: fields only
+    the server may set, the route's bounds, chat ``messages``, the Responses store rules.
+    A body that is not JSON is left to the request schema (its 400 gives the position).
+    """
+    encoding = encoding_problem(raw)
+    if encoding:
+        return None, encoding
     depth = json_depth(raw)
     if depth > settings.max_json_depth:
-        raise _Rejected(400, f"the body nests {depth} levels deep, above this server's "
-                        f"limit http.max_json_depth={settings.max_json_depth}. Fix: "
-                        "flatten the request.", "invalid_request_error")
+        return None, (f"the body nests {depth} levels deep, above this server's limit "
+                      f"http.max_json_depth={settings.max_json_depth}. Fix: flatten the "
+                      "request.")
     try:
         body = json.loads(raw)
     except ValueError:
-        return  # the request schema answers 400 with the position of the error
-    problem = limit_problem(body, settings)
+        return None
+    problem = forbidden_problem(body) or limit_problem(body, settings, route)
+    if problem is None and route.stateful:
+        problem = state_problem(body, settings.responses_store)
+    if problem:
+        return problem
+    bad_messages = messages_problem(body) if route.chat_messages else None
+    if bad_messages:
+        return "messages", "Invalid request: " + bad_messages
+    return None
+
+
+def _check_body(raw: bytes, settings: HTTPEdge, route: routes.Route) -> None:
+    problem = body_problem(raw, settings, route)
     if problem:
         raise _Rejected(400, problem[1], "invalid_request_error", param=problem[0])
-    bad_messages = messages_problem(body) if route == CHAT_ROUTE else None
-    if bad_messages:
-        raise _Rejected(400, "Invalid request: " + bad_messages, "invalid_request_error",
-                        param="messages")
 
 
 def _replay(raw: bytes, receive: Receive) -> Receive:

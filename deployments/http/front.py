@@ -41,9 +41,10 @@ from starlette.middleware.cors import CORSMiddleware
 
 from deployments import serve_env
 from deployments.config import HTTPEdge
-from deployments.http.edge import KV_SPEC_ROUTE, EdgeMiddleware
+from deployments.http.edge import EdgeMiddleware
 from deployments.http.errors import openai_http_error, openai_validation_error
 from deployments.http.public import public_report
+from deployments.http.routes import KV_SPEC_ROUTE
 from deployments.logs import get_logger
 
 logger = get_logger("front")

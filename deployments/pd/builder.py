@@ -37,6 +37,7 @@ from deployments.serving.builder import (
     server_deployment_name,
     serving_config,
     with_boot_callback,
+    with_http_engine_settings,
 )
 from deployments.serving.names import DECODE_PREFIX
 from deployments.serving.router import with_kv_router
@@ -53,7 +54,8 @@ def pool_configs(parsed: PDAppArgs) -> tuple[LLMConfig, LLMConfig]:
     source = resolve_model_source(parsed)
     configs = {}
     for pool, server_cls in (("prefill", DSv4PDPrefillServer), ("decode", DSv4PDDecodeServer)):
-        data = parsed.pool_llm_config_dict(pool, source)
+        data = with_http_engine_settings(parsed.pool_llm_config_dict(pool, source),
+                                         parsed.http)
         if data.get("experimental_configs", {}).get(PREWARM_KEY):
             raise ValueError(
                 f"llm.experimental_configs.{PREWARM_KEY}=true: Ray Serve LLM's pre-warm "

@@ -12,6 +12,7 @@ proxy hands each request straight to a server replica, picked by
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from ray import serve
@@ -19,6 +20,7 @@ from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_dp_deployment, build_llm_deployment
 
 from deployments.config import AppArgs, HTTPEdge
+from deployments.config.app_args import apply_http_to_engine
 from deployments.control.controller import KVSpecController
 from deployments.logs import get_logger
 from deployments.serving.boot import LocalModelCallback
@@ -63,7 +65,8 @@ def resolve_model_source(args: AppArgs) -> str | None:
 def build_one_pool_app(parsed: AppArgs) -> Application:
     """The one-pool application: server replicas (each its own HTTP ingress) and the
     KV-spec controller that watches them."""
-    config_dict = parsed.llm_config_dict(resolve_model_source(parsed))
+    config_dict = with_http_engine_settings(
+        parsed.llm_config_dict(resolve_model_source(parsed)), parsed.http)
     # The KV-spec router keeps requests off replicas the controller drains.
     config_dict["deployment_config"] = with_kv_router(config_dict["deployment_config"])
     dp = parsed.llm.engine_kwargs.data_parallel_size > 1
@@ -84,6 +87,15 @@ def build_one_pool_app(parsed: AppArgs) -> Application:
                                    deployment_cls=serve.ingress()(DSv4DPServer))
     return build_llm_deployment(llm_config, bind_kwargs=bind_kwargs,
                                 deployment_cls=serve.ingress()(DSv4Server))
+
+
+def with_http_engine_settings(config_dict: dict[str, Any], http: HTTPEdge) -> dict[str, Any]:
+    """``config_dict`` with what the edge's settings decide inside the engine
+    (``apply_http_to_engine``), each value set logged: never a silent change."""
+    config_dict = copy.deepcopy(config_dict)
+    for line in apply_http_to_engine(config_dict, http):
+        logger.info("dsv4: %s", line)
+    return config_dict
 
 
 def serving_config(config_dict: dict[str, Any], http: HTTPEdge) -> dict[str, Any]:

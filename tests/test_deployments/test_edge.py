@@ -29,7 +29,7 @@ from deployments.config import (
     HTTPEdge,
     parse_app_args,
 )
-from deployments.http import auth, edge
+from deployments.http import auth, edge, routes
 from deployments.http.front import harden
 from deployments.http.public import RefreshGate, public_report
 
@@ -71,6 +71,9 @@ def build(settings: HTTPEdge, probe: Probe) -> FastAPI:
         return {"choices": [], "n": body.get("n")}
 
     @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions/batch")
+    @app.post("/v1/responses")
+    @app.post("/v1/messages")
     async def chat(request: Request) -> Any:
         probe.body_reads += 1
         return {"choices": []}
@@ -99,8 +102,10 @@ async def _events(mode: str, probe: Probe) -> AsyncIterator[bytes]:
 
 async def call(app: Any, method: str, path: str, body: bytes = b"",
                headers: dict[str, str] | None = None, chunks: list[bytes] | None = None,
-               read_forbidden: bool = False) -> tuple[int, dict[str, str], bytes]:
-    """One raw ASGI request; ``read_forbidden`` fails if anyone reads the body."""
+               read_forbidden: bool = False,
+               trickle: bool = False) -> tuple[int, dict[str, str], bytes]:
+    """One raw ASGI request; ``read_forbidden`` fails if anyone reads the body;
+    ``trickle``: the last chunk promises more body, which never comes."""
     hdrs = {"content-type": "application/json", **(headers or {})}
     if chunks is None:
         chunks = [body]
@@ -117,7 +122,8 @@ async def call(app: Any, method: str, path: str, body: bytes = b"",
             raise AssertionError("the body was read")
         if pending:
             chunk = pending.pop(0)
-            return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
+            return {"type": "http.request", "body": chunk,
+                    "more_body": bool(pending) or trickle}
         await asyncio.sleep(3600)
         return {"type": "http.disconnect"}
 
@@ -259,12 +265,41 @@ def test_open_on_loopback_until_a_key_is_configured(probe: Probe, tmp_path: Path
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/score", "/v1/audio/transcriptions",
-                                  "/tokenize", "/detokenize", "/docs", "/openapi.json"])
+                                  "/docs", "/openapi.json", "/metrics", "/collective_rpc",
+                                  "/inference/v1/generate", "/v1/chat/completions/render",
+                                  "/scale_elastic_ep", "/ping", "/nope"])
 def test_unserved_routes_are_404_before_the_body_is_read(probe: Probe, path: str) -> None:
     app = build(HTTPEdge(), probe)
     guard(HTTPEdge())
     status, _, data = run(call(app, "POST", path, b"x" * 10, read_forbidden=True))
-    assert status == 404 and "/v1/chat/completions" in error(data)["message"]
+    message = error(data)["message"]
+    assert status == 404 and "/v1/chat/completions" in message and "/v1/responses" in message
+    # A closed route says why; an unknown one says it does not exist.
+    why = routes.CLOSED.get(path)
+    assert (why in message) if why else "does not exist" in message
+
+
+def test_every_route_vllm_mounts_is_served_or_closed_with_a_reason() -> None:
+    """vLLM 0.32's OpenAI app for a generative model, read from the installed vLLM: a
+    route it adds in a new release must be decided here (served with bounds, or closed)."""
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "m"])
+    mounted = {r.path for r in build_app(args, supported_tasks=("generate",)).routes}
+    undecided = {p for p in mounted if routes.find(p.replace("{response_id}", "r"))
+                 is None and p not in routes.CLOSED and not p.startswith("/docs/")}
+    assert undecided == set()
+    assert {"/v1/responses", "/v1/messages", "/tokenize", "/health"} <= mounted
+
+
+def test_a_served_route_the_app_lacks_is_the_apps_404(probe: Probe) -> None:
+    """Served routes reach the app (here a stand-in without /tokenize)."""
+    app = build(HTTPEdge(), probe)
+    guard(HTTPEdge())
+    assert run(call(app, "POST", "/tokenize", b'{"prompt": "x"}'))[0] == 404
+    assert run(call(app, "GET", "/version"))[0] == 404
 
 
 def test_wrong_method_is_405(probe: Probe) -> None:
@@ -299,9 +334,17 @@ def test_nesting_depth_is_a_400_naming_the_limit(probe: Probe) -> None:
 
 @pytest.mark.parametrize(("body", "param", "limit"), [
     ({"prompt": "x", "n": 5000}, "n", "http.max_n=4"),
+    # vLLM's models read these as the integers they spell (pydantic lax mode)
+    ({"prompt": "x", "n": "256"}, "n", "http.max_n=4"),
+    ({"prompt": "x", "n": 256.0}, "n", "http.max_n=4"),
+    ({"prompt": "x", "n": " 256 "}, "n", "http.max_n=4"),
+    ({"prompt": "x", "best_of": "64"}, "best_of", "http.max_n=4"),
+    ({"prompt": "x", "max_tokens": "900000"}, "max_tokens", "http.max_tokens=8192"),
+    ({"prompt": "x", "max_tokens": 1e6}, "max_tokens", "http.max_tokens=8192"),
+    ({"prompt": "x", "min_tokens": 10**6}, "min_tokens", "http.max_tokens=8192"),
+    ({"prompt": "x", "logprobs": "50"}, "logprobs", "http.max_logprobs=20"),
+    ({"prompt": "x", "prompt_logprobs": 10**4}, "prompt_logprobs", "http.max_logprobs=20"),
     ({"prompt": "x", "max_tokens": 10**7}, "max_tokens", "http.max_tokens=8192"),
-    ({"messages": [], "max_completion_tokens": 10**6}, "max_completion_tokens",
-     "http.max_tokens=8192"),
     ({"prompt": ["a"] * 17}, "prompt", "http.max_prompts=16"),
 ])
 def test_request_bounds_are_400s_naming_the_limit(probe: Probe, body: dict[str, Any],
@@ -312,6 +355,121 @@ def test_request_bounds_are_400s_naming_the_limit(probe: Probe, body: dict[str, 
     err = error(data)
     assert status == 400 and err["param"] == param and limit in err["message"], err
     assert post(app, {"prompt": "x", "n": 4, "max_tokens": 8192})[0] == 200
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/v1/chat/completions", {"messages": [], "max_completion_tokens": 1e6},
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [], "n": "9"}, "n"),
+    ("/v1/chat/completions", {"messages": [], "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions/batch", {"messages": [[]] * 17}, "messages"),
+    ("/v1/chat/completions/batch", {"messages": [[]], "max_tokens": "10000"}, "max_tokens"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": "9000"}, "max_output_tokens"),
+    ("/v1/responses", {"input": "x", "top_logprobs": 99}, "top_logprobs"),
+    ("/v1/messages", {"messages": [], "max_tokens": 9000.0}, "max_tokens"),
+])
+def test_every_generating_route_bounds_its_own_fields(probe: Probe, path: str,
+                                                      body: dict[str, Any],
+                                                      param: str) -> None:
+    app = build(HTTPEdge(), probe)
+    guard(HTTPEdge())
+    status, _, data = run(call(app, "POST", path, json.dumps(body).encode(),
+                               read_forbidden=False))
+    err = error(data)
+    assert status == 400 and err["param"] == param, err
+    assert probe.body_reads == 0
+
+
+@pytest.mark.parametrize("field", ["kv_transfer_params", "ec_transfer_params"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions",
+                                  "/v1/chat/completions/batch", "/v1/responses",
+                                  "/v1/messages", "/tokenize"])
+def test_transfer_params_from_a_client_are_refused_on_every_route(
+        probe: Probe, path: str, field: str) -> None:
+    app = build(HTTPEdge(), probe)
+    guard(HTTPEdge())
+    body = {"prompt": "x", field: {"remote_host": "10.0.0.9", "remote_port": 5600,
+                                   "remote_block_ids": [1, 2]}}
+    status, _, data = run(call(app, "POST", path, json.dumps(body).encode()))
+    err = error(data)
+    assert status == 400 and err["param"] == field and "remove" in err["message"]
+    assert probe.body_reads == 0
+
+
+def test_a_body_of_escaped_quotes_is_judged_in_linear_time(probe: Probe) -> None:
+    """1 MiB of an unterminated string of escaped quotes: the old pattern rescanned from
+    every quote (about 50 minutes at this size); one pass now, also with a trailing
+    backslash (the pattern's other end)."""
+    for tail in (b"", b"\\"):
+        raw = b'{"prompt": "' + b'\\"' * ((1 << 20) // 2 - 8) + tail
+        started = time.monotonic()
+        assert edge.json_depth(raw) == 1
+        assert time.monotonic() - started < 5.0
+    settings = HTTPEdge(max_body_bytes=2 << 20)
+    app = build(settings, probe)
+    guard(settings)
+    # Not JSON: the edge answers at once and leaves it to the request schema's 400.
+    run(call(app, "POST", "/v1/completions", raw))
+    assert probe.body_reads == 1
+
+
+def test_json_depth_counts_what_a_parser_sees() -> None:
+    assert edge.json_depth(rb'{"a": "\\", "b": [[1]]}') == 3  # an escaped backslash
+    assert edge.json_depth(rb'["\\\"]]]"]') == 1  # backslash, then an escaped quote
+    assert edge.json_depth(b'"unterminated [[[') == 0
+
+
+def test_a_non_utf8_body_is_refused(probe: Probe) -> None:
+    app = build(HTTPEdge(), probe)
+    guard(HTTPEdge())
+    deep = ('{"prompt": "x", "e": ' + "[" * 2000 + "]" * 2000 + "}").encode("utf-16-le")
+    status, _, data = run(call(app, "POST", "/v1/completions", deep))
+    assert status == 400 and "UTF-8" in error(data)["message"] and probe.body_reads == 0
+    bom = b"\xef\xbb\xbf" + json.dumps({"prompt": "x"}).encode()
+    assert edge.encoding_problem(bom) is None
+
+
+def test_a_trickled_body_is_408_and_holds_no_slot(probe: Probe) -> None:
+    settings = HTTPEdge(body_timeout_s=0.3, max_in_flight=1)
+    app = build(settings, probe)
+    g = guard(settings)
+
+    async def scenario() -> tuple[Any, Any, int]:
+        # the first chunk arrives, then nothing (the harness waits an hour)
+        slow = asyncio.ensure_future(call(app, "POST", "/v1/completions",
+                                          chunks=[b'{"prompt": '], trickle=True))
+        await asyncio.sleep(0.1)
+        during = g.in_flight
+        other = await call(app, "POST", "/v1/completions", b'{"prompt": "x"}')
+        return await slow, other, during
+
+    slow, other, during = run(scenario())
+    assert slow[0] == 408 and "http.body_timeout_s" in error(slow[2])["message"]
+    assert other[0] == 200 and during == 0 and g.in_flight == 0
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"input": "x", "store": True}, "store"),
+    ({"input": "x", "background": True}, "background"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+])
+def test_responses_that_need_the_store_are_400_while_it_is_off(
+        probe: Probe, body: dict[str, Any], param: str) -> None:
+    app = build(HTTPEdge(), probe)
+    guard(HTTPEdge())
+    status, _, data = run(call(app, "POST", "/v1/responses", json.dumps(body).encode()))
+    err = error(data)
+    assert status == 400 and err["param"] == param
+    assert "http.responses_store" in err["message"]
+    status, _, data = run(call(app, "GET", "/v1/responses/resp_1"))
+    assert status == 404 and "http.responses_store" in error(data)["message"]
+    status, _, _ = run(call(app, "POST", "/v1/responses/resp_1/cancel"))
+    assert status == 404
+    # store off is fine when nothing needs it; on, the fields pass to vLLM
+    assert run(call(app, "POST", "/v1/responses", b'{"input": "x", "store": false}'))[0] == 200
+    on = HTTPEdge(responses_store=True)
+    guard(on)
+    assert run(call(app, "POST", "/v1/responses", json.dumps(body).encode()))[0] == 200
 
 
 def test_overload_is_503_with_retry_after(probe: Probe) -> None:

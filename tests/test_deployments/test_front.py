@@ -60,12 +60,19 @@ def test_configured_cors_is_ours() -> None:
     assert cors.kwargs["allow_origins"] == ["https://chat.example"]
 
 
-@pytest.mark.parametrize("path", ["/metrics", "/tokenize", "/detokenize", "/health",
-                                  "/docs", "/openapi.json", "/version", "/pooling"])
+@pytest.mark.parametrize("path", ["/metrics", "/load", "/docs", "/openapi.json", "/pooling",
+                                  "/server_info", "/v1/systemone"])
 def test_vllm_extra_routes_stay_closed(client: TestClient, path: str) -> None:
     resp = client.get(path)
     assert resp.status_code == 404, (path, resp.status_code, resp.text[:200])
     assert resp.json()["error"]["type"] == "not_found_error"
+    assert "is closed on this server" in resp.json()["error"]["message"]
+
+
+def test_vllm_surface_routes_reach_vllms_app(client: TestClient) -> None:
+    """Served routes are vLLM's own handlers (this app has no engine behind it)."""
+    assert client.get("/version").json() == {"version": "0.32.0"}
+    assert client.get("/tokenize").status_code == 405  # POST only
 
 
 def test_chat_messages_null_is_a_400_before_vllm_sees_it(client: TestClient) -> None:
