@@ -64,7 +64,7 @@ test-releases: setup
 	  tests/test_dsv4_patch/test_release_import.py \
 	  tests/test_dsv4_patch/test_release_cpu_compat.py \
 	  tests/test_dsv4_patch/test_release_e2e.py; status=$$?; \
-	  $(BIN)/python -m tests.release_table docs/versions.md && exit $$status
+	  $(BIN)/python -m tests.releases.table docs/versions.md && exit $$status
 
 lint: setup
 	$(BIN)/ruff check .

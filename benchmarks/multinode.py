@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import load as bench_load
-from tests import multinode as mn
+from benchmarks import multinode_scenario as mn
 
 NODES = 3
 IDLE_TIMEOUT_S = 5.0

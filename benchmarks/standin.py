@@ -10,7 +10,7 @@ controller can be exercised and measured at 256 replicas.
 
 The worker specs a stand-in reports are laid out layer by layer the way vLLM's
 DeepSeek-V4 layers register them (names, roles, block sizes: recorded from the
-real engine on the tiny model, ``tests/data/tiny_worker_specs.json``) for the
+real engine on the tiny model, ``tests/support/data/tiny_worker_specs.json``) for the
 real DeepSeek-V4-Flash ``config.json``, with page sizes from the byte model; its
 prediction comes from the same ``deployments.control.prediction.predict`` a real replica
 uses. Knobs make chosen ranks differ the ways a fleet can:

@@ -14,49 +14,23 @@ rank 0 loses a 1-1 tie only because it is judged against the prediction.
 
 from __future__ import annotations
 
-import copy
 import os
-import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
-from deployments.config import DEFAULT_CONFIG, ServeConfig, load_serve_config
-
-SERVING_LINE = "Serving; Ctrl-C to stop."
-MIXED_APP = "mixed"
-MIXED_ROUTE = "/mixed"
-# rank 0 of the mixed app: the tiny model's layers 2 (C128) and 3 (C4) swapped.
-ODD_RANK = 0
-ODD_ENGINE_KWARGS = {"hf_overrides": {"compress_ratios": [0, 4, 4, 128, 0]}}
-
-
-@dataclass
-class Stack:
-    """The running session stack: config, base URLs, timings."""
-
-    config: ServeConfig
-    url: str  # OpenAI base URL of the main app (…/v1)
-    model: str
-    running_s: dict[str, float]
-    cluster_s: float
-    # The API-key file the session's ingress re-reads (DSV4_API_KEYS_FILE): empty, so the
-    # loopback app is open; tests/test_deployments/test_serve_security.py writes keys into it
-    # and empties it.
-    keys_file: Path | None = None
-
+from deployments.config import DEFAULT_CONFIG, load_serve_config
+from tests.support.stack import MIXED_APP, MIXED_ROUTE, Stack, mixed_app_args
 
 TESTS = Path(__file__).resolve().parent
 # The mirror folders are pyproject's testpaths, read from there (one list). Named
-# test_<package>, not <package>: engine subprocesses get tests/ on PYTHONPATH
-# (engine_site's hooks import its harnesses by top-level name), where a tests/dsv4_patch/
-# would shadow the real plugin and tests/packaging/ PyPI's packaging.
+# test_<package>, not <package>: were tests/ ever on a process's path, a tests/dsv4_patch/
+# would shadow the real plugin and tests/packaging/ PyPI's packaging. Shared helpers sit
+# in tests/support/ (plain names; this file holds only hooks and fixtures).
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -71,39 +45,6 @@ def pytest_configure(config: pytest.Config) -> None:
             f"expected tests/test_<package>/test_<module>.py in one of {mirrors}. "
             "Fix: git mv each into the package its module belongs to (or add the new "
             "package to pyproject's testpaths).")
-
-
-def read_until_serving(proc: subprocess.Popen[str], timeout_s: float) -> str:
-    """``dsv4-serve run``'s output up to its "Serving" line (or EOF, or ``timeout_s``).
-
-    The caller asserts ``SERVING_LINE`` is in the text; on a failed boot the text
-    ends with the error. The deadline is checked between lines: the run prints
-    progress while it boots.
-    """
-    assert proc.stdout is not None, "start the run with stdout=subprocess.PIPE"
-    lines: list[str] = []
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith(SERVING_LINE):
-            break
-    return "".join(lines)
-
-
-def mixed_app_args(base: dict[str, Any]) -> dict[str, Any]:
-    """The local app, with rank 0 on another layer order, under policy warn."""
-    args = copy.deepcopy(base)
-    args["dsv4"].update(
-        policy="warn",
-        controller_period_s=2,
-        enforce_backoff_s=600,  # one replacement, then drained: a boot per test, not a loop
-        replica_overrides=[{"rank": ODD_RANK, "engine_kwargs": ODD_ENGINE_KWARGS,
-                            "reason": "test: a replica configured to differ"}],
-    )
-    return args
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from deployments.config import DEFAULT_CONFIG, ConfigError, parse_app_args
-from tests import engine_boot
+from tests.support import engine_boot
 
 
 def _local_args() -> dict:
@@ -75,11 +75,12 @@ EIGHT_LAYERS = {"num_hidden_layers": 8, "compress_ratios": [0, 4, 128, 4, 0, 4, 
 
 
 def _parallel_engine(*args: str) -> subprocess.CompletedProcess[str]:
-    """``tests.engine_boot`` on the tiny model with ``args`` (8 greedy tokens, 4 seqs)."""
+    """``tests.support.engine_boot`` on the tiny model with ``args`` (8 greedy tokens, 4 seqs)."""
     from dsv4_patch.tiny_model import ensure_tiny_model
 
-    return subprocess.run([sys.executable, "-m", "tests.engine_boot", str(ensure_tiny_model()),
-                           "--generate", "8", "--max-num-seqs", "4", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "tests.support.engine_boot",
+                           str(ensure_tiny_model()), "--generate", "8", "--max-num-seqs", "4",
+                           *args], cwd=REPO,
                           capture_output=True, text=True, timeout=420)
 
 

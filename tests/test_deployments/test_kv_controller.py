@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Stack
-from tests.kv_standins import HANG_FLAG, STUCK_FLAG
+from tests.support.kv_standins import HANG_FLAG, STUCK_FLAG
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.slow
 
@@ -194,7 +194,7 @@ def test_a_blocked_serve_status_turns_the_report_stale_and_restarts_the_controll
         app_name: str) -> None:
     from ray import serve
 
-    from tests.kv_standins import StuckStatusController
+    from tests.support.kv_standins import StuckStatusController
 
     STUCK_FLAG.touch()
     try:

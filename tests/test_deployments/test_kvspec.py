@@ -35,8 +35,9 @@ from dsv4_patch import rules
 from dsv4_patch.tiny_model import tiny_config
 
 REPO = Path(__file__).resolve().parents[2]
-# What a real vLLM 0.32 worker reported for the tiny model (tests.engine_boot, recorded).
-TINY_WORKERS = json.loads((REPO / "tests" / "data" / "tiny_worker_specs.json").read_text())
+# What a real vLLM 0.32 worker reported for the tiny model (tests.support.engine_boot, recorded).
+TINY_WORKERS = json.loads(
+    (REPO / "tests" / "support" / "data" / "tiny_worker_specs.json").read_text())
 MODELS = REPO / "configs" / "models" / "deepseek-ai"
 FP8 = rules.Layout.FP8_DS_MLA
 

@@ -1,7 +1,7 @@
 """``dsv4-serve run --nodes 3``: one replica per node, autoscaling with node add/remove,
 node loss under traffic, and a clean stop after it -- on ONE cluster, in order.
 
-The module boots one run (``tests.multinode``): a head that takes no replicas and
+The module boots one run (``benchmarks.multinode_scenario``): a head that takes no replicas and
 worker nodes from Ray's autoscaler, the local app autoscaled 1..2. The tests are
 steps of one story and run in file order, each starting from where the previous
 left the cluster: 1 replica -> load: 2 replicas on 2 nodes -> the first node's
@@ -21,10 +21,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from benchmarks import multinode_scenario as mn
 from deployments.local.cluster import cmdline
-from tests import multinode as mn
-from tests.test_deployments.test_run_cli import alive
-from tests.test_deployments.test_serve_faults import Traffic
+from tests.support.procs import alive
+from tests.support.serve_client import Traffic
 
 pytestmark = pytest.mark.slow
 

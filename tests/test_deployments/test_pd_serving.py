@@ -30,7 +30,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ODD_ENGINE_KWARGS, Stack
+from tests.support.stack import ODD_ENGINE_KWARGS, Stack
 
 pytestmark = pytest.mark.slow
 

@@ -16,47 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SERVING_LINE, read_until_serving
-from tests.kv_poll import TRANSIENT, kv_report
-from tests.multinode import FULL_FAULTS
+from benchmarks.kv_poll import TRANSIENT, kv_report
+from benchmarks.multinode_scenario import FULL_FAULTS
+from benchmarks.run_process import SERVING_LINE, descendants, read_until_serving
+from tests.support.procs import alive
 
 pytestmark = pytest.mark.slow
 
 BOOT_TIMEOUT_S = 420
 STOP_TIMEOUT_S = 90
-
-
-def _parents() -> dict[int, int]:
-    table = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                stat = (proc / "stat").read_text()
-                table[int(proc.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    return table
-
-
-def descendants(root: int) -> set[int]:
-    """Every live process below ``root`` (Ray daemons, replicas, vLLM engines, workers)."""
-    parents, found, frontier = _parents(), set(), {root}
-    while frontier:
-        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pids: set[int]) -> list[str]:
-    out = []
-    for pid in sorted(pids):
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            if state != "Z":
-                out.append(f"{pid} {Path(f'/proc/{pid}/cmdline').read_bytes()[:80]!r}")
-        except OSError:
-            continue
-    return out
 
 
 def processes_named(pids: set[int], fragment: bytes) -> list[int]:

@@ -25,9 +25,9 @@ import httpx
 import pytest
 import yaml
 
+from benchmarks.run_process import SERVING_LINE, descendants, read_until_serving
 from deployments.config import DEFAULT_CONFIG
-from tests.conftest import SERVING_LINE, read_until_serving
-from tests.test_deployments.test_run_cli import alive, descendants
+from tests.support.procs import alive
 
 pytestmark = pytest.mark.slow
 

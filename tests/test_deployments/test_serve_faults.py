@@ -16,50 +16,22 @@ are confined to the killed replica's moment, the fleet heals and agrees again.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from tests.conftest import Stack
-from tests.kv_poll import TRANSIENT, kv_report
+from tests.support.procs import pid_alive
+from tests.support.serve_client import Traffic, wait_agree
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.slow
 
 APP = "dsv4"
-REQUEST_TIMEOUT_S = 120.0
-HEAL_TIMEOUT_S = 300.0
 
 
 # ----------------------------------------------------------------- helpers
-
-
-def report(url: str, refresh: bool = True) -> tuple[int, dict[str, Any]]:
-    return kv_report(url, refresh, REQUEST_TIMEOUT_S)
-
-
-def wait_agree(url: str, replicas: int, exclude: set[str] = frozenset(),
-               timeout_s: float = HEAL_TIMEOUT_S) -> dict[str, Any]:
-    """Until the controller reports agree over ``replicas`` ids, none of them in ``exclude``."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            status, body = report(url)
-            last = (status, body.get("state"), body.get("problems"))
-            ids = {r["id"] for r in body.get("replicas", [])}
-            if (status == 200 and body["answered"] == body["running_replicas"] == replicas
-                    and not ids & exclude):
-                return body
-        except TRANSIENT as exc:  # the ingress answers again shortly: keep polling
-            last = repr(exc)
-        time.sleep(2)
-    raise AssertionError(f"no agreement over {replicas} replicas in {timeout_s}s; last {last}")
 
 
 def named_actor(suffix: str) -> Any:
@@ -70,75 +42,6 @@ def named_actor(suffix: str) -> Any:
              if a["name"].endswith(suffix)]
     assert len(names) == 1, f"expected one actor named *{suffix}, found {names}"
     return ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-@dataclass
-class Outcome:
-    started: float
-    ended: float
-    status: int | None
-    error: str | None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200
-
-
-@dataclass
-class Traffic:
-    """``threads`` clients sending short completions back to back until stopped."""
-
-    url: str
-    model: str
-    threads: int = 4
-    outcomes: list[Outcome] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _workers: list[threading.Thread] = field(default_factory=list)
-
-    def _loop(self) -> None:
-        body = {"model": self.model, "prompt": "Reliability", "max_tokens": 8,
-                "temperature": 0.0}
-        with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
-            while not self._stop.is_set():
-                t0 = time.monotonic()
-                try:
-                    resp = http.post(f"{self.url}/completions", json=body)
-                    out = Outcome(t0, time.monotonic(), resp.status_code,
-                                  None if resp.status_code == 200 else resp.text[:300])
-                except httpx.HTTPError as exc:  # recorded and asserted on, not swallowed
-                    out = Outcome(t0, time.monotonic(), None, repr(exc))
-                with self._lock:
-                    self.outcomes.append(out)
-
-    def __enter__(self) -> Traffic:
-        for _ in range(self.threads):
-            worker = threading.Thread(target=self._loop, daemon=True)
-            worker.start()
-            self._workers.append(worker)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        for worker in self._workers:
-            worker.join(timeout=REQUEST_TIMEOUT_S + 10)
-        assert not any(w.is_alive() for w in self._workers), "a client thread hung"
-
-    def wait_for(self, count: int, timeout_s: float = 120.0) -> None:
-        """Until ``count`` more requests finished (traffic really flows)."""
-        target = len(self.outcomes) + count
-        deadline = time.monotonic() + timeout_s
-        while len(self.outcomes) < target:
-            assert time.monotonic() < deadline, f"traffic stalled at {len(self.outcomes)}"
-            time.sleep(0.1)
 
 
 @pytest.fixture

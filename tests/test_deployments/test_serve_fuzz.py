@@ -16,7 +16,6 @@ Bounded: ``MAX_EXAMPLES`` cases per endpoint, generation capped at 4 tokens.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,7 +24,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import Stack
+from tests.support.serve_client import check, wait_agree
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.slow
 
@@ -123,29 +123,8 @@ def capped(req: dict[str, Any]) -> dict[str, Any]:
     return req
 
 
-def check(resp: httpx.Response, sent: Any) -> None:
-    assert resp.status_code < 500, f"{resp.status_code} for {sent!r}: {resp.text[:500]}"
-    if resp.status_code >= 400:
-        payload = resp.json()
-        error = payload.get("error", payload)
-        assert isinstance(error, dict) and isinstance(error.get("message"), str), payload
-        return
-    if resp.headers.get("content-type", "").startswith("text/event-stream"):
-        events = [line[6:] for line in resp.text.splitlines() if line.startswith("data: ")]
-        assert events and events[-1] == "[DONE]", resp.text[-500:]
-        for event in events[:-1]:
-            chunk = json.loads(event)
-            if "error" in chunk:  # an error inside a 200 stream: must be a client error
-                assert int(chunk["error"].get("code", 400)) < 500, chunk
-        return
-    payload = resp.json()
-    assert "choices" in payload, payload
-
-
 @pytest.fixture(scope="module")
 def http(serve_stack: Stack) -> Iterator[httpx.Client]:
-    from tests.test_deployments.test_serve_faults import wait_agree
-
     before = wait_agree(serve_stack.url, 2)
     with httpx.Client(base_url=serve_stack.url, timeout=120) as client:
         yield client

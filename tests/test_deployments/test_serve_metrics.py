@@ -16,7 +16,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import Stack
+from tests.support.serve_client import wait_agree
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +59,6 @@ def scrape(url: str, replica: str) -> dict[str, list[tuple[dict[str, str], float
 
 def test_kv_spec_gauges_are_exported_with_the_verdict(serve_stack: Stack) -> None:
     from deployments.local import ray_head
-    from tests.test_deployments.test_serve_faults import wait_agree
 
     report = wait_agree(serve_stack.url, 2)
     url = ray_head.metrics_url()

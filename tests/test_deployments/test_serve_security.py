@@ -29,8 +29,8 @@ from hypothesis import strategies as st
 
 from deployments.config import DEFAULT_CONFIG, load_serve_config
 from deployments.http import auth
-from tests.conftest import Stack
-from tests.test_deployments.test_serve_fuzz import check
+from tests.support.serve_client import check, wait_agree
+from tests.support.stack import Stack
 
 pytestmark = pytest.mark.slow
 
@@ -51,8 +51,6 @@ def edge_settings(serve_stack: Stack) -> Any:
 @pytest.fixture(scope="module")
 def http(serve_stack: Stack) -> Iterator[httpx.Client]:
     """A client of the session app; the same replicas must be there afterwards."""
-    from tests.test_deployments.test_serve_faults import wait_agree
-
     def replica_ids(timeout_s: float) -> set[str]:
         report = wait_agree(serve_stack.url, 2, timeout_s=timeout_s)
         return {r["id"] for r in report["replicas"]}

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MIXED_APP, ODD_RANK, Stack
+from tests.support.stack import MIXED_APP, ODD_RANK, Stack
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """dsv4_patch.patches.cpu: bit-exact fallbacks, lazy idempotent install, version probes.
 
 Everything runs in fresh interpreters: the parity run needs TRITON_INTERPRET=1 set
-before Triton is imported (tests/cpu_compat_cases.py), and install() changes vLLM
+before Triton is imported (tests/support/cpu_compat_cases.py), and install() changes vLLM
 modules process-wide, which must not leak into other tests of this pytest run.
 """
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SEEDS = 80  # random batches per kernel; about a minute on 2 cores
 
 # Per kernel: minimum number of cases that launched, and the batch features that must have
-# been exercised (see random_batch / case_* in tests/cpu_compat_cases.py).
+# been exercised (see random_batch / case_* in tests/support/cpu_compat_cases.py).
 EXPECTED: dict[str, tuple[int, set[str]]] = {
     "cpu.compute_token_to_req_indices": (
         70, {"decode", "prefill", "pad_tokens", "pad_reqs", "empty_prefill", "single_token"}),
@@ -54,7 +54,8 @@ def _script(body: str, timeout: int = 120) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def parity() -> dict[str, Any]:
-    return _python([str(ROOT / "tests" / "cpu_compat_cases.py"), "--seeds", str(SEEDS)], 600)
+    return _python([str(ROOT / "tests" / "support" / "cpu_compat_cases.py"), "--seeds",
+                    str(SEEDS)], 600)
 
 
 def test_every_fallback_has_a_parity_check(parity: dict[str, Any]) -> None:

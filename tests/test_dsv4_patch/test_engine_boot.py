@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import engine_boot, legacy_resolver
+from tests.support import engine_boot, legacy_resolver
 
 pytestmark = pytest.mark.slow
 
@@ -33,14 +33,14 @@ def tiny_model_dir() -> Path:
 def _boot(model_dir: Path, plugins: str | None) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO / "tests" / "engine_site"), str(REPO / "tests"), str(REPO)]
+        [str(REPO / "tests" / "support" / "engine_site"), str(REPO)]
     )
     env["DSV4_TEST_LEGACY_RESOLVER"] = "1"
     env.pop("VLLM_PLUGINS", None)
     if plugins is not None:
         env["VLLM_PLUGINS"] = plugins
     return subprocess.run(
-        [sys.executable, "-m", "tests.engine_boot", str(model_dir)],
+        [sys.executable, "-m", "tests.support.engine_boot", str(model_dir)],
         cwd=REPO,
         env=env,
         capture_output=True,

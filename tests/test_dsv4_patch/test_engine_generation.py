@@ -139,13 +139,13 @@ def llm(model_dir: Path, backend: str) -> Iterator[Any]:
             f"VLLM_PLUGINS={os.environ['VLLM_PLUGINS']!r} excludes dsv4_patch; these tests "
             "need the plugin. Unset VLLM_PLUGINS or add dsv4_patch to it."
         )
-    tests_dir = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     with pytest.MonkeyPatch.context() as mp:
         for key, value in tiny_model.CPU_ENGINE_ENV.items():
             mp.setenv(key, os.environ.get(key, value))
         # Fan-in-scaled dummy weights in the engine's spawned processes (see
-        # tests/scaled_dummy.py: vLLM's own dummy weights make the model unigram).
-        site = [str(tests_dir / "engine_site"), str(tests_dir), str(tests_dir.parent)]
+        # tests/support/scaled_dummy.py: vLLM's own dummy weights make the model unigram).
+        site = [str(repo / "tests" / "support" / "engine_site"), str(repo)]
         mp.setenv("PYTHONPATH", os.pathsep.join([*site, os.environ.get("PYTHONPATH", "")]))
         mp.setenv("DSV4_TEST_SCALED_DUMMY_WEIGHTS", "1")
         mp.setenv("DSV4_CPU_OPS", backend)

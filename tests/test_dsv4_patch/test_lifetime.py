@@ -19,7 +19,7 @@ from pathlib import Path
 from dsv4_patch import registry
 from dsv4_patch.patches import lifetime
 from dsv4_patch.patches.parent_watch import PARENT_WATCH
-from tests.test_deployments.test_serve_faults import pid_alive
+from tests.support.procs import pid_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 OWNER = textwrap.dedent("""

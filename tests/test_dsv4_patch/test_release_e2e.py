@@ -2,7 +2,7 @@
 
 Each release that installs here with ``torch==2.13.0+cpu`` (0.27.0-0.32.0) runs in a
 cached overlay of its own wheel and its unmet requirements over the project's .venv
-(tests/release_venvs.py), tests/release_e2e.py twice: plugin off (``VLLM_PLUGINS=""``)
+(tests/releases/venvs.py), tests/releases/e2e.py twice: plugin off (``VLLM_PLUGINS=""``)
 and on (this checkout's dsv4_patch, the ``vllm.general_plugins`` entry point).
 0.29.0 (Ray Serve LLM 2.60's pin) runs in every CI (``make test``); the others in
 ``make test-releases``.
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import release_venvs as rv
-from tests.release_e2e import MAX_TOKENS, NO_TRITON
+from tests.releases import venvs as rv
+from tests.releases.e2e import MAX_TOKENS, NO_TRITON
 
 REPO = rv.REPO
 RESULTS = REPO / "build" / "release-results"
@@ -50,10 +50,10 @@ def run_release(version: str, plugin: bool, tmp: Path) -> dict[str, object]:
     """One run of the tiny model on ``version``; the parsed report lines and stderr."""
     from dsv4_patch.tiny_model import ensure_tiny_model
 
-    paths = [REPO / "tests" / "engine_site", REPO / "tests", *rv.overlay(version)]
+    paths = [REPO / "tests" / "support" / "engine_site", *rv.overlay(version)]
     model = ensure_tiny_model()
     env = rv.env(*paths, plugin=plugin, DSV4_TEST_REPORT_SPECS="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.release_e2e", str(model)], cwd=tmp,
+    proc = subprocess.run([sys.executable, "-m", "tests.releases.e2e", str(model)], cwd=tmp,
                           env=env, capture_output=True, text=True, timeout=900)
     result = next((json.loads(line.removeprefix("DSV4_E2E "))
                    for line in proc.stdout.splitlines() if line.startswith("DSV4_E2E ")), None)
@@ -75,7 +75,7 @@ def raised_upstream_assertion(output: str) -> bool:
 
 
 def _save(version: str, plugin: bool, run: dict) -> None:
-    """What docs/versions.md needs from this run (tests/release_table.py reads it)."""
+    """What docs/versions.md needs from this run (tests/releases/table.py reads it)."""
     stderr = run["stderr"]
     summary = {
         "booted": run["result"]["booted"],

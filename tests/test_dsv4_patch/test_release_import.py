@@ -2,8 +2,8 @@
 
 Each release is ``pip install --no-deps --target``-ed (cached) and imported over the
 project's .venv (torch 2.13.0+cpu, 0.32.0's dependencies, plus what the release declares
-and the .venv lacks; tests/release_venvs.py), once with ``VLLM_PLUGINS=""`` and once
-with the plugin loaded the way vLLM loads it (tests/release_import.py).
+and the .venv lacks; tests/releases/venvs.py), once with ``VLLM_PLUGINS=""`` and once
+with the plugin loaded the way vLLM loads it (tests/releases/imports.py).
 ``make test-releases`` only (each run imports vLLM: ~10 s).
 
 Proves, per release: its real DeepSeek-V4 attention module (and on 0.22+ the nvidia
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import release_sources as rs
-from tests import release_venvs as rv
+from tests.releases import sources as rs
+from tests.releases import venvs as rv
 
 pytestmark = [pytest.mark.slow, pytest.mark.releases]
 LAYER_RELEASES = ("0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1")
@@ -33,7 +33,7 @@ RESULTS = rv.REPO / "build" / "release-results"
 
 def import_release(version: str, plugin: bool, tmp: Path) -> dict:
     paths = rv.overlay(version, torch=False)
-    proc = subprocess.run([sys.executable, "-m", "tests.release_import", version,
+    proc = subprocess.run([sys.executable, "-m", "tests.releases.imports", version,
                            "on" if plugin else "off"], cwd=tmp,
                           env=rv.env(*paths, plugin=plugin),
                           capture_output=True, text=True, timeout=600)

@@ -1,6 +1,6 @@
 """Source-level release matrix: the plugin's patches on the real code of every release.
 
-For each released wheel 0.20.0-0.33.0 (``tests/release_sources.py`` downloads each once
+For each released wheel 0.20.0-0.33.0 (``tests/releases/sources.py`` downloads each once
 and cuts the decision code out of it), these tests run that release's own resolver /
 layer dtype block / SM120 validator, stock and with the plugin's ``Patch.apply``.
 
@@ -23,7 +23,7 @@ import pytest
 from dsv4_patch import rules
 from dsv4_patch.patches.kv_dtype import call_resolver, resolver_mismatches
 from dsv4_patch.patches.sm120 import SM120_PATCH
-from tests import release_sources as rs
+from tests.releases import sources as rs
 
 ASSERTING = tuple(v for v in rs.RELEASES if v not in rs.FIXED_RELEASES)
 LAYER_RELEASES = ("0.20.0", "0.20.1", "0.20.2", "0.21.0", "0.22.0", "0.22.1")
@@ -136,7 +136,7 @@ def test_python_O_process_runs_the_same_matrix() -> None:
     code = (
         "import sys\nif sys.flags.optimize != 1: raise SystemExit(2)\n"
         "from dsv4_patch.patches.kv_dtype import resolver_mismatches\n"
-        "from tests import release_sources as rs\n"
+        "from tests.releases import sources as rs\n"
         "for v in ('0.22.1', '0.29.0'):\n"
         "    r = rs.release(v, plugin=True)\n"
         "    bad = resolver_mismatches(r.resolver(), r.layouts)\n"

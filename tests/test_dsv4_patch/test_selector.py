@@ -1,7 +1,7 @@
 """The layout tables of ``rules.detect_layout`` against each release's real selector,
 and the installed vLLM's own selector (``dsv4_patch.selector``) against its table.
 
-Per release 0.20.0-0.33.0 (cached wheels, ``tests/release_selector.py``): for every
+Per release 0.20.0-0.33.0 (cached wheels, ``tests/releases/selector.py``): for every
 compute capability x attention backend of the grid, the table says what that release's
 ``_select_dsv4_attn_cls`` and the chosen class say (layout and backend, or an error).
 Two documented refusals of ours are stricter than a release: FLASHINFER_MLA_SPARSE_DSV4
@@ -16,8 +16,8 @@ import itertools
 import pytest
 
 from dsv4_patch import rules, selector
-from tests import release_selector as sel
-from tests import release_sources as rs
+from tests.releases import selector as sel
+from tests.releases import sources as rs
 
 GRID = list(itertools.product(sel.CAPABILITIES, sel.BACKENDS))
 

@@ -64,7 +64,7 @@ class Variant:
 
     def launched(self, target: Any) -> Any:
         """What the release calls: for ``grid``, the Python function under a real Triton
-        ``JITFunction`` (``.fn``; Triton's interpreter in tests/cpu_compat_cases.py)."""
+        ``JITFunction`` (``.fn``; Triton's interpreter in tests/support/cpu_compat_cases.py)."""
         return getattr(target, "fn", target) if self.grid else target
 
     def matches(self, target: Any) -> bool:

@@ -2,6 +2,11 @@
 tests/test_deployments/test_multinode.py (in CI) and benchmarks/multinode.py (timings for
 docs/benchmarks.md).
 
+It lives here, not in tests/: a benchmark imports no test code, and tests may import
+benchmark harnesses (they already use ``benchmarks.standin`` and ``benchmarks.load``),
+so the one copy sits on the lower floor. It imports only ``deployments`` and its
+benchmark siblings (``benchmarks.kv_poll``, ``benchmarks.run_process``).
+
 Everything runs the way a user runs it: ``dsv4-serve run --nodes N`` in its own
 process group, real HTTP on 127.0.0.1, Ray's autoscaler adding and removing
 worker nodes (separate raylets), real vLLM engines. Faults are real signals to
@@ -22,10 +27,10 @@ from typing import Any
 
 import yaml
 
+from benchmarks.kv_poll import TRANSIENT, kv_report
+from benchmarks.run_process import SERVING_LINE, descendants, read_until_serving
 from deployments.config import DEFAULT_CONFIG
 from deployments.local.cluster import FAKE_HEAD_NODE_ID, session_pids, worker_raylets
-from tests.conftest import SERVING_LINE, read_until_serving
-from tests.kv_poll import TRANSIENT, kv_report
 
 PORT = 8020
 URL = f"http://127.0.0.1:{PORT}/v1"
@@ -64,8 +69,6 @@ class Run:
 
     def all_pids(self) -> set[int]:
         """Every live process of the run: its own tree plus the cluster's session."""
-        from tests.test_deployments.test_run_cli import descendants
-
         return {self.proc.pid} | descendants(self.proc.pid) | set(session_pids(self.session))
 
 

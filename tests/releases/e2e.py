@@ -1,7 +1,7 @@
 """Run the tiny DeepSeek-V4 with ``kv_cache_dtype="auto"`` on a released vLLM; report.
 
-Run as ``python -m tests.release_e2e MODEL_DIR`` by a release venv's interpreter
-(tests/release_venvs.py), with ``tests/engine_site`` first on PYTHONPATH and
+Run as ``python -m tests.releases.e2e MODEL_DIR`` by a release venv's interpreter
+(tests/releases/venvs.py), with ``tests/support/engine_site`` first on PYTHONPATH and
 ``DSV4_TEST_REPORT_SPECS=1``: every worker then prints its layers' KV cache specs and
 its plugin record when vLLM asks for them (``DSV4_SPECS {...}`` lines on stderr), which
 happens after the layers are constructed and before the first forward pass. Prints one

@@ -1,8 +1,8 @@
 """Our DeepSeek-V4 CPU ops against vLLM's native kernels, on the inputs a real engine makes.
 
 Used by tests/test_dsv4_patch/test_cpu_ops_native.py and runnable on its own for the numbers
-(``python tests/native_compare.py``). Only meaningful on a host whose loaded
-``vllm/_C`` has the native kernels (AVX512-BF16; see ``ops._loaded_library``).
+(``python -m tests.support.native_compare`` from the repo root). Only meaningful on a host
+whose loaded ``vllm/_C`` has the native kernels (AVX512-BF16; see ``ops._loaded_library``).
 
 How: the tiny DeepSeek-V4 runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 one uniprocess worker) with every call of the 16 ops routed through a comparing wrapper.
@@ -13,23 +13,17 @@ argument the schema marks as written (``Tensor(a!)``). ``convert_weight_packed``
 are private formats, so they are not compared; instead each native packed weight is
 mapped to our packing of the same weight, and ``bmm_cpu`` gets the matching one.
 Random inputs of the real shapes, dtypes, strides and page layouts: the engine's own
-activations under fan-in-scaled dummy weights (tests/scaled_dummy.py).
+activations under fan-in-scaled dummy weights (tests/support/scaled_dummy.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-
-TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
 
 
 @dataclass
@@ -193,9 +187,8 @@ def run(prompt_lengths: tuple[int, ...] = (2, 40, 300, 2300), max_tokens: int = 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     for key, value in tiny_model.CPU_ENGINE_ENV.items():
         os.environ.setdefault(key, value)
-    import scaled_dummy
-
     from dsv4_patch.import_hooks import when_imported
+    from tests.support import scaled_dummy
 
     when_imported(scaled_dummy.DUMMY_LOADER_MODULE, scaled_dummy.install_into)
     from tokenizers import Tokenizer

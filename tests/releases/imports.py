@@ -1,7 +1,7 @@
 """Import a released vLLM's real DeepSeek-V4 modules and call their real dtype decision.
 
-Run as ``python -m tests.release_import VERSION on|off`` with the release's overlay
-first on PYTHONPATH (tests/release_venvs.py); ``on`` loads the general plugins the way
+Run as ``python -m tests.releases.imports VERSION on|off`` with the release's overlay
+first on PYTHONPATH (tests/releases/venvs.py); ``on`` loads the general plugins the way
 vLLM does (``vllm.plugins.load_general_plugins``), ``off`` runs with ``VLLM_PLUGINS=""``. Prints one
 ``DSV4_IMPORT {...}`` line: what imported, the doctor's probes, the plugin record,
 and the real code's decisions against upstream 0.30+ (``resolver_mismatches``).

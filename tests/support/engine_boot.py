@@ -1,6 +1,6 @@
 """Boot a real vLLM engine on the tiny DeepSeek-V4 and print what its workers report.
 
-Run as ``python -m tests.engine_boot MODEL_DIR [--tp N] [--pp N] [--hf-overrides JSON]
+Run as ``python -m tests.support.engine_boot MODEL_DIR [--tp N] [--pp N] [--hf-overrides JSON]
 [--generate TOKENS]``: a fresh interpreter, so the environment (``VLLM_PLUGINS``, the
 legacy-resolver ``sitecustomize``) reaches the engine core and worker processes exactly
 as it would for a user. Prints one ``DSV4_BOOT_RESULT`` JSON line (boot seconds, the

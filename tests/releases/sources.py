@@ -124,7 +124,7 @@ class StubLogger:
 HEADER = (
     "from __future__ import annotations\n"
     "import torch\n"
-    "from tests.release_sources import StubLogger\n"
+    "from tests.releases.sources import StubLogger\n"
     "logger = StubLogger()\n"
 )
 

@@ -1,6 +1,6 @@
 """A release's own DeepSeek-V4 CUDA attention selection, run from its wheel's source.
 
-From the cached wheel (``tests/release_sources.py``): ``_select_dsv4_attn_cls`` of
+From the cached wheel (``tests/releases/sources.py``): ``_select_dsv4_attn_cls`` of
 ``vllm/models/deepseek_v4/nvidia/model.py``, verbatim (``ast`` cut), run with a stand-in
 ``AttentionBackendEnum`` and a ``current_platform`` that reports one capability; each
 class it can return stands in with what that release's source says of it: the layout
@@ -24,7 +24,7 @@ from functools import cache
 from types import SimpleNamespace
 from typing import Any
 
-from tests import release_sources as rs
+from tests.releases import sources as rs
 
 # Where the selector, its classes and their backends live (0.23+), and the 0.20-0.22 layer.
 ROOTS = ("vllm/models/deepseek_v4/nvidia/", "vllm/models/deepseek_v4/attention.py",

@@ -33,9 +33,9 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 from dsv4_patch.tiny_model import _build_lock
-from tests import release_sources as rs
+from tests.releases import sources as rs
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 E2E_RELEASES = ("0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")
 STAMP = ".dsv4-release-stamp"
 BREAKS_VLLM = frozenset({"torchvision", "torchaudio", "torchcodec"})
