@@ -51,8 +51,18 @@ from deployments.control.summary import KVLayoutMismatch, layer_role, summarize_
 from deployments.control.wire import ReplicaSpec, ReplicaVerdict, answer_kv_page_spec
 from dsv4_patch import rules
 
-FLASH_CONFIG = (Path(__file__).resolve().parent.parent / "configs" / "models" /
-                "deepseek-ai" / "DeepSeek-V4-Flash" / "config.json")
+MODELS = Path(__file__).resolve().parent.parent / "configs" / "models" / "deepseek-ai"
+FLASH_CONFIG = MODELS / "DeepSeek-V4-Flash" / "config.json"
+V41_FLASH_CONFIG = MODELS / "DeepSeek-V4.1-Flash" / "config.json"
+# Nodes a V4.1 stand-in can present (NodeInfo.as_dict() as a replica reports it).
+V41_NODES = {
+    "h200": {"platform": "cuda", "compute_capability": "9.0", "attention_backend": None},
+    "b200": {"platform": "cuda", "compute_capability": "10.0", "attention_backend": None},
+    "b200-flashmla": {"platform": "cuda", "compute_capability": "10.0",
+                      "attention_backend": "FLASHMLA_SPARSE_DSV41"},
+    "b200-rows": {"platform": "cuda", "compute_capability": "10.0",
+                  "attention_backend": "FLASHINFER_MLA_SPARSE_DSV41"},
+}
 STANDIN_VLLM = "0.32.0"
 BLOCK_SIZE = rules.DSV4_BLOCK_SIZE
 SWA_BLOCK = 64  # DeepseekV4SWACache block size (recorded)
@@ -119,6 +129,55 @@ def flash_worker_specs(cache_dtype: str = "fp8_ds_mla",
     return rows
 
 
+def v41_worker_specs(node: dict[str, Any], cache_dtype: str | None = "auto",
+                     record_of: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Per-layer KV spec rows of one V4.1-Flash worker on ``node`` (names as vLLM gives them).
+
+    Pages from ``rules.v41_caches`` (equal to vLLM's own spec classes:
+    tests/test_dsv4_patch/test_rules_v41.py). ``record_of``: a node whose engine
+    writes another node's record (an odd replica: a build without vllm#56893).
+    """
+    cfg = json.loads(V41_FLASH_CONFIG.read_text())
+    src = record_of or node
+    cap = src.get("compute_capability")
+    record = rules.v41_record(src["platform"], tuple(int(x) for x in cap.split(".")) if cap
+                              else None, src.get("attention_backend"), cache_dtype)
+    suffix = {"main": "", "swa": ".swa_cache", "indexer": ".indexer.k_cache",
+              "compressor_state": ".compressor.state_cache"}
+    spec_type = {"main": "MLAAttentionSpec", "swa": "SlidingWindowMLASpec",
+                 "indexer": "MLAAttentionSpec", "compressor_state": "CircularBufferSpec"}
+    rows = []
+    for c in rules.v41_caches(rules.V41Topology.from_hf_config(cfg), record):
+        rows.append({"layer": f"model.layers.{c.index}.self_attn{suffix[c.role]}",
+                     "spec_type": spec_type[c.role], "cache_dtype_str": c.cache_dtype_str,
+                     "page_size_bytes": c.page_size_bytes,
+                     "real_page_size_bytes": c.page_size_bytes, "block_size": c.block_size,
+                     "head_size": None, "num_kv_heads": 1, "dtype": "torch.uint8",
+                     "alignment": record.alignment, "sliding_window": None,
+                     "compress_ratio": c.compress_ratio})
+    return rows
+
+
+def v41_standin_spec(replica_id: str, rank: int | None, node: str, *,
+                     odd_record: str | None = None, policy: str = "enforce",
+                     expected_layouts: dict[str, str] | None = None,
+                     vllm: str = "0.33.0") -> ReplicaSpec:
+    """A V4.1-Flash replica on ``node`` (a ``V41_NODES`` key), predicted from that node."""
+    here = V41_NODES[node]
+    kv = summarize_workers([{"rank": 0, "pid": os.getpid(), "specs": v41_worker_specs(
+        here, record_of=V41_NODES[odd_record] if odd_record else None)}])
+    prediction = predict(json.loads(V41_FLASH_CONFIG.read_text()), rules.Layout.FP8_DS_MLA,
+                         "auto", vllm, source="DeepSeek-V4.1-Flash config.json (stand-in)",
+                         node=here)
+    key = f"sm{here['compute_capability'].partition('.')[0]}0"
+    expected = (expected_layouts or {}).get(key, prediction.cache_dtype_str or "fp8_ds_mla")
+    return ReplicaSpec(
+        replica_id=replica_id, rank=rank, node_id=None, pid=os.getpid(), policy=policy,
+        expected_layout=expected, versions={"vllm": vllm, "ray": None, "dsv4_serve": None},
+        node=here, kv_cache_dtype_requested="auto", kv_cache_dtype_engine="auto",
+        prediction=prediction, **kv.fields())
+
+
 def count_layer_kinds(rows: list[dict[str, Any]]) -> dict[str, int]:
     """How many C4 and C128 main caches the rows hold (a self-check of the shape)."""
     main = [r for r in rows if layer_role(r["layer"])[1] == rules.MAIN]
@@ -159,7 +218,9 @@ class StandInReplica:
                  reordered: tuple[int, ...] = (), canaries: tuple[int, ...] = (),
                  split: tuple[int, ...] = (), hang_s: dict[int, float] | None = None,
                  hang_flag: str | None = None, policy: str = "enforce",
-                 expected_layout: str = "fp8_ds_mla"):
+                 expected_layout: str = "fp8_ds_mla", v41_nodes: dict[int, str] | None = None,
+                 v41_odd: dict[int, str] | None = None,
+                 expected_layouts: dict[str, str] | None = None):
         ctx = serve.get_replica_context()
         self._replica_id = ctx.replica_id.unique_id
         self._rank = ctx.rank.rank if ctx.rank is not None else None
@@ -171,8 +232,12 @@ class StandInReplica:
         self._spec = standin_spec(
             self._replica_id, self._rank, dtype=self._dtype, reordered=self._rank in reordered,
             canary=self._rank in canaries, split=self._rank in split, policy=policy,
-            expected_layout=expected_layout).model_copy(
-                update={"deployment_version": getattr(ctx, "code_version", None)})
+            expected_layout=expected_layout) if not v41_nodes else v41_standin_spec(
+                self._replica_id, self._rank, v41_nodes[self._rank or 0],
+                odd_record=(v41_odd or {}).get(self._rank or 0), policy=policy,
+                expected_layouts=expected_layouts)
+        self._spec = self._spec.model_copy(
+            update={"deployment_version": getattr(ctx, "code_version", None)})
         self._verdict = ReplicaVerdict()
         self._calls = 0
         problem = self_problem(self._spec)

@@ -148,6 +148,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "reads": probe_reads(),
         "cpu_ops": probe_cpu_ops(node),
     }
+    out["v41"] = v41_status(out["vllm_version"], node)
     if node.platform == "cpu":
         out["cpu_path"] = cpu_path()
     try:
@@ -172,6 +173,20 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         ),
     }
     return out
+
+
+def v41_status(version: str | None, node: NodeInfo) -> str:
+    """What this vLLM does with DeepSeek-V4.1, and that the plugin leaves it alone."""
+    if version is None or rules.parse_version(version)[:2] < rules.FIRST_V41_VLLM:
+        return (f"DeepSeek-V4.1: none in vLLM {version} (first: 0.30); the V4.1 stack is "
+                "pip install 'dsv4-serve[gpu-v41]' (Ray Serve 2.60.0 + vLLM 0.33.0)")
+    try:
+        record = rules.v41_record(node.platform, node.capability, node.attention_backend,
+                                  "auto")
+    except (rules.LayoutError, rules.KVCacheDtypeError) as exc:
+        return f"DeepSeek-V4.1: left alone by the plugin (vLLM {version} has it); here: {exc}"
+    return (f"DeepSeek-V4.1: left alone by the plugin (vLLM {version}'s own resolver is right); "
+            f"auto here -> {record.label()} via {record.backend}")
 
 
 def render(data: dict[str, Any]) -> str:
@@ -209,6 +224,8 @@ def render(data: dict[str, Any]) -> str:
     if "cpu_path" in data:
         lines.append(f"CPU DeepSeek-V4 path: {data['cpu_path']['present']} "
                      f"({data['cpu_path']['why']})")
+    if "v41" in data:
+        lines.append(data["v41"])
     lines.extend(_render_cpu_ops(data.get("cpu_ops")))
     return "\n".join(lines)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import (
@@ -74,10 +75,27 @@ class ReplicaOverride(_Strict):
     reason: str = "canary"
 
 
+ExpectedLayout = Literal["fp8_ds_mla", "nvfp4_ds_mla", "plain_rows"]
+NODE_TYPES = ("sm90", "sm100", "sm120", "rocm", "xpu", "cpu")
+
+
+def node_type_key(node: Mapping[str, Any]) -> str:
+    """The ``expected_layouts`` key of a node (``NodeInfo.as_dict()``): sm90, sm100, rocm..."""
+    platform = str(node.get("platform") or "cpu")
+    cap = node.get("compute_capability")
+    if platform != "cuda" or not cap:
+        return platform
+    return f"sm{str(cap).partition('.')[0]}0"
+
+
 class DSv4Section(_Strict):
     """What the KV-spec controller enforces across the replicas."""
 
     expected_layout: rules.Layout = rules.Layout.FP8_DS_MLA
+    # Per node type (DeepSeek-V4.1's record depends on the GPU): e.g. {sm90: fp8_ds_mla,
+    # sm100: nvfp4_ds_mla} for an H200 + B200 fleet; node types not listed use
+    # expected_layout.
+    expected_layouts: dict[str, ExpectedLayout] = Field(default_factory=dict)
     policy: Policy = Policy.ENFORCE
     controller_period_s: float = Field(default=10.0, gt=0, le=3600)
     # Each replica's own deadline for kv_page_spec / the verdict: a hung replica is
@@ -101,6 +119,19 @@ class DSv4Section(_Strict):
         if self.stale_after_s is not None:
             return self.stale_after_s
         return 3 * self.controller_period_s + 2 * self.broadcast_timeout_s + self.status_timeout_s
+
+    @field_validator("expected_layouts")
+    @classmethod
+    def _known_node_types(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = sorted(set(value) - set(NODE_TYPES))
+        if bad:
+            raise ValueError(f"expected_layouts keys {bad} are not node types; expected "
+                             f"some of {list(NODE_TYPES)} (sm90: H100/H200, sm100: B200).")
+        return value
+
+    def expected_for(self, node: Mapping[str, Any]) -> str:
+        """The layout a replica on ``node`` must report: its node type's entry, else the default."""
+        return self.expected_layouts.get(node_type_key(node), self.expected_layout.value)
 
     def override_for(self, rank: int | None) -> ReplicaOverride | None:
         return next((o for o in self.replica_overrides if o.rank == rank), None)

@@ -28,7 +28,7 @@ from pydantic import Field, field_validator, model_validator
 from deployments.config import sizing
 from deployments.config.app_args import AppArgs
 from deployments.config.base import _Strict
-from deployments.config.dsv4 import ReplicaOverride
+from deployments.config.dsv4 import NodeSpec, ReplicaOverride
 from deployments.config.llm import DeploymentConfig
 
 # Connectors that declare support for vLLM's hybrid KV cache manager: vLLM turns HMA
@@ -48,6 +48,9 @@ class PoolSection(_Strict):
     deployment_config: dict[str, Any] = Field(default_factory=dict)
     env_vars: dict[str, str] = Field(default_factory=dict)
     replica_overrides: list[ReplicaOverride] = Field(default_factory=list)
+    node: NodeSpec | None = Field(default=None, description="this pool's node (platform, "
+                                  "compute_capability, attention_backend) when it differs "
+                                  "from dsv4.node: P/D across GPU types")
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -197,4 +200,9 @@ class PDAppArgs(AppArgs):
         data = self.dsv4.model_dump(mode="json")
         data["replica_overrides"] = [o.model_dump(mode="json")
                                      for o in self.pd.pool(pool).replica_overrides]
+        data["node"] = self.pool_node(pool).model_dump(mode="json")
         return data
+
+    def pool_node(self, pool: str) -> NodeSpec:
+        """The node one pool's replicas run on: its own ``node``, else ``dsv4.node``."""
+        return self.pd.pool(pool).node or self.dsv4.node

@@ -20,13 +20,21 @@ from dsv4_patch import rules
 
 
 def predict(hf_config: Mapping[str, Any] | None, layout: rules.Layout, requested: str | None,
-            vllm_version: str | None, source: str) -> Prediction:
-    """What the engine will allocate for this config, layout, dtype and vLLM, per layer."""
+            vllm_version: str | None, source: str,
+            node: Mapping[str, Any] | None = None) -> Prediction:
+    """What the engine will allocate for this config, layout, dtype and vLLM, per layer.
+
+    ``node`` (``NodeInfo.as_dict()``: platform, compute_capability, attention_backend)
+    is the replica's own node; DeepSeek-V4.1's record depends on it (vllm#56893,
+    vllm#56935), so a V4.1 prediction is always for one node type.
+    """
     if hf_config is None:
         return Prediction(source=source, reason="the model's config.json could not be read")
     why = rules.predictable(hf_config, vllm_version)
     if why:
         return Prediction(source=source, reason=why)
+    if rules.family_of(hf_config) is rules.Family.V41:
+        return _predict_v41(hf_config, requested, source, node or {})
     resolution = rules.resolve_kv_cache_dtype(layout, requested)
     shape = rules.ModelShape.from_hf_config(hf_config)
     layers = [LayerEntry(layer=f"layers.{p.index}.{p.role}", index=p.index, role=p.role,
@@ -37,6 +45,47 @@ def predict(hf_config: Mapping[str, Any] | None, layout: rules.Layout, requested
     return Prediction(source=source, storage=resolution.storage.value,
                       cache_dtype_str=resolution.cache_dtype_str, layers=layers,
                       fingerprint=_prediction_fingerprint(layers))
+
+
+def node_type(node: Mapping[str, Any]) -> str:
+    """A short name of a node type: ``cuda sm100 FLASHMLA_SPARSE_DSV41``, ``rocm``."""
+    cap = node.get("compute_capability")
+    parts = [str(node.get("platform") or "unknown")]
+    if cap:
+        parts.append("sm" + "".join(str(cap).split(".")))
+    if node.get("attention_backend"):
+        parts.append(str(node["attention_backend"]))
+    return " ".join(parts)
+
+
+def node_capability(node: Mapping[str, Any]) -> tuple[int, int] | None:
+    cap = node.get("compute_capability")
+    if not cap:
+        return None
+    major, _, minor = str(cap).partition(".")
+    return int(major), int(minor or 0)
+
+
+def _predict_v41(hf_config: Mapping[str, Any], requested: str | None, source: str,
+                 node: Mapping[str, Any]) -> Prediction:
+    """V4.1's main and indexer caches on this node (the growing caches; peers compare the rest)."""
+    platform = str(node.get("platform") or "cpu")
+    try:
+        record = rules.v41_record(platform, node_capability(node),
+                                  node.get("attention_backend"), requested)
+    except (rules.LayoutError, rules.KVCacheDtypeError) as exc:
+        return Prediction(source=source, node_type=node_type(node), reason=str(exc))
+    caches = rules.v41_caches(rules.V41Topology.from_hf_config(hf_config), record)
+    layers = [LayerEntry(layer=f"layers.{c.index}.{c.role}", index=c.index, role=c.role,
+                         spec_type="MLAAttentionSpec", cache_dtype_str=c.cache_dtype_str,
+                         page_size_bytes=c.page_size_bytes, block_size=c.block_size,
+                         head_size=None, compress_ratio=c.compress_ratio)
+              for c in caches if c.role in (rules.MAIN, rules.INDEXER)]
+    return Prediction(source=f"{source} on {node_type(node)}", storage=record.label(),
+                      cache_dtype_str=record.cache_dtype_str, layers=layers,
+                      fingerprint=_prediction_fingerprint(layers), node_type=node_type(node),
+                      bytes_per_token=rules.v41_bytes_per_token(caches),
+                      numerics=record.numerics)
 
 
 def _prediction_fingerprint(layers: Sequence[LayerEntry]) -> str:
@@ -117,12 +166,14 @@ def layout_problem(layers: Sequence[LayerEntry], expected_layout: str) -> str | 
     dtypes = [e.cache_dtype_str for e in layers if e.cache_dtype_str is not None]
     if not dtypes:
         return "no layer reports a cache dtype; expected at least one attention layer"
-    packed = [d == "fp8_ds_mla" for d in dtypes]
-    if expected_layout == "fp8_ds_mla" and not all(packed):
-        bad = sorted({d for d in dtypes if d != "fp8_ds_mla"})
-        return f"cache_dtype: expected fp8_ds_mla on every attention layer, found {bad}"
+    packed = [d in rules.PACKED_DTYPES for d in dtypes]
+    if expected_layout in rules.PACKED_DTYPES and any(d != expected_layout for d in dtypes):
+        bad = sorted({d for d in dtypes if d != expected_layout})
+        return (f"cache_dtype: expected {expected_layout} on every attention layer, "
+                f"found {bad}")
     if expected_layout == "plain_rows" and any(packed):
-        return "cache_dtype: expected plain rows, found fp8_ds_mla layers"
+        found = sorted({d for d in dtypes if d in rules.PACKED_DTYPES})
+        return f"cache_dtype: expected plain rows, found {found} layers"
     return None
 
 

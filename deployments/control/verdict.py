@@ -15,6 +15,7 @@ from deployments.control.prediction import (
 from deployments.control.wire import (
     Expected,
     FleetReport,
+    NodeGroup,
     Problem,
     ReplicaRow,
     ReplicaSpec,
@@ -135,6 +136,9 @@ def decide(specs: Sequence[ReplicaSpec], no_answers: Sequence[NoAnswer], running
             odd[problem.replica or ""] = problem.message
         problems += found
     expected = _expected(refs, specs, expected_layout)
+    expected.node_groups = node_groups(groups, odd)
+    if len(expected.node_groups) > 1:
+        expected.note = _mixed_note(expected.node_groups, expected.note)
     for gap in no_answers:
         problems.append(Problem(kind="no_answer", replica=gap.replica, message=gap.message))
     missing = (running or 0) - len(specs) - len(no_answers)
@@ -176,6 +180,47 @@ def _expected(refs: Sequence[tuple[str | None, ReplicaSpec]], specs: Sequence[Re
     main_ref = (predicted or [(None, unpredicted[0])])[0][1]
     return Expected(layout=layout, fingerprint=main_ref.fingerprint,
                     reference="prediction" if predicted else "majority", note=note)
+
+
+GIB = 1 << 30
+
+
+def node_groups(groups: dict[str | None, list[ReplicaSpec]],
+                odd: dict[str, str]) -> list[NodeGroup]:
+    """The conforming replicas per node type (only predictions made for a node type count).
+
+    Replicas on another GPU generation are judged against their own node's
+    prediction (DeepSeek-V4.1's record depends on the GPU); when they conform they
+    form a group of their own, never an odd minority.
+    """
+    out: dict[str, NodeGroup] = {}
+    for group in groups.values():
+        fine = [s for s in group if s.replica_id not in odd]
+        pred = group[0].prediction
+        if not fine or pred.node_type is None:
+            continue
+        per_token = pred.bytes_per_token
+        row = out.setdefault(pred.node_type, NodeGroup(
+            node_type=pred.node_type, replicas=[], fingerprint=fine[0].fingerprint,
+            cache_dtype_str=pred.cache_dtype_str, bytes_per_token=per_token,
+            tokens_per_gib=int(GIB // per_token) if per_token else None,
+            numerics=pred.numerics))
+        row.replicas += [s.replica_id for s in fine]
+    return sorted(out.values(), key=lambda g: g.node_type)
+
+
+def _mixed_note(groups: Sequence[NodeGroup], note: str | None) -> str:
+    """Name what differs between conforming node groups: bytes per token, capacity, numerics."""
+    parts = [f"{g.node_type}: {len(g.replicas)} replica(s), {g.cache_dtype_str}, "
+             f"{g.bytes_per_token:g} B/token ({g.tokens_per_gib} tokens per GiB of KV "
+             f"cache), {g.numerics}" for g in groups]
+    low, high = min(g.bytes_per_token or 0 for g in groups), \
+        max(g.bytes_per_token or 0 for g in groups)
+    ratio = f"; capacity differs {high / low:.2f}x per GiB" if low else ""
+    text = (f"{len(groups)} node types, each conforming to its own node's prediction "
+            f"(not odd; nobody is drained for it): " + " | ".join(parts) + ratio +
+            ". Their KV pages cannot move between groups (P/D, migration).")
+    return text if not note or "deployment configs are live" in note else f"{note}; {text}"
 
 
 def _row(spec: ReplicaSpec, reason: str | None) -> ReplicaRow:

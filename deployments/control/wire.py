@@ -120,6 +120,11 @@ class Prediction(_Wire):
     layers: list[LayerEntry] | None = None
     fingerprint: str | None = None
     reason: str | None = None
+    node_type: str | None = Field(default=None, description="the node the prediction is "
+                                  "for (DeepSeek-V4.1: its record depends on the GPU)")
+    bytes_per_token: float | None = Field(default=None, description="KV bytes one more "
+                                          "context token costs on one rank (pages padded)")
+    numerics: str | None = Field(default=None, description="what the stored numbers are")
 
 
 class WorkerRow(_Wire):
@@ -342,6 +347,23 @@ class PDRouteMessage(_Wire):
     allowed: dict[str, list[str]] = Field(default_factory=dict)
 
 
+class NodeGroup(_Wire):
+    """Replicas on one node type that conform to that node's own prediction.
+
+    A fleet mixing GPU generations (H200 + B200 serving DeepSeek-V4.1) is several
+    conforming groups, not an odd half: each group is named with what differs.
+    """
+
+    node_type: str
+    replicas: list[str]
+    fingerprint: str | None = None
+    cache_dtype_str: str | None = None
+    bytes_per_token: float | None = None
+    tokens_per_gib: int | None = Field(default=None, description="KV capacity per GiB of "
+                                       "cache memory, from bytes_per_token")
+    numerics: str | None = None
+
+
 class Expected(_Wire):
     layout: str
     fingerprint: str | None = None
@@ -349,6 +371,9 @@ class Expected(_Wire):
         description="prediction: judged against the byte model; majority: no prediction "
         "was possible, so the most common fingerprint (ties against canaries)")
     note: str | None = None
+    node_groups: list[NodeGroup] = Field(default_factory=list, description="conforming "
+                                         "groups when replicas on different node types "
+                                         "were each judged against their own node")
 
 
 class FleetReport(_Wire):

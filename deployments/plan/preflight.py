@@ -109,7 +109,78 @@ def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
         plan.pd = pd_plan.summary(args, cap.kv_bytes_per_token, block,
                                   cap.kv_tokens_per_replica, plan.max_model_len)
     plan.problems = find_problems(plan, args, shape)
+    if rules.family_of(model_cfg) is rules.Family.V41:
+        plan.problems = sorted(v41_problems(args, model_cfg, version) + plan.problems,
+                               key=lambda p: p.severity != "error")
     return plan
+
+
+V41_STACK_FIX = ("install the V4.1 stack (pip install 'dsv4-serve[gpu-v41]': ray[llm] 2.60.0 "
+                 "over vllm 0.33.0; image build arg DSV4_EXTRA=gpu-v41) and plan with "
+                 "--vllm-version 0.33.0")
+
+
+def v41_problems(args: AppArgs, model_cfg: Mapping[str, Any], version: str) -> list[Problem]:
+    """DeepSeek-V4.1 refusals: a stack without V4.1, P/D pools whose nodes write other bytes."""
+    found = []
+    if rules.parse_version(version)[:2] < rules.FIRST_V41_VLLM:
+        found.append(Problem("error", "v41-needs-vllm-030", (
+            f"model {plan_model(args)} is DeepSeek-V4.1 (DeepseekV41ForCausalLM) but the "
+            f"planned stack runs vLLM {version}, which has no V4.1 (first: 0.30; ray[llm] "
+            f"2.60.0 pins vllm 0.29.0). Fix: {V41_STACK_FIX}.")))
+        return found
+    node = args.dsv4.node
+    try:
+        rules.v41_record(node.platform, node.compute_capability, node.attention_backend,
+                         args.llm.engine_kwargs.kv_cache_dtype)
+    except (rules.LayoutError, rules.KVCacheDtypeError) as exc:
+        found.append(Problem("error", "v41-node", f"dsv4.node: {exc}"))
+    if hasattr(args, "pd"):
+        found += _pd_node_problems(args, model_cfg, version)
+    found.append(Problem("warning", "v41-capacity", (
+        "DeepSeek-V4.1: the capacity rows above use V4's byte model; per-node V4.1 bytes "
+        "per token: " + ", ".join(f"{k} {v:g} B" for k, v in v41_per_token(
+            model_cfg, args.llm.engine_kwargs.kv_cache_dtype).items()))))
+    return found
+
+
+def v41_per_token(model_cfg: Mapping[str, Any], requested: str | None) -> dict[str, float]:
+    """V4.1 KV bytes per token on each GPU type (default attention, default block size)."""
+    topo = rules.V41Topology.from_hf_config(model_cfg)
+    out = {}
+    for name, cap in (("H200 sm90", (9, 0)), ("B200 sm100", (10, 0)), ("sm120", (12, 0))):
+        try:
+            record = rules.v41_record("cuda", cap, None, requested)
+        except rules.KVCacheDtypeError:
+            continue
+        out[f"{name} {record.cache_dtype_str}"] = rules.v41_bytes_per_token(
+            rules.v41_caches(topo, record))
+    return out
+
+
+def plan_model(args: AppArgs) -> str:
+    loading = args.llm.model_loading_config
+    return str(loading.model_source or loading.model_id)
+
+
+def _pd_node_problems(args: Any, model_cfg: Mapping[str, Any], version: str) -> list[Problem]:
+    from deployments.pd.compat import pool_node_differences
+
+    prefill, decode = args.pool_node("prefill"), args.pool_node("decode")
+    diffs = pool_node_differences(model_cfg, prefill.model_dump(mode="json"),
+                                  decode.model_dump(mode="json"),
+                                  args.llm.engine_kwargs.kv_cache_dtype, version)
+    if not diffs:
+        return []
+    named = "; ".join(f"{f}: prefill {p!r}, decode {d!r}" for f, p, d in diffs)
+    return [Problem("error", "pd-node-record", (
+        f"P/D pools on other GPU types write other KV bytes (prefill node "
+        f"{prefill.platform} {prefill.compute_capability}, decode node {decode.platform} "
+        f"{decode.compute_capability}): {named}. NIXL's handshake compares dtype and "
+        "backend names only, so pages would be copied and decoded as garbage. Fix: put "
+        "both pools on one GPU type (V4.1's record is per GPU: no default setting makes "
+        "SM90 and SM100 write the same bytes), or serve each GPU type as its own "
+        "aggregated app."))]
 
 
 # ------------------------------------------------------------------ problems

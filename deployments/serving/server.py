@@ -38,6 +38,7 @@ from ray.serve.llm import LLMConfig, LLMServer
 from ray.serve.llm.deployment import DPServer
 
 from deployments.config import WORKER_EXTENSION, DSv4Section, HTTPEdge, Policy
+from deployments.config.dsv4 import node_type_key
 from deployments.control.enforcement import drain_stats, raise_if_enforced, take_verdict
 from deployments.control.prediction import (
     layout_problem,
@@ -95,27 +96,54 @@ def probe_node(settings: DSv4Section, engine_kwargs: dict[str, Any]) -> NodeInfo
 
 
 def canonicalize(
-    llm_config: LLMConfig, settings: DSv4Section, node: NodeInfo
+    llm_config: LLMConfig, settings: DSv4Section, node: NodeInfo,
+    family: rules.Family | None = None,
 ) -> rules.Resolution:
     """Resolve kv_cache_dtype for this node and write the engine-safe value back.
 
-    Only ``auto -> fp8`` on fp8_ds_mla is rewritten (safe on every vLLM with
+    Only ``auto -> fp8`` on V4's fp8_ds_mla is rewritten (safe on every vLLM with
     DeepSeek-V4, and it spares the buggy 0.20-0.29 resolver); any other value is
-    passed as the user wrote it. Raises KVLayoutMismatch / KVCacheDtypeError.
+    passed as the user wrote it. DeepSeek-V4.1 is left alone: only vLLM 0.30+ has it
+    and its own 4-argument resolver is right; its record is checked, not rewritten.
+    Raises KVLayoutMismatch / KVCacheDtypeError / LayoutError.
     """
+    expected = settings.expected_for(node.as_dict())
+    if family is rules.Family.V41:
+        return _v41_resolution(llm_config, expected, node)
     canon = node_info.canonicalize(llm_config.engine_kwargs, node)
-    expected = settings.expected_layout
-    if canon.decision.layout is not expected:
+    if canon.decision.layout.value != expected:
         raise KVLayoutMismatch(
-            f"dsv4.expected_layout={expected.value!r} but this replica's node "
+            f"dsv4.expected_layout={expected!r} but this replica's node "
             f"({node.as_dict()}) stores {canon.decision.layout.value}: {canon.decision.reason}. "
-            f"Fix: schedule this deployment on nodes that give {expected.value}, or "
-            f"set expected_layout: {canon.decision.layout.value} for the whole fleet."
+            f"Fix: schedule this deployment on nodes that give {expected}, or "
+            f"set expected_layout: {canon.decision.layout.value} for the whole fleet "
+            "(or expected_layouts per node type)."
         )
     # update_engine_kwargs also updates the engine config Ray Serve LLM cached at build time.
     llm_config.update_engine_kwargs(kv_cache_dtype=canon.resolution.engine_dtype)
     logger.info("dsv4: %s (node %s)", canon.describe(), node.as_dict())
     return canon.resolution
+
+
+def _v41_resolution(llm_config: LLMConfig, expected: str, node: NodeInfo) -> rules.Resolution:
+    """What a V4.1 replica on ``node`` stores; refuses a contradicting expected layout."""
+    requested = llm_config.engine_kwargs.get("kv_cache_dtype")
+    record = rules.v41_record(node.platform, node.capability, node.attention_backend,
+                              requested)
+    layout = record.cache_dtype_str if record.packed else "plain_rows"
+    if layout != expected:
+        raise KVLayoutMismatch(
+            f"dsv4.expected_layout={expected!r} but this DeepSeek-V4.1 replica's node "
+            f"({node.as_dict()}) stores {record.label()} via {record.backend}. Fix: set "
+            f"expected_layouts: {{{node_type_key(node.as_dict())}: {layout}}}, or schedule "
+            "it on the node type the config expects.")
+    logger.info("dsv4: DeepSeek-V4.1 left to vLLM's own resolver: kv_cache_dtype=%r -> %s "
+                "(node %s)", requested or "auto", record.label(), node.as_dict())
+    return rules.Resolution(
+        requested, rules.Layout.FP8_DS_MLA if record.packed else rules.Layout.PLAIN_ROWS,
+        str(requested or "auto"), record.cache_dtype_str,
+        rules.Storage.FP8_DS_MLA if record.packed else rules.Storage.BF16_ROWS,
+        f"DeepSeek-V4.1 on {record.backend}: {record.numerics} (unchanged by dsv4_patch)")
 
 
 def _apply_override(llm_config: LLMConfig, settings: DSv4Section, rank: int | None) -> Any:
@@ -164,7 +192,10 @@ class DSv4ServerMixin:
             )
         llm_config.update_engine_kwargs(worker_extension_cls=WORKER_EXTENSION)
         self._node = probe_node(self._settings, llm_config.engine_kwargs)
-        self._resolution = canonicalize(llm_config, self._settings, self._node)
+        self._expected = self._settings.expected_for(self._node.as_dict())
+        cfg, _ = model_config(base_config)
+        self._family = rules.family_of(cfg) if cfg else None
+        self._resolution = canonicalize(llm_config, self._settings, self._node, self._family)
         self._prediction, self._own_prediction = self._predictions(base_config, llm_config)
         self._verdict = ReplicaVerdict()
         self._kv: ReplicaKV | None = None
@@ -183,16 +214,18 @@ class DSv4ServerMixin:
         what its override asks for.
         """
         vllm = versions()["vllm"]
-        layout = self._settings.expected_layout
+        layout = rules.Layout(self._expected) if self._expected in \
+            {m.value for m in rules.Layout} else self._resolution.layout
+        node = self._node.as_dict()
         base_cfg, why = model_config(base)
         deployment = predict(base_cfg, layout, self._requested, vllm,
-                                    source=_source(base, vllm, why))
+                             source=_source(base, vllm, why), node=node)
         if self._override is None:
             return deployment, None
         own_cfg, why = model_config(own)
         return deployment, predict(own_cfg, self._resolution.layout, self._requested,
-                                          vllm, source=_source(own, vllm, why) + " + override "
-                                          f"rank {self._rank}")
+                                   vllm, source=_source(own, vllm, why) + " + override "
+                                   f"rank {self._rank}", node=node)
 
     def _self_check(self, spec: ReplicaSpec) -> None:
         """Refuse to serve when the workers contradict the expectation or their own config.
@@ -202,11 +235,11 @@ class DSv4ServerMixin:
         becomes RUNNING, so a rolling update to such a version is held back while
         the old replicas keep serving. Under warn/drain it starts and is named.
         """
-        problem = layout_problem(spec.layers, self._settings.expected_layout.value)
+        problem = layout_problem(spec.layers, self._expected)
         if problem:
             raise KVLayoutMismatch(
                 f"replica {self._replica_id}: workers report {spec.cache_dtypes} but "
-                f"dsv4.expected_layout={self._settings.expected_layout.value!r}: {problem}. "
+                f"dsv4.expected_layout={self._expected!r}: {problem}. "
                 "Fix: check that the dsv4_patch plugin loads in the engine workers "
                 "(`dsv4-serve doctor`) and that VLLM_PLUGINS, if set, lists dsv4_patch."
             )
@@ -258,7 +291,7 @@ class DSv4ServerMixin:
             replica_id=self._replica_id, rank=self._rank, node_id=self._node_id,
             pid=os.getpid(), deployment_version=self._code_version,
             policy=self._settings.policy.value,
-            expected_layout=self._settings.expected_layout.value, versions=versions(),
+            expected_layout=self._expected, versions=versions(),
             node=self._node.as_dict(), kv_cache_dtype_requested=self._requested,
             kv_cache_dtype_engine=self._resolution.engine_dtype,
             resolution_reason=self._resolution.reason,

@@ -8,6 +8,7 @@ from typing import Any
 
 from dsv4_patch.rules.byte_model import ModelShape, page_breakdown
 from dsv4_patch.rules.dtypes import Resolution
+from dsv4_patch.rules.family import FIRST_V41_VLLM, V41_ARCHITECTURES, Family, family_of
 from dsv4_patch.rules.versions import parse_version
 
 # ---------------------------------------------------------- per-layer prediction
@@ -65,15 +66,21 @@ def predict_layers(
 def predictable(hf_config: Mapping[str, Any], vllm_version: str | None) -> str | None:
     """Why no prediction can be made for this config on this vLLM, or None if it can."""
     archs = list(hf_config.get("architectures") or [])
-    if not any(a in DSV4_ARCHITECTURES for a in archs):
-        return (f"architectures={archs}: the byte model knows {list(DSV4_ARCHITECTURES)} "
-                "only")
+    family = family_of(hf_config)
+    if family is None:
+        known = [*DSV4_ARCHITECTURES, *V41_ARCHITECTURES]
+        return f"architectures={archs}: the byte model knows {known} only"
     if vllm_version is None:
         return "the installed vLLM version is unknown"
     if parse_version(vllm_version)[:2] < FIRST_DSV4_VLLM:
         return f"vLLM {vllm_version} has no DeepSeek-V4 (first: 0.20)"
-    missing = [k for k in ("num_hidden_layers", "compress_ratios", "head_dim",
-                           "qk_rope_head_dim", "index_head_dim") if k not in hf_config]
+    if family is Family.V41 and parse_version(vllm_version)[:2] < FIRST_V41_VLLM:
+        return f"vLLM {vllm_version} has no DeepSeek-V4.1 (first: 0.30)"
+    flat = {**hf_config, **(hf_config.get("text_config") or {})}
+    keys = ("num_hidden_layers", "compress_ratios", "head_dim", "index_head_dim",
+            *(("kv_source_layer_ids", "index_source_layer_ids") if family is Family.V41
+              else ("qk_rope_head_dim",)))
+    missing = [k for k in keys if k not in flat]
     if missing:
         return f"config.json lacks {missing}"
     return None

@@ -148,7 +148,30 @@ def render() -> str:
         "|" + "---|" * len(HEADER),
     ]
     lines += ["| " + " | ".join(row(v)) + " |" for v in rs.RELEASES]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + V41_ROWS) + "\n"
+
+
+# DeepSeek-V4.1 (vllm/models/deepseek_v41/, vLLM 0.30+): checked against the installed
+# 0.32.0 and the 0.33.0 wheel by tests/test_dsv4_patch/test_rules_v41.py.
+V41_ROWS = [
+    "",
+    "## DeepSeek-V4.1 (`DeepseekV41ForCausalLM`)",
+    "",
+    "The plugin leaves V4.1 alone: its patches target `deepseek_v4/`, and V4.1's own",
+    "4-argument resolver (0.30+) is right; `dsv4-serve doctor` says so. V4.1's record",
+    "depends on the GPU (dsv4_patch/rules/family.py; vllm#56893, vllm#56935).",
+    "",
+    "| releases | V4.1 | stack | SM90 / SM120 / ROCm | SM100 FlashMLA | SM100 default (mega) "
+    "| block | CPU |",
+    "|---|---|---|---|---|---|---|---|",
+    "| 0.20.0-0.29.0 | none | `gpu` extra (ray[llm] 2.60.0 pins 0.29.0): `plan` refuses "
+    "V4.1 | – | – | – | – | – |",
+    "| 0.30.0-0.32.0 | `deepseek_v41/` | CPU stack has no V4.1 path | fp8_ds_mla 584 B, "
+    "576 B pages | fp8_ds_mla 528 B, 512 B pages | nvfp4_ds_mla (288 B compressed) | 64 SM90, "
+    "128 else | none (fails at `torch.cuda.Stream`) |",
+    "| 0.33.0 | same bytes | `gpu-v41` extra (Ray Serve 2.60.0 + vLLM 0.33.0) | as 0.32 "
+    "| as 0.32 | as 0.32 | as 0.32 | none |",
+]
 
 
 if __name__ == "__main__":

@@ -348,3 +348,103 @@ def test_a_verdict_is_resent_only_when_a_replica_would_act_differently() -> None
     assert verdicts_held(_message(**odd), [held.model_copy(update={"verdict": taken})])
     # A replica the message names but that did not answer now: send.
     assert not verdicts_held(_message(**odd), [])
+
+
+# ------------------------------------------------------ DeepSeek-V4.1 on mixed GPUs
+
+
+def _mixed(odd: dict[int, str] | None = None, nodes: tuple[str, ...] = (
+        "h200", "h200", "b200", "b200")) -> list[ReplicaSpec]:
+    from benchmarks.standin import v41_standin_spec
+
+    layouts = {"sm90": "fp8_ds_mla", "sm100": "nvfp4_ds_mla"}
+    return [v41_standin_spec(f"r{i}", i, node, odd_record=(odd or {}).get(i),
+                             expected_layouts=layouts) for i, node in enumerate(nodes)]
+
+
+def test_v41_standin_pages_are_vllms_spec_pages() -> None:
+    """The stand-in's rows are the real spec classes' pages (no hand-typed bytes)."""
+    from benchmarks.standin import V41_NODES, v41_worker_specs
+    from tests.test_dsv4_patch.test_rules_v41 import V41_FLASH, _real_spec
+
+    topo = rules.V41Topology.from_hf_config(V41_FLASH)
+    for name, node in V41_NODES.items():
+        cap = tuple(int(x) for x in node["compute_capability"].split("."))
+        record = rules.v41_record("cuda", cap, node["attention_backend"], "auto")
+        real = [_real_spec(c, record, topo.head_dim) for c in rules.v41_caches(topo, record)]
+        assert [r["page_size_bytes"] for r in v41_worker_specs(node)] == real, name
+
+
+def test_h200_and_b200_v41_replicas_are_two_conforming_groups_under_enforce() -> None:
+    specs = _mixed()
+    assert specs[0].fingerprint != specs[2].fingerprint  # really different pages
+    report = decide(specs, [], 4, "fp8_ds_mla")
+    assert report.state is State.AGREE and not report.odd_replicas, report.problems
+    groups = {g.node_type: g for g in report.expected.node_groups}
+    assert set(groups) == {"cuda sm90", "cuda sm100"}
+    assert groups["cuda sm90"].bytes_per_token == 1827
+    assert groups["cuda sm100"].bytes_per_token == 1056
+    assert groups["cuda sm100"].cache_dtype_str == "nvfp4_ds_mla"
+    assert groups["cuda sm90"].replicas == ["r0", "r1"]
+    note = report.expected.note or ""
+    assert "nobody is drained" in note and "B/token" in note and "NVFP4" in note
+    assert "1.73x" in note  # capacity per GiB, named
+    book = EnforceBook(max_attempts=3, backoff_s=0)
+    actions = {s.replica_id: book.action(s, s.replica_id in report.odd_replicas, "enforce",
+                                         0.0)[0] for s in specs}
+    assert set(actions.values()) == {Action.SERVE}
+
+
+def test_b200_flashmla_and_h200_v41_still_differ_by_record() -> None:
+    """Same dtype name on both (fp8_ds_mla), other bytes: 528 B vs 584 B records."""
+    specs = _mixed(nodes=("h200", "b200-flashmla"))
+    for s in specs:
+        s.expected_layout = "fp8_ds_mla"
+    report = decide(specs, [], 2, "fp8_ds_mla")
+    assert report.state is State.AGREE
+    per_token = {g.node_type: g.bytes_per_token for g in report.expected.node_groups}
+    assert per_token == {"cuda sm90": 1827, "cuda sm100 FLASHMLA_SPARSE_DSV41": 1656}
+
+
+def test_a_really_odd_v41_replica_is_still_named_in_a_mixed_fleet() -> None:
+    """A B200 replica writing H200's 584 B record contradicts its own node's prediction."""
+    specs = _mixed(odd={3: "b200-flashmla"})
+    report = decide(specs, [], 4, "fp8_ds_mla")
+    assert report.state is State.DISAGREE
+    assert set(report.odd_replicas) == {"r3"}
+    problem = next(p for p in report.problems if p.replica == "r3")
+    assert problem.kind in ("prediction", "expected")
+    groups = {g.node_type: g.replicas for g in report.expected.node_groups}
+    assert groups == {"cuda sm90": ["r0", "r1"], "cuda sm100": ["r2"]}
+    book = EnforceBook(max_attempts=3, backoff_s=0)
+    assert book.action(specs[3], True, "enforce", 0.0)[0] is Action.FAIL_HEALTH
+    assert book.action(specs[0], False, "enforce", 0.0)[0] is Action.SERVE
+
+
+def test_v41_prediction_follows_the_replicas_node() -> None:
+    cfg = json.loads((MODELS / "DeepSeek-V4.1-Flash" / "config.json").read_text())
+    h200 = predict(cfg, FP8, "auto", "0.33.0", "v41", node={
+        "platform": "cuda", "compute_capability": "9.0", "attention_backend": None})
+    b200 = predict(cfg, FP8, "auto", "0.33.0", "v41", node={
+        "platform": "cuda", "compute_capability": "10.0", "attention_backend": None})
+    assert (h200.cache_dtype_str, b200.cache_dtype_str) == ("fp8_ds_mla", "nvfp4_ds_mla")
+    assert h200.fingerprint != b200.fingerprint
+    old = predict(cfg, FP8, "auto", "0.29.0", "v41", node={"platform": "cuda",
+                                                           "compute_capability": "9.0"})
+    assert old.layers is None and "no DeepSeek-V4.1" in (old.reason or "")
+    cpu = predict(cfg, FP8, "auto", "0.32.0", "v41", node={"platform": "cpu"})
+    assert cpu.layers is None and "no DeepSeek-V4.1 path" in (cpu.reason or "")
+
+
+def test_expected_layouts_per_node_type() -> None:
+    from deployments.config import DSv4Section
+
+    section = DSv4Section.model_validate(
+        {"expected_layouts": {"sm90": "fp8_ds_mla", "sm100": "nvfp4_ds_mla"}})
+    assert section.expected_for({"platform": "cuda", "compute_capability": "10.0"}) == \
+        "nvfp4_ds_mla"
+    assert section.expected_for({"platform": "cuda", "compute_capability": "9.0"}) == \
+        "fp8_ds_mla"
+    assert section.expected_for({"platform": "cpu"}) == "fp8_ds_mla"
+    with pytest.raises(ValueError, match="not node types"):
+        DSv4Section.model_validate({"expected_layouts": {"h200": "fp8_ds_mla"}})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -204,3 +205,63 @@ def test_status_and_plan_show_the_pools_and_the_verdict() -> None:
     assert summary["bytes_moved_per_request"] == {"1024": 1024 * 3915, "2048": 2048 * 3915}
     rows = dict(pd_plan.rows(summary))
     assert "NixlConnector" in rows["P/D connector"] and "prefill 1 x 1,000" in rows["P/D pools"]
+
+
+# ------------------------------------------------ P/D across GPU types (DeepSeek-V4.1)
+
+_REPO = Path(__file__).resolve().parents[2]
+_MODELS = _REPO / "configs" / "models" / "deepseek-ai"
+_H200 = {"platform": "cuda", "compute_capability": [9, 0], "attention_backend": None}
+_B200 = {"platform": "cuda", "compute_capability": [10, 0], "attention_backend": None}
+
+
+def test_v41_sm90_prefill_and_sm100_decode_pools_differ_by_name() -> None:
+    from deployments.pd.compat import pool_node_differences
+
+    cfg = json.loads((_MODELS / "DeepSeek-V4.1-Flash" / "config.json").read_text())
+    diffs = {f: (p, d) for f, p, d in pool_node_differences(cfg, _H200, _B200, "auto",
+                                                            "0.33.0")}
+    assert diffs["cache_dtype_str"] == ("fp8_ds_mla", "nvfp4_ds_mla")
+    assert diffs["swa_record_bytes"] == (584, 528)
+    assert diffs["page_alignment"] == (576, 512)
+    assert diffs["block_size"] == (64, 128)
+    assert diffs["kv_bytes_per_token"] == (1827, 1056)
+    flashmla = _B200 | {"attention_backend": "FLASHMLA_SPARSE_DSV41"}
+    same_name = {f for f, _, _ in pool_node_differences(cfg, _H200, flashmla, "auto")}
+    assert "cache_dtype_str" not in same_name  # one dtype name, other bytes:
+    assert {"swa_record_bytes", "page_alignment", "kv_bytes_per_token"} <= same_name
+
+
+def test_v4_pools_on_sm90_and_sm100_flashmla_agree() -> None:
+    from deployments.pd.compat import pool_node_differences
+
+    cfg = json.loads((_MODELS / "DeepSeek-V4-Flash" / "config.json").read_text())
+    assert pool_node_differences(cfg, _H200, _B200, "auto", "0.33.0") == []
+    rows = _B200 | {"attention_backend": "FLASHINFER_MLA_SPARSE_DSV4"}
+    assert pool_node_differences(cfg, _H200, rows, "auto", "0.33.0")
+
+
+def test_plan_refuses_v41_pd_across_gpu_types_and_v41_on_the_029_stack(
+        tmp_path: Path) -> None:
+    import yaml
+
+    from deployments.plan import preflight
+
+    raw = yaml.safe_load((_REPO / "configs" / "flash-h200-pd.yaml").read_text())
+    args = raw["applications"][0]["args"]
+    args["llm"]["model_loading_config"] = {"model_id": "deepseek-ai/DeepSeek-V4.1-Flash",
+                                           "model_source": "deepseek-ai/DeepSeek-V4.1-Flash"}
+    args["llm"]["engine_kwargs"].pop("block_size", None)
+    args["pd"]["decode"] = {"node": {"platform": "cuda", "compute_capability": "10.0",
+                                     "gpus_per_node": 8, "gpu_memory_gib": 178.4}}
+    path = tmp_path / "v41-pd.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    model = _MODELS / "DeepSeek-V4.1-Flash" / "config.json"
+    plan = preflight.plan_config(path, model_config=model, vllm_version="0.33.0")
+    problems = {p.code: p for p in plan.applications[0].problems}
+    assert problems["pd-node-record"].severity == "error"
+    text = problems["pd-node-record"].message
+    assert "swa_record_bytes: prefill 584, decode 528" in text and "Fix:" in text
+    old = preflight.plan_config(path, model_config=model, vllm_version="0.29.0")
+    problems = {p.code: p for p in old.applications[0].problems}
+    assert "gpu-v41" in problems["v41-needs-vllm-030"].message
