@@ -163,3 +163,43 @@ def test_second_signal_while_draining_stops_the_wait() -> None:
     stop.draining = True
     with pytest.raises(KeyboardInterrupt):
         stop._handler(signal.SIGINT, None)
+
+
+def test_http_settings_reach_the_engine_and_contradictions_are_refused() -> None:
+    """An absent token limit is bounded by the engine's default (http.max_tokens); the
+    Responses store follows http.responses_store; a config that says otherwise is refused."""
+    from deployments.config import checks
+    from deployments.config.app_args import apply_http_to_engine
+
+    base = {"llm": {"model_loading_config": {"model_id": "m", "model_source": "dsv4-tiny"},
+                    "deployment_config": {"autoscaling_config": {"min_replicas": 1,
+                                                                  "max_replicas": 2}}},
+            "http": {"max_tokens": 512}}
+    args = parse_app_args(base)
+    data = args.llm_config_dict()
+    lines = apply_http_to_engine(data, args.http)
+    assert data["engine_kwargs"]["override_generation_config"] == {"max_new_tokens": 512}
+    assert data["runtime_env"]["env_vars"]["VLLM_ENABLE_RESPONSES_API_STORE"] == "0"
+    assert len(lines) == 2 and all("http." in line for line in lines)
+    # a value the config sets is kept (and not logged as ours)
+    kept = copy.deepcopy(base)
+    kept["llm"]["engine_kwargs"] = {"override_generation_config": {"max_new_tokens": 100}}
+    data = parse_app_args(kept).llm_config_dict()
+    assert len(apply_http_to_engine(data, args.http)) == 1
+    assert data["engine_kwargs"]["override_generation_config"]["max_new_tokens"] == 100
+
+    def codes(raw: dict) -> set[str]:
+        return {p.code for p in checks.check(parse_app_args(raw, refuse=False))}
+
+    above = copy.deepcopy(base)
+    above["llm"]["engine_kwargs"] = {"override_generation_config": {"max_new_tokens": 4096}}
+    assert "default-tokens-above-bound" in codes(above)
+    env = copy.deepcopy(base)
+    env["llm"]["runtime_env"] = {"env_vars": {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}}
+    assert "responses-store-conflict" in codes(env)
+    fleet = copy.deepcopy(base)
+    fleet["http"]["responses_store"] = True
+    assert "responses-store-fleet" in codes(fleet)
+    one = copy.deepcopy(fleet)
+    one["llm"]["deployment_config"]["autoscaling_config"]["max_replicas"] = 1
+    assert codes(one) & {"responses-store-fleet", "responses-store-conflict"} == set()
