@@ -81,16 +81,6 @@ def _http_engine_problems(args: AppArgs) -> list[Problem]:
             f"http.responses_store={args.http.responses_store}: the edge would judge "
             "Responses requests by one and vLLM serve them by the other. Fix: remove the "
             "env var and set http.responses_store."))
-    replicas = args.max_replicas_total * args.llm.engine_kwargs.data_parallel_size
-    if args.http.responses_store and replicas > 1:
-        found.append(_error(
-            "responses-store-fleet",
-            f"http.responses_store=true with up to {replicas} serving replicas: vLLM keeps "
-            "stored responses, background runs and previous_response_id state in one "
-            "replica's process, and Serve's proxy picks a replica before the body names "
-            "the response, so a follow-up would find it only by chance. Fix: keep the store "
-            "off (clients send the whole conversation), or serve Responses with state from "
-            "an application of one replica (max_replicas: 1, data_parallel_size: 1)."))
     return found
 
 

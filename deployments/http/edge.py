@@ -37,7 +37,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -205,9 +205,23 @@ def in_flight_share(settings: HTTPEdge, replicas: int) -> tuple[HTTPEdge, str]:
     return settings.model_copy(update={"max_in_flight": share}), note
 
 
+class ResponseHolderGone(Exception):
+    """The replica that stores a response is no longer running (``Relay`` raises it)."""
+
+    def __init__(self, holder: str):
+        super().__init__(holder)
+        self.holder = holder
+
+
+# (holder replica id, scope, body) -> the holder's ASGI messages
+# (``deployments.serving.relay.Relay.send_to``).
+Relay = Callable[[str, MutableMapping[str, Any], bytes], AsyncIterator[MutableMapping[str, Any]]]
+
+
 @dataclass
 class EdgeGuard:
-    """Per-process edge state: settings, keys, whether keys are required, in-flight count."""
+    """Per-process edge state: settings, keys, whether keys are required, in-flight count;
+    with the Responses store on, this replica's id and the relay to the others."""
 
     settings: HTTPEdge
     keys: KeyStore
@@ -215,6 +229,8 @@ class EdgeGuard:
     in_flight: int = 0
     rejected: dict[int, int] = field(default_factory=dict)
     limit_note: str = ""  # how settings.max_in_flight was derived, for the 503 message
+    replica_id: str | None = None
+    relay: Relay | None = None
 
     @classmethod
     def start(cls, settings: HTTPEdge, bind_host: str | None,
@@ -322,18 +338,78 @@ class EdgeMiddleware:
                             "Fix: keep the response the create call returned, or ask the "
                             f"operator to enable {STORE_SETTING}.", "not_found_error")
         if not route.body:
+            holder = _holder(guard, scope, routes.response_id(path))
+            if holder:
+                await _relay(guard, holder, scope, b"", send)
+                return
             await _run_bounded(self.app, scope, receive, send, settings, request_id)
             return
         _admit(guard)  # shed load before reading anything
         raw = await _read_body(scope, receive, settings)
         _check_body(raw, settings, route)
+        holder = None
+        if route.stateful and settings.responses_store:
+            raw, holder = _stored_response(guard, scope, route, path, raw)
         _admit(guard)  # the slot is taken only once the body is here and judged
         guard.in_flight += 1
         try:
+            if holder:
+                await _relay(guard, holder, scope, raw, send)
+                return
             await _run_bounded(self.app, scope, _replay(raw, receive), send, settings,
                                request_id)
         finally:
             guard.in_flight -= 1
+
+
+def _holder(guard: EdgeGuard, scope: Scope, response_id: str | None) -> str | None:
+    """The other replica that stores ``response_id``, if the request must go there."""
+    if not response_id or not guard.settings.responses_store or guard.relay is None:
+        return None
+    holder = routes.holder_of(response_id)
+    if holder is None or holder == guard.replica_id:
+        return None
+    if any(k == routes.RELAYED_HEADER for k, _ in scope.get("headers", [])):
+        # The replica that relayed it named us; we are not the holder either.
+        raise _Rejected(404, f"response {response_id} is not stored on this fleet.",
+                        "not_found_error")
+    return holder
+
+
+def _stored_response(guard: EdgeGuard, scope: Scope, route: routes.Route, path: str,
+                     raw: bytes) -> tuple[bytes, str | None]:
+    """With the store on: the holder a follow-up must reach, and for a new response the
+    body with a ``request_id`` naming this replica (vLLM makes it the response id)."""
+    if route is not _RESPONSES:  # cancel: the id is in the path
+        return raw, _holder(guard, scope, routes.response_id(path))
+    body = json.loads(raw)
+    if not isinstance(body, dict):
+        return raw, None
+    if "request_id" in body:
+        raise _Rejected(400, "request_id is assigned by this server while it stores "
+                        f"responses ({STORE_SETTING}): the id names the replica that keeps "
+                        "the response. Fix: remove request_id.", "invalid_request_error",
+                        param="request_id")
+    previous = body.get("previous_response_id")
+    holder = _holder(guard, scope, previous) if isinstance(previous, str) else None
+    if holder is None and guard.replica_id is not None:
+        body["request_id"] = routes.tagged_response_id(guard.replica_id)
+        raw = json.dumps(body).encode()
+    return raw, holder
+
+
+async def _relay(guard: EdgeGuard, holder: str, scope: Scope, raw: bytes,
+                 send: Send) -> None:
+    """Stream the holder's answer to this request; a lost holder is a 404 naming it."""
+    assert guard.relay is not None
+    try:
+        async for message in guard.relay(holder, scope, raw):
+            await send(message)
+    except ResponseHolderGone as gone:
+        raise _Rejected(404, f"the response is stored on replica {gone.holder}, which is no "
+                        "longer running (replaced or scaled down): stored responses live "
+                        "and end with their replica. Fix: start a new response with the "
+                        "whole conversation as input.", "not_found_error") from None
 
 
 _RESPONSES = routes.EXACT[routes.RESPONSES_ROUTE]

@@ -31,6 +31,7 @@ from ray.serve.request_router import (
 
 from deployments.control.wire import DRAIN_STAT
 from deployments.logs import get_logger
+from deployments.serving.names import RELAY_METHOD, TARGET_KWARG
 
 logger = get_logger("router")
 
@@ -60,6 +61,14 @@ def with_kv_router(deployment_config: dict[str, Any]) -> dict[str, Any]:
     return deployment_config | {"request_router_config": router_config()}
 
 
+def relay_target(pending_request: PendingRequest | None) -> str | None:
+    """The replica a relayed Responses request must reach (``relay.TARGET_KWARG``)."""
+    if pending_request is None or pending_request.metadata.call_method != RELAY_METHOD:
+        return None
+    target = pending_request.kwargs.get(TARGET_KWARG)
+    return target if isinstance(target, str) else None
+
+
 def drained(replica: RunningReplica) -> bool:
     return bool((replica.routing_stats or {}).get(DRAIN_STAT))
 
@@ -79,6 +88,12 @@ class KVSpecRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        target = relay_target(pending_request)
+        if target is not None:
+            # A stored response lives on one replica (deployments.serving.relay): that
+            # one, drained or not; none while it is not (yet) in this router's set.
+            return [[r for r in self.curr_replicas.values()
+                     if r.replica_id.unique_id == target]]
         if pending_request is not None and pending_request.metadata.multiplexed_model_id:
             ids = self.apply_multiplex_routing(pending_request=pending_request)
         else:

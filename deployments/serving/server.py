@@ -28,6 +28,7 @@ import functools
 import json
 import os
 import time
+from collections.abc import AsyncIterator
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,8 @@ from deployments.control.wire import (
 from deployments.http import edge, front
 from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
+from deployments.serving.names import TARGET_KWARG
+from deployments.serving.relay import Relay, serve_relayed
 from dsv4_patch import node as node_info
 from dsv4_patch import rules
 from dsv4_patch.node import NodeInfo
@@ -177,6 +180,9 @@ class DSv4ServerMixin:
         self._refresh = RefreshGate(self._http.kv_spec_refresh_interval_s)
         ctx = serve.get_replica_context()
         self._replica_id = ctx.replica_id.unique_id
+        self._asgi_app: Any = None
+        if http is not None and self._http.responses_store:
+            _start_relay(self._replica_id)
         self._rank = ctx.rank.rank if ctx.rank is not None else None
         self._code_version = getattr(ctx, "code_version", None)
         self._node_id = _node_id()
@@ -265,8 +271,19 @@ class DSv4ServerMixin:
     async def __serve_build_asgi_app__(self) -> Any:
         """Serve's late-bound ingress hook: vLLM's OpenAI app, hardened (``front.harden``)."""
         app = await super().__serve_build_asgi_app__()  # type: ignore[misc]
-        return front.harden(app, self._http,
-                            self._kv_spec_report if self._kv_spec is not None else None)
+        self._asgi_app = front.harden(
+            app, self._http, self._kv_spec_report if self._kv_spec is not None else None)
+        return self._asgi_app
+
+    async def dsv4_relay_http(self, scope: dict[str, Any], body: bytes,
+                              **target: str) -> AsyncIterator[dict[str, Any]]:
+        """A request another replica relays here because this one stores the response
+        (``deployments.serving.relay``); ``target`` is the router's hint, ours."""
+        if self._asgi_app is None or target.get(TARGET_KWARG) != self._replica_id:
+            raise RuntimeError(f"replica {self._replica_id} got a relay meant for "
+                               f"{target.get(TARGET_KWARG)!r}")
+        async for message in serve_relayed(self._asgi_app, scope, body):
+            yield message
 
     async def _kv_spec_report(self, refresh: bool) -> tuple[Any, str]:
         """The controller's report for ``GET /v1/kv-spec``: refreshes coalesced, rate-limited."""
@@ -321,6 +338,16 @@ class DSv4ServerMixin:
         """Engine health first; then, if our verdict says so, fail so Serve replaces us."""
         await super().check_health()  # type: ignore[misc]
         raise_if_enforced(self._verdict)
+
+
+def _start_relay(replica_id: str) -> None:
+    """With the Responses store on, the edge tags new responses with this replica and
+    relays follow-ups for other replicas' responses (``deployments.serving.relay``)."""
+    guard = edge.current()
+    assert guard is not None
+    guard.replica_id, guard.relay = replica_id, Relay().send_to
+    logger.info("dsv4: Responses store on: responses created here are named after replica "
+                "%s; follow-ups landing elsewhere are relayed here", replica_id)
 
 
 def _start_edge(settings: HTTPEdge, serving_replicas: int) -> HTTPEdge:

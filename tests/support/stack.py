@@ -37,8 +37,10 @@ class Stack:
 
 
 def mixed_app_args(base: dict[str, Any]) -> dict[str, Any]:
-    """The local app, with rank 0 on another layer order, under policy warn."""
+    """The local app, with rank 0 on another layer order, under policy warn; and with
+    the Responses store on, so follow-ups cross replicas (relayed to the holder)."""
     args = copy.deepcopy(base)
+    args["http"]["responses_store"] = True
     args["dsv4"].update(
         policy="warn",
         controller_period_s=2,

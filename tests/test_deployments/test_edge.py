@@ -634,3 +634,95 @@ def test_run_refuses_a_reachable_bind_without_a_key_before_ray_starts(
     err = capsys.readouterr().err
     assert "http_options.host='0.0.0.0' answers beyond this machine" in err
     assert "Fix: put keys in DSV4_API_KEYS" in err
+
+
+class _Relay:
+    """A stand-in for ``deployments.serving.relay.Relay.send_to``: records each call and
+    answers as the holder would, or as a lost holder."""
+
+    def __init__(self, alive: set[str]) -> None:
+        self.alive, self.calls = alive, []
+
+    async def send_to(self, holder: str, scope: Any, body: bytes) -> AsyncIterator[Any]:
+        self.calls.append((holder, scope["method"], scope["path"], body))
+        if holder not in self.alive:
+            raise edge.ResponseHolderGone(holder)
+        payload = json.dumps({"from": holder}).encode()
+        yield {"type": "http.response.start", "status": 200,
+               "headers": [(b"content-type", b"application/json")]}
+        yield {"type": "http.response.body", "body": payload, "more_body": False}
+
+
+def _stored(probe: Probe, relay: _Relay) -> Any:
+    settings = HTTPEdge(responses_store=True)
+    app = build(settings, probe)
+    seen: list[dict[str, Any]] = []
+
+    @app.get("/v1/responses/{rid}")
+    async def retrieve(rid: str) -> Any:
+        return {"id": rid, "from": "self"}
+
+    # this test's own create handler in place of build()'s generic stand-in
+    app.router.routes = [r for r in app.router.routes
+                         if getattr(r, "path", "") != "/v1/responses"]
+
+    @app.post("/v1/responses")
+    async def create(request: Request) -> Any:
+        seen.append(await request.json())
+        return {"id": seen[-1].get("request_id")}
+
+    g = guard(settings)
+    g.replica_id, g.relay = "self1", relay.send_to
+    return app, seen
+
+
+def test_stored_responses_are_named_after_their_replica_and_followed_there(
+        probe: Probe) -> None:
+    other = routes.tagged_response_id("other2")
+    relay = _Relay(alive={"other2"})
+    app, _ = _stored(probe, relay)
+    # a new response: the id names this replica (vLLM takes request_id as the id)
+    status, _, data = run(call(app, "POST", "/v1/responses", b'{"input": "x"}'))
+    assert status == 200 and routes.holder_of(json.loads(data)["id"]) == "self1"
+    # a follow-up of another replica's response goes there, body unchanged
+    body = json.dumps({"input": "y", "previous_response_id": other}).encode()
+    status, _, data = run(call(app, "POST", "/v1/responses", body))
+    assert status == 200 and json.loads(data) == {"from": "other2"}
+    assert relay.calls[-1] == ("other2", "POST", "/v1/responses", body)
+    # retrieve and cancel likewise; our own and untagged ids stay here
+    assert json.loads(run(call(app, "GET", f"/v1/responses/{other}"))[2]) == {"from": "other2"}
+    assert run(call(app, "POST", f"/v1/responses/{other}/cancel"))[0] == 200
+    own = routes.tagged_response_id("self1")
+    assert json.loads(run(call(app, "GET", f"/v1/responses/{own}"))[2])["from"] == "self"
+    assert json.loads(run(call(app, "GET", "/v1/responses/resp_abc"))[2])["from"] == "self"
+    assert len(relay.calls) == 3
+
+
+def test_a_lost_holder_and_a_client_request_id_are_named(probe: Probe) -> None:
+    relay = _Relay(alive=set())
+    app, seen = _stored(probe, relay)
+    gone = routes.tagged_response_id("gone3")
+    status, _, data = run(call(app, "GET", f"/v1/responses/{gone}"))
+    assert status == 404 and "replica gone3" in error(data)["message"]
+    status, _, data = run(call(app, "POST", "/v1/responses",
+                               b'{"input": "x", "request_id": "resp_mine"}'))
+    assert status == 400 and error(data)["param"] == "request_id" and seen == []
+    # a request another replica relayed here is never relayed again
+    status, _, _ = run(call(app, "GET", f"/v1/responses/{gone}",
+                            headers={"x-dsv4-relayed": "1"}))
+    assert status == 404 and len(relay.calls) == 1
+
+
+def test_relay_target_routing_hint() -> None:
+    """The router routes a relayed call to its target only (``router.relay_target``)."""
+    from types import SimpleNamespace
+
+    from deployments.serving import names, router
+
+    def pending(method: str, **kwargs: Any) -> Any:
+        return SimpleNamespace(metadata=SimpleNamespace(call_method=method), kwargs=kwargs)
+
+    assert router.relay_target(pending(names.RELAY_METHOD,
+                                       **{names.TARGET_KWARG: "r1"})) == "r1"
+    assert router.relay_target(pending("__call__", **{names.TARGET_KWARG: "r1"})) is None
+    assert router.relay_target(None) is None
