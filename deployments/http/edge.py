@@ -237,9 +237,9 @@ class EdgeMiddleware:
         if method == "OPTIONS" and settings.cors_allow_origins:
             await self.app(scope, receive, send)  # CORS preflight carries no credentials
             return
-        if guard.keys.required(guard.bind_host):
+        if _key_required(guard, request_id):
             token = bearer_token(_header(scope, b"authorization"))
-            if token is None or not guard.keys.matches(token):
+            if token is None or not _key_matches(guard, token, request_id):
                 what = "no API key" if token is None else "an invalid API key"
                 raise _Rejected(401, f"the request has {what}. Fix: send "
                                 "`Authorization: Bearer <key>` with a key the server "
@@ -263,6 +263,32 @@ class EdgeMiddleware:
                                request_id)
         finally:
             guard.in_flight -= 1
+
+
+def _key_trouble(request_id: str) -> _Rejected:
+    """The answer when the key check itself fails: 503, no detail (it is in the log)."""
+    logger.exception("dsv4: request %s: the API key check failed", request_id)
+    return _Rejected(503, f"the server cannot check API keys right now (request id "
+                     f"{request_id}). Fix: retry later; the operator finds the cause in "
+                     "the server log under that id.", "unavailable",
+                     headers=[(b"retry-after", b"5")])
+
+
+def _key_required(guard: EdgeGuard, request_id: str) -> bool:
+    """``KeyStore.required``; a failure of the check answers 503, never its text."""
+    try:
+        return guard.keys.required(guard.bind_host)
+    except Exception as exc:
+        raise _key_trouble(request_id) from exc
+
+
+def _key_matches(guard: EdgeGuard, token: str, request_id: str) -> bool:
+    """``KeyStore.matches``; a failure of the check answers 503, never its text
+    (the key file's path used to reach callers through vLLM's catch-all handler)."""
+    try:
+        return guard.keys.matches(token)
+    except Exception as exc:
+        raise _key_trouble(request_id) from exc
 
 
 def _check_route(route: str, method: str) -> None:

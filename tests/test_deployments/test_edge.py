@@ -247,11 +247,15 @@ def test_auth_on_every_route(probe: Probe) -> None:
     assert status == 200, data
 
 
-def test_open_on_loopback_until_a_key_is_configured(probe: Probe, tmp_path: Path) -> None:
+def test_open_on_loopback_only_without_any_key_source(probe: Probe, tmp_path: Path) -> None:
+    """auto on loopback: open with no key source; a configured key file, even missing,
+    fails closed (issue 26: a missing file used to turn auth off) until it holds a key."""
     app = build(HTTPEdge(), probe)
+    guard(HTTPEdge(), "127.0.0.1")
+    assert post(app, {"prompt": "x"})[0] == 200
     keys = tmp_path / "keys"
     guard(HTTPEdge(), "127.0.0.1", DSV4_API_KEYS_FILE=str(keys))
-    assert post(app, {"prompt": "x"})[0] == 200
+    assert post(app, {"prompt": "x"})[0] == 401
     keys.write_text(KEY)
     time.sleep(auth.FILE_RECHECK_S + 0.05)
     assert post(app, {"prompt": "x"})[0] == 401
