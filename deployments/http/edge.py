@@ -17,9 +17,14 @@ It answers, in this order and before the body is parsed by anyone:
 
 While the request runs it bounds streams (``stream_max_s`` overall,
 ``stream_idle_s`` between chunks; the stream then ends with an error event and
-``[DONE]``, and the cancellation reaches the engine, which aborts the request),
-and it rewrites every 5xx body (and 5xx error events inside a stream) to carry
-only a request id: the exception text goes to the log, not to the client.
+``[DONE]``, and the cancellation reaches the engine, which aborts the request).
+
+On every route (``_Scrubber`` wraps ``send`` once, in ``EdgeMiddleware.__call__``)
+it rewrites every 5xx body the app sends, and 5xx error events inside a stream, to
+carry only a request id, and answers an exception that escapes the app with such
+a 500: the text (Ray's errors name pids and IPs, vLLM's catch-all handler returns
+``str(exc)``) goes to the log, not to the client. Only the edge's own answers
+(401, 404, overload 503...) go out as written.
 
 Pure ASGI (no ``BaseHTTPMiddleware``), so client disconnects still reach the app.
 """
@@ -219,17 +224,23 @@ class EdgeMiddleware:
             scope["headers"] = [*scope.get("headers", []),
                                 (b"x-request-id", request_id.encode())]
         guard = current()
+        scrubber = _Scrubber(scope, send, request_id,
+                             guard.settings.retry_after_s if guard is not None else 1)
         try:
             if guard is None:
                 raise _Rejected(503, "the ingress is starting; retry shortly", "unavailable",
                                 headers=[(b"retry-after", b"1")])
-            await self._handle(guard, scope, receive, send, request_id)
+            await self._handle(guard, scope, receive, scrubber.send, request_id)
+            await scrubber.finish()
         except _ClientGone:
             return
         except _Rejected as rej:
             guard_count = guard.rejected if guard else {}
             guard_count[rej.status] = guard_count.get(rej.status, 0) + 1
             await _send_error(send, rej, request_id)
+        except Exception:  # the app's own failure: logged whole, answered by request id only
+            logger.exception("dsv4: request %s failed behind the edge", request_id)
+            await scrubber.fail()
 
     async def _handle(self, guard: EdgeGuard, scope: Scope, receive: Receive, send: Send,
                       request_id: str) -> None:
@@ -385,28 +396,44 @@ def internal_error_body(status: int, request_id: str) -> bytes:
                       "details are in the server log under that id.", "internal_server_error")
 
 
+# A key our own routes set in the ASGI scope when their 5xx body is public as written
+# (``deployments.http.front``: the 503 of ``/v1/kv-spec`` is the redacted report).
+# Server-side only: no client can set it, vLLM and Ray never do; a middleware that
+# copies the scope loses it, and the answer is then scrubbed (the safe side).
+PUBLIC_ERROR_KEY = "dsv4.public_error"
+
+
+def mark_public_error(scope: Scope) -> None:
+    """Let this request's 5xx body out as written (it names nothing internal)."""
+    scope[PUBLIC_ERROR_KEY] = True
+
+
 _SSE_ERROR = re.compile(rb'^data: (\{"error".*\})\s*$', re.M)
 
 
-class _Response:
-    """Watches what the app sends: scrubs 5xx bodies and 5xx stream errors, times chunks."""
+class _Scrubber:
+    """Wraps ``send`` for every route: 5xx bodies and 5xx stream error events leave
+    with only a request id; what they said goes to the log.
 
-    def __init__(self, send: Send, request_id: str, retry_after_s: int = 1):
-        self._send, self.request_id, self.retry_after_s = send, request_id, retry_after_s
-        self.started = self.finished = self.streaming = False
-        self.last_chunk = time.monotonic()
+    Idempotent: a body that already is ``internal_error_body`` passes unlogged, so
+    the edge's own 500s (``_run_bounded``) can go through it too.
+    """
+
+    def __init__(self, scope: Scope, send: Send, request_id: str, retry_after_s: int = 1):
+        self._scope, self._send = scope, send
+        self.request_id, self.retry_after_s = request_id, retry_after_s
+        self.sent = self.streaming = False  # sent: a response start went to the client
         self._held: Message | None = None  # the start of a 5xx answer, sent with a new body
         self._held_body: list[bytes] = []
 
     async def send(self, message: Message) -> None:
-        self.last_chunk = time.monotonic()
         if message["type"] == "http.response.start":
-            self.started = True
             headers = dict(message.get("headers", []))
             self.streaming = headers.get(b"content-type", b"").startswith(b"text/event-stream")
-            if message["status"] >= 500:
-                self._held = message
+            if message["status"] >= 500 and not self._scope.get(PUBLIC_ERROR_KEY):
+                self._held, self._held_body = message, []
                 return
+            self.sent = True
         elif message["type"] == "http.response.body":
             if self._held is not None:
                 self._held_body.append(message.get("body", b""))
@@ -415,25 +442,42 @@ class _Response:
                 return
             if self.streaming:
                 message = {**message, "body": self._scrub_events(message.get("body", b""))}
-            self.finished = not message.get("more_body", False)
         await self._send(message)
+
+    async def finish(self) -> None:
+        """The app returned: a 5xx start it sent without a last body chunk still goes
+        out (scrubbed), so the client is never left without an answer."""
+        if self._held is not None:
+            await self._send_scrubbed()
+
+    async def fail(self) -> None:
+        """The app raised: finish the answer with a scrubbed 500 (or the held 5xx's
+        status) unless a response already went out (then only the log has it)."""
+        if self.sent:
+            return
+        if self._held is None:
+            self._held = {"type": "http.response.start", "status": 500, "headers": []}
+        await self._send_scrubbed()
 
     async def _send_scrubbed(self) -> None:
         held = self._held
         assert held is not None
         status = held["status"]
-        logger.error("dsv4: request %s answered %d: %s", self.request_id, status,
-                     b"".join(self._held_body)[:4000].decode("utf-8", "replace"))
         body = internal_error_body(status, self.request_id)
+        said = b"".join(self._held_body)
+        if said != body:
+            logger.error("dsv4: request %s answered %d: %s", self.request_id, status,
+                         said[:4000].decode("utf-8", "replace"))
         headers = [(k, v) for k, v in held.get("headers", [])
                    if k.lower() not in (b"content-length", b"content-type")]
         headers += [(b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode())]
+        if not any(k.lower() == b"x-request-id" for k, _ in headers):
+            headers.append((b"x-request-id", self.request_id.encode()))
         if status == 503 and not any(k.lower() == b"retry-after" for k, _ in headers):
             # e.g. no replica available while Serve replaces one: a retry will do
             headers.append((b"retry-after", str(self.retry_after_s).encode()))
-        self._held = None
-        self.finished = True
+        self._held, self.sent = None, True
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -449,11 +493,33 @@ class _Response:
                 return match.group(0)
             if code < 500:
                 return match.group(0)
-            logger.error("dsv4: request %s stream error: %s", self.request_id,
-                         match.group(1)[:4000].decode("utf-8", "replace"))
-            return b"data: " + internal_error_body(code, self.request_id)
+            scrubbed = internal_error_body(code, self.request_id)
+            if match.group(1) != scrubbed:
+                logger.error("dsv4: request %s stream error: %s", self.request_id,
+                             match.group(1)[:4000].decode("utf-8", "replace"))
+            return b"data: " + scrubbed
 
         return _SSE_ERROR.sub(scrub, chunk)
+
+
+class _Response:
+    """Watches what the app sends, for the stream limits: started, streaming, finished,
+    when the last chunk went. (5xx scrubbing is ``_Scrubber``'s, on every route.)"""
+
+    def __init__(self, send: Send, request_id: str, retry_after_s: int = 1):
+        self._send, self.request_id, self.retry_after_s = send, request_id, retry_after_s
+        self.started = self.finished = self.streaming = False
+        self.last_chunk = time.monotonic()
+
+    async def send(self, message: Message) -> None:
+        self.last_chunk = time.monotonic()
+        if message["type"] == "http.response.start":
+            self.started = True
+            headers = dict(message.get("headers", []))
+            self.streaming = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+        elif message["type"] == "http.response.body":
+            self.finished = not message.get("more_body", False)
+        await self._send(message)
 
 
 async def _run_bounded(app: ASGIApp, scope: Scope, receive: Receive, send: Send,

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -41,7 +41,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from deployments import serve_env
 from deployments.config import HTTPEdge
-from deployments.http.edge import KV_SPEC_ROUTE, EdgeMiddleware
+from deployments.http.edge import KV_SPEC_ROUTE, EdgeMiddleware, mark_public_error
 from deployments.http.errors import openai_http_error, openai_validation_error
 from deployments.http.public import public_report
 from deployments.logs import get_logger
@@ -90,7 +90,11 @@ def _close_cors(app: FastAPI, settings: HTTPEdge) -> None:
 
 
 def kv_spec_response(report: Any, how: str) -> JSONResponse:
-    """200 agree, 409 disagree, 503 otherwise; the public (redacted) report as the body."""
+    """200 agree, 409 disagree, 503 otherwise; the public (redacted) report as the body.
+
+    The route marks its 503 public (``edge.mark_public_error``): the body is the
+    redacted report, which the edge's 5xx scrubbing must let through.
+    """
     if hasattr(report, "model_dump"):  # a typed report: its plain-JSON form
         report = report.model_dump(mode="json")
     status = {"agree": 200, "disagree": 409}.get(report["state"], 503)
@@ -113,9 +117,12 @@ def harden(app: FastAPI, settings: HTTPEdge, kv_spec: KVSpecSource | None = None
     app.add_exception_handler(StarletteHTTPException, openai_http_error)
     app.add_exception_handler(HTTPException, openai_http_error)
     if kv_spec is not None:
-        async def kv_spec_route(refresh: bool = False) -> JSONResponse:
+        async def kv_spec_route(request: Request, refresh: bool = False) -> JSONResponse:
             """The controller's verdict; ``?refresh=true`` checks every replica now."""
-            return kv_spec_response(*await kv_spec(refresh))
+            response = kv_spec_response(*await kv_spec(refresh))
+            if response.status_code >= 500:
+                mark_public_error(request.scope)  # the redacted report, not an error text
+            return response
 
         app.add_api_route(KV_SPEC_ROUTE, kv_spec_route, methods=["GET"])
     app.add_middleware(EdgeMiddleware)
