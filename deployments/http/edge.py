@@ -26,6 +26,11 @@ a 500: the text (Ray's errors name pids and IPs, vLLM's catch-all handler return
 ``str(exc)``) goes to the log, not to the client. Only the edge's own answers
 (401, 404, overload 503...) go out as written.
 
+An ``OPTIONS`` request skips the key check only when it is a real CORS preflight
+(``Origin`` and ``Access-Control-Request-Method``) and CORS is configured; the CORS
+middleware behind answers it without reaching a route. WebSocket connections are
+refused (no served route is a WebSocket); lifespan events pass through.
+
 Pure ASGI (no ``BaseHTTPMiddleware``), so client disconnects still reach the app.
 """
 
@@ -215,6 +220,9 @@ class EdgeMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await _refuse_websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -245,7 +253,7 @@ class EdgeMiddleware:
     async def _handle(self, guard: EdgeGuard, scope: Scope, receive: Receive, send: Send,
                       request_id: str) -> None:
         settings, route, method = guard.settings, _route(scope), scope.get("method", "GET")
-        if method == "OPTIONS" and settings.cors_allow_origins:
+        if settings.cors_allow_origins and _is_preflight(scope):
             await self.app(scope, receive, send)  # CORS preflight carries no credentials
             return
         if _key_required(guard, request_id):
@@ -276,6 +284,16 @@ class EdgeMiddleware:
             guard.in_flight -= 1
 
 
+def _is_preflight(scope: Scope) -> bool:
+    """A CORS preflight: ``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``.
+
+    Only that skips the key check (a browser sends it without credentials); any
+    other ``OPTIONS`` is an ordinary request, judged like one.
+    """
+    return (scope.get("method") == "OPTIONS" and bool(_header(scope, b"origin"))
+            and bool(_header(scope, b"access-control-request-method")))
+
+
 def _key_trouble(request_id: str) -> _Rejected:
     """The answer when the key check itself fails: 503, no detail (it is in the log)."""
     logger.exception("dsv4: request %s: the API key check failed", request_id)
@@ -300,6 +318,16 @@ def _key_matches(guard: EdgeGuard, token: str, request_id: str) -> bool:
         return guard.keys.matches(token)
     except Exception as exc:
         raise _key_trouble(request_id) from exc
+
+
+async def _refuse_websocket(scope: Scope, receive: Receive, send: Send) -> None:
+    """Close a WebSocket before it is accepted (the server answers 403): no served
+    route is a WebSocket, and none may bypass the key check."""
+    message = await receive()
+    logger.info("dsv4: refused a WebSocket connection to %s", _route(scope))
+    if message["type"] == "websocket.connect":
+        await send({"type": "websocket.close", "code": 1008,
+                    "reason": "WebSocket is not served here"})
 
 
 def _check_route(route: str, method: str) -> None:
