@@ -20,7 +20,9 @@ vLLM's own, and on top of them:
 * our CORS policy instead of vLLM's (``allowed_origins=["*"]`` by default);
 * our ``RequestValidationError`` handler (400 naming the field, never echoing raw input)
   and ``HTTPException`` handler (OpenAI error bodies, never ``{"detail": ...}``);
-* ``GET /v1/kv-spec``, answered from the KV-spec controller through a handle.
+* ``GET /v1/kv-spec``, answered from the KV-spec controller through a handle;
+* ``GET /v1/models*`` model cards whose ``root`` is the served model id, never the
+  model's filesystem path (``PublicModelCards``).
 
 Routing stays Serve's: the proxy picks a server replica with the deployment's
 ``request_router_config`` (``deployments.serving.router.KVSpecRouter``), so drained replicas
@@ -30,6 +32,8 @@ that holds the stream.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -41,7 +45,16 @@ from starlette.middleware.cors import CORSMiddleware
 
 from deployments import serve_env
 from deployments.config import HTTPEdge
-from deployments.http.edge import KV_SPEC_ROUTE, EdgeMiddleware, mark_public_error
+from deployments.http.edge import (
+    KV_SPEC_ROUTE,
+    ASGIApp,
+    EdgeMiddleware,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    mark_public_error,
+)
 from deployments.http.errors import openai_http_error, openai_validation_error
 from deployments.http.public import public_report
 from deployments.logs import get_logger
@@ -102,6 +115,67 @@ def kv_spec_response(report: Any, how: str) -> JSONResponse:
                         headers={"x-dsv4-refresh": how})
 
 
+_MODELS_ROUTE = re.compile(r"^/v1/models(/.+)?/?$")
+
+
+class PublicModelCards:
+    """``GET /v1/models`` and ``/v1/models/{id}`` with ``root`` = the card's id.
+
+    vLLM 0.32's model list puts ``BaseModelPath.model_path`` in ``root``: under
+    Ray Serve LLM that is ``model_source``, a filesystem path on the replica's node
+    (or a Hub id). A client needs the id it sends as ``model``; where the weights
+    lie is nobody's business but the operator's. Rewrites only successful JSON
+    answers; anything else passes unchanged.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope.get("method") != "GET"
+                or not _MODELS_ROUTE.match(scope.get("path", ""))):
+            await self.app(scope, receive, send)
+            return
+        start: Message | None = None
+        chunks: list[bytes] = []
+
+        async def hold(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
+            if message["type"] != "http.response.body" or start is None:
+                await send(message)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                await _send_cards(send, start, b"".join(chunks))
+
+        await self.app(scope, receive, hold)
+
+
+def public_cards(body: Any) -> Any:
+    """A model list or card with every ``root`` set to its card's id."""
+    cards = body.get("data") if isinstance(body, dict) and body.get("object") == "list" \
+        else [body]
+    for card in cards if isinstance(cards, list) else []:
+        if isinstance(card, dict) and "root" in card:
+            card["root"] = card.get("id")
+    return body
+
+
+async def _send_cards(send: Send, start: Message, raw: bytes) -> None:
+    if start["status"] == 200:
+        try:
+            raw = json.dumps(public_cards(json.loads(raw))).encode()
+        except ValueError:
+            pass  # not JSON: nothing of ours to rewrite, it goes out as the app wrote it
+    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(len(raw)).encode()))
+    await send({**start, "headers": headers})
+    await send({"type": "http.response.body", "body": raw, "more_body": False})
+
+
 def harden(app: FastAPI, settings: HTTPEdge, kv_spec: KVSpecSource | None = None) -> FastAPI:
     """``app`` (vLLM's OpenAI app, or a stand-in in tests) with our edge, CORS and handlers.
 
@@ -125,5 +199,6 @@ def harden(app: FastAPI, settings: HTTPEdge, kv_spec: KVSpecSource | None = None
             return response
 
         app.add_api_route(KV_SPEC_ROUTE, kv_spec_route, methods=["GET"])
+    app.add_middleware(PublicModelCards)
     app.add_middleware(EdgeMiddleware)
     return app
