@@ -20,7 +20,8 @@ vLLM's own, and on top of them:
 * our CORS policy instead of vLLM's (``allowed_origins=["*"]`` by default);
 * our ``RequestValidationError`` handler (400 naming the field, never echoing raw input)
   and ``HTTPException`` handler (OpenAI error bodies, never ``{"detail": ...}``);
-* ``GET /v1/kv-spec``, answered from the KV-spec controller through a handle;
+* ``GET /v1/kv-spec``, answered from the KV-spec controller through a handle, with
+  the answering replica's API key file status (``ingress_state``);
 * ``GET /v1/models*`` model cards whose ``root`` is the served model id, never the
   model's filesystem path (``PublicModelCards``).
 
@@ -45,6 +46,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from deployments import serve_env
 from deployments.config import HTTPEdge
+from deployments.http import edge
 from deployments.http.edge import (
     KV_SPEC_ROUTE,
     ASGIApp,
@@ -102,6 +104,15 @@ def _close_cors(app: FastAPI, settings: HTTPEdge) -> None:
                            allow_headers=["authorization", "content-type"])
 
 
+def ingress_state() -> dict[str, Any]:
+    """What the answering replica's edge says about itself, for ``dsv4-serve status``:
+    its API key file's status without path or error text (``KeyFileStatus.public``);
+    ``stale`` = a bad edit is refused and the last good keys still serve."""
+    guard = edge.current()
+    status = guard.keys.file_status() if guard is not None else None
+    return {"api_key_file": status.public() if status is not None else None}
+
+
 def kv_spec_response(report: Any, how: str) -> JSONResponse:
     """200 agree, 409 disagree, 503 otherwise; the public (redacted) report as the body.
 
@@ -111,8 +122,8 @@ def kv_spec_response(report: Any, how: str) -> JSONResponse:
     if hasattr(report, "model_dump"):  # a typed report: its plain-JSON form
         report = report.model_dump(mode="json")
     status = {"agree": 200, "disagree": 409}.get(report["state"], 503)
-    return JSONResponse(public_report(report), status_code=status,
-                        headers={"x-dsv4-refresh": how})
+    body = public_report(report) | {"ingress": ingress_state()}
+    return JSONResponse(body, status_code=status, headers={"x-dsv4-refresh": how})
 
 
 _MODELS_ROUTE = re.compile(r"^/v1/models(/.+)?/?$")

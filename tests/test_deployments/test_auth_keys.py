@@ -10,6 +10,7 @@ exception reached callers through vLLM's catch-all handler.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -210,3 +211,27 @@ def test_the_watcher_drives_the_replica_metrics(tmp_path: Path,
     assert keys.matches(NEW)
     assert SERIES["dsv4_api_key_file_stale"].values[-1] == 0
     assert SERIES["dsv4_api_key_file_keys"].values[-1] == 1
+
+
+def test_status_shows_a_stale_key_file_without_its_path(tmp_path: Path) -> None:
+    """``GET /v1/kv-spec`` carries the answering replica's key file status (no path, no
+    error text) and ``dsv4-serve status`` prints it loudly."""
+    from deployments.cli.status import describe_ingress
+    from deployments.http.front import kv_spec_response
+
+    path = tmp_path / "secret-dir" / "keys"
+    path.parent.mkdir()
+    path.write_text(f"{GOOD}\n{NEW}\n")
+    guard(HTTPEdge(), "0.0.0.0", DSV4_API_KEYS_FILE=str(path))
+    path.write_text("short\n")
+    response = kv_spec_response({"state": "not_checked"}, "cached")
+    text = bytes(response.body).decode()
+    assert "secret-dir" not in text and "shorter" not in text
+    body = json.loads(text)
+    assert body["ingress"]["api_key_file"]["state"] == "stale"
+    [line] = describe_ingress(body)
+    assert "STALE" in line and "still serving the 2 key(s)" in line
+    path.write_text(f"{NEW}\n")
+    [line] = describe_ingress(json.loads(bytes(kv_spec_response(
+        {"state": "agree"}, "cached").body)))
+    assert "ok, 1 key(s)" in line
