@@ -135,8 +135,10 @@ def in_flight_share(settings: HTTPEdge, replicas: int) -> tuple[HTTPEdge, str]:
     """This replica's part of the fleet-wide ``http.max_in_flight`` and how it was derived.
 
     Every serving replica is an ingress with its own edge (``deployments.http.front``);
-    ``http.max_in_flight`` stays the bound for the whole deployment at its largest
-    (``max_replicas``), so each replica admits ``ceil(max_in_flight / replicas)``.
+    ``http.max_in_flight`` stays the bound for the whole deployment at its largest, so
+    each replica admits ``ceil(max_in_flight / replicas)``. ``replicas`` counts Serve
+    replicas: with DP attention every rank is one (``AppArgs.max_serving_replicas``),
+    never the gangs (nodes) ``max_replicas`` counts.
     """
     if replicas <= 1:
         return settings, ""
