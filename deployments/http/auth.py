@@ -12,7 +12,8 @@ process environment of the ingress replica:
   when its size, times or inode changed, and re-read anyway every
   ``FILE_REHASH_S``: a copy that keeps size and mtime (``cp -p``) is still seen.
   A change is decided by the SHA-256 of the bytes, never by the mtime alone.
-  A missing or empty file holds no key (every key revoked: requests fail closed).
+  An empty file holds no key; a missing one holds none either, and fails closed
+  (below).
 
 A key file edit is **parsed first and switched to only when it is good**. A bad
 edit (a key shorter than ``MIN_KEY_CHARS``, a byte that is not UTF-8, a file that
@@ -33,11 +34,13 @@ never (and then no key may be configured, so nobody believes one protects them);
 ``auto`` (the default) needs one beyond a loopback address, and on a loopback
 address as soon as one is configured; so ``make run`` on 127.0.0.1 works for a
 new user without a key while nothing that answers beyond this machine answers
-without one (the ingress refuses to start instead). A configured key *file*
-counts as configured whatever it holds: in ``auto`` mode on loopback a key file
-that is missing or empty requires a key that nobody has (fail closed, every
-request 401) until the file holds one; only no key source at all leaves a
-loopback server open.
+without one (the ingress refuses to start instead). In ``auto`` mode on loopback
+a key file that exists and holds no key leaves the server open, as if none were
+configured (the file may gain its first key while serving; emptying it reopens
+the loopback server); a configured key file that is **missing** (or whose edit
+was refused while it held no key) fails closed: a key nobody has is required,
+every request gets 401, until the file exists and holds keys. A missing file is
+never read as "no keys wanted".
 """
 
 from __future__ import annotations
@@ -339,15 +342,17 @@ class KeyStore:
         """Whether a request needs a key now.
 
         ``keys``: always. ``off``: never. ``auto``: always beyond loopback; on a
-        loopback address as soon as a key source is configured: keys in the
-        environment, or a key file, whatever it holds now (missing or empty: a key
-        nobody has is required, so a configured file fails closed, never open).
+        loopback address as soon as a key is configured (a key file may gain its
+        first key while serving), and whenever a configured key file is missing or
+        its refused edit left no key (fail closed: a key nobody has is required).
         """
         if self.mode == "off":
             return False
         if self.mode == "keys" or not is_loopback(bind_host):
             return True
-        return bool(self._env_keys) or self._file is not None
+        if self.keys():
+            return True
+        return self._file is not None and self._file.status.state != "ok"
 
 
 def _read(path: Path) -> bytes:

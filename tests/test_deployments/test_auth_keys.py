@@ -235,3 +235,14 @@ def test_status_shows_a_stale_key_file_without_its_path(tmp_path: Path) -> None:
     [line] = describe_ingress(json.loads(bytes(kv_spec_response(
         {"state": "agree"}, "cached").body)))
     assert "ok, 1 key(s)" in line
+
+
+def test_a_refused_first_edit_of_an_empty_file_fails_closed(tmp_path: Path) -> None:
+    """An empty file leaves a loopback server open; an edit that tried to add keys but
+    was refused must not keep it open."""
+    path = tmp_path / "keys"
+    path.write_text("")
+    keys = store(path)
+    assert not keys.required("127.0.0.1")
+    path.write_text("short\n")
+    assert keys.required("127.0.0.1") and not keys.matches("short")
