@@ -29,9 +29,12 @@ def test_the_touch_is_present_in_the_pinned_ray() -> None:
     assert ray_touches.present("ray.loopback_node_ip")
 
 
-def test_inside_the_context_ray_picks_loopback_and_restores_after() -> None:
-    from ray._private import ray_constants, services
+def test_inside_the_context_ray_picks_loopback_and_restores_after(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray._private import ray_constants, services, worker
 
+    # as in a fresh `dsv4-serve run` process: no node yet (another test may have one)
+    monkeypatch.setattr(worker, "_global_node", None)
     before = ray_constants.ENABLE_RAY_CLUSTER
     with ray_head.loopback_node_ip():
         assert services.get_node_ip_address() == "127.0.0.1"
