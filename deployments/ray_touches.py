@@ -268,6 +268,30 @@ TOUCHES: tuple[RayTouch, ...] = (
         required=False,
     ),
     RayTouch(
+        name="ray.loopback_node_ip",
+        target="ray._private.ray_constants:ENABLE_RAY_CLUSTER, read by "
+               "ray._private.services:get_node_ip_address",
+        used_in="deployments/local/ray_head.py start_cluster (loopback_node_ip)",
+        why="the private local cluster's Prometheus endpoint (the dashboard agent's "
+            "metrics server, no auth) bound every interface: reporter_agent binds "
+            "get_localhost_ip() only when the node IP is loopback, and on Linux the node "
+            "IP is the routable one; ray.init(_node_ip_address='127.0.0.1') does not help "
+            "(resolve_ip_for_localhost turns it back into the routable IP)",
+        how="False for the duration of ray.init(address='local'): get_node_ip_address() "
+            "then answers 127.0.0.1 (Ray's macOS/Windows default), so the node, and every "
+            "port Ray opens for it (GCS, raylet, agents, metrics), binds loopback; "
+            "start_cluster checks the node IP afterwards and logs an ERROR if not",
+        upstream="no public option in Ray 2.60 for the metrics server's bind address or a "
+                 "loopback node on Linux",
+        removal="when ray.init or the metrics agent takes a bind address",
+        probe=lambda: _symbols("ray._private.ray_constants", "ENABLE_RAY_CLUSTER")()
+        or _source_mentions("ray._private.services", "get_node_ip_address",
+                            "ray_constants.ENABLE_RAY_CLUSTER")()
+        or _source_mentions("ray.dashboard.modules.reporter.reporter_agent",
+                            "ReporterAgent.__init__", "is_localhost(self._ip)")(),
+        required=False,
+    ),
+    RayTouch(
         name="serve.broadcast_per_replica_results",
         target="ray.serve.handle:DeploymentBroadcastResponse._fetch_replica_results_async; "
                "ray.serve._private.replica_result:ReplicaResult.get_async, cancel",

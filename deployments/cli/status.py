@@ -5,6 +5,10 @@ against ``dsv4-serve run``, ``serve run`` or a KubeRay service alike, without
 joining the Ray cluster. The answer is validated as the controller's own
 ``deployments.control.wire.FleetReport``. Exit code: 0 agree, 1 disagree, 3 incomplete,
 not_checked, stale or unreachable: scripts can gate on it.
+
+The answer also says how the answering replica's edge is (``ingress``): an API
+key file whose last edit was refused (``stale``: the previous keys still serve)
+is printed loudly; the replica's log has the reason.
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import urllib.error
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -48,5 +54,32 @@ def main(args: argparse.Namespace) -> int:
               f"{exc.errors(include_url=False)[0]['msg']}): {str(report)[:300]}",
               file=sys.stderr)
         return EXIT_INCOMPLETE
-    print(json.dumps(report, indent=2) if args.json else describe(parsed))
+    text = describe(parsed)
+    text = "\n".join([text, *describe_ingress(report)])
+    print(json.dumps(report, indent=2) if args.json else text)
     return EXIT.get(parsed.state.value, EXIT_INCOMPLETE)
+
+
+def describe_ingress(report: Any) -> list[str]:
+    """The answering replica's API key file status (``deployments.http.front.ingress_state``)."""
+    ingress = report.get("ingress") if isinstance(report, dict) else None
+    state = (ingress or {}).get("api_key_file")
+    if not isinstance(state, dict):
+        return []
+    if state.get("state") == "stale":
+        return [f"  API key file (answering replica): STALE: an edit was refused at "
+                f"{_when(state.get('failed_at'))} ({state.get('refused')} refused so far); "
+                f"still serving the {state.get('keys')} key(s) loaded at "
+                f"{_when(state.get('loaded_at'))}. Fix: correct the file; the replica's log "
+                "says what was wrong."]
+    if state.get("state") == "missing":
+        return ["  API key file (answering replica): MISSING: no key from it is valid "
+                "(requests fail closed with 401)."]
+    return [f"  API key file (answering replica): ok, {state.get('keys')} key(s) loaded at "
+            f"{_when(state.get('loaded_at'))}"]
+
+
+def _when(wall: Any) -> str:
+    if not isinstance(wall, (int, float)):
+        return "never"
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))

@@ -82,6 +82,12 @@ class AppArgs(_Strict):
         """Server replicas at most, over every pool (P/D apps have two)."""
         return self.llm.deployment_config.max_replicas
 
+    @property
+    def max_serving_replicas(self) -> int:
+        """Serve replicas that answer HTTP at most (every DP rank is one):
+        ``deployments.config.sizing.serve_replicas`` at ``max_replicas``."""
+        return sizing.serve_replicas(self.llm.deployment_config.max_replicas, self.parallel())
+
     def predicted_layout(self, vllm_version: str | None = None) -> rules.LayoutDecision:
         """The layout the declared node gives under vLLM ``vllm_version`` (default: the
         platform's ``rules.DEFAULT_VLLM``), from the release tables; the replica asks

@@ -71,6 +71,16 @@ class Parallel:
         }
 
 
+def serve_replicas(scaling_units: int, par: Parallel) -> int:
+    """Serve replica actors of ``scaling_units`` replicas: with DP attention every rank
+    is its own Serve replica (``DPServer``), so a gang of ``dp`` counts ``dp`` times.
+
+    Each of them is an HTTP ingress with its own edge (``deployments.http.front``):
+    this, not the count of gangs or nodes, is what shares ``http.max_in_flight``.
+    """
+    return scaling_units * par.dp
+
+
 def block_size(configured: int | None) -> int:
     """The KV cache block size an engine runs: the configured one, else DeepSeek-V4's 256."""
     return configured or DSV4_BLOCK_SIZE

@@ -7,9 +7,22 @@ process environment of the ingress replica:
 * ``DSV4_API_KEYS``: one or more keys separated by commas or whitespace;
 * ``DSV4_API_KEYS_FILE`` (or ``http.auth.keys_file``): a file with one key per
   line (``#`` comments allowed). A Kubernetes Secret mounted as a volume is such a
-  file; the kubelet rewrites it in place when the Secret changes, and the file is
-  re-read when its modification time changes (looked at once a second), so a key
-  rotates without a restart. A missing or empty file holds no key.
+  file; the kubelet swaps it when the Secret changes, so a key rotates without a
+  restart. The file is looked at (a ``stat``) at most once a second and re-read
+  when its size, times or inode changed, and re-read anyway every
+  ``FILE_REHASH_S``: a copy that keeps size and mtime (``cp -p``) is still seen.
+  A change is decided by the SHA-256 of the bytes, never by the mtime alone.
+  An empty file holds no key; a missing one holds none either, and fails closed
+  (below).
+
+A key file edit is **parsed first and switched to only when it is good**. A bad
+edit (a key shorter than ``MIN_KEY_CHARS``, a byte that is not UTF-8, a file that
+cannot be read or is larger than ``MAX_KEY_FILE_BYTES``) keeps the last good set
+serving, and says so: an ERROR log line naming the file and the fix, the
+``KeyFileStatus`` the edge shows in ``GET /v1/kv-spec`` (``dsv4-serve status``)
+and the watcher the serving replica turns into metrics. The text of a refusal
+(it names the file) goes to the log and to operators, never to an HTTP caller. At
+startup there is no last good set: a bad file refuses to start.
 
 Several keys are valid at once: that is how a key rotates (add the new one, move
 clients, remove the old one). Comparison is constant-time per key
@@ -21,25 +34,42 @@ never (and then no key may be configured, so nobody believes one protects them);
 ``auto`` (the default) needs one beyond a loopback address, and on a loopback
 address as soon as one is configured; so ``make run`` on 127.0.0.1 works for a
 new user without a key while nothing that answers beyond this machine answers
-without one (the ingress refuses to start instead).
+without one (the ingress refuses to start instead). In ``auto`` mode on loopback
+a key file that exists and holds no key leaves the server open, as if none were
+configured (the file may gain its first key while serving; emptying it reopens
+the loopback server); a configured key file that is **missing** (or whose edit
+was refused while it held no key) fails closed: a key nobody has is required,
+every request gets 401, until the file exists and holds keys. A missing file is
+never read as "no keys wanted".
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import os
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any, Literal
 
 from deployments import serve_env
 from deployments.config import AuthConfig, ConfigError, ServeConfig
+from deployments.logs import get_logger
+
+logger = get_logger("auth")
 
 MIN_KEY_CHARS = 16
-# How often the key file's modification time is looked at (a stat, not a read).
+# How often the key file is looked at (a stat, not a read).
 FILE_RECHECK_S = 1.0
+# How often it is re-read and hashed even when the stat looks unchanged: a copy
+# that keeps size and mtime (``cp -p``), or a file system with coarse timestamps.
+FILE_REHASH_S = 10.0
+# A key file is a handful of lines; anything this large is not one.
+MAX_KEY_FILE_BYTES = 1 << 20
 
 
 class AuthConfigError(ConfigError):
@@ -73,18 +103,78 @@ def parse_keys(text: str, where: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(keys))
 
 
+def parse_key_bytes(raw: bytes, where: str) -> tuple[str, ...]:
+    """Keys from a key file's bytes: UTF-8 only, bounded, then ``parse_keys``."""
+    if len(raw) > MAX_KEY_FILE_BYTES:
+        raise AuthConfigError(
+            f"{where}: {len(raw)} bytes, above {MAX_KEY_FILE_BYTES}: not a key file. Fix: "
+            "point it at a file with one key per line.")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise AuthConfigError(
+            f"{where}: byte {exc.start} (line {line}) is not UTF-8 ({exc.reason}). Fix: "
+            "write the keys as plain ASCII, one per line (`token_urlsafe` keys are).") from exc
+    return parse_keys(text, where)
+
+
+KeyFileState = Literal["ok", "missing", "stale"]
+
+
+@dataclass(frozen=True)
+class KeyFileStatus:
+    """What the edge knows about its key file: for logs, metrics and ``status``.
+
+    ``stale`` means a bad edit is being ignored and the last good set still
+    serves. ``problem`` names the file and the fault: operators only (log,
+    ``dsv4-serve doctor``), never an HTTP caller (``public``).
+    """
+
+    state: KeyFileState
+    keys: int  # keys from the file in use now
+    loaded_at: float | None = None  # wall-clock time of the last good load
+    failed_at: float | None = None  # wall-clock time of the refusal now in force
+    refused: int = 0  # bad edits refused since this process started
+    problem: str | None = None
+
+    def public(self) -> dict[str, Any]:
+        """The status without the file's path or the refusal's text."""
+        data = asdict(self)
+        data.pop("problem")
+        return data
+
+
+KeyFileWatcher = Callable[[KeyFileStatus], None]
+
+
+def _stat_signature(path: Path) -> tuple[int, ...] | None:
+    """What a stat says about the file (None: missing); a change means re-read now."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return (-1,)  # unreadable metadata: the read that follows says why
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 @dataclass
 class _FileState:
     path: Path
-    mtime_ns: int = -1
-    checked: float = 0.0
+    signature: tuple[int, ...] | None = (-2,)  # never a real signature: the first look reads
+    digest: bytes | None = b""  # SHA-256 of the bytes last judged (good or bad); None: missing
+    checked: float = float("-inf")  # monotonic time of the last stat
+    hashed: float = float("-inf")  # monotonic time of the last read
     keys: tuple[str, ...] = ()
+    status: KeyFileStatus = KeyFileStatus("missing", 0)
 
 
 class KeyStore:
     """The valid keys of this process: env keys plus the (re-read) key file."""
 
-    def __init__(self, config: AuthConfig, environ: dict[str, str] | None = None):
+    def __init__(self, config: AuthConfig, environ: dict[str, str] | None = None,
+                 watcher: KeyFileWatcher | None = None):
         env = os.environ if environ is None else environ
         self.mode = config.mode
         self._env_name = config.keys_env
@@ -94,8 +184,11 @@ class KeyStore:
         self._file_where = (f"http.auth.keys_file={path!r}" if config.keys_file
                             else f"${config.keys_file_env}={path!r}")
         self._lock = threading.Lock()
+        self._watcher = watcher
         if self._file is not None:
             self._reload(force=True)
+            if self._file.status.state == "stale":  # no last good set to keep serving
+                raise AuthConfigError(str(self._file.status.problem))
 
     @property
     def sources(self) -> list[str]:
@@ -107,22 +200,92 @@ class KeyStore:
             found.append(f"{len(self._file.keys)} key(s) from {self._file.path}")
         return found
 
+    @property
+    def file_configured(self) -> bool:
+        """Whether a key file is configured (it may be missing or empty now)."""
+        return self._file is not None
+
+    def file_status(self) -> KeyFileStatus | None:
+        """The key file's status after a fresh look (None: no key file configured)."""
+        if self._file is None:
+            return None
+        self.refresh()
+        return self._file.status
+
+    def watch(self, watcher: KeyFileWatcher) -> None:
+        """Call ``watcher`` with the key file's status now and on every change."""
+        self._watcher = watcher
+        if self._file is not None:
+            watcher(self._file.status)
+
+    def refresh(self) -> None:
+        """Look at the key file now if it is due (the health check calls this, so a bad
+        edit is reported without traffic)."""
+        if self._file is not None:
+            with self._lock:
+                self._reload()
+
     def _reload(self, force: bool = False) -> None:
+        """Stat (at most every ``FILE_RECHECK_S``), read and hash when due, switch when good."""
         state = self._file
         assert state is not None
         now = time.monotonic()
         if not force and now - state.checked < FILE_RECHECK_S:
             return
         state.checked = now
-        try:
-            mtime = state.path.stat().st_mtime_ns
-        except OSError:
-            mtime = None  # missing: no keys from the file (requests then fail closed)
-        if mtime == state.mtime_ns:
+        signature = _stat_signature(state.path)
+        if signature == state.signature and now - state.hashed < FILE_REHASH_S:
             return
-        state.mtime_ns = mtime
-        state.keys = () if mtime is None else parse_keys(state.path.read_text(),
-                                                         self._file_where)
+        state.signature, state.hashed = signature, now
+        try:
+            raw = None if signature is None else _read(state.path)
+        except OSError as exc:
+            self._refuse(f"{self._file_where}: cannot be read ({exc.strerror or exc}). Fix: "
+                         "make it readable by the user the Ray workers run as.", None)
+            return
+        digest = None if raw is None else hashlib.sha256(raw).digest()
+        if digest == state.digest:
+            return
+        try:
+            keys = () if raw is None else parse_key_bytes(raw, self._file_where)
+        except AuthConfigError as exc:
+            self._refuse(str(exc), digest)
+            return
+        self._switch(keys, digest)
+
+    def _switch(self, keys: tuple[str, ...], digest: bytes | None) -> None:
+        """Serve ``keys`` from now on: the file's content was judged good (or is gone)."""
+        state = self._file
+        assert state is not None
+        state.digest, state.keys = digest, keys
+        kind: KeyFileState = "missing" if digest is None else "ok"
+        state.status = replace(state.status, state=kind, keys=len(keys), loaded_at=time.time(),
+                               failed_at=None, problem=None)
+        if kind == "missing":
+            logger.warning("dsv4: API key file %s is missing: no key from it is valid "
+                           "(requests fail closed with 401)", state.path)
+        else:
+            logger.info("dsv4: API key file %s loaded: %d key(s)", state.path, len(keys))
+        self._notify()
+
+    def _refuse(self, problem: str, digest: bytes | None) -> None:
+        """Keep the last good set serving; say so once per distinct fault."""
+        state = self._file
+        assert state is not None
+        if digest is not None:
+            state.digest = digest  # judged: not re-parsed until the bytes change again
+        if state.status.problem == problem:
+            return
+        state.status = replace(state.status, state="stale", failed_at=time.time(),
+                               refused=state.status.refused + 1, problem=problem)
+        logger.error("dsv4: API key file edit REFUSED, still serving the last good set of "
+                     "%d key(s) loaded at %s: %s", len(state.keys),
+                     _when(state.status.loaded_at), problem)
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._watcher is not None and self._file is not None:
+            self._watcher(self._file.status)
 
     def keys(self) -> tuple[str, ...]:
         if self._file is not None:
@@ -147,10 +310,11 @@ class KeyStore:
         """
         have = bool(self.keys())
         if self.mode == "off":
-            if have:
+            if have or self._file is not None:
                 raise AuthConfigError(
                     f"http.auth.mode=off but {', '.join(self.sources)} are configured: they "
-                    "would be ignored. Fix: remove the keys, or set http.auth.mode: auto.")
+                    "would be ignored. Fix: remove the keys (and the key file setting), or "
+                    "set http.auth.mode: auto.")
             return
         if have:
             return
@@ -179,13 +343,26 @@ class KeyStore:
 
         ``keys``: always. ``off``: never. ``auto``: always beyond loopback; on a
         loopback address as soon as a key is configured (a key file may gain its
-        first key while serving), so configuring a key always takes effect.
+        first key while serving), and whenever a configured key file is missing or
+        its refused edit left no key (fail closed: a key nobody has is required).
         """
         if self.mode == "off":
             return False
         if self.mode == "keys" or not is_loopback(bind_host):
             return True
-        return bool(self.keys())
+        if self.keys():
+            return True
+        return self._file is not None and self._file.status.state != "ok"
+
+
+def _read(path: Path) -> bytes:
+    """The file's bytes, at most one byte over the limit (the parse refuses a larger one)."""
+    with path.open("rb") as handle:
+        return handle.read(MAX_KEY_FILE_BYTES + 1)
+
+
+def _when(wall: float | None) -> str:
+    return "never" if wall is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
 
 
 def bearer_token(authorization: str | None) -> str | None:

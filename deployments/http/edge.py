@@ -23,9 +23,19 @@ An absent token limit is bounded too, by the engine: the builder sets vLLM's
 
 While the request runs it bounds streams (``stream_max_s`` overall,
 ``stream_idle_s`` between chunks; the stream then ends with an error event and
-``[DONE]``, and the cancellation reaches the engine, which aborts the request),
-and it rewrites every 5xx body of every route (and 5xx error events inside a stream)
-to carry only a request id: the exception text goes to the log, not to the client.
+``[DONE]``, and the cancellation reaches the engine, which aborts the request).
+
+On every route (``_Scrubber`` wraps ``send`` once, in ``EdgeMiddleware.__call__``)
+it rewrites every 5xx body the app sends, and 5xx error events inside a stream, to
+carry only a request id, and answers an exception that escapes the app with such
+a 500: the text (Ray's errors name pids and IPs, vLLM's catch-all handler returns
+``str(exc)``) goes to the log, not to the client. Only the edge's own answers
+(401, 404, overload 503...) go out as written.
+
+An ``OPTIONS`` request skips the key check only when it is a real CORS preflight
+(``Origin`` and ``Access-Control-Request-Method``) and CORS is configured; the CORS
+middleware behind answers it without reaching a route. WebSocket connections are
+refused (no served route is a WebSocket); lifespan events pass through.
 
 Pure ASGI (no ``BaseHTTPMiddleware``), so client disconnects still reach the app.
 """
@@ -195,8 +205,10 @@ def in_flight_share(settings: HTTPEdge, replicas: int) -> tuple[HTTPEdge, str]:
     """This replica's part of the fleet-wide ``http.max_in_flight`` and how it was derived.
 
     Every serving replica is an ingress with its own edge (``deployments.http.front``);
-    ``http.max_in_flight`` stays the bound for the whole deployment at its largest
-    (``max_replicas``), so each replica admits ``ceil(max_in_flight / replicas)``.
+    ``http.max_in_flight`` stays the bound for the whole deployment at its largest, so
+    each replica admits ``ceil(max_in_flight / replicas)``. ``replicas`` counts Serve
+    replicas: with DP attention every rank is one (``AppArgs.max_serving_replicas``),
+    never the gangs (nodes) ``max_replicas`` counts.
     """
     if replicas <= 1:
         return settings, ""
@@ -296,6 +308,9 @@ class EdgeMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            await _refuse_websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -305,27 +320,33 @@ class EdgeMiddleware:
             scope["headers"] = [*scope.get("headers", []),
                                 (b"x-request-id", request_id.encode())]
         guard = current()
+        scrubber = _Scrubber(scope, send, request_id,
+                             guard.settings.retry_after_s if guard is not None else 1)
         try:
             if guard is None:
                 raise _Rejected(503, "the ingress is starting; retry shortly", "unavailable",
                                 headers=[(b"retry-after", b"1")])
-            await self._handle(guard, scope, receive, send, request_id)
+            await self._handle(guard, scope, receive, scrubber.send, request_id)
+            await scrubber.finish()
         except _ClientGone:
             return
         except _Rejected as rej:
             guard_count = guard.rejected if guard else {}
             guard_count[rej.status] = guard_count.get(rej.status, 0) + 1
             await _send_error(send, rej, request_id)
+        except Exception:  # the app's own failure: logged whole, answered by request id only
+            logger.exception("dsv4: request %s failed behind the edge", request_id)
+            await scrubber.fail()
 
     async def _handle(self, guard: EdgeGuard, scope: Scope, receive: Receive, send: Send,
                       request_id: str) -> None:
         settings, path, method = guard.settings, _route(scope), scope.get("method", "GET")
-        if method == "OPTIONS" and settings.cors_allow_origins:
+        if settings.cors_allow_origins and _is_preflight(scope):
             await self.app(scope, receive, send)  # CORS preflight carries no credentials
             return
-        if guard.keys.required(guard.bind_host):
+        if _key_required(guard, request_id):
             token = bearer_token(_header(scope, b"authorization"))
-            if token is None or not guard.keys.matches(token):
+            if token is None or not _key_matches(guard, token, request_id):
                 what = "no API key" if token is None else "an invalid API key"
                 raise _Rejected(401, f"the request has {what}. Fix: send "
                                 "`Authorization: Bearer <key>` with a key the server "
@@ -360,6 +381,52 @@ class EdgeMiddleware:
                                request_id)
         finally:
             guard.in_flight -= 1
+
+
+def _is_preflight(scope: Scope) -> bool:
+    """A CORS preflight: ``OPTIONS`` with ``Origin`` and ``Access-Control-Request-Method``.
+
+    Only that skips the key check (a browser sends it without credentials); any
+    other ``OPTIONS`` is an ordinary request, judged like one.
+    """
+    return (scope.get("method") == "OPTIONS" and bool(_header(scope, b"origin"))
+            and bool(_header(scope, b"access-control-request-method")))
+
+
+def _key_trouble(request_id: str) -> _Rejected:
+    """The answer when the key check itself fails: 503, no detail (it is in the log)."""
+    logger.exception("dsv4: request %s: the API key check failed", request_id)
+    return _Rejected(503, f"the server cannot check API keys right now (request id "
+                     f"{request_id}). Fix: retry later; the operator finds the cause in "
+                     "the server log under that id.", "unavailable",
+                     headers=[(b"retry-after", b"5")])
+
+
+def _key_required(guard: EdgeGuard, request_id: str) -> bool:
+    """``KeyStore.required``; a failure of the check answers 503, never its text."""
+    try:
+        return guard.keys.required(guard.bind_host)
+    except Exception as exc:
+        raise _key_trouble(request_id) from exc
+
+
+def _key_matches(guard: EdgeGuard, token: str, request_id: str) -> bool:
+    """``KeyStore.matches``; a failure of the check answers 503, never its text
+    (the key file's path used to reach callers through vLLM's catch-all handler)."""
+    try:
+        return guard.keys.matches(token)
+    except Exception as exc:
+        raise _key_trouble(request_id) from exc
+
+
+async def _refuse_websocket(scope: Scope, receive: Receive, send: Send) -> None:
+    """Close a WebSocket before it is accepted (the server answers 403): no served
+    route is a WebSocket, and none may bypass the key check."""
+    message = await receive()
+    logger.info("dsv4: refused a WebSocket connection to %s", _route(scope))
+    if message["type"] == "websocket.connect":
+        await send({"type": "websocket.close", "code": 1008,
+                    "reason": "WebSocket is not served here"})
 
 
 def _holder(guard: EdgeGuard, scope: Scope, response_id: str | None) -> str | None:
@@ -547,28 +614,44 @@ def internal_error_body(status: int, request_id: str) -> bytes:
                       "details are in the server log under that id.", "internal_server_error")
 
 
+# A key our own routes set in the ASGI scope when their 5xx body is public as written
+# (``deployments.http.front``: the 503 of ``/v1/kv-spec`` is the redacted report).
+# Server-side only: no client can set it, vLLM and Ray never do; a middleware that
+# copies the scope loses it, and the answer is then scrubbed (the safe side).
+PUBLIC_ERROR_KEY = "dsv4.public_error"
+
+
+def mark_public_error(scope: Scope) -> None:
+    """Let this request's 5xx body out as written (it names nothing internal)."""
+    scope[PUBLIC_ERROR_KEY] = True
+
+
 _SSE_ERROR = re.compile(rb'^data: (\{"error".*\})\s*$', re.M)
 
 
-class _Response:
-    """Watches what the app sends: scrubs 5xx bodies and 5xx stream errors, times chunks."""
+class _Scrubber:
+    """Wraps ``send`` for every route: 5xx bodies and 5xx stream error events leave
+    with only a request id; what they said goes to the log.
 
-    def __init__(self, send: Send, request_id: str, retry_after_s: int = 1):
-        self._send, self.request_id, self.retry_after_s = send, request_id, retry_after_s
-        self.started = self.finished = self.streaming = False
-        self.last_chunk = time.monotonic()
+    Idempotent: a body that already is ``internal_error_body`` passes unlogged, so
+    the edge's own 500s (``_run_bounded``) can go through it too.
+    """
+
+    def __init__(self, scope: Scope, send: Send, request_id: str, retry_after_s: int = 1):
+        self._scope, self._send = scope, send
+        self.request_id, self.retry_after_s = request_id, retry_after_s
+        self.sent = self.streaming = False  # sent: a response start went to the client
         self._held: Message | None = None  # the start of a 5xx answer, sent with a new body
         self._held_body: list[bytes] = []
 
     async def send(self, message: Message) -> None:
-        self.last_chunk = time.monotonic()
         if message["type"] == "http.response.start":
-            self.started = True
             headers = dict(message.get("headers", []))
             self.streaming = headers.get(b"content-type", b"").startswith(b"text/event-stream")
-            if message["status"] >= 500:
-                self._held = message
+            if message["status"] >= 500 and not self._scope.get(PUBLIC_ERROR_KEY):
+                self._held, self._held_body = message, []
                 return
+            self.sent = True
         elif message["type"] == "http.response.body":
             if self._held is not None:
                 self._held_body.append(message.get("body", b""))
@@ -577,25 +660,42 @@ class _Response:
                 return
             if self.streaming:
                 message = {**message, "body": self._scrub_events(message.get("body", b""))}
-            self.finished = not message.get("more_body", False)
         await self._send(message)
+
+    async def finish(self) -> None:
+        """The app returned: a 5xx start it sent without a last body chunk still goes
+        out (scrubbed), so the client is never left without an answer."""
+        if self._held is not None:
+            await self._send_scrubbed()
+
+    async def fail(self) -> None:
+        """The app raised: finish the answer with a scrubbed 500 (or the held 5xx's
+        status) unless a response already went out (then only the log has it)."""
+        if self.sent:
+            return
+        if self._held is None:
+            self._held = {"type": "http.response.start", "status": 500, "headers": []}
+        await self._send_scrubbed()
 
     async def _send_scrubbed(self) -> None:
         held = self._held
         assert held is not None
         status = held["status"]
-        logger.error("dsv4: request %s answered %d: %s", self.request_id, status,
-                     b"".join(self._held_body)[:4000].decode("utf-8", "replace"))
         body = internal_error_body(status, self.request_id)
+        said = b"".join(self._held_body)
+        if said != body:
+            logger.error("dsv4: request %s answered %d: %s", self.request_id, status,
+                         said[:4000].decode("utf-8", "replace"))
         headers = [(k, v) for k, v in held.get("headers", [])
                    if k.lower() not in (b"content-length", b"content-type")]
         headers += [(b"content-type", b"application/json"),
                     (b"content-length", str(len(body)).encode())]
+        if not any(k.lower() == b"x-request-id" for k, _ in headers):
+            headers.append((b"x-request-id", self.request_id.encode()))
         if status == 503 and not any(k.lower() == b"retry-after" for k, _ in headers):
             # e.g. no replica available while Serve replaces one: a retry will do
             headers.append((b"retry-after", str(self.retry_after_s).encode()))
-        self._held = None
-        self.finished = True
+        self._held, self.sent = None, True
         await self._send({"type": "http.response.start", "status": status, "headers": headers})
         await self._send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -611,11 +711,33 @@ class _Response:
                 return match.group(0)
             if code < 500:
                 return match.group(0)
-            logger.error("dsv4: request %s stream error: %s", self.request_id,
-                         match.group(1)[:4000].decode("utf-8", "replace"))
-            return b"data: " + internal_error_body(code, self.request_id)
+            scrubbed = internal_error_body(code, self.request_id)
+            if match.group(1) != scrubbed:
+                logger.error("dsv4: request %s stream error: %s", self.request_id,
+                             match.group(1)[:4000].decode("utf-8", "replace"))
+            return b"data: " + scrubbed
 
         return _SSE_ERROR.sub(scrub, chunk)
+
+
+class _Response:
+    """Watches what the app sends, for the stream limits: started, streaming, finished,
+    when the last chunk went. (5xx scrubbing is ``_Scrubber``'s, on every route.)"""
+
+    def __init__(self, send: Send, request_id: str, retry_after_s: int = 1):
+        self._send, self.request_id, self.retry_after_s = send, request_id, retry_after_s
+        self.started = self.finished = self.streaming = False
+        self.last_chunk = time.monotonic()
+
+    async def send(self, message: Message) -> None:
+        self.last_chunk = time.monotonic()
+        if message["type"] == "http.response.start":
+            self.started = True
+            headers = dict(message.get("headers", []))
+            self.streaming = headers.get(b"content-type", b"").startswith(b"text/event-stream")
+        elif message["type"] == "http.response.body":
+            self.finished = not message.get("more_body", False)
+        await self._send(message)
 
 
 async def _run_bounded(app: ASGIApp, scope: Scope, receive: Receive, send: Send,

@@ -20,7 +20,10 @@ vLLM's own, and on top of them:
 * our CORS policy instead of vLLM's (``allowed_origins=["*"]`` by default);
 * our ``RequestValidationError`` handler (400 naming the field, never echoing raw input)
   and ``HTTPException`` handler (OpenAI error bodies, never ``{"detail": ...}``);
-* ``GET /v1/kv-spec``, answered from the KV-spec controller through a handle.
+* ``GET /v1/kv-spec``, answered from the KV-spec controller through a handle, with
+  the answering replica's API key file status (``ingress_state``);
+* ``GET /v1/models*`` model cards whose ``root`` is the served model id, never the
+  model's filesystem path (``PublicModelCards``).
 
 Routing stays Serve's: the proxy picks a server replica with the deployment's
 ``request_router_config`` (``deployments.serving.router.KVSpecRouter``), so drained replicas
@@ -30,10 +33,12 @@ that holds the stream.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -41,7 +46,16 @@ from starlette.middleware.cors import CORSMiddleware
 
 from deployments import serve_env
 from deployments.config import HTTPEdge
-from deployments.http.edge import EdgeMiddleware
+from deployments.http import edge
+from deployments.http.edge import (
+    ASGIApp,
+    EdgeMiddleware,
+    Message,
+    Receive,
+    Scope,
+    Send,
+    mark_public_error,
+)
 from deployments.http.errors import openai_http_error, openai_validation_error
 from deployments.http.public import public_report
 from deployments.http.routes import KV_SPEC_ROUTE
@@ -90,13 +104,87 @@ def _close_cors(app: FastAPI, settings: HTTPEdge) -> None:
                            allow_headers=["authorization", "content-type"])
 
 
+def ingress_state() -> dict[str, Any]:
+    """What the answering replica's edge says about itself, for ``dsv4-serve status``:
+    its API key file's status without path or error text (``KeyFileStatus.public``);
+    ``stale`` = a bad edit is refused and the last good keys still serve."""
+    guard = edge.current()
+    status = guard.keys.file_status() if guard is not None else None
+    return {"api_key_file": status.public() if status is not None else None}
+
+
 def kv_spec_response(report: Any, how: str) -> JSONResponse:
-    """200 agree, 409 disagree, 503 otherwise; the public (redacted) report as the body."""
+    """200 agree, 409 disagree, 503 otherwise; the public (redacted) report as the body.
+
+    The route marks its 503 public (``edge.mark_public_error``): the body is the
+    redacted report, which the edge's 5xx scrubbing must let through.
+    """
     if hasattr(report, "model_dump"):  # a typed report: its plain-JSON form
         report = report.model_dump(mode="json")
     status = {"agree": 200, "disagree": 409}.get(report["state"], 503)
-    return JSONResponse(public_report(report), status_code=status,
-                        headers={"x-dsv4-refresh": how})
+    body = public_report(report) | {"ingress": ingress_state()}
+    return JSONResponse(body, status_code=status, headers={"x-dsv4-refresh": how})
+
+
+_MODELS_ROUTE = re.compile(r"^/v1/models(/.+)?/?$")
+
+
+class PublicModelCards:
+    """``GET /v1/models`` and ``/v1/models/{id}`` with ``root`` = the card's id.
+
+    vLLM 0.32's model list puts ``BaseModelPath.model_path`` in ``root``: under
+    Ray Serve LLM that is ``model_source``, a filesystem path on the replica's node
+    (or a Hub id). A client needs the id it sends as ``model``; where the weights
+    lie is nobody's business but the operator's. Rewrites only successful JSON
+    answers; anything else passes unchanged.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope.get("method") != "GET"
+                or not _MODELS_ROUTE.match(scope.get("path", ""))):
+            await self.app(scope, receive, send)
+            return
+        start: Message | None = None
+        chunks: list[bytes] = []
+
+        async def hold(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+                return
+            if message["type"] != "http.response.body" or start is None:
+                await send(message)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                await _send_cards(send, start, b"".join(chunks))
+
+        await self.app(scope, receive, hold)
+
+
+def public_cards(body: Any) -> Any:
+    """A model list or card with every ``root`` set to its card's id."""
+    cards = body.get("data") if isinstance(body, dict) and body.get("object") == "list" \
+        else [body]
+    for card in cards if isinstance(cards, list) else []:
+        if isinstance(card, dict) and "root" in card:
+            card["root"] = card.get("id")
+    return body
+
+
+async def _send_cards(send: Send, start: Message, raw: bytes) -> None:
+    if start["status"] == 200:
+        try:
+            raw = json.dumps(public_cards(json.loads(raw))).encode()
+        except ValueError:
+            pass  # not JSON: nothing of ours to rewrite, it goes out as the app wrote it
+    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+    headers.append((b"content-length", str(len(raw)).encode()))
+    await send({**start, "headers": headers})
+    await send({"type": "http.response.body", "body": raw, "more_body": False})
 
 
 def harden(app: FastAPI, settings: HTTPEdge, kv_spec: KVSpecSource | None = None) -> FastAPI:
@@ -114,10 +202,14 @@ def harden(app: FastAPI, settings: HTTPEdge, kv_spec: KVSpecSource | None = None
     app.add_exception_handler(StarletteHTTPException, openai_http_error)
     app.add_exception_handler(HTTPException, openai_http_error)
     if kv_spec is not None:
-        async def kv_spec_route(refresh: bool = False) -> JSONResponse:
+        async def kv_spec_route(request: Request, refresh: bool = False) -> JSONResponse:
             """The controller's verdict; ``?refresh=true`` checks every replica now."""
-            return kv_spec_response(*await kv_spec(refresh))
+            response = kv_spec_response(*await kv_spec(refresh))
+            if response.status_code >= 500:
+                mark_public_error(request.scope)  # the redacted report, not an error text
+            return response
 
         app.add_api_route(KV_SPEC_ROUTE, kv_spec_route, methods=["GET"])
+    app.add_middleware(PublicModelCards)
     app.add_middleware(EdgeMiddleware)
     return app

@@ -19,6 +19,7 @@ from deployments.config import (
 from deployments.config.pd import POOLS, PDAppArgs
 from deployments.k8s.params import (
     CLIENT_PORT,
+    DASHBOARD_PORT,
     MANIFEST_SUFFIX,
     SECRET_NAMES,
     SERVE_PORT,
@@ -114,10 +115,36 @@ def _policy_problems(policy: Mapping[str, Any] | None, name: str) -> list[str]:
         for source in sources or []:
             if "ipBlock" in source:
                 found.append(f"NetworkPolicy ingress[{i}]: ipBlock sources reach Ray ports")
-            pod_labels = (source.get("podSelector") or {}).get("matchLabels")
-            if source.get("namespaceSelector") == {} and not pod_labels:
-                found.append(f"NetworkPolicy ingress[{i}]: every pod of every namespace")
+            found += _source_problems(i, source)
+            if DASHBOARD_PORT in ports and not (source.get("podSelector") or {}).get(
+                    "matchLabels"):
+                found.append(f"NetworkPolicy ingress[{i}]: port {DASHBOARD_PORT} from every "
+                             "pod of a namespace; only the KubeRay operator's pods "
+                             "(podSelector.matchLabels) may reach it")
     return found
+
+
+def _source_problems(i: int, source: Mapping[str, Any]) -> list[str]:
+    """A ``from`` element must not admit pods of every namespace.
+
+    No ``namespaceSelector`` means the policy's own namespace. An empty one means
+    every namespace: with no pod labels that is every pod; with pod labels it is
+    any pod anyone labels so, in any namespace (anyone who may create a pod
+    somewhere). The namespace is pinned by ``kubernetes.io/metadata.name`` (set
+    by the API server, not by users) in the same element: two elements would
+    be OR, not AND.
+    """
+    if "namespaceSelector" not in source:
+        return []
+    namespaces = source["namespaceSelector"] or {}
+    pod_labels = (source.get("podSelector") or {}).get("matchLabels")
+    if not namespaces and not pod_labels:
+        return [f"NetworkPolicy ingress[{i}]: every pod of every namespace"]
+    if "kubernetes.io/metadata.name" not in (namespaces.get("matchLabels") or {}):
+        return [f"NetworkPolicy ingress[{i}]: pods labelled {pod_labels or '(any)'} in any "
+                "namespace whose labels match; pin the namespace with namespaceSelector."
+                "matchLabels kubernetes.io/metadata.name in the same from element"]
+    return []
 
 
 def security_problems(docs: list[Mapping[str, Any]]) -> list[str]:

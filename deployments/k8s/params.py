@@ -75,7 +75,8 @@ def load_params(path: Path = DEFAULT_PARAMS) -> dict[str, Any]:
                           f"or use the shipped {DEFAULT_PARAMS}.")
     params = yaml.safe_load(path.read_text()) or {}
     required = ("image", "image_digest", "ray_version", "hf_token_secret", "api_keys_secret",
-                "kuberay_operator_labels", "metrics_namespace", "model_cache_mount",
+                "kuberay_operator_labels", "kuberay_operator_namespace",
+                "metrics_namespace", "model_cache_mount",
                 "model_cache_volume", "upgrade_strategy", "head", "presets")
     missing = [key for key in required if key not in params]
     if missing:

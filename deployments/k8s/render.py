@@ -166,9 +166,10 @@ def network_policy(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
     Ray's processes talk on many ports (GCS, raylets, object manager, workers), so
     pods of this instance reach each other on all of them. From outside: the
     serve port from anyone (API keys guard it), the dashboard only from the
-    KubeRay operator (it posts serveConfigV2; token auth guards it too), metrics
-    only from the monitoring namespace. Ray Client, the Jobs API and the GCS are
-    not reachable from any other pod.
+    KubeRay operator's pods *in the operator's namespace* (it posts serveConfigV2;
+    token auth guards it too; a label alone can be put on a pod in any namespace),
+    metrics only from the monitoring namespace. Ray Client, the Jobs API and the
+    GCS are not reachable from any other pod.
     """
     selector = {"matchLabels": _labels(name)}
     return {
@@ -181,7 +182,9 @@ def network_policy(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
             "ingress": [
                 {"from": [{"podSelector": selector}]},
                 {"ports": [{"port": SERVE_PORT, "protocol": "TCP"}]},
-                {"from": [{"namespaceSelector": {},
+                {"from": [{"namespaceSelector": {"matchLabels": {
+                               "kubernetes.io/metadata.name":
+                                   params["kuberay_operator_namespace"]}},
                            "podSelector": {"matchLabels": dict(
                                params["kuberay_operator_labels"])}}],
                  "ports": [{"port": DASHBOARD_PORT, "protocol": "TCP"}]},

@@ -7,9 +7,13 @@ benchmarks, so they boot Ray exactly the way users do.
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
 import socket
+from collections.abc import Iterator
 
+from deployments import ray_touches
 from deployments.config import ConfigError, ServeConfig, sizing
 from deployments.logs import get_logger
 
@@ -33,7 +37,10 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
     it starts and can shut all of it down. ``metrics_port`` fixes the port of Ray's
     Prometheus endpoint (``ray.util.metrics``/``ray.serve.metrics`` series, the
     controller's ``ray_dsv4_kv_spec_*`` gauges among them); None takes a free one
-    (``metrics_url`` tells which). Ray serves it without the dashboard too.
+    (``metrics_url`` tells which). Ray serves it without the dashboard too, without
+    auth, so the node is started on 127.0.0.1 (``loopback_node_ip``): every port Ray
+    opens for it, that one included, binds loopback. A cluster at ``address`` (``--nodes``)
+    is left as its starter made it.
     """
     import ray
 
@@ -53,11 +60,56 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
     if cpus > (os.cpu_count() or 1):
         logger.info("dsv4: offering Ray %s logical CPUs on %s cores: the replicas share them "
                     "(VLLM_CPU_OMP_THREADS_BIND=nobind)", cpus, os.cpu_count())
-    ray.init(address="local", num_cpus=cpus, include_dashboard=False,
-             namespace="serve", log_to_driver=os.environ.get("DSV4_LOG_TO_DRIVER") == "1",
-             _metrics_export_port=metrics_port or free_port())
+    with loopback_node_ip():
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False,
+                 namespace="serve", log_to_driver=os.environ.get("DSV4_LOG_TO_DRIVER") == "1",
+                 _metrics_export_port=metrics_port or free_port())
+    check_loopback_node()
     _start_serve(config)
     return cpus
+
+
+@contextlib.contextmanager
+def loopback_node_ip() -> Iterator[None]:
+    """Start the private local node on 127.0.0.1, so every Ray port of it binds loopback.
+
+    Ray 2.60's metrics server (the dashboard agent's Prometheus endpoint, no auth)
+    binds all interfaces unless the node IP is loopback, and on Linux
+    ``ray.init`` picks the routable IP (``ray_touches``: ``ray.loopback_node_ip``).
+    Serve's HTTP proxy is not affected: it binds ``http_options.host``.
+    """
+    if not ray_touches.present("ray.loopback_node_ip"):
+        logger.error("dsv4: this Ray lacks ray.loopback_node_ip (deployments/ray_touches.py): "
+                     "the local cluster's ports, its metrics endpoint among them, bind every "
+                     "interface. Fix: install the pinned Ray, or firewall the node.")
+        yield
+        return
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def check_loopback_node() -> None:
+    """Log an ERROR when the local node (and so its metrics port) is not on loopback."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    [node] = [n for n in ray.nodes() if n["NodeID"] == node_id]
+    address = node["NodeManagerAddress"]
+    try:
+        loopback = ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        logger.error("dsv4: the local Ray node is on %s, not loopback: its ports, the "
+                     "metrics endpoint (port %s, no auth) among them, answer beyond this "
+                     "machine. Fix: firewall them, or report this Ray version.", address,
+                     node["MetricsExportPort"])
 
 
 def _start_serve(config: ServeConfig) -> None:

@@ -79,8 +79,9 @@ def build_one_pool_app(parsed: AppArgs) -> Application:
     # Serve graph has no cycles.
     controller = controller_deployment(KVSpecController, parsed).bind(
         server=server_deployment_name(server_cls, llm_config), dsv4=dsv4)
+    # Every DP rank is its own Serve replica and ingress: the share divides by ranks.
     bind_kwargs = {"dsv4": dsv4} | ingress_bind_kwargs(
-        parsed.http, parsed.llm.deployment_config.max_replicas, controller)
+        parsed.http, parsed.max_serving_replicas, controller)
     if dp:
         # DP attention: Ray Serve LLM's gang-scheduled DPServer pattern, our checks on top.
         return build_dp_deployment(llm_config, bind_kwargs=bind_kwargs,
@@ -117,11 +118,12 @@ def with_boot_callback(config_dict: dict[str, Any]) -> dict[str, Any]:
     return config_dict | {"callback_config": {"callback_class": LocalModelCallback}}
 
 
-def ingress_bind_kwargs(http: HTTPEdge, max_replicas: int,
+def ingress_bind_kwargs(http: HTTPEdge, serving_replicas: int,
                         controller: Application) -> dict[str, Any]:
     """What a server replica that is the HTTP ingress is bound with (``DSv4ServerMixin``):
-    the edge settings, how many replicas share ``http.max_in_flight``, the controller."""
-    return {"http": http.model_dump(mode="json"), "serving_replicas": max_replicas,
+    the edge settings, how many Serve replicas (DP ranks, not gangs or nodes) share
+    ``http.max_in_flight`` at most, the controller."""
+    return {"http": http.model_dump(mode="json"), "serving_replicas": serving_replicas,
             "kv_spec_controller": controller}
 
 

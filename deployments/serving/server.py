@@ -37,6 +37,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm import LLMConfig, LLMServer
 from ray.serve.llm.deployment import DPServer
+from ray.serve.metrics import Counter, Gauge
 
 from deployments.config import WORKER_EXTENSION, DSv4Section, HTTPEdge, Policy
 from deployments.config.dsv4 import node_type_key
@@ -56,6 +57,7 @@ from deployments.control.wire import (
     answer_kv_page_spec,
 )
 from deployments.http import edge, front
+from deployments.http.auth import KeyFileStatus, KeyFileWatcher
 from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
 from deployments.serving.names import TARGET_KWARG
@@ -335,7 +337,15 @@ class DSv4ServerMixin:
         return dict(stats) | drain_stats(self._verdict)
 
     async def check_health(self) -> None:
-        """Engine health first; then, if our verdict says so, fail so Serve replaces us."""
+        """Engine health first; then, if our verdict says so, fail so Serve replaces us.
+
+        Also looks at the API key file (``KeyStore.refresh``), so a refused edit is
+        logged and in the metrics within a health period even without traffic; a
+        stale key file does not fail health (the last good keys still serve).
+        """
+        guard = edge.current()
+        if guard is not None:
+            guard.keys.refresh()
         await super().check_health()  # type: ignore[misc]
         raise_if_enforced(self._verdict)
 
@@ -361,8 +371,35 @@ def _start_edge(settings: HTTPEdge, serving_replicas: int) -> HTTPEdge:
                     "(http.max_in_flight%s)", settings.max_in_flight, note)
     guard = edge.EdgeGuard.start(settings, front.proxy_host())
     guard.limit_note = note
+    if guard.keys.file_configured:
+        guard.keys.watch(key_file_metrics())
     edge.install(guard)
     return settings
+
+
+def key_file_metrics() -> KeyFileWatcher:
+    """Prometheus series of this replica's API key file (``deployments.http.auth``).
+
+    ``dsv4_api_key_file_stale`` is the one to alert on: 1 while an edit is refused
+    and the last good keys still serve (the replica's log has the reason).
+    """
+    stale = Gauge("dsv4_api_key_file_stale", "1 while an edit of the API key file is "
+                  "refused and the last good keys still serve")
+    keys = Gauge("dsv4_api_key_file_keys", "keys from the API key file in use (0 with a "
+                 "missing or empty file: requests fail closed)")
+    refused = Counter("dsv4_api_key_file_refused_edits_total", "API key file edits refused "
+                      "(short key, not UTF-8, unreadable)")
+    seen = 0
+
+    def watch(status: KeyFileStatus) -> None:
+        nonlocal seen
+        stale.set(1 if status.state == "stale" else 0)
+        keys.set(status.keys)
+        if status.refused > seen:
+            refused.inc(status.refused - seen)
+            seen = status.refused
+
+    return watch
 
 
 class DSv4Server(DSv4ServerMixin, LLMServer):

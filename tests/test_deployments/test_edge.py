@@ -254,14 +254,22 @@ def test_auth_on_every_route(probe: Probe) -> None:
 
 
 def test_open_on_loopback_until_a_key_is_configured(probe: Probe, tmp_path: Path) -> None:
+    """auto on loopback: an empty key file leaves it open until the file holds a key; a
+    *missing* key file fails closed (issue 26: it used to turn auth off)."""
     app = build(HTTPEdge(), probe)
     keys = tmp_path / "keys"
+    keys.write_text("")
     guard(HTTPEdge(), "127.0.0.1", DSV4_API_KEYS_FILE=str(keys))
     assert post(app, {"prompt": "x"})[0] == 200
     keys.write_text(KEY)
     time.sleep(auth.FILE_RECHECK_S + 0.05)
     assert post(app, {"prompt": "x"})[0] == 401
     assert post(app, {"prompt": "x"}, headers={"authorization": f"Bearer {KEY}"})[0] == 200
+    keys.unlink()
+    time.sleep(auth.FILE_RECHECK_S + 0.05)
+    assert post(app, {"prompt": "x"})[0] == 401, "a deleted key file opened the server"
+    guard(HTTPEdge(), "127.0.0.1", DSV4_API_KEYS_FILE=str(tmp_path / "never-written"))
+    assert post(app, {"prompt": "x"})[0] == 401, "a missing key file opened the server"
 
 
 @pytest.mark.parametrize("path", ["/v1/embeddings", "/v1/score", "/v1/audio/transcriptions",

@@ -113,6 +113,9 @@ def test_rule_network_policy_lets_in_only_the_serve_port(docs: Docs) -> None:
     assert any("no NetworkPolicy" in p for p in broken(
         docs, lambda d: d.remove(kind(d, "NetworkPolicy"))))
     assert any("every pod of every namespace" in p for p in broken(
+        docs, lambda d: kind(d, "NetworkPolicy")["spec"]["ingress"][2].update(
+            {"from": [{"namespaceSelector": {}}]})))
+    assert any("only the KubeRay operator's pods" in p for p in broken(
         docs, lambda d: kind(d, "NetworkPolicy")["spec"]["ingress"][2]["from"][0].pop(
             "podSelector")))
 
@@ -212,5 +215,5 @@ def test_render_refuses_an_insecure_manifest(tmp_path: Path) -> None:
         entry["config"] = str(REPO / "configs" / Path(entry["config"]).name)
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
-    with pytest.raises(ConfigError, match=r"not secure:(.|\n)*every pod of every namespace"):
+    with pytest.raises(ConfigError, match=r"not secure:(.|\n)*only the KubeRay operator's pods"):
         render_all(path)
