@@ -5,7 +5,7 @@ row width, the attention-class selector, the backends' block sizes (the platform
 capability patched), and the real ``MLAAttentionSpec`` / ``SlidingWindowMLASpec`` /
 ``CircularBufferSpec`` page sizes built the way ``deepseek_v41/attention.py`` builds
 them. The record constants are read out of the installed file and the vLLM 0.33.0
-wheel (tests/release_sources.py's cache), never retyped here.
+wheel (tests/releases/sources.py's cache), never retyped here.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def installed_source(path: str) -> str:
 
 
 def wheel_source(path: str) -> str:
-    from tests import release_sources
+    from tests.releases import sources as release_sources
 
     try:
         return release_sources.source("0.33.0", path)
@@ -95,7 +95,7 @@ def _real_resolver(version: str) -> Any:
         from vllm.models.deepseek_v41.attention import _resolve_dsv4_kv_cache_dtype
 
         return _resolve_dsv4_kv_cache_dtype
-    from tests import release_sources as rs
+    from tests.releases import sources as rs
 
     text = wheel_source(ATTN)
     import ast
