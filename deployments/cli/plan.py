@@ -68,7 +68,40 @@ def table_rows(plan: ReplicaPlan) -> list[tuple[str, str]]:
     if plan.fp8_ds_mla_capacity is not None:
         rows.append(("  on fp8_ds_mla", _tokens(plan.fp8_ds_mla_capacity.kv_tokens_per_replica)
                      + " tokens/replica"))
-    return rows + pd.rows(plan.pd)
+    return rows + node_rows(plan) + pd.rows(plan.pd)
+
+
+def node_rows(plan: ReplicaPlan) -> list[tuple[str, str]]:
+    """Each node type's capacity (DeepSeek-V4.1, or a mixed fleet) and the mix between them.
+
+    V4.1 writes other bytes per GPU type (``dsv4_patch.rules.v41_record``): a mixed
+    fleet's replicas hold different numbers of tokens, and the controller reports
+    them as one conforming group per type.
+    """
+    nodes = plan.node_capacities
+    if len(nodes) < 2 and plan.family == "deepseek_v4":
+        return []
+    rows = []
+    for n in nodes:
+        cap = n.capacity
+        rows.append((f"node type {n.node_type}",
+                     f"{capability_text(n.node)} {n.node.get('gpu_memory_gib') or '?'} GiB: "
+                     f"{n.layout} via {n.backend}, block {n.block_size}, "
+                     f"{cap.kv_bytes_per_token:g} KV B/token, "
+                     f"{_tokens(cap.kv_tokens_per_engine)} tokens/engine, "
+                     f"{_tokens(cap.kv_tokens_per_replica)} tokens/replica "
+                     f"(expected {n.expected_layout})"))
+    if plan.mix:
+        ref = plan.mix["reference"]
+        parts = []
+        for row in plan.mix["node_types"][1:]:
+            tokens = row["tokens_per_replica_ratio"]
+            parts.append(f"{row['node_type']}/{ref}: {row['bytes_per_token_ratio']:.2f}x bytes "
+                         "per token, " + ("? " if tokens is None else f"{tokens:.2f}x ")
+                         + "tokens per replica")
+        rows.append(("mix", "; ".join(parts) + f" ({plan.mix['groups']} KV group(s): the "
+                     "controller reports one conforming group per node type)"))
+    return rows
 
 
 def render_table(report: PlanReport) -> str:

@@ -80,12 +80,17 @@ NODE_TYPES = ("sm90", "sm100", "sm120", "rocm", "xpu", "cpu")
 
 
 def node_type_key(node: Mapping[str, Any]) -> str:
-    """The ``expected_layouts`` key of a node (``NodeInfo.as_dict()``): sm90, sm100, rocm..."""
+    """The ``expected_layouts`` key of a node: sm90, sm100, rocm...
+
+    ``node`` is ``NodeInfo.as_dict()`` (capability "9.0") or a dumped ``NodeSpec``
+    (capability [9, 0]): a replica and the planner must find the same key.
+    """
     platform = str(node.get("platform") or "cpu")
     cap = node.get("compute_capability")
     if platform != "cuda" or not cap:
         return platform
-    return f"sm{str(cap).partition('.')[0]}0"
+    major = cap[0] if isinstance(cap, (list, tuple)) else str(cap).partition(".")[0]
+    return f"sm{major}0"
 
 
 class DSv4Section(_Strict):
@@ -111,6 +116,15 @@ class DSv4Section(_Strict):
     enforce_backoff_s: float = Field(default=30.0, ge=0, le=3600, description="wait before "
                                      "the next replacement, doubled per attempt")
     node: NodeSpec = Field(default_factory=NodeSpec)
+    # A fleet over several GPU types (one Serve deployment, one KubeRay worker group per
+    # type): what `dsv4-serve plan` sizes per type and `k8s render` gives each group.
+    # A replica never reads it: it probes its own GPU (deployments.serving.server.
+    # probe_node) and takes its type's expected_layouts entry.
+    node_types: dict[str, NodeSpec] = Field(default_factory=dict)
+    # The vLLM the replicas' image runs (pyproject extra gpu: 0.29.0, gpu-v41: 0.33.0):
+    # what `plan` predicts with unless --vllm-version says otherwise. Unset: the
+    # platform's default stack (dsv4_patch.rules.DEFAULT_VLLM).
+    vllm_version: str | None = Field(default=None, pattern=r"^\d+\.\d+\.\d+")
     replica_overrides: list[ReplicaOverride] = Field(default_factory=list)
 
     @property
@@ -128,6 +142,36 @@ class DSv4Section(_Strict):
             raise ValueError(f"expected_layouts keys {bad} are not node types; expected "
                              f"some of {list(NODE_TYPES)} (sm90: H100/H200, sm100: B200).")
         return value
+
+    @model_validator(mode="after")
+    def _node_types_fit(self) -> DSv4Section:
+        """Every node type holds one replica like ``node`` does (a DP gang fills a node)."""
+        for key, spec in self.node_types.items():
+            found = node_type_key(spec.model_dump(mode="json"))
+            if found != key:
+                raise ValueError(
+                    f"node_types.{key}: platform={spec.platform!r}, compute_capability="
+                    f"{spec.compute_capability} is node type {found!r}; expected {key!r}. "
+                    f"Fix: key it {found!r} or correct its compute_capability.")
+            for field in ("gpus_per_node", "nodes_per_replica"):
+                if getattr(spec, field) != getattr(self.node, field):
+                    raise ValueError(
+                        f"node_types.{key}.{field}={getattr(spec, field)} but node.{field}="
+                        f"{getattr(self.node, field)}: one deployment's replicas are alike, "
+                        "so every node type must hold one replica the same way. Fix: use "
+                        "equal values, or serve the node types as separate applications.")
+        if self.node_types and node_type_key(self.node.model_dump(mode="json")) not in \
+                self.node_types:
+            raise ValueError(
+                f"node_types {sorted(self.node_types)} lacks node's type "
+                f"{node_type_key(self.node.model_dump(mode='json'))!r}: node is the fallback a "
+                "replica uses when it cannot probe its GPU. Fix: make node one of node_types.")
+        return self
+
+    def nodes(self) -> dict[str, NodeSpec]:
+        """Every node type this fleet runs on: ``node_types``, else ``node`` alone."""
+        return dict(self.node_types) or {node_type_key(self.node.model_dump(mode="json")):
+                                         self.node}
 
     def expected_for(self, node: Mapping[str, Any]) -> str:
         """The layout a replica on ``node`` must report: its node type's entry, else the default."""

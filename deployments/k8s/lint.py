@@ -59,8 +59,36 @@ def semantic_problems(manifest: Mapping[str, Any]) -> list[str]:
     head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
     if "nvidia.com/gpu" in head.get("resources", {}).get("limits", {}):
         found.append("head group requests GPUs")
-    for group, args in zip(cluster["workerGroupSpecs"], ours, strict=False):
+    groups = cluster["workerGroupSpecs"]
+    if len(ours) == 1 and len(groups) > 1:  # a mixed fleet: one group per node type
+        return found + _fleet_group_problems(groups, ours[0])
+    for group, args in zip(groups, ours, strict=False):
         found.extend(_group_problems(group, args))
+    return found
+
+
+def _fleet_group_problems(groups: list[Mapping[str, Any]], args: AppArgs) -> list[str]:
+    """One deployment over several groups: each holds whole replicas, the bounds add up.
+
+    Serve's gangs land on whichever group has room, so every group must hold one
+    replica exactly as ``dsv4.node`` does, and the groups' min/max pods must sum to
+    Serve's min/max replicas (fewer: gangs wait forever; more: idle GPU nodes).
+    """
+    found = []
+    if isinstance(args, PDAppArgs):
+        return ["a P/D preset renders one worker group; a fleet over several GPU types is "
+                "served aggregated (P/D across GPU types is refused by plan)"]
+    if len(groups) != len(args.dsv4.node_types):
+        found.append(f"{len(groups)} worker groups for {len(args.dsv4.node_types)} "
+                     "dsv4.node_types: expected one group per node type")
+    for group in groups:
+        found.extend(p for p in _group_problems(group, args) if "min/maxReplicas" not in p)
+    auto = args.llm.deployment_config.autoscaling_config
+    low, high = (sum(int(g["minReplicas"]) for g in groups),
+                 sum(int(g["maxReplicas"]) for g in groups))
+    if auto is not None and (low, high) != (auto.min_replicas, auto.max_replicas):
+        found.append(f"worker groups' minReplicas sum {low} and maxReplicas sum {high} != "
+                     f"Serve autoscaling {auto.min_replicas}/{auto.max_replicas}")
     return found
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +61,22 @@ HEADER = """\
 
 @dataclass(frozen=True)
 class Preset:
-    """One preset to render: its name, its Serve config and its worker params."""
+    """One preset to render: its name, its Serve config and its worker params.
+
+    ``workers`` (a mixed fleet): one worker group per node type of
+    ``dsv4.node_types``, each with its own params and bounds. ``stack``: which
+    image of ``params.stacks`` its pods run (None: the default ``image``).
+    """
 
     name: str
     config_path: Path
     worker: Mapping[str, Any]
+    workers: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    stack: str | None = None
+
+
+# The default image's stack (pyproject extra gpu: ray[llm] 2.60.0 pins vLLM 0.29.0).
+DEFAULT_STACK_VLLM = "0.29.0"
 
 
 def load_params(path: Path = DEFAULT_PARAMS) -> dict[str, Any]:
@@ -105,8 +116,49 @@ def presets(params: Mapping[str, Any], params_path: Path) -> list[Preset]:
     found = []
     for name, entry in params["presets"].items():
         config = (params_path.parent / entry["config"]).resolve()
-        found.append(Preset(name, config, entry["worker"]))
+        if ("worker" in entry) == ("workers" in entry):
+            raise ConfigError(
+                f"{params_path}: presets.{name} has {'both' if 'worker' in entry else 'neither'}"
+                " of worker and workers; expected one: worker for one GPU type, workers "
+                "(one entry per dsv4.node_types key) for a mixed fleet.")
+        stack = entry.get("stack")
+        if stack is not None and stack not in (params.get("stacks") or {}):
+            raise ConfigError(
+                f"{params_path}: presets.{name}.stack={stack!r} is not in stacks "
+                f"{sorted(params.get('stacks') or {})}. Fix: add it under stacks (image, "
+                "image_digest, vllm_version) or drop the preset's stack.")
+        found.append(Preset(name, config, entry.get("worker") or {},
+                            dict(entry.get("workers") or {}), stack))
     return found
+
+
+def stack_image(params: Mapping[str, Any], preset: Preset) -> tuple[str, str, str]:
+    """(image, digest, vLLM version) the preset's pods run: its stack's, else the default."""
+    if preset.stack is None:
+        return params["image"], params["image_digest"], DEFAULT_STACK_VLLM
+    stack = params["stacks"][preset.stack]
+    missing = [k for k in ("image", "image_digest", "vllm_version") if k not in stack]
+    if missing or not DIGEST.match(str(stack.get("image_digest"))) or "@" in str(
+            stack.get("image")):
+        raise ConfigError(
+            f"stacks.{preset.stack}: image={stack.get('image')!r}, image_digest="
+            f"{stack.get('image_digest')!r}, vllm_version={stack.get('vllm_version')!r}; "
+            "expected all three, the digest as sha256: + 64 hex digits. Fix: push the "
+            "stack's image and copy its digest (docker buildx imagetools inspect).")
+    return stack["image"], stack["image_digest"], str(stack["vllm_version"])
+
+
+def stack_problems(preset: Preset, args: AppArgs, params: Mapping[str, Any]) -> list[str]:
+    """The preset's declared vLLM (``dsv4.vllm_version``) must be its image's."""
+    _, _, image_vllm = stack_image(params, preset)
+    declared = args.dsv4.vllm_version
+    if declared is not None and declared != image_vllm:
+        where = f"stacks.{preset.stack}" if preset.stack else "the default image"
+        return [f"dsv4.vllm_version={declared!r} but the preset's pods run {where} with "
+                f"vLLM {image_vllm}: plan's prediction would not be what runs. Fix: set "
+                "presets.<name>.stack in k8s/params.yaml to a stack of that vLLM (gpu-v41 "
+                "for DeepSeek-V4.1)"]
+    return []
 
 
 # ------------------------------------------------------------------ building blocks

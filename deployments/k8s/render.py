@@ -11,6 +11,7 @@ import yaml
 from deployments.config import (
     AppArgs,
     ConfigError,
+    NodeSpec,
 )
 from deployments.k8s.lint import security_problems, semantic_problems
 from deployments.k8s.params import (
@@ -31,13 +32,22 @@ from deployments.k8s.params import (
     load_params,
     presets,
     scaling,
+    stack_image,
+    stack_problems,
 )
 
 # A checkout's top level, or the wheel's deployments/_data (deployments.resources).
 
-def image_ref(params: Mapping[str, Any]) -> str:
-    """The image by digest (``name[:tag]@sha256:...``): what runs is what was tested."""
-    return f"{params['image']}@{params['image_digest']}"
+def image_ref(params: Mapping[str, Any], preset: Preset | None = None) -> str:
+    """The image by digest (``name[:tag]@sha256:...``): what runs is what was tested.
+
+    A preset with a ``stack`` (DeepSeek-V4.1: the gpu-v41 image) runs that stack's
+    image on every pod: Ray needs the same Ray and vLLM on the head and the workers.
+    """
+    if preset is None:
+        return f"{params['image']}@{params['image_digest']}"
+    image, digest, _ = stack_image(params, preset)
+    return f"{image}@{digest}"
 
 
 def _env(params: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -93,7 +103,8 @@ def _resources(cpu: str, memory: str, gpus: int | None = None) -> dict[str, Any]
     return {"requests": dict(amounts), "limits": dict(amounts)}
 
 
-def head_group(params: Mapping[str, Any], name: str) -> dict[str, Any]:
+def head_group(params: Mapping[str, Any], name: str,
+               image: str | None = None) -> dict[str, Any]:
     """Head: GCS, dashboard, Serve controller and a proxy; no GPU, no Ray CPUs.
 
     ``dashboard-host: 0.0.0.0`` because the KubeRay operator posts serveConfigV2 to
@@ -104,7 +115,7 @@ def head_group(params: Mapping[str, Any], name: str) -> dict[str, Any]:
     ports = [{"name": k, "containerPort": v, "protocol": "TCP"} for k, v in HEAD_PORTS.items()]
     spec: dict[str, Any] = {"containers": [{
         "name": "ray-head",
-        "image": image_ref(params),
+        "image": image or image_ref(params),
         "ports": ports,
         "env": _env(params),
         "resources": _resources(head["cpu"], head["memory"]),
@@ -125,13 +136,45 @@ def _placement(spec: dict[str, Any], where: Mapping[str, Any]) -> None:
         spec["tolerations"] = [dict(t) for t in where["tolerations"]]
 
 
-def worker_group(preset: Preset, args: AppArgs, params: Mapping[str, Any]) -> dict[str, Any]:
+def worker_groups(preset: Preset, args: AppArgs,
+                  params: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One group, or one per node type of a mixed fleet (``presets.<name>.workers``).
+
+    A mixed fleet's groups share the Serve deployment: each group's bounds are its
+    own (params), and the lint checks they add up to Serve's.
+    """
+    if not preset.workers:
+        return [worker_group(preset, args, params)]
+    types = args.dsv4.node_types
+    if set(preset.workers) != set(types):
+        raise ConfigError(
+            f"presets.{preset.name}.workers has node types {sorted(preset.workers)} but "
+            f"{preset.config_path.name} dsv4.node_types has {sorted(types)}; expected the "
+            "same: one worker group per node type. Fix: list the same keys in both.")
+    groups = []
+    for key, worker in preset.workers.items():
+        missing = [k for k in ("min_replicas", "max_replicas") if k not in worker]
+        if missing:
+            raise ConfigError(
+                f"presets.{preset.name}.workers.{key} lacks {', '.join(missing)}: a mixed "
+                "fleet's group bounds are per node type. Fix: set both (their sums must "
+                "equal the preset's Serve autoscaling bounds).")
+        low, high = int(worker["min_replicas"]), int(worker["max_replicas"])
+        groups.append(worker_group(preset, args, params, node=types[key], worker=worker,
+                                   suffix=f"-{key}", bounds=(low, low, high)))
+    return groups
+
+
+def worker_group(preset: Preset, args: AppArgs, params: Mapping[str, Any], *,
+                 node: NodeSpec | None = None, worker: Mapping[str, Any] | None = None,
+                 suffix: str = "",
+                 bounds: tuple[int, int, int] | None = None) -> dict[str, Any]:
     """One pod per GPU node; a replica is ``nodes_per_replica`` pods (numOfHosts)."""
-    node, worker = args.dsv4.node, preset.worker
-    initial, low, high = scaling(args)
+    node, worker = node or args.dsv4.node, worker or preset.worker
+    initial, low, high = bounds or scaling(args)
     container = {
         "name": "ray-worker",
-        "image": image_ref(params),
+        "image": image_ref(params, preset),
         "env": _env(params),
         "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         "resources": _resources(worker["cpu"], worker["memory"], node.gpus_per_node),
@@ -150,7 +193,7 @@ def worker_group(preset: Preset, args: AppArgs, params: Mapping[str, Any]) -> di
     _placement(spec, worker)
     _secure_pod(spec, params)
     return {
-        "groupName": f"gpu-{preset.name}",
+        "groupName": f"gpu-{preset.name}{suffix}",
         "replicas": initial,
         "minReplicas": low,
         "maxReplicas": high,
@@ -206,7 +249,8 @@ def render_documents(preset: Preset, params: Mapping[str, Any]) -> list[dict[str
     if problems:
         raise ConfigError(f"{preset.name}: the rendered manifest is not secure:\n  "
                           + "\n  ".join(problems))
-    problems = semantic_problems(docs[0])
+    problems = semantic_problems(docs[0]) + stack_problems(preset, gpu_args(
+        preset.config_path)[1], params)
     if problems:
         raise ConfigError(f"{preset.name}: the rendered manifest contradicts its preset:\n  "
                           + "\n  ".join(problems))
@@ -243,8 +287,8 @@ def render_manifest(preset: Preset, params: Mapping[str, Any]) -> dict[str, Any]
                     # writable: it writes Ray's session files under /tmp)
                     "securityContext": security | {"readOnlyRootFilesystem": False},
                 },
-                "headGroupSpec": head_group(params, name),
-                "workerGroupSpecs": [worker_group(preset, args, params)],
+                "headGroupSpec": head_group(params, name, image_ref(params, preset)),
+                "workerGroupSpecs": worker_groups(preset, args, params),
             },
         },
     }

@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from deployments.config import AppArgs
+from deployments.config import AppArgs, NodeSpec
 from deployments.config.sizing import Parallel
 from deployments.plan.weights import WeightEstimate, weights_per_gpu
 from dsv4_patch import rules
@@ -29,20 +29,25 @@ GIB = 2**30
 VLLM_DEFAULT_GPU_UTILIZATION = 0.9  # vLLM EngineArgs.gpu_memory_utilization default
 
 
-def pp_stage_ratios(shape: rules.ModelShape, pp: int) -> list[tuple[int, ...]]:
-    """Compress ratios per pipeline stage, split like vLLM's ``get_pp_indices``.
+def pp_stage_ranges(num_layers: int, pp: int) -> list[range]:
+    """Layer indices per pipeline stage, split like vLLM's ``get_pp_indices``.
 
     vllm/distributed/utils.py: layers // pp per stage, the remainder added one by
     one to the stages before the last.
     """
-    sizes = [shape.num_layers // pp] * pp
-    for i in range(2, shape.num_layers % pp + 2):
+    sizes = [num_layers // pp] * pp
+    for i in range(2, num_layers % pp + 2):
         sizes[-i] += 1
     stages, start = [], 0
     for size in sizes:
-        stages.append(shape.compress_ratios[start:start + size])
+        stages.append(range(start, start + size))
         start += size
     return stages
+
+
+def pp_stage_ratios(shape: rules.ModelShape, pp: int) -> list[tuple[int, ...]]:
+    """Compress ratios per pipeline stage (``pp_stage_ranges``)."""
+    return [shape.compress_ratios[r.start:r.stop] for r in pp_stage_ranges(shape.num_layers, pp)]
 
 
 def stage_bytes_per_token(shape: rules.ModelShape, storage: rules.Storage, block: int,
@@ -73,9 +78,13 @@ def engine_extra(args: AppArgs, key: str, default: Any = None) -> Any:
     return (args.llm.engine_kwargs.model_extra or {}).get(key, default)
 
 
-def kv_budget_per_gpu(args: AppArgs, weights_gpu: float, reserve_gib: float) -> float | None:
-    """Bytes one GPU (or the CPU KV space) has for KV pages, or None if undeclared."""
-    node = args.dsv4.node
+def kv_budget_per_gpu(args: AppArgs, weights_gpu: float, reserve_gib: float,
+                      node: NodeSpec | None = None) -> float | None:
+    """Bytes one GPU (or the CPU KV space) has for KV pages, or None if undeclared.
+
+    ``node``: one node type of a mixed fleet (default ``dsv4.node``).
+    """
+    node = node or args.dsv4.node
     if node.platform == "cpu":
         space = (args.llm.runtime_env.get("env_vars") or {}).get("VLLM_CPU_KVCACHE_SPACE")
         return float(space) * GIB if space else None
@@ -87,20 +96,53 @@ def kv_budget_per_gpu(args: AppArgs, weights_gpu: float, reserve_gib: float) -> 
 
 def capacity(args: AppArgs, shape: rules.ModelShape, weights: WeightEstimate,
              storage: rules.Storage, block: int, reserve_gib: float,
-             par: Parallel | None = None) -> Capacity:
+             par: Parallel | None = None, node: NodeSpec | None = None) -> Capacity:
     """KV tokens per engine and per replica for ``storage`` on the declared node.
 
-    ``par`` replaces the configured parallel layout (for counterfactuals).
+    ``par`` replaces the configured parallel layout (for counterfactuals); ``node``
+    the declared node (one node type of a mixed fleet).
+    """
+    per_token = rules.kv_bytes_per_token(shape, storage, block)
+    par = par or args.parallel()
+    return _fill(args, storage.value, per_token,
+                 stage_bytes_per_token(shape, storage, block, par.pp), weights, reserve_gib,
+                 par, node or args.dsv4.node)
+
+
+def v41_stage_bytes_per_token(caches: list[rules.V41Cache], num_layers: int,
+                              pp: int) -> float:
+    """DeepSeek-V4.1: KV bytes per context token on the fullest pipeline stage."""
+    return max(rules.v41_bytes_per_token([c for c in caches if c.index in stage])
+               for stage in pp_stage_ranges(num_layers, pp))
+
+
+def v41_capacity(args: AppArgs, topo: rules.V41Topology, record: rules.KVRecord,
+                 weights: WeightEstimate, reserve_gib: float, node: NodeSpec,
+                 par: Parallel | None = None) -> Capacity:
+    """KV tokens per engine and replica of DeepSeek-V4.1 on ``node`` (its own record).
+
+    V4.1's growth per token is the pages of its growing caches (compressed KV on the
+    KV-source layers and their indexer rows; ``rules.v41_caches``), not V4's formula:
+    V4's gives 5265 B for V4.1-Flash on every GPU (2.9x SM90's 1827 B, 5x SM100's
+    1056 B) and hides that the two differ.
     """
     par = par or args.parallel()
-    per_token = rules.kv_bytes_per_token(shape, storage, block)
-    per_gpu_token = stage_bytes_per_token(shape, storage, block, par.pp)
-    on_gpu = args.dsv4.node.platform != "cpu"
+    caches = rules.v41_caches(topo, record)
+    return _fill(args, record.cache_dtype_str, rules.v41_bytes_per_token(caches),
+                 v41_stage_bytes_per_token(caches, topo.num_layers, par.pp), weights,
+                 reserve_gib, par, node)
+
+
+def _fill(args: AppArgs, storage: str, per_token: float, per_gpu_token: float,
+          weights: WeightEstimate, reserve_gib: float, par: Parallel,
+          node: NodeSpec) -> Capacity:
+    """The token counts of one bytes-per-token on one node and parallel layout."""
+    on_gpu = node.platform != "cpu"
     w_gpu = weights_per_gpu(weights, par) if on_gpu else None
-    budget = kv_budget_per_gpu(args, w_gpu or 0.0, reserve_gib)
+    budget = kv_budget_per_gpu(args, w_gpu or 0.0, reserve_gib, node)
     tokens = None if budget is None else max(0, math.floor(budget / per_gpu_token))
     return Capacity(
-        storage=storage.value,
+        storage=storage,
         kv_bytes_per_token=per_token,
         kv_bytes_per_token_per_gpu=per_gpu_token,
         weights_per_gpu_bytes=w_gpu,

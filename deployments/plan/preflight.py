@@ -21,14 +21,41 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deployments.config import AppArgs, Policy, checks, load_serve_config, refuse_problems
+from deployments.config import (
+    AppArgs,
+    NodeSpec,
+    Policy,
+    checks,
+    load_serve_config,
+    refuse_problems,
+)
 from deployments.config.checks import Problem
+from deployments.config.dsv4 import node_type_key
 from deployments.config.sizing import Parallel
 from deployments.plan import pd as pd_plan
-from deployments.plan.capacity import GIB, Capacity, capacity, engine_extra
+from deployments.plan.capacity import GIB, Capacity, capacity, engine_extra, v41_capacity
 from deployments.plan.model_configs import find_model_config
-from deployments.plan.weights import estimate_weights
+from deployments.plan.weights import WeightEstimate, estimate_weights
 from dsv4_patch import rules
+
+
+@dataclass
+class NodeCapacity:
+    """One node type of an application: what its replicas store and hold.
+
+    A mixed fleet (``dsv4.node_types``) has one per GPU type; DeepSeek-V4.1 writes
+    other bytes on each (``rules.v41_record``), so capacity is per type, not per app.
+    """
+
+    node_type: str  # the expected_layouts key: sm90, sm100, ...
+    node: dict[str, Any]
+    layout: str  # fp8_ds_mla | nvfp4_ds_mla | plain_rows
+    expected_layout: str
+    backend: str
+    cache_dtype_str: str
+    block_size: int
+    numerics: str
+    capacity: Capacity
 
 
 @dataclass
@@ -57,6 +84,10 @@ class ReplicaPlan:
     # DP presets: the same GPUs as one tensor-parallel engine (KV replicated per rank)
     tp_alternative: Capacity | None = None
     pd: dict[str, Any] | None = None  # P/D apps: deployments.plan.pd.summary
+    family: str = rules.Family.V4.value
+    # Every node type's capacity (one entry unless dsv4.node_types lists several).
+    node_capacities: list[NodeCapacity] = field(default_factory=list)
+    mix: dict[str, Any] | None = None  # several node types: ratios between them
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -67,9 +98,13 @@ class ReplicaPlan:
 def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
                      vllm_version: str | None = None,
                      reserve_gib: float = 0.0) -> ReplicaPlan:
-    """Plan one application's replicas on its declared node."""
+    """Plan one application's replicas on its declared node (each node type of a mixed fleet)."""
     node, ek = args.dsv4.node, args.llm.engine_kwargs
-    version = vllm_version or rules.DEFAULT_VLLM[node.platform]
+    version = vllm_version or args.dsv4.vllm_version or rules.DEFAULT_VLLM[node.platform]
+    if rules.family_of(model_cfg) is rules.Family.V41:
+        v41 = plan_v41_application(name, args, model_cfg, version, reserve_gib)
+        if v41 is not None:
+            return v41
     decision = args.predicted_layout(version)
     resolution = rules.resolve_kv_cache_dtype(decision.layout, ek.kv_cache_dtype)
     shape = rules.ModelShape.from_hf_config(model_cfg)
@@ -108,11 +143,123 @@ def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
     if hasattr(args, "pd"):  # a PDAppArgs
         plan.pd = pd_plan.summary(args, cap.kv_bytes_per_token, block,
                                   cap.kv_tokens_per_replica, plan.max_model_len)
+    plan.node_capacities = [
+        NodeCapacity(key, spec.model_dump(mode="json"), plan.layout,
+                     args.dsv4.expected_for(spec.model_dump(mode="json")), plan.backend,
+                     plan.cache_dtype_str, block, resolution.reason,
+                     cap if spec == node else capacity(args, shape, weights, resolution.storage,
+                                                       block, reserve_gib, node=spec))
+        for key, spec in args.dsv4.nodes().items()]
+    plan.mix = mix_summary(plan.node_capacities)
     plan.problems = find_problems(plan, args, shape)
-    if rules.family_of(model_cfg) is rules.Family.V41:
+    if rules.family_of(model_cfg) is rules.Family.V41:  # a node V4.1 cannot run on
         plan.problems = sorted(v41_problems(args, model_cfg, version) + plan.problems,
                                key=lambda p: p.severity != "error")
     return plan
+
+
+def v41_node_capacity(args: AppArgs, spec: NodeSpec, topo: rules.V41Topology,
+                      weights: WeightEstimate, reserve_gib: float,
+                      par: Parallel | None = None) -> NodeCapacity:
+    """DeepSeek-V4.1 on one node type: its record (``rules.v41_record``) and tokens.
+
+    Raises ``rules.LayoutError`` / ``rules.KVCacheDtypeError`` where V4.1 cannot run.
+    """
+    ek = args.llm.engine_kwargs
+    backend = ek.attention_backend or spec.attention_backend
+    record = rules.v41_record(spec.platform, spec.compute_capability, backend,
+                              ek.kv_cache_dtype, ek.block_size)
+    node = spec.model_dump(mode="json")
+    return NodeCapacity(
+        node_type=node_type_key(node), node=node,
+        layout=record.cache_dtype_str if record.packed else "plain_rows",
+        expected_layout=args.dsv4.expected_for(node), backend=record.backend,
+        cache_dtype_str=record.cache_dtype_str, block_size=record.block_size,
+        numerics=record.numerics,
+        capacity=v41_capacity(args, topo, record, weights, reserve_gib, spec, par))
+
+
+def plan_v41_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any],
+                         version: str, reserve_gib: float) -> ReplicaPlan | None:
+    """DeepSeek-V4.1's plan from its own byte model, per node type.
+
+    None when a declared node cannot run V4.1 at all (the V4 plan then carries the
+    ``v41-node`` refusal). The engine's ``kv_cache_dtype`` is the user's: dsv4_patch
+    leaves V4.1 to vLLM 0.30+'s own resolver.
+    """
+    topo = rules.V41Topology.from_hf_config(model_cfg)
+    weights = estimate_weights(model_cfg)
+    try:
+        nodes = [v41_node_capacity(args, spec, topo, weights, reserve_gib)
+                 for spec in args.dsv4.nodes().values()]
+    except (rules.LayoutError, rules.KVCacheDtypeError):
+        return None
+    declared = node_type_key(args.dsv4.node.model_dump(mode="json"))
+    main = next(n for n in nodes if n.node_type == declared)
+    ek = args.llm.engine_kwargs
+    plan = ReplicaPlan(
+        application=name, model=plan_model(args), node=main.node,
+        parallel=args.parallel().as_dict(), vllm_version=version, layout=main.layout,
+        backend=main.backend, layout_reason=main.numerics,
+        expected_layout=main.expected_layout, kv_cache_dtype=ek.kv_cache_dtype,
+        engine_kv_cache_dtype=ek.kv_cache_dtype, cache_dtype_str=main.cache_dtype_str,
+        resolution_reason=f"DeepSeek-V4.1 on {main.backend}: vLLM's own resolver",
+        block_size=main.block_size,
+        max_model_len=engine_extra(args, "max_model_len",
+                                    model_cfg.get("max_position_embeddings")),
+        weights_total_bytes=weights.total, parameters=weights.parameters,
+        capacity=main.capacity, family=rules.Family.V41.value, node_capacities=nodes,
+        mix=mix_summary(nodes))
+    par = args.parallel()
+    if par.dp > 1:
+        as_tp = Parallel(par.tp * par.dp, par.pp, 1, par.ep, par.nodes)
+        plan.tp_alternative = v41_node_capacity(args, args.dsv4.node, topo, weights,
+                                                reserve_gib, as_tp).capacity
+    if hasattr(args, "pd"):  # a PDAppArgs
+        plan.pd = pd_plan.summary(args, main.capacity.kv_bytes_per_token, main.block_size,
+                                  main.capacity.kv_tokens_per_replica, plan.max_model_len)
+    shape = rules.ModelShape.from_hf_config(model_cfg)
+    policy = [p for p in checks.check(args)
+              if p.code not in checks.UNPLANNABLE | {"layout-contradicts-expectation"}]
+    found = [*policy, *_v41_layout_problems(nodes), *_capacity_problems(plan, args),
+             *_override_problems(plan, args, shape), *v41_problems(args, model_cfg, version)]
+    plan.problems = sorted(found, key=lambda p: p.severity != "error")
+    return plan
+
+
+def mix_summary(nodes: Sequence[NodeCapacity]) -> dict[str, Any] | None:
+    """Several node types: each one's share of bytes and tokens, against the first.
+
+    What an operator weighs when choosing the mix: one replica of each type holds
+    ``tokens_per_replica`` context tokens; the ratios say how much more one holds.
+    """
+    if len(nodes) < 2:
+        return None
+    base = nodes[0]
+    rows = []
+    for n in nodes:
+        cap, ref = n.capacity, base.capacity
+        tokens_ratio = (cap.kv_tokens_per_replica / ref.kv_tokens_per_replica
+                        if cap.kv_tokens_per_replica is not None and ref.kv_tokens_per_replica
+                        else None)
+        rows.append({"node_type": n.node_type, "layout": n.layout,
+                     "kv_bytes_per_token": cap.kv_bytes_per_token,
+                     "kv_tokens_per_replica": cap.kv_tokens_per_replica,
+                     "bytes_per_token_ratio": cap.kv_bytes_per_token / ref.kv_bytes_per_token,
+                     "tokens_per_replica_ratio": tokens_ratio})
+    return {"reference": base.node_type, "node_types": rows,
+            "groups": len({(n.layout, n.block_size, n.capacity.kv_bytes_per_token)
+                           for n in nodes})}
+
+
+def _v41_layout_problems(nodes: Sequence[NodeCapacity]) -> list[Problem]:
+    """A node type whose V4.1 record contradicts its expected layout would refuse to start."""
+    return [Problem("error", "layout-contradicts-expectation", (
+        f"DeepSeek-V4.1 on {n.node_type} ({capability_text(n.node)}, {n.backend}) stores "
+        f"{n.layout} ({n.capacity.kv_bytes_per_token:g} B per context token, {n.numerics}) "
+        f"but dsv4 expects {n.expected_layout} there: such replicas refuse to start. Fix: "
+        f"set expected_layouts: {{{n.node_type}: {n.layout}}}, or change the node's "
+        "attention_backend / kv_cache_dtype.")) for n in nodes if n.layout != n.expected_layout]
 
 
 V41_STACK_FIX = ("install the V4.1 stack (pip install 'dsv4-serve[gpu-v41]': ray[llm] 2.60.0 "
@@ -129,33 +276,17 @@ def v41_problems(args: AppArgs, model_cfg: Mapping[str, Any], version: str) -> l
             f"planned stack runs vLLM {version}, which has no V4.1 (first: 0.30; ray[llm] "
             f"2.60.0 pins vllm 0.29.0). Fix: {V41_STACK_FIX}.")))
         return found
-    node = args.dsv4.node
-    try:
-        rules.v41_record(node.platform, node.compute_capability, node.attention_backend,
-                         args.llm.engine_kwargs.kv_cache_dtype)
-    except (rules.LayoutError, rules.KVCacheDtypeError) as exc:
-        found.append(Problem("error", "v41-node", f"dsv4.node: {exc}"))
+    for key, node in args.dsv4.nodes().items():
+        where = "dsv4.node" if node == args.dsv4.node else f"dsv4.node_types.{key}"
+        try:
+            rules.v41_record(node.platform, node.compute_capability,
+                             args.llm.engine_kwargs.attention_backend or node.attention_backend,
+                             args.llm.engine_kwargs.kv_cache_dtype)
+        except (rules.LayoutError, rules.KVCacheDtypeError) as exc:
+            found.append(Problem("error", "v41-node", f"{where}: {exc}"))
     if hasattr(args, "pd"):
         found += _pd_node_problems(args, model_cfg, version)
-    found.append(Problem("warning", "v41-capacity", (
-        "DeepSeek-V4.1: the capacity rows above use V4's byte model; per-node V4.1 bytes "
-        "per token: " + ", ".join(f"{k} {v:g} B" for k, v in v41_per_token(
-            model_cfg, args.llm.engine_kwargs.kv_cache_dtype).items()))))
     return found
-
-
-def v41_per_token(model_cfg: Mapping[str, Any], requested: str | None) -> dict[str, float]:
-    """V4.1 KV bytes per token on each GPU type (default attention, default block size)."""
-    topo = rules.V41Topology.from_hf_config(model_cfg)
-    out = {}
-    for name, cap in (("H200 sm90", (9, 0)), ("B200 sm100", (10, 0)), ("sm120", (12, 0))):
-        try:
-            record = rules.v41_record("cuda", cap, None, requested)
-        except rules.KVCacheDtypeError:
-            continue
-        out[f"{name} {record.cache_dtype_str}"] = rules.v41_bytes_per_token(
-            rules.v41_caches(topo, record))
-    return out
 
 
 def plan_model(args: AppArgs) -> str:

@@ -93,7 +93,8 @@ def test_manifests_exist_for_every_preset_in_params():
     params = load_params()
     assert sorted(p.name for p in MANIFESTS) == sorted(
         f"{name}{MANIFEST_SUFFIX}" for name in params["presets"])
-    assert len(MANIFESTS) == 5  # four one-pool GPU presets + the P/D one
+    # four one-pool V4 GPU presets + the P/D one; V4.1 on H200, on B200, and both mixed
+    assert len(MANIFESTS) == 8
 
 
 def test_committed_manifests_are_up_to_date():
@@ -162,21 +163,26 @@ def test_gpu_limits_match_the_parallel_layout(path):
     args = parse_app_args(serve.applications[0].args)
     ek = args.llm.engine_kwargs
     cluster = doc["spec"]["rayClusterConfig"]
-    (group,) = cluster["workerGroupSpecs"]
-    container = group["template"]["spec"]["containers"][0]
-    limits = container["resources"]["limits"]
-    per_pod = int(limits["nvidia.com/gpu"])
-    hosts = group.get("numOfHosts", 1)
-    tp, pp, dp = (ek.tensor_parallel_size, ek.pipeline_parallel_size, ek.data_parallel_size)
-    if isinstance(args, PDAppArgs):  # both pools' replicas share whole-node pods
-        assert (per_pod, hosts) == (args.dsv4.node.gpus_per_node, 1)
-        assert all(per_pod % args.pool_parallel(p).gpus_per_replica == 0 for p in POOLS)
-    elif dp > 1:
-        assert per_pod == dp * tp * pp  # one DP gang per node
-    else:
-        assert per_pod * hosts == tp * pp  # one engine across numOfHosts nodes
-        assert per_pod == tp  # TP stays inside a node, PP crosses nodes
-    assert container["resources"]["requests"]["nvidia.com/gpu"] == limits["nvidia.com/gpu"]
+    groups = cluster["workerGroupSpecs"]
+    # one group, or one per node type of a mixed fleet (each holds whole replicas)
+    assert len(groups) == max(1, len(args.dsv4.node_types))
+    for group in groups:
+        container = group["template"]["spec"]["containers"][0]
+        limits = container["resources"]["limits"]
+        per_pod = int(limits["nvidia.com/gpu"])
+        hosts = group.get("numOfHosts", 1)
+        tp, pp, dp = (ek.tensor_parallel_size, ek.pipeline_parallel_size,
+                      ek.data_parallel_size)
+        if isinstance(args, PDAppArgs):  # both pools' replicas share whole-node pods
+            assert (per_pod, hosts) == (args.dsv4.node.gpus_per_node, 1)
+            assert all(per_pod % args.pool_parallel(p).gpus_per_replica == 0 for p in POOLS)
+        elif dp > 1:
+            assert per_pod == dp * tp * pp  # one DP gang per node
+        else:
+            assert per_pod * hosts == tp * pp  # one engine across numOfHosts nodes
+            assert per_pod == tp  # TP stays inside a node, PP crosses nodes
+        assert container["resources"]["requests"]["nvidia.com/gpu"] == limits[
+            "nvidia.com/gpu"]
     head = cluster["headGroupSpec"]
     assert "nvidia.com/gpu" not in head["template"]["spec"]["containers"][0]["resources"][
         "limits"]
@@ -213,12 +219,13 @@ def test_worker_group_follows_serve_autoscaling():
         serve = ServeConfig.model_validate(yaml.safe_load(doc["spec"]["serveConfigV2"]))
         args = parse_app_args(serve.applications[0].args)
         auto = args.llm.deployment_config.autoscaling_config
-        group = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
-        assert group["numOfHosts"] == args.dsv4.node.nodes_per_replica
+        groups = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        assert all(g["numOfHosts"] == args.dsv4.node.nodes_per_replica for g in groups)
         if isinstance(args, PDAppArgs):  # pods, not Serve replicas: test_pd_preset_...
             continue
-        assert (group["minReplicas"], group["maxReplicas"]) == (auto.min_replicas,
-                                                                auto.max_replicas)
+        # a mixed fleet's groups share one deployment: their bounds add up to Serve's
+        assert (sum(g["minReplicas"] for g in groups), sum(g["maxReplicas"] for g in groups)
+                ) == (auto.min_replicas, auto.max_replicas)
     pro = _load(K8S / "pro-h200-2node.rayservice.yaml")
     assert pro["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["numOfHosts"] == 2
 
@@ -365,3 +372,51 @@ def test_dsv4_serve_cli_dispatches_k8s_check(capsys):
 
     assert cli.main(["k8s", "check"]) == 0
     assert cli.main(["k8s", "render", "--check"]) == 0
+
+
+# ------------------------------------------------------------------ DeepSeek-V4.1
+
+
+def test_mixed_fleet_renders_one_worker_group_per_gpu_type():
+    """v41-flash-mixed: an H200 and a B200 group, each its node type's GPUs and selector."""
+    doc = _load(K8S / "v41-flash-mixed.rayservice.yaml")
+    groups = {g["groupName"]: g for g in doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert sorted(groups) == ["gpu-v41-flash-mixed-sm100", "gpu-v41-flash-mixed-sm90"]
+    products = {name: g["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"]
+                for name, g in groups.items()}
+    assert products == {"gpu-v41-flash-mixed-sm90": "NVIDIA-H200",
+                        "gpu-v41-flash-mixed-sm100": "NVIDIA-B200"}
+    assert all((g["minReplicas"], g["maxReplicas"]) == (1, 4) for g in groups.values())
+    # every group's bounds checked: the sum must be Serve's 2..8
+    groups["gpu-v41-flash-mixed-sm90"]["maxReplicas"] = 2
+    assert any("maxReplicas sum 6" in p and "2/8" in p for p in semantic_problems(doc))
+
+
+def test_v41_presets_run_the_v41_stack_image_on_every_pod():
+    params = load_params()
+    v41 = params["stacks"]["gpu-v41"]
+    for name in ("v41-flash-h200", "v41-flash-b200", "v41-flash-mixed"):
+        cluster = _load(K8S / f"{name}{MANIFEST_SUFFIX}")["spec"]["rayClusterConfig"]
+        pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+        images = {p["template"]["spec"]["containers"][0]["image"] for p in pods}
+        assert images == {f"{v41['image']}@{v41['image_digest']}"}
+    flash = _load(K8S / "flash-h200.rayservice.yaml")["spec"]["rayClusterConfig"]
+    assert flash["headGroupSpec"]["template"]["spec"]["containers"][0]["image"].startswith(
+        params["image"] + "@")
+
+
+def test_v41_preset_on_the_default_stack_is_not_rendered():
+    """dsv4.vllm_version 0.33.0 on the 0.29 image: plan's prediction would not be what runs."""
+    params = load_params()
+    [preset] = [p for p in presets(params, DEFAULT_PARAMS) if p.name == "v41-flash-h200"]
+    with pytest.raises(ConfigError, match=r"vllm_version='0.33.0'.*vLLM 0.29.0.*Fix:"):
+        render_documents(Preset(preset.name, preset.config_path, preset.worker), params)
+
+
+def test_mixed_preset_workers_must_match_node_types():
+    params = load_params()
+    [preset] = [p for p in presets(params, DEFAULT_PARAMS) if p.name == "v41-flash-mixed"]
+    only_h200 = {"sm90": preset.workers["sm90"]}
+    with pytest.raises(ConfigError, match=r"node types \['sm90'\].*Fix:"):
+        render_documents(Preset(preset.name, preset.config_path, {}, only_h200,
+                                preset.stack), params)

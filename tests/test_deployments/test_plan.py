@@ -285,3 +285,94 @@ def test_policy_problems_are_planned_not_raised(tmp_path):
     model = CONFIGS / "models" / "deepseek-ai" / "DeepSeek-V4-Flash" / "config.json"
     report = preflight.plan_config(path, model_config=model)
     assert report.refused and "dp-without-ep" in _codes(_only(report))
+
+
+# ------------------------------------------------------------------ DeepSeek-V4.1
+
+V41_PRESETS = ("v41-flash-h200", "v41-flash-b200", "v41-flash-mixed")
+# V4.1-Flash weights per GPU under DP8 + EP8 (weights.estimate_weights of the reconstructed
+# config): routed 171,127,603,200 / 8 + attention 4,697,907,200 + vocab 2,647,654,400
+# + replicated 660,625,280.
+V41_WEIGHTS_PER_GPU = 29_397_137_280
+
+
+@pytest.mark.parametrize("name", V41_PRESETS)
+def test_v41_presets_plan_cleanly_on_their_declared_stack(name, capsys):
+    """dsv4.vllm_version 0.33.0: no --vllm-version needed, no warning left behind."""
+    report = _plan(name)
+    assert not report.refused and report.problems == []
+    p = _only(report)
+    assert (p.family, p.vllm_version) == ("deepseek_v41", "0.33.0")
+    assert p.problems == []  # the old v41-capacity warning is gone: the numbers are V4.1's
+    assert plan_cli.main(_cli(f"{name}.yaml")) == 0
+    assert "verdict: ok" in capsys.readouterr().out
+
+
+def test_v41_h200_uses_the_v41_byte_model_hand_computed():
+    # SM90: 584 B records in 576 B pages, block 64. Per KV source (layers 2, 8, 14: ratio 2;
+    # 20: ratio 1): main round_up(32 x 584, 576) / 64 = 297 and indexer round_up(32 x 132,
+    # 576) / 64 = 72 at ratio 2; 37,440 / 64 = 585 and 8,640 / 64 = 135 at ratio 1:
+    # 3 x (297 + 72) + 585 + 135 = 1827 (V4's formula would say 5265).
+    p = _only(_plan("v41-flash-h200"))
+    cap = p.capacity
+    assert (p.layout, p.cache_dtype_str, p.block_size) == ("fp8_ds_mla", "fp8_ds_mla", 64)
+    assert p.backend == "FLASHMLA_SPARSE_DSV41"
+    assert cap.kv_bytes_per_token == 1827
+    assert cap.weights_per_gpu_bytes == V41_WEIGHTS_PER_GPU
+    # 140.4 GiB x 0.95 - weights = 113,818,547,205.12 B; / 1827 = 62,298,055.4
+    assert cap.kv_tokens_per_engine == 62_298_055
+    assert cap.kv_tokens_per_replica == 8 * 62_298_055
+
+
+def test_v41_b200_defaults_to_nvfp4_hand_computed():
+    # SM100 mega: nvfp4_ds_mla, 288 B compressed records, 512 B pages, block 128: main
+    # 64 x 288 / 128 = 144 and indexer round_up(64 x 132, 512) / 128 = 68 at ratio 2;
+    # 288 and 132 at ratio 1: 3 x (144 + 68) + 288 + 132 = 1056.
+    p = _only(_plan("v41-flash-b200"))
+    cap = p.capacity
+    assert (p.layout, p.block_size, p.backend) == ("nvfp4_ds_mla", 128,
+                                                   "FLASHMLA_MEGA_ATTN_DSV41")
+    assert cap.kv_bytes_per_token == 1056
+    # 179.06 GiB x 0.95 - weights = 153,253,863,175.17 B; / 1056 = 145,126,764.4
+    assert cap.kv_tokens_per_engine == 145_126_764
+
+
+def test_mixed_plan_names_both_node_types_capacities_and_the_mix(capsys):
+    p = _only(_plan("v41-flash-mixed"))
+    by_type = {n.node_type: n for n in p.node_capacities}
+    assert sorted(by_type) == ["sm100", "sm90"]
+    assert (by_type["sm90"].layout, by_type["sm90"].capacity.kv_bytes_per_token) == (
+        "fp8_ds_mla", 1827)
+    assert (by_type["sm100"].layout, by_type["sm100"].capacity.kv_bytes_per_token) == (
+        "nvfp4_ds_mla", 1056)
+    assert by_type["sm90"].capacity.kv_tokens_per_replica == 8 * 62_298_055
+    assert by_type["sm100"].capacity.kv_tokens_per_replica == 8 * 145_126_764
+    sm100 = p.mix["node_types"][1]
+    assert p.mix["reference"] == "sm90" and p.mix["groups"] == 2
+    assert sm100["bytes_per_token_ratio"] == pytest.approx(1056 / 1827)
+    assert sm100["tokens_per_replica_ratio"] == pytest.approx(145_126_764 / 62_298_055)
+    assert plan_cli.main(_cli("v41-flash-mixed.yaml")) == 0
+    out = capsys.readouterr().out
+    assert "node type sm90" in out and "498,384,440 tokens/replica" in out
+    assert "node type sm100" in out and "1,161,014,112 tokens/replica" in out
+    assert "sm100/sm90: 0.58x bytes per token, 2.33x tokens per replica" in out
+    assert plan_cli.main(_cli("v41-flash-mixed.yaml", "--json")) == 0
+    data = json.loads(capsys.readouterr().out)["applications"][0]
+    assert [n["node_type"] for n in data["node_capacities"]] == ["sm90", "sm100"]
+
+
+def test_v41_preset_on_the_029_stack_is_refused():
+    p = _only(_plan("v41-flash-h200", vllm_version="0.29.0"))
+    assert _codes(p)["v41-needs-vllm-030"] == "error" and p.refused
+
+
+def test_v41_node_type_contradicting_its_expectation_is_refused(tmp_path):
+    raw = yaml.safe_load((CONFIGS / "v41-flash-mixed.yaml").read_text())
+    raw["applications"][0]["args"]["dsv4"]["expected_layouts"]["sm100"] = "fp8_ds_mla"
+    path = tmp_path / "mixed.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    model = CONFIGS / "models" / "deepseek-ai" / "DeepSeek-V4.1-Flash" / "config.json"
+    p = _only(preflight.plan_config(path, model_config=model))
+    [problem] = [q for q in p.problems if q.code == "layout-contradicts-expectation"]
+    assert "sm100" in problem.message and "nvfp4_ds_mla" in problem.message
+    assert "expected_layouts: {sm100: nvfp4_ds_mla}" in problem.message

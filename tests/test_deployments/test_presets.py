@@ -12,7 +12,9 @@ from deployments.config import IMPORT_PATH, ConfigError, load_serve_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
-GPU_PRESETS = ["flash-h200", "flash-b200", "flash-sm120", "pro-h200-2node"]
+V4_GPU_PRESETS = ["flash-h200", "flash-b200", "flash-sm120", "pro-h200-2node"]
+V41_PRESETS = ["v41-flash-h200", "v41-flash-b200", "v41-flash-mixed"]
+GPU_PRESETS = [*V4_GPU_PRESETS, *V41_PRESETS]
 REFUSED = "flash-b200-flashinfer-rows"
 ALL = [*GPU_PRESETS, REFUSED]
 
@@ -23,6 +25,19 @@ DSV4_FLAGS = {
     "reasoning_parser": "deepseek_v4",
     "enable_auto_tool_choice": True,
 }
+# DeepSeek-V4.1 (vLLM 0.30+ registries): its own chat encoding and parsers; the block
+# size is vLLM's per-GPU default (64 on SM90, 128 on SM100), so presets leave it out.
+DSV41_FLAGS = {
+    "block_size": None,
+    "tokenizer_mode": "deepseek_v41",
+    "tool_call_parser": "deepseek_v41",
+    "reasoning_parser": "deepseek_v41",
+    "enable_auto_tool_choice": True,
+}
+
+
+def _flags(name: str) -> dict:
+    return DSV41_FLAGS if name in V41_PRESETS else DSV4_FLAGS
 # Choices that must say where they come from (a PR, issue, recipe or measurement).
 SOURCED_KEYS = (*DSV4_FLAGS, "data_parallel_size", "tensor_parallel_size",
                 "pipeline_parallel_size", "enable_expert_parallel", "gpu_memory_utilization",
@@ -52,7 +67,7 @@ def test_every_preset_keeps_auto_and_our_builder(name):
 @pytest.mark.parametrize("name", ALL)
 def test_deepseek_v4_serving_flags(name):
     engine = _engine(name)
-    assert {k: engine.get(k) for k in DSV4_FLAGS} == DSV4_FLAGS
+    assert {k: engine.get(k) for k in _flags(name)} == _flags(name)
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -77,7 +92,7 @@ def test_gpu_presets_validate_and_fill_their_nodes(name):
 
 
 def test_flash_runs_dp_attention_with_expert_parallel_on_8_gpu_nodes():
-    for name in ("flash-h200", "flash-b200"):
+    for name in ("flash-h200", "flash-b200", *V41_PRESETS):
         engine = _engine(name)
         assert (engine["data_parallel_size"], engine["tensor_parallel_size"]) == (8, 1)
         assert engine["enable_expert_parallel"] is True
@@ -142,5 +157,44 @@ def test_ray_accepts_the_presets(name):
     (_, args), = load_serve_config(CONFIGS / f"{name}.yaml").ours()
     engine = llm.LLMConfig(**args.llm_config_dict()).get_engine_config()
     assert {"tool_call_parser", "enable_auto_tool_choice"} <= set(engine.frontend_kwargs)
-    assert engine.engine_kwargs["tokenizer_mode"] == "deepseek_v4"
+    assert engine.engine_kwargs["tokenizer_mode"] == _flags(name)["tokenizer_mode"]
     assert len(engine.placement_bundles) == args.parallel().gpus_per_engine
+
+
+# ------------------------------------------------------------------ DeepSeek-V4.1
+
+
+@pytest.mark.parametrize("name", V41_PRESETS)
+def test_v41_presets_declare_the_v41_stack_and_offer_dspark(name):
+    """vLLM 0.30+ only (plan refuses 0.29); DSpark opt-in as a commented block."""
+    (_, args), = load_serve_config(CONFIGS / f"{name}.yaml").ours()
+    assert args.dsv4.vllm_version == "0.33.0"
+    assert args.llm.model_loading_config.model_id == "deepseek-ai/DeepSeek-V4.1-Flash"
+    assert "speculative_config" not in _engine(name)  # opt-in: not on by default
+    text = (CONFIGS / f"{name}.yaml").read_text()
+    assert re.search(r"^\s*# speculative_config: \{method: dspark", text, re.M)
+
+
+def test_v41_presets_expect_each_gpu_types_own_record():
+    expected = {name: load_serve_config(CONFIGS / f"{name}.yaml").ours()[0][1].dsv4
+                for name in V41_PRESETS}
+    assert expected["v41-flash-h200"].expected_layouts == {"sm90": "fp8_ds_mla"}
+    assert expected["v41-flash-b200"].expected_layouts == {"sm100": "nvfp4_ds_mla"}
+    mixed = expected["v41-flash-mixed"]
+    assert mixed.expected_layouts == {"sm90": "fp8_ds_mla", "sm100": "nvfp4_ds_mla"}
+    assert sorted(mixed.nodes()) == ["sm100", "sm90"]
+    # a replica finds its type from its probed node (NodeInfo.as_dict: "10.0")
+    assert mixed.expected_for({"platform": "cuda", "compute_capability": "10.0"}) == \
+        "nvfp4_ds_mla"
+    assert mixed.expected_for({"platform": "cuda", "compute_capability": "9.0"}) == \
+        "fp8_ds_mla"
+
+
+def test_node_types_that_do_not_fit_are_rejected(tmp_path):
+    raw = _raw("v41-flash-mixed")
+    dsv4 = raw["applications"][0]["args"]["dsv4"]
+    dsv4["node_types"]["sm90"]["compute_capability"] = "10.0"
+    _assert_rejected(raw, tmp_path, r"node_types.sm90.*is node type 'sm100'.*Fix")
+    raw = _raw("v41-flash-mixed")
+    raw["applications"][0]["args"]["dsv4"]["node_types"]["sm100"]["gpus_per_node"] = 4
+    _assert_rejected(raw, tmp_path, r"node_types.sm100.gpus_per_node=4.*Fix")
