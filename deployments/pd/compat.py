@@ -27,13 +27,12 @@ A decode replica routes only to the prefill replicas proven compatible with it
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from deployments.control.prediction import describe_differences, peer_differences
 from deployments.control.wire import PDDifference, PDPool, PDReport, PDVerdict, ReplicaSpec, State
-from dsv4_patch import rules
 
 # The files that decide what token ids and KV pages mean. Weights are left out on
 # purpose: they are gigabytes, and two different checkpoints of one architecture
@@ -201,47 +200,3 @@ def combined_state(pools: State, verdict: PDVerdict) -> State:
 
 
 # ------------------------------------------------------------ before any traffic
-
-
-def _record_fields(hf_config: Mapping[str, Any], node: Mapping[str, Any],
-                   requested: str | None, vllm_version: str | None) -> dict[str, Any]:
-    """What one pool's node writes per token, from the pure rules (no replica needed)."""
-    cap = node.get("compute_capability")
-    capability = tuple(int(x) for x in cap) if isinstance(cap, (list, tuple)) else \
-        (tuple(int(x) for x in str(cap).split(".")) if cap else None)
-    platform = str(node.get("platform") or "cpu")
-    backend = node.get("attention_backend")
-    if rules.family_of(hf_config) is rules.Family.V41:
-        record = rules.v41_record(platform, capability, backend, requested)  # type: ignore[arg-type]
-        caches = rules.v41_caches(rules.V41Topology.from_hf_config(hf_config), record)
-        return {"cache_dtype_str": record.cache_dtype_str, "swa_record_bytes": record.swa_bytes,
-                "compressed_record_bytes": record.compressed_bytes,
-                "page_alignment": record.alignment, "block_size": record.block_size,
-                "kv_bytes_per_token": rules.v41_bytes_per_token(caches),
-                "numerics": record.numerics}
-    decision = rules.detect_layout(platform, capability, backend, vllm_version)  # type: ignore[arg-type]
-    res = rules.resolve_kv_cache_dtype(decision.layout, requested)
-    shape = rules.ModelShape.from_hf_config(hf_config)
-    return {"cache_dtype_str": res.cache_dtype_str,
-            "swa_record_bytes": rules.state_bytes(shape, res.storage),
-            "compressed_record_bytes": rules.state_bytes(shape, res.storage),
-            "page_alignment": rules.page_alignment(res.storage),
-            "block_size": rules.DSV4_BLOCK_SIZE,
-            "kv_bytes_per_token": rules.kv_bytes_per_token(shape, res.storage),
-            "numerics": res.storage.value}
-
-
-def pool_node_differences(hf_config: Mapping[str, Any], prefill_node: Mapping[str, Any],
-                          decode_node: Mapping[str, Any], requested: str | None,
-                          vllm_version: str | None = None) -> list[tuple[str, Any, Any]]:
-    """``(field, prefill, decode)`` where the two pools' nodes write other KV bytes.
-
-    Decided from the declared nodes before any replica exists: NIXL's handshake
-    compares dtype and backend names, not record bytes, so a V4.1 SM90 pool (584 B
-    records, 576 B pages, block 64) and an SM100 pool (528 B / 512 B, block 128, and
-    NVFP4 under mega attention) would pass it. V4 writes one record on SM90 and SM100
-    FlashMLA alike, so such V4 pools agree.
-    """
-    mine = _record_fields(hf_config, prefill_node, requested, vllm_version)
-    theirs = _record_fields(hf_config, decode_node, requested, vllm_version)
-    return [(f, mine[f], theirs[f]) for f in mine if mine[f] != theirs[f]]

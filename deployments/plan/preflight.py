@@ -32,6 +32,7 @@ from deployments.config import (
 from deployments.config.checks import Problem
 from deployments.config.dsv4 import node_type_key
 from deployments.config.sizing import Parallel
+from deployments.control.prediction import pool_node_differences
 from deployments.plan import pd as pd_plan
 from deployments.plan.capacity import GIB, Capacity, capacity, engine_extra, v41_capacity
 from deployments.plan.model_configs import find_model_config
@@ -295,8 +296,6 @@ def plan_model(args: AppArgs) -> str:
 
 
 def _pd_node_problems(args: Any, model_cfg: Mapping[str, Any], version: str) -> list[Problem]:
-    from deployments.pd.compat import pool_node_differences
-
     prefill, decode = args.pool_node("prefill"), args.pool_node("decode")
     diffs = pool_node_differences(model_cfg, prefill.model_dump(mode="json"),
                                   decode.model_dump(mode="json"),
