@@ -337,31 +337,45 @@ def test_changing_expected_layout_never_names_the_old_fleet(app_name: str) -> No
     assert rep["state"] == "agree" and rep["expected"]["layout"] == "plain_rows", rep
 
 
+V41_LAYOUTS = {"expected_layout": "fp8_ds_mla",
+               "expected_layouts": {"sm90": "fp8_ds_mla", "sm100": "nvfp4_ds_mla"}}
+
+
+def _groups(rep: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Conforming groups by GPU generation (node types read e.g. "cuda sm90")."""
+    return {g["node_type"].split()[-1]: g for g in rep["expected"]["node_groups"]}
+
+
 def test_a_mixed_v41_fleet_is_two_groups_under_enforce_and_an_odd_record_is_named(
         app_name: str) -> None:
     """DeepSeek-V4.1 on H200 (584 B records) and B200 (528 B MXFP8 records, nvfp4
     compressed): each replica is judged against its own node's prediction, so the fleet
-    is two conforming groups and enforce replaces nobody for it. Rank 2, a B200 whose
-    engine writes the H200 record (a build without vllm#56893), is still named."""
+    is two conforming groups and enforce acts on nobody. Then a B200 whose engine writes
+    the H200 record (a build without vllm#56893) joins under drain: it is named odd and
+    given the drain action while both groups stay conforming (under enforce it would
+    refuse to start, as DSv4Server does)."""
     from ray import serve
 
-    nodes = {0: "h200", 1: "b200", 2: "b200"}
-    serve.run(standin_app(3, {"policy": "enforce", "enforce_backoff_s": 600,
-                              "expected_layout": "fp8_ds_mla",
-                              "expected_layouts": {"sm90": "fp8_ds_mla",
-                                                   "sm100": "nvfp4_ds_mla"}},
-                          v41_nodes=nodes, v41_odd={2: "h200"}, policy="enforce"),
+    serve.run(standin_app(3, {"policy": "enforce"} | V41_LAYOUTS,
+                          v41_nodes={0: "h200", 1: "b200", 2: "b200"}),
               name=app_name, route_prefix=None)
+    rep = wait_report(app_name, lambda r: r["answered"] == 3 and r["state"] == "agree")
+    ranks = by_rank(rep)
+    assert {r["status"] for r in ranks.values()} == {"ok"} and not rep["odd_replicas"]
+    assert {r["action"] for r in ranks.values()} == {"serve"}
+    groups = _groups(rep)
+    assert groups["sm90"]["replicas"] == [ranks[0]["id"]]
+    assert sorted(groups["sm100"]["replicas"]) == sorted([ranks[1]["id"], ranks[2]["id"]])
+    assert groups["sm90"]["bytes_per_token"] > groups["sm100"]["bytes_per_token"]
+    assert "nobody is drained" in rep["expected"]["note"]
+    assert set(calls(app_name, 60)) == {0, 1, 2}
+
+    serve.run(standin_app(3, {"policy": "drain"} | V41_LAYOUTS, version="v2",
+                          v41_nodes={0: "h200", 1: "b200", 2: "b200"}, v41_odd={2: "h200"},
+                          policy="drain"), name=app_name, route_prefix=None)
     rep = wait_report(app_name, lambda r: r["answered"] == 3 and r["odd_replicas"])
     ranks = by_rank(rep)
     assert ranks[0]["status"] == ranks[1]["status"] == "ok", rep["problems"]
     assert ranks[2]["status"] == "odd" and list(rep["odd_replicas"]) == [ranks[2]["id"]]
-    groups = {g["node_type"]: g for g in rep["expected"]["node_groups"]}
-    assert set(groups) == {"sm90", "sm100"}
-    assert groups["sm90"]["replicas"] == [ranks[0]["id"]]
-    assert groups["sm100"]["replicas"] == [ranks[1]["id"]]
-    assert groups["sm90"]["bytes_per_token"] > groups["sm100"]["bytes_per_token"]
-    assert "nobody is drained" in rep["expected"]["note"]
-    # The conforming H200 and B200 replicas keep serving; only rank 2 is acted on.
-    assert ranks[0]["action"] == ranks[1]["action"] == "serve"
-    assert set(calls(app_name, 40)) <= {0, 1, 2}
+    assert ranks[2]["action"] == "drain" and ranks[0]["action"] == ranks[1]["action"] == "serve"
+    assert set(_groups(rep)) == {"sm90", "sm100"}
