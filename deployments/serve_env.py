@@ -31,6 +31,19 @@ SERVE_ENV: dict[str, str] = {
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
     "RAY_SERVE_LOG_TO_STDERR": "1",
 }
+# Direct ingress pinned to one port (benchmarks.serving_overhead's ours-direct arm):
+# Serve's allocator hands out range(MIN, MAX) (Ray 2.60 node_port_manager.PortAllocator),
+# so MIN=p, MAX=p+1 gives the one replica port p; the replica binds it on
+# http_options.host (replica._maybe_start_direct_ingress_servers), 127.0.0.1 locally.
+DIRECT_FLAGS = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+                "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT")
+
+
+def direct_env(port: int) -> dict[str, str]:
+    """Serve's direct ingress with its one HTTP port at ``port`` (one replica)."""
+    return dict(zip(DIRECT_FLAGS, ("1", str(port), str(port + 1)), strict=True))
+
+
 # Either makes each ingress replica listen on its own port (Ray 2.60 constants.py).
 LISTEN_FLAGS = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_ENABLE_HA_PROXY")
 
