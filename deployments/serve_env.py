@@ -63,6 +63,38 @@ def apply(environ: MutableMapping[str, str] | None = None) -> list[str]:
     return lines
 
 
+# A local run idles quietly (issue 25, docs/benchmarks.md §2f): Serve's settings that
+# only cost CPU at rest on one machine, slowed for the private local Ray that
+# ``deployments.local.ray_head.start_cluster`` starts (never for a cluster someone else
+# started, nor the KubeRay presets). Measured idle, per process, on 2 cores:
+# * the Serve controller's control loop runs every 0.1 s (``CONTROL_LOOP_INTERVAL_S``):
+#   4.3 % of a core at rest; at 0.5 s a deployment change or an autoscaling decision is
+#   seen up to 0.4 s later (metrics arrive every 10 s anyway);
+# * every Serve replica, proxy and router flushes its cached request metrics to Ray's
+#   metric API every 0.1 s (``RAY_SERVE_METRICS_EXPORT_INTERVAL_MS``); Ray exports them
+#   to Prometheus every 10 s, so 1 s loses no series and no count.
+LOCAL_QUIET_ENV: dict[str, str] = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+}
+
+
+def apply_local_quiet(environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """Set each ``LOCAL_QUIET_ENV`` flag the environment lacks, before the local Ray
+    starts (its processes inherit it); one line per flag, set or kept: a user's own
+    value always wins and is named."""
+    env = os.environ if environ is None else environ
+    lines = []
+    for name, value in LOCAL_QUIET_ENV.items():
+        if name not in env:
+            env[name] = value
+            lines.append(f"dsv4: Ray Serve env {name}={value} (local run, quiet at rest)")
+        elif env[name] != value:
+            lines.append(f"dsv4: Ray Serve env {name}={env[name]} kept from the environment "
+                         f"(a local run's default is {value})")
+    return lines
+
+
 def listen_requested(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the environment asks Serve's replicas to listen themselves (a flag at 1),
     read before Ray starts (``dsv4-serve run``'s preflight)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 
+from deployments import serve_env
 from deployments.config import ConfigError, ServeConfig, sizing
 from deployments.logs import get_logger
 
@@ -50,6 +51,8 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
             "(replica actor + placement-group bundles of every replica). "
             "Fix: raise --num-cpus or lower max_replicas."
         )
+    for line in serve_env.apply_local_quiet():  # before Ray starts: its processes inherit it
+        logger.info(line)
     if cpus > (os.cpu_count() or 1):
         logger.info("dsv4: offering Ray %s logical CPUs on %s cores: the replicas share them "
                     "(VLLM_CPU_OMP_THREADS_BIND=nobind)", cpus, os.cpu_count())
