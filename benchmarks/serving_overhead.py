@@ -169,13 +169,14 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
         if arm == "ours-direct":  # arm_env set the flags in this process's environment
             print("dsv4: Ray Serve env " + ", ".join(
                 f"{k}={os.environ.get(k)}" for k in serve_env.DIRECT_FLAGS), flush=True)
-        ray_head.start_cluster(config, cpus)
+        ray_head.start_cluster(config, cpus, on_ray_up=lambda: phase("Ray up"))
         phase("Ray + Serve started")
         if arm != "stock":
             deploy.deploy(config)
         else:
             serve.run(stock_app(replicas), name="dsv4", route_prefix="/")
         phase("app RUNNING")
+        process_phases()
         print(READY, flush=True)
         stop.wait()
     finally:
@@ -184,6 +185,28 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
 
 
 PHASE = "DSV4-PHASE"
+
+
+def process_phases() -> None:
+    """Boot milestones read off the processes of this arm (it leads its session): when
+    Serve's controller and proxy, the server replica, the engine core and its worker
+    were created, from their start times."""
+    import psutil
+
+    from benchmarks.arm_procs import role_of, session_processes
+
+    t0 = float(os.environ.get("DSV4_ARM_T0", time.time()))
+    first: dict[str, float] = {}
+    for proc in session_processes(os.getpid()):
+        try:
+            role, created = role_of(proc), proc.create_time()
+        except psutil.NoSuchProcess:
+            continue
+        if role in ("serve-controller", "proxy", "server", "controller", "engine",
+                    "engine-worker"):
+            first[role] = min(first.get(role, created), created)
+    for role, created in sorted(first.items(), key=lambda kv: kv[1]):
+        print(f"{PHASE} {created - t0:.2f} {role} process started", flush=True)
 
 
 def phase(name: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 
 from deployments import serve_env
 from deployments.config import ConfigError, ServeConfig, sizing
@@ -27,7 +28,8 @@ def logical_cpus_needed(config: ServeConfig) -> float:
 
 
 def start_cluster(config: ServeConfig, num_cpus: float | None = None,
-                  metrics_port: int | None = None, address: str | None = None) -> float:
+                  metrics_port: int | None = None, address: str | None = None,
+                  on_ray_up: Callable[[], object] | None = None) -> float:
     """Start a private local Ray cluster and Serve's HTTP proxy; return the CPUs given.
 
     ``address="local"`` never attaches to someone else's cluster: ``run`` owns what
@@ -35,12 +37,15 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
     Prometheus endpoint (``ray.util.metrics``/``ray.serve.metrics`` series, the
     controller's ``ray_dsv4_kv_spec_*`` gauges among them); None takes a free one
     (``metrics_url`` tells which). Ray serves it without the dashboard too.
+    ``on_ray_up()`` is called between Ray's start and Serve's (boot phases).
     """
     import ray
 
     if address is not None:  # a cluster someone else started (--nodes: deployments.local.cluster)
         ray.init(address=address, namespace="serve",
                  log_to_driver=os.environ.get("DSV4_LOG_TO_DRIVER") == "1")
+        if on_ray_up is not None:
+            on_ray_up()
         _start_serve(config)
         return float(ray.cluster_resources().get("CPU", 0))
     needed = logical_cpus_needed(config)
@@ -59,6 +64,8 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
     ray.init(address="local", num_cpus=cpus, include_dashboard=False,
              namespace="serve", log_to_driver=os.environ.get("DSV4_LOG_TO_DRIVER") == "1",
              _metrics_export_port=metrics_port or free_port())
+    if on_ray_up is not None:
+        on_ray_up()
     _start_serve(config)
     return cpus
 
