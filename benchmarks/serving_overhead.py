@@ -18,6 +18,9 @@ settings of ``configs/local-cpu.yaml``), the same ``vllm bench serve`` load
   own (``--port`` + 1, pinned by Serve's direct-ingress port range, bound on
   ``http_options.host`` = 127.0.0.1) and the load goes there, past Serve's Python
   proxy; with an API key (the edge demands one whenever replicas listen themselves);
+* ``ours-raydefaults`` (ablation, issue 25) -- ours with Serve's own control-loop and
+  metrics-flush intervals instead of the local run's quieter ones
+  (``deployments.serve_env.LOCAL_QUIET_ENV``);
 * ``ours-quiet`` (ablation) -- ours with
   ``controller_period_s`` at its maximum, so the controller checks once at start:
   ours minus ours-quiet is what the periodic KV-spec check costs.
@@ -59,8 +62,8 @@ from benchmarks import load as bench_load
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local-cpu.yaml"
-ARMS = ("ours", "vllm", "stock", "ours-quiet", "ours-tput", "ours-direct")
-SERVE_ARMS = ("ours", "stock", "ours-quiet", "ours-tput", "ours-direct")
+ARMS = ("ours", "vllm", "stock", "ours-quiet", "ours-tput", "ours-direct", "ours-raydefaults")
+SERVE_ARMS = ("ours", "stock", "ours-quiet", "ours-tput", "ours-direct", "ours-raydefaults")
 # ours-direct: the key the arm's replicas require and its client sends.
 DIRECT_KEY = "bench-direct-ingress-key"
 
@@ -73,9 +76,13 @@ def client_port(arm: str, port: int) -> int:
 
 def arm_env(arm: str, port: int) -> dict[str, str]:
     """Environment of an arm's server process (Ray's processes inherit it)."""
+    from deployments import serve_env
+
+    if arm == "ours-raydefaults":  # Serve's own values: a set value wins over ours
+        return {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1",
+                "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "100"}
     if arm != "ours-direct":
         return {}
-    from deployments import serve_env
 
     return {**serve_env.direct_env(port + 1), "DSV4_API_KEYS": DIRECT_KEY}
 
@@ -329,9 +336,10 @@ def wait_ready(base: str, proc: subprocess.Popen[Any], log: Path, timeout_s: flo
         time.sleep(2)
 
 
-def settle(seconds: float) -> float:
+def settle(seconds: float, root: int | None = None) -> tuple[float, float]:
     """Wait ``seconds`` after an arm answered; return the machine's CPU busy % over the
-    last part of the wait, recorded with the run.
+    last part of the wait, and the share of the box the arm's own processes used then
+    (the box's includes whatever else runs on it), recorded with the run.
 
     The first 200 is not the end of boot: Ray still starts its pre-started worker
     processes, Serve and vLLM finish background work. A load started at once measures
@@ -340,9 +348,16 @@ def settle(seconds: float) -> float:
     """
     import psutil
 
+    from benchmarks.arm_procs import cpu_by_role, session_processes
+
     window = min(5.0, seconds)
     time.sleep(seconds - window)
-    return float(psutil.cpu_percent(interval=window)) if window > 0 else float("nan")
+    if window <= 0:
+        return float("nan"), float("nan")
+    before = sum(cpu_by_role(session_processes(root)).values()) if root else 0.0
+    box = float(psutil.cpu_percent(interval=window))
+    after = sum(cpu_by_role(session_processes(root)).values()) if root else 0.0
+    return box, 100 * (after - before) / (window * (psutil.cpu_count() or 1))
 
 
 def load_label(load: bench_load.Load) -> str:
@@ -362,19 +377,20 @@ def measure(arms: list[str], rounds: int, repeats: int, loads: list[bench_load.L
     for r in range(first_round, first_round + rounds):
         for arm in (arms if r % 2 == 0 else list(reversed(arms))):
             log = REPO / "results" / "logs" / f"serving_overhead-{arm}-{r}.log"
-            with arm_server(arm, port, replicas, log, boot_timeout_s=600) as (boot_s, _):
-                busy = settle(settle_s)
+            with arm_server(arm, port, replicas, log, boot_timeout_s=600) as (boot_s, root):
+                busy, arm_busy = settle(settle_s, root)
                 for load, _ in ((ld, i) for ld in loads for i in range(repeats)):
                     with _environ(client_env(arm)):
                         res = bench_load.summary(bench_load.run(
                             load, f"http://127.0.0.1:{client_port(arm, port)}", MODEL_ID,
                             tokenizer))
                     res |= {"round": r, "boot_s": round(boot_s, 1), "phases": phases(log),
-                            "busy_before_load_pct": busy, "load": load_label(load)}
+                            "busy_before_load_pct": busy, "arm_busy_at_rest_pct": arm_busy,
+                            "load": load_label(load)}
                     runs[arm].append(res)
                     print(f"[{arm} round {r}] {res['completed']} ok, {res['failed']} failed, "
                           f"{res['output_throughput']:.1f} tok/s; box {busy:.0f}% busy before "
-                          "the load", flush=True)
+                          f"the load, the arm {arm_busy:.1f}%", flush=True)
                     if partial is not None:  # a job cut by its timeout keeps what it measured
                         partial.parent.mkdir(parents=True, exist_ok=True)
                         partial.write_text(json.dumps({"runs": runs}, indent=2))
@@ -391,7 +407,7 @@ METRICS = (  # (key, label, higher is better)
 )
 
 
-KEYS = (*(k for k, _, _ in METRICS), "boot_s")
+KEYS = (*(k for k, _, _ in METRICS), "boot_s", "arm_busy_at_rest_pct")
 
 
 @contextlib.contextmanager
@@ -431,7 +447,7 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             continue
         stats: dict[str, Any] = {k: {"median": statistics.median(r[k] for r in rs),
                                      "min": min(r[k] for r in rs), "max": max(r[k] for r in rs)}
-                                 for k in KEYS}
+                                 for k in KEYS if all(k in r for r in rs)}
         out[arm] = stats | {"failed": sum(r["failed"] for r in rs), "runs": len(rs)}
     return out
 
@@ -453,7 +469,9 @@ def table(agg: dict[str, dict[str, Any]]) -> str:
         pairs += [(a, "vllm") for a in arms if a not in ("ours", "vllm")]
     lines = ["| metric | " + " | ".join(arms) + "".join(f" | {a}/{o}" for a, o in pairs) + " |",
              "|---" * (1 + len(arms) + len(pairs)) + "|"]
-    for key, label in (*((k, lab) for k, lab, _ in METRICS), ("boot_s", "boot s")):
+    rows = (*((k, lab) for k, lab, _ in METRICS), ("boot_s", "boot s"),
+            ("arm_busy_at_rest_pct", "arm's CPU at rest, % of box"))
+    for key, label in (r for r in rows if all(r[0] in agg[a] for a in arms)):
         cells = [f"{agg[a][key]['median']:.2f} ({agg[a][key]['min']:.2f}-"
                  f"{agg[a][key]['max']:.2f})" for a in arms]
         for a, o in pairs:
