@@ -141,7 +141,8 @@ def main() -> int:
     parser.add_argument("--loads", default="",
                         help="CPU per request and per token under these loads, one boot: "
                              "comma-separated CONCURRENCY:PROMPTS:IN:OUT (issue 25: "
-                             "1:16:96:32,6:48:96:48); replaces the single --concurrency load")
+                             "1:16:96:32,6:48:96:48); replaces the single --concurrency load; "
+                             "none: no load (idle and one-token only)")
     parser.add_argument("--idle-s", type=float, default=0,
                         help="before any load: CPU by role over this many seconds at rest")
     parser.add_argument("--out", type=Path, default=so.REPO / "results" / "hop_profile")
@@ -165,7 +166,9 @@ def main() -> int:
             who: _stats(ms) for who, ms in hops.items()}
         if args.idle_s:
             result["idle"] = idle_by_role(root, args.idle_s)
-        if args.loads:
+        if args.loads == "none":
+            result["per_load"] = []
+        elif args.loads:
             result["per_load"] = [cpu_per_load(parse_load(spec), base, tokenizer, root)
                                   for spec in args.loads.split(",")]
         else:
