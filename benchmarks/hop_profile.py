@@ -146,7 +146,12 @@ def main() -> int:
     parser.add_argument("--idle-s", type=float, default=0,
                         help="before any load: CPU by role over this many seconds at rest")
     parser.add_argument("--out", type=Path, default=so.REPO / "results" / "hop_profile")
+    parser.add_argument("--table", type=Path, nargs="+",
+                        help="no run: markdown tables of these result files (arms side by side)")
     args = parser.parse_args()
+    if args.table:
+        print(tables([json.loads(p.read_text()) for p in args.table]))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     from dsv4_patch.tiny_model import ensure_tiny_model
 
@@ -239,6 +244,56 @@ def idle_by_role(root: int, seconds: float) -> dict[str, Any]:
                                     / (seconds * (psutil.cpu_count() or 1)), 2),
             "pct_of_one_core": {r: round(100 * (after.get(r, 0) - before.get(r, 0)) / seconds, 2)
                                 for r in sorted(set(after) | set(before))}}
+
+
+def tables(results: list[dict[str, Any]]) -> str:
+    """Per load: each role's CPU ms per request and per output token, arms side by side;
+    then each role's share of one core at rest."""
+    out = []
+    loads = {json.dumps(pl["load"], sort_keys=True): pl["load"]
+             for r in results for pl in r.get("per_load", [])}
+    for key, load in loads.items():
+        per = {r["arm"]: pl for r in results for pl in r.get("per_load", [])
+               if json.dumps(pl["load"], sort_keys=True) == key}
+        arms = list(per)
+        roles = sorted({role for pl in per.values() for role in pl["cpu_s"]})
+        out.append(f"**c={load['concurrency']}, {load['num_prompts']} prompts, "
+                   f"{load['input_len']} in / {load['output_len']} out** -- CPU ms per request "
+                   "/ per output token (warm-ups counted)\n")
+        out.append("| process | " + " | ".join(arms) + " |")
+        out.append("|---" * (1 + len(arms)) + "|")
+        for role in roles:
+            cells = [f"{per[a]['cpu_ms_per_request'].get(role, 0):.1f} / "
+                     f"{per[a]['cpu_ms_per_token'].get(role, 0):.2f}"
+                     if role in per[a]["cpu_s"] else "-" for a in arms]
+            out.append(f"| {role} | " + " | ".join(cells) + " |")
+        out.append("| (wall s; arm's share of the box %) | " + " | ".join(
+            f"{per[a]['wall_s']}; {per[a]['box_busy_pct']}" for a in arms) + " |")
+        out.append("| (out tok/s, TTFT p50 ms, TPOT p50 ms) | " + " | ".join(
+            f"{per[a]['result']['output_throughput']:.1f}, "
+            f"{per[a]['result']['median_ttft_ms']:.0f}, {per[a]['result']['median_tpot_ms']:.1f}"
+            for a in arms) + " |")
+        out.append("")
+    idle = {r["arm"]: r["idle"] for r in results if "idle" in r}
+    if idle:
+        arms = list(idle)
+        roles = sorted({role for i in idle.values() for role in i["pct_of_one_core"]})
+        out.append("**At rest** -- % of one core over the window\n")
+        out.append("| process | " + " | ".join(arms) + " |")
+        out.append("|---" * (1 + len(arms)) + "|")
+        for role in roles:
+            out.append(f"| {role} | " + " | ".join(
+                f"{idle[a]['pct_of_one_core'].get(role, 0):.2f}" for a in arms) + " |")
+        out.append("| **the arm, % of the box** | " + " | ".join(
+            f"**{idle[a]['arm_pct_of_box']:.2f}**" for a in arms) + " |")
+        out.append("| (the whole box, % busy: other jobs too) | " + " | ".join(
+            f"{idle[a]['box_busy_pct']:.0f}" for a in arms) + " |")
+    hops = {r["arm"]: r.get("one_token_ms", {}) for r in results}
+    if any(hops.values()):
+        out.append("\n**One-token completion, p50 ms (client; each access log)**\n")
+        for arm, h in hops.items():
+            out.append(f"- {arm}: " + ", ".join(f"{who} {v.get('p50')}" for who, v in h.items()))
+    return "\n".join(out)
 
 
 def _relay_pids(procs: list[psutil.Process]) -> dict[str, int]:
