@@ -28,6 +28,20 @@ ROLES = (  # (role, pattern on the process command line / title), first match wi
     ("engine-worker", re.compile(r"VLLM::Worker|VllmWorker")),
     ("serve-controller", re.compile(r"ServeController")),
     ("vllm-api", re.compile(r"vllm\.entrypoints\.openai\.api_server")),
+    # Ray's daemons, one role each (what a local run keeps resident at rest).
+    ("ray-gcs", re.compile(r"gcs_server")),
+    ("ray-raylet", re.compile(r"/raylet\b|raylet/raylet")),
+    ("ray-dashboard-agent", re.compile(r"dashboard/agent\.py|dashboard_agent|ray::DashboardAgent")),
+    ("ray-runtime-env-agent", re.compile(r"runtime_env/agent|ray::RuntimeEnvAgent")),
+    ("ray-telemetry-agent", re.compile(r"ray::TelemetryAgent")),
+    ("ray-log-monitor", re.compile(r"log_monitor")),
+    ("ray-monitor", re.compile(r"autoscaler/_private/monitor|monitor\.py")),
+    ("ray-dashboard", re.compile(r"dashboard\.py")),
+    ("ray-idle-worker", re.compile(r"ray::IDLE|default_worker")),
+    # The arm's own server process: the Ray driver (serving_overhead --serve-arm, or
+    # dsv4-serve run); multiprocessing's resource tracker (vLLM's engine start).
+    ("driver", re.compile(r"--serve-arm|dsv4-serve run|deployments\.cli.* run")),
+    ("mp-resource-tracker", re.compile(r"multiprocessing\.resource_tracker")),
     ("ray-system", re.compile(r"gcs_server|raylet|dashboard|log_monitor|monitor\.py|"
                               r"runtime_env|ray::IDLE|default_worker")),
 )

@@ -137,9 +137,21 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--profile-s", type=int, default=15)
+    parser.add_argument("--profile-s", type=int, default=15, help="0: no py-spy phase")
+    parser.add_argument("--loads", default="",
+                        help="CPU per request and per token under these loads, one boot: "
+                             "comma-separated CONCURRENCY:PROMPTS:IN:OUT (issue 25: "
+                             "1:16:96:32,6:48:96:48); replaces the single --concurrency load; "
+                             "none: no load (idle and one-token only)")
+    parser.add_argument("--idle-s", type=float, default=0,
+                        help="before any load: CPU by role over this many seconds at rest")
     parser.add_argument("--out", type=Path, default=so.REPO / "results" / "hop_profile")
+    parser.add_argument("--table", type=Path, nargs="+",
+                        help="no run: markdown tables of these result files (arms side by side)")
     args = parser.parse_args()
+    if args.table:
+        print(tables([json.loads(p.read_text()) for p in args.table]))
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     from dsv4_patch.tiny_model import ensure_tiny_model
 
@@ -157,15 +169,23 @@ def main() -> int:
         hops = access_times(serve_log_dir(procs), ids)
         result["one_token_ms"] = {"client": _stats(client)} | {
             who: _stats(ms) for who, ms in hops.items()}
-        before = cpu_by_role(procs)
-        started = time.monotonic()
-        res = bench_load.summary(bench_load.run(load, base, so.MODEL_ID, tokenizer))
-        wall = time.monotonic() - started
-        after = cpu_by_role(session_processes(root))
-        result["load"] = res
-        result["cpu_s_under_load"] = {r: round(after.get(r, 0) - before.get(r, 0), 2)
-                                      for r in sorted(set(after) | set(before))}
-        result["load_wall_s"] = round(wall, 1)
+        if args.idle_s:
+            result["idle"] = idle_by_role(root, args.idle_s)
+        if args.loads == "none":
+            result["per_load"] = []
+        elif args.loads:
+            result["per_load"] = [cpu_per_load(parse_load(spec), base, tokenizer, root)
+                                  for spec in args.loads.split(",")]
+        else:
+            one = cpu_per_load(load, base, tokenizer, root)
+            result["load"], result["cpu_s_under_load"] = one["result"], one["cpu_s"]
+            result["load_wall_s"] = one["wall_s"]
+        if not args.profile_s:
+            path = args.out / f"{args.arm}.json"
+            path.write_text(json.dumps(result, indent=2))
+            print(json.dumps(result, indent=2))
+            print(f"wrote {path}")
+            return 0
         pids = _relay_pids(session_processes(root))
         spy: dict[str, Any] = {}
         loader = threading.Thread(target=lambda: spy.update(
@@ -185,6 +205,95 @@ def main() -> int:
             print(f"{count:6d}  {frame}")
     print(f"wrote {path}")
     return 0
+
+
+def parse_load(spec: str) -> bench_load.Load:
+    """``CONCURRENCY:PROMPTS:IN:OUT`` -> a load."""
+    conc, prompts, inp, out = (int(x) for x in spec.split(":"))
+    return bench_load.Load(num_prompts=prompts, concurrency=conc, input_len=inp, output_len=out)
+
+
+def cpu_per_load(load: bench_load.Load, base: str, tokenizer: str, root: int) -> dict[str, Any]:
+    """Run ``load`` once; CPU seconds per role over it, and per request / per output
+    token in milliseconds: the role's CPU over the whole call divided by what the call
+    served (``vllm bench serve`` runs its warm-up requests inside the call, so they
+    count as requests and tokens too)."""
+    before = cpu_by_role(session_processes(root))
+    started = time.monotonic()
+    res = bench_load.summary(bench_load.run(load, base, so.MODEL_ID, tokenizer))
+    wall = time.monotonic() - started
+    after = cpu_by_role(session_processes(root))
+    cpu = {r: round(after.get(r, 0) - before.get(r, 0), 2)
+           for r in sorted(set(after) | set(before))}
+    requests = load.num_prompts + load.warmups
+    tokens = load.num_prompts * load.output_len + load.warmups * load.output_len
+    return {"load": load.__dict__, "result": res, "wall_s": round(wall, 1), "cpu_s": cpu,
+            "box_busy_pct": round(100 * sum(cpu.values()) / (wall * (psutil.cpu_count() or 1)), 1),
+            "cpu_ms_per_request": {r: round(1000 * v / requests, 1) for r, v in cpu.items()},
+            "cpu_ms_per_token": {r: round(1000 * v / tokens, 2) for r, v in cpu.items()},
+            "share_of_wall_pct": {r: round(100 * v / wall, 1) for r, v in cpu.items()}}
+
+
+def idle_by_role(root: int, seconds: float) -> dict[str, Any]:
+    """The arm at rest: each role's share of one core over ``seconds``, and the box's."""
+    before = cpu_by_role(session_processes(root))
+    box = psutil.cpu_percent(interval=seconds)
+    after = cpu_by_role(session_processes(root))
+    return {"seconds": seconds, "box_busy_pct": box,
+            "arm_pct_of_box": round(100 * sum(after.get(r, 0) - before.get(r, 0) for r in after)
+                                    / (seconds * (psutil.cpu_count() or 1)), 2),
+            "pct_of_one_core": {r: round(100 * (after.get(r, 0) - before.get(r, 0)) / seconds, 2)
+                                for r in sorted(set(after) | set(before))}}
+
+
+def tables(results: list[dict[str, Any]]) -> str:
+    """Per load: each role's CPU ms per request and per output token, arms side by side;
+    then each role's share of one core at rest."""
+    out = []
+    loads = {json.dumps(pl["load"], sort_keys=True): pl["load"]
+             for r in results for pl in r.get("per_load", [])}
+    for key, load in loads.items():
+        per = {r["arm"]: pl for r in results for pl in r.get("per_load", [])
+               if json.dumps(pl["load"], sort_keys=True) == key}
+        arms = list(per)
+        roles = sorted({role for pl in per.values() for role in pl["cpu_s"]})
+        out.append(f"**c={load['concurrency']}, {load['num_prompts']} prompts, "
+                   f"{load['input_len']} in / {load['output_len']} out** -- CPU ms per request "
+                   "/ per output token (warm-ups counted)\n")
+        out.append("| process | " + " | ".join(arms) + " |")
+        out.append("|---" * (1 + len(arms)) + "|")
+        for role in roles:
+            cells = [f"{per[a]['cpu_ms_per_request'].get(role, 0):.1f} / "
+                     f"{per[a]['cpu_ms_per_token'].get(role, 0):.2f}"
+                     if role in per[a]["cpu_s"] else "-" for a in arms]
+            out.append(f"| {role} | " + " | ".join(cells) + " |")
+        out.append("| (wall s; arm's share of the box %) | " + " | ".join(
+            f"{per[a]['wall_s']}; {per[a]['box_busy_pct']}" for a in arms) + " |")
+        out.append("| (out tok/s, TTFT p50 ms, TPOT p50 ms) | " + " | ".join(
+            f"{per[a]['result']['output_throughput']:.1f}, "
+            f"{per[a]['result']['median_ttft_ms']:.0f}, {per[a]['result']['median_tpot_ms']:.1f}"
+            for a in arms) + " |")
+        out.append("")
+    idle = {r["arm"]: r["idle"] for r in results if "idle" in r}
+    if idle:
+        arms = list(idle)
+        roles = sorted({role for i in idle.values() for role in i["pct_of_one_core"]})
+        out.append("**At rest** -- % of one core over the window\n")
+        out.append("| process | " + " | ".join(arms) + " |")
+        out.append("|---" * (1 + len(arms)) + "|")
+        for role in roles:
+            out.append(f"| {role} | " + " | ".join(
+                f"{idle[a]['pct_of_one_core'].get(role, 0):.2f}" for a in arms) + " |")
+        out.append("| **the arm, % of the box** | " + " | ".join(
+            f"**{idle[a]['arm_pct_of_box']:.2f}**" for a in arms) + " |")
+        out.append("| (the whole box, % busy: other jobs too) | " + " | ".join(
+            f"{idle[a]['box_busy_pct']:.0f}" for a in arms) + " |")
+    hops = {r["arm"]: r.get("one_token_ms", {}) for r in results}
+    if any(hops.values()):
+        out.append("\n**One-token completion, p50 ms (client; each access log)**\n")
+        for arm, h in hops.items():
+            out.append(f"- {arm}: " + ", ".join(f"{who} {v.get('p50')}" for who, v in h.items()))
+    return "\n".join(out)
 
 
 def _relay_pids(procs: list[psutil.Process]) -> dict[str, int]:

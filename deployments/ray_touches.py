@@ -342,6 +342,38 @@ TOUCHES: tuple[RayTouch, ...] = (
         pd_only=True,
     ),
     RayTouch(
+        name="serve.local_quiet_env",
+        target="ray.serve._private.constants: CONTROL_LOOP_INTERVAL_S "
+               "(RAY_SERVE_CONTROL_LOOP_INTERVAL_S), RAY_SERVE_METRICS_EXPORT_INTERVAL_MS",
+        used_in="deployments/serve_env.py LOCAL_QUIET_ENV, set by "
+                "deployments/local/ray_head.py start_cluster (the private local Ray only)",
+        why="a local run idles quietly: Serve's 10 Hz control loop and 10 Hz metrics flush "
+            "are most of what the app costs at rest on a small box (docs/benchmarks.md §2f)",
+        how="process environment before the local Ray starts; a value the user set wins",
+        upstream="environment variables read in constants.py, not in Serve's documented "
+                 "settings",
+        removal="when Serve offers a documented idle or local profile",
+        probe=_symbols("ray.serve._private.constants", "CONTROL_LOOP_INTERVAL_S",
+                       "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"),
+        required=False,
+    ),
+    RayTouch(
+        name="serve.direct_ingress_port_range",
+        target="ray.serve._private.constants: RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT / "
+               "MAX_HTTP_PORT (range(MIN, MAX) in node_port_manager.PortAllocator)",
+        used_in="deployments/serve_env.py direct_env (benchmarks.serving_overhead "
+                "ours-direct)",
+        why="pin the one replica's own HTTP port so a client can find it under direct "
+            "ingress (Serve otherwise picks from 30000-31000)",
+        how="process environment before Ray starts; MIN=p, MAX=p+1",
+        upstream="environment variables in constants.py; no public way to learn a "
+                 "replica's direct-ingress port",
+        removal="when Serve publishes replica ports or balances direct ingress itself",
+        probe=_symbols("ray.serve._private.constants", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+                       "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"),
+        required=False,
+    ),
+    RayTouch(
         name="autoscaler.fake_multinode",
         target="ray.autoscaler._private.fake_multi_node.node_provider:FakeMultiNodeProvider",
         used_in="deployments/local/cluster.py (`dsv4-serve run --nodes`, tests)",

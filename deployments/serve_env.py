@@ -31,6 +31,19 @@ SERVE_ENV: dict[str, str] = {
     "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
     "RAY_SERVE_LOG_TO_STDERR": "1",
 }
+# Direct ingress pinned to one port (benchmarks.serving_overhead's ours-direct arm):
+# Serve's allocator hands out range(MIN, MAX) (Ray 2.60 node_port_manager.PortAllocator),
+# so MIN=p, MAX=p+1 gives the one replica port p; the replica binds it on
+# http_options.host (replica._maybe_start_direct_ingress_servers), 127.0.0.1 locally.
+DIRECT_FLAGS = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+                "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT")
+
+
+def direct_env(port: int) -> dict[str, str]:
+    """Serve's direct ingress with its one HTTP port at ``port`` (one replica)."""
+    return dict(zip(DIRECT_FLAGS, ("1", str(port), str(port + 1)), strict=True))
+
+
 # Either makes each ingress replica listen on its own port (Ray 2.60 constants.py).
 LISTEN_FLAGS = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_ENABLE_HA_PROXY")
 
@@ -47,6 +60,38 @@ def apply(environ: MutableMapping[str, str] | None = None) -> list[str]:
         elif env[name] != value:
             lines.append(f"dsv4: Ray Serve env {name}={env[name]} kept from the environment "
                          f"(the throughput mode's is {value})")
+    return lines
+
+
+# A local run idles quietly (issue 25, docs/benchmarks.md §2f): Serve's settings that
+# only cost CPU at rest on one machine, slowed for the private local Ray that
+# ``deployments.local.ray_head.start_cluster`` starts (never for a cluster someone else
+# started, nor the KubeRay presets). Measured idle, per process, on 2 cores:
+# * the Serve controller's control loop runs every 0.1 s (``CONTROL_LOOP_INTERVAL_S``):
+#   4.3 % of a core at rest; at 0.5 s a deployment change or an autoscaling decision is
+#   seen up to 0.4 s later (metrics arrive every 10 s anyway);
+# * every Serve replica, proxy and router flushes its cached request metrics to Ray's
+#   metric API every 0.1 s (``RAY_SERVE_METRICS_EXPORT_INTERVAL_MS``); Ray exports them
+#   to Prometheus every 10 s, so 1 s loses no series and no count.
+LOCAL_QUIET_ENV: dict[str, str] = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
+}
+
+
+def apply_local_quiet(environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """Set each ``LOCAL_QUIET_ENV`` flag the environment lacks, before the local Ray
+    starts (its processes inherit it); one line per flag, set or kept: a user's own
+    value always wins and is named."""
+    env = os.environ if environ is None else environ
+    lines = []
+    for name, value in LOCAL_QUIET_ENV.items():
+        if name not in env:
+            env[name] = value
+            lines.append(f"dsv4: Ray Serve env {name}={value} (local run, quiet at rest)")
+        elif env[name] != value:
+            lines.append(f"dsv4: Ray Serve env {name}={env[name]} kept from the environment "
+                         f"(a local run's default is {value})")
     return lines
 
 

@@ -101,7 +101,8 @@ def main(args: argparse.Namespace) -> int:
             timings.mark("head up")
         preload_app_module()  # overlaps the ~7 s import of the app builder with Ray's start
         start_cluster(config, args.num_cpus, args.metrics_port,
-                      address=nodes.address if nodes else None)
+                      address=nodes.address if nodes else None,
+                      on_ray_up=lambda: timings.mark("ray up"))
         # ray.init replaces the SIGTERM handler with one that kills Ray's processes and
         # exits 1, skipping Serve's drain (replicas never stop their vLLM engines). Ours
         # again: SIGTERM then takes the same clean path as Ctrl-C.

@@ -11,9 +11,9 @@ import contextlib
 import ipaddress
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from deployments import ray_touches
+from deployments import ray_touches, serve_env
 from deployments.config import ConfigError, ServeConfig, sizing
 from deployments.logs import get_logger
 
@@ -30,7 +30,8 @@ def logical_cpus_needed(config: ServeConfig) -> float:
 
 
 def start_cluster(config: ServeConfig, num_cpus: float | None = None,
-                  metrics_port: int | None = None, address: str | None = None) -> float:
+                  metrics_port: int | None = None, address: str | None = None,
+                  on_ray_up: Callable[[], object] | None = None) -> float:
     """Start a private local Ray cluster and Serve's HTTP proxy; return the CPUs given.
 
     ``address="local"`` never attaches to someone else's cluster: ``run`` owns what
@@ -40,13 +41,16 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
     (``metrics_url`` tells which). Ray serves it without the dashboard too, without
     auth, so the node is started on 127.0.0.1 (``loopback_node_ip``): every port Ray
     opens for it, that one included, binds loopback. A cluster at ``address`` (``--nodes``)
-    is left as its starter made it.
+    is left as its starter made it. ``on_ray_up()`` is called between Ray's start and
+    Serve's (boot phases).
     """
     import ray
 
     if address is not None:  # a cluster someone else started (--nodes: deployments.local.cluster)
         ray.init(address=address, namespace="serve",
                  log_to_driver=os.environ.get("DSV4_LOG_TO_DRIVER") == "1")
+        if on_ray_up is not None:
+            on_ray_up()
         _start_serve(config)
         return float(ray.cluster_resources().get("CPU", 0))
     needed = logical_cpus_needed(config)
@@ -57,6 +61,8 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
             "(replica actor + placement-group bundles of every replica). "
             "Fix: raise --num-cpus or lower max_replicas."
         )
+    for line in serve_env.apply_local_quiet():  # before Ray starts: its processes inherit it
+        logger.info(line)
     if cpus > (os.cpu_count() or 1):
         logger.info("dsv4: offering Ray %s logical CPUs on %s cores: the replicas share them "
                     "(VLLM_CPU_OMP_THREADS_BIND=nobind)", cpus, os.cpu_count())
@@ -65,6 +71,8 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
                  namespace="serve", log_to_driver=os.environ.get("DSV4_LOG_TO_DRIVER") == "1",
                  _metrics_export_port=metrics_port or free_port())
     check_loopback_node()
+    if on_ray_up is not None:
+        on_ray_up()
     _start_serve(config)
     return cpus
 

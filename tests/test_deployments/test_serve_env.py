@@ -42,3 +42,23 @@ def test_direct_ingress_needs_a_key_even_on_loopback() -> None:
         auth.preflight(config, environ={"RAY_SERVE_ENABLE_HA_PROXY": "1"})
     auth.preflight(config, environ={"RAY_SERVE_ENABLE_HA_PROXY": "1", "DSV4_API_KEYS": "k" * 32})
 
+
+
+def test_local_quiet_env_sets_what_is_missing_and_names_what_the_user_set() -> None:
+    env = {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1"}
+    lines = serve_env.apply_local_quiet(env)
+    assert env == {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1",
+                   "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000"}
+    assert lines == [
+        "dsv4: Ray Serve env RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.1 kept from the environment "
+        "(a local run's default is 0.5)",
+        "dsv4: Ray Serve env RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=1000 (local run, quiet at rest)"]
+
+
+def test_direct_env_pins_one_port() -> None:
+    """Serve hands out range(MIN, MAX): MIN=p, MAX=p+1 leaves exactly p."""
+    env = serve_env.direct_env(8018)
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    lo, hi = (int(env[f"RAY_SERVE_DIRECT_INGRESS_{k}_HTTP_PORT"]) for k in ("MIN", "MAX"))
+    assert list(range(lo, hi)) == [8018]
+    assert serve_env.listen_requested(env)
