@@ -49,15 +49,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Any
-
-from pydantic import TypeAdapter, ValidationError
 
 from deployments.config import HTTPEdge
 from deployments.http import routes
 from deployments.http.auth import KeyStore, bearer_token
-from deployments.http.errors import messages_problem
+from deployments.http.bounds import STORE_SETTING, body_problem
 from deployments.logs import get_logger
 
 logger = get_logger("edge")
@@ -72,130 +69,6 @@ def error_body(status: int, message: str, kind: str, param: str | None = None) -
     """The OpenAI error shape every answer of the edge uses."""
     return json.dumps({"error": {"message": message, "type": kind, "param": param,
                                  "code": status}}).encode()
-
-
-# ------------------------------------------------------------------ body checks
-
-# A JSON string, or an unterminated one running to the end of the body (a trailing lone
-# backslash included). Every match attempt that starts at a quote succeeds and consumes
-# through its end, so ``sub`` never rescans: linear in the body, whatever it holds. (The
-# old pattern without the end alternatives restarted at every escaped quote of an
-# unterminated string and rescanned to the end: quadratic, ~50 min on 1 MiB.)
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.S)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
-_INT = TypeAdapter(int)  # lax, like vLLM's request models: "256", 256.0 and True are ints
-# Set only by dsv4-serve's own P/D path (through a handle, never HTTP): vLLM's NIXL
-# connector reads remote_host/remote_port/remote_block_ids from them.
-FORBIDDEN_FIELDS = ("kv_transfer_params", "ec_transfer_params")
-UTF8 = ("utf-8", "utf-8-sig")
-
-
-def json_depth(raw: bytes) -> int:
-    """Nesting depth of a JSON text, without parsing it (strings skipped).
-
-    Linear and iterative, so it is safe to run on a hostile body before
-    ``json.loads``/pydantic/pickle, which all recurse.
-    """
-    skeleton = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
-    return max(accumulate(_STEP[b] for b in skeleton), default=0)
-
-
-def engine_int(value: Any) -> int | None:
-    """``value`` as vLLM's request models will read an ``int`` field, or None when they
-    will refuse it (their 400 then names the type). Same library, same lax rules."""
-    if value is None or isinstance(value, (dict, list)):
-        return None
-    try:
-        return _INT.validate_python(value)
-    except ValidationError:
-        return None
-
-
-def _prompt_count(prompt: Any) -> int:
-    """Prompts in a batch field: a list of strings, token-id lists or conversations."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        return len(prompt)
-    return 1
-
-
-def _limit(limits: HTTPEdge, name: str) -> int:
-    return int(getattr(limits, name))
-
-
-def limit_problem(body: Any, limits: HTTPEdge,
-                  route: routes.Route = routes.EXACT[routes.COMPLETIONS_ROUTE],
-                  ) -> tuple[str, str] | None:
-    """(param, message) for the first bound a parsed body exceeds, else None.
-
-    Each field is judged as the engine will read it (``engine_int``); a value the
-    request schema will refuse is left to that schema's 400.
-    """
-    if not isinstance(body, dict):
-        return None
-    for name, limit_name in route.bounds.items():
-        value, limit = engine_int(body.get(name)), _limit(limits, limit_name)
-        if value is not None and value > limit:
-            return name, (f"{name}={value} is above this server's limit http.{limit_name}="
-                          f"{limit}. Fix: ask for at most {limit}.")
-    if route.prompts is not None:
-        prompts = _prompt_count(body.get(route.prompts))
-        if prompts > limits.max_prompts:
-            return route.prompts, (
-                f"{route.prompts} holds {prompts} prompts, above this server's limit "
-                f"http.max_prompts={limits.max_prompts}. Fix: split the batch.")
-    return None
-
-
-def forbidden_problem(body: Any) -> tuple[str, str] | None:
-    """(param, message) when a client sets a field only dsv4-serve's P/D path may set."""
-    if not isinstance(body, dict):
-        return None
-    for name in FORBIDDEN_FIELDS:
-        if name in body:
-            return name, (f"{name} is set by the server's own prefill/decode path, never "
-                          "by a client (it names hosts and KV blocks to pull). Fix: remove "
-                          f"{name} from the request.")
-    return None
-
-
-STORE_SETTING = "http.responses_store"
-
-
-def state_problem(body: Any, store: bool) -> tuple[str, str] | None:
-    """(param, message) for a Responses request that needs the response store when it is
-    off: vLLM would drop ``store`` silently and answer ``previous_response_id`` 404."""
-    if store or not isinstance(body, dict):
-        return None
-    for name, wants in (("store", body.get("store") is True),
-                        ("background", body.get("background") is True),
-                        ("previous_response_id", body.get("previous_response_id") is not None)):
-        if wants:
-            return name, (f"{name} needs stored responses, and this server does not store "
-                          f"them ({STORE_SETTING} is false). Fix: omit {name} and send the "
-                          "whole conversation as input, or ask the operator to enable "
-                          f"{STORE_SETTING}.")
-    return None
-
-
-def encoding_problem(raw: bytes) -> str | None:
-    """JSON between systems is UTF-8 (RFC 8259 section 8.1). ``json.loads`` also takes
-    UTF-16/32, where the byte-level depth count is off: such a body that reads as a JSON
-    object or array is refused; bytes that are no JSON text in any encoding are left to
-    the request schema's 400."""
-    if not raw:
-        return None
-    encoding = json.detect_encoding(raw)
-    if encoding in UTF8:
-        return None
-    try:
-        text = raw.decode(encoding)
-    except UnicodeDecodeError:
-        return None
-    if not text.lstrip("\ufeff \t\r\n").startswith(("{", "[")):
-        return None
-    return (f"the body is {encoding}-encoded JSON; this server takes UTF-8 only. Fix: send "
-            "the body as UTF-8.")
 
 
 # ------------------------------------------------------------------ the guard
@@ -541,37 +414,6 @@ def _too_large(size: int, limit: int) -> _Rejected:
     return _Rejected(413, f"the body has at least {size} bytes, above this server's limit "
                      f"http.max_body_bytes={limit}. Fix: send a smaller request.",
                      "invalid_request_error")
-
-
-def body_problem(raw: bytes, settings: HTTPEdge,
-                 route: routes.Route) -> tuple[str | None, str] | None:
-    """(param, message) for the first thing wrong with a body before vLLM reads it.
-
-    Order: encoding, nesting (both on bytes, linear), then the parsed fields: fields only
-    the server may set, the route's bounds, chat ``messages``, the Responses store rules.
-    A body that is not JSON is left to the request schema (its 400 gives the position).
-    """
-    encoding = encoding_problem(raw)
-    if encoding:
-        return None, encoding
-    depth = json_depth(raw)
-    if depth > settings.max_json_depth:
-        return None, (f"the body nests {depth} levels deep, above this server's limit "
-                      f"http.max_json_depth={settings.max_json_depth}. Fix: flatten the "
-                      "request.")
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return None
-    problem = forbidden_problem(body) or limit_problem(body, settings, route)
-    if problem is None and route.stateful:
-        problem = state_problem(body, settings.responses_store)
-    if problem:
-        return problem
-    bad_messages = messages_problem(body) if route.chat_messages else None
-    if bad_messages:
-        return "messages", "Invalid request: " + bad_messages
-    return None
 
 
 def _check_body(raw: bytes, settings: HTTPEdge, route: routes.Route) -> None:

@@ -29,7 +29,7 @@ from deployments.config import (
     HTTPEdge,
     parse_app_args,
 )
-from deployments.http import auth, edge, routes
+from deployments.http import auth, bounds, edge, routes
 from deployments.http.front import harden
 from deployments.http.public import RefreshGate, public_report
 
@@ -337,7 +337,7 @@ def test_nesting_depth_is_a_400_naming_the_limit(probe: Probe) -> None:
     # brackets inside strings are text, not nesting
     status, _, _ = post(app, {"prompt": "[" * 500 + "{" * 500})
     assert status == 200
-    assert edge.json_depth(b'{"a": [{"b": "]]]\\"[[["}]}') == 3
+    assert bounds.json_depth(b'{"a": [{"b": "]]]\\"[[["}]}') == 3
 
 
 @pytest.mark.parametrize(("body", "param", "limit"), [
@@ -411,7 +411,7 @@ def test_a_body_of_escaped_quotes_is_judged_in_linear_time(probe: Probe) -> None
     for tail in (b"", b"\\"):
         raw = b'{"prompt": "' + b'\\"' * ((1 << 20) // 2 - 8) + tail
         started = time.monotonic()
-        assert edge.json_depth(raw) == 1
+        assert bounds.json_depth(raw) == 1
         assert time.monotonic() - started < 5.0
     settings = HTTPEdge(max_body_bytes=2 << 20)
     app = build(settings, probe)
@@ -422,9 +422,9 @@ def test_a_body_of_escaped_quotes_is_judged_in_linear_time(probe: Probe) -> None
 
 
 def test_json_depth_counts_what_a_parser_sees() -> None:
-    assert edge.json_depth(rb'{"a": "\\", "b": [[1]]}') == 3  # an escaped backslash
-    assert edge.json_depth(rb'["\\\"]]]"]') == 1  # backslash, then an escaped quote
-    assert edge.json_depth(b'"unterminated [[[') == 0
+    assert bounds.json_depth(rb'{"a": "\\", "b": [[1]]}') == 3  # an escaped backslash
+    assert bounds.json_depth(rb'["\\\"]]]"]') == 1  # backslash, then an escaped quote
+    assert bounds.json_depth(b'"unterminated [[[') == 0
 
 
 def test_a_non_utf8_body_is_refused(probe: Probe) -> None:
@@ -434,7 +434,7 @@ def test_a_non_utf8_body_is_refused(probe: Probe) -> None:
     status, _, data = run(call(app, "POST", "/v1/completions", deep))
     assert status == 400 and "UTF-8" in error(data)["message"] and probe.body_reads == 0
     bom = b"\xef\xbb\xbf" + json.dumps({"prompt": "x"}).encode()
-    assert edge.encoding_problem(bom) is None
+    assert bounds.encoding_problem(bom) is None
 
 
 def test_a_trickled_body_is_408_and_holds_no_slot(probe: Probe) -> None:
