@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from deployments.config import AppArgs, load_serve_config
 from deployments.config.sizing import Parallel, serve_replicas
 from deployments.http.edge import in_flight_share
@@ -36,9 +38,16 @@ def test_without_dp_a_replica_is_one_engine() -> None:
     assert serve_replicas(3, Parallel(tp=1, pp=1, dp=8)) == 24
 
 
-def test_the_built_flash_h200_app_binds_the_rank_count() -> None:
-    """What each replica receives from ``build_one_pool_app`` (no cluster needed)."""
-    from deployments.serving.builder import build_one_pool_app
+def test_the_built_flash_h200_app_binds_the_rank_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What each replica is bound with by ``build_one_pool_app``, with no Ray: Ray Serve
+    LLM's DP builder and deployment options (for the name) start a local Ray in the
+    calling process, which the session's cluster would then find already initialized."""
+    from deployments.serving import builder
 
-    app = build_one_pool_app(_args("flash-h200"))
-    assert app._bound_deployment.init_kwargs["serving_replicas"] == 32
+    monkeypatch.setattr(builder, "server_deployment_name",
+                        lambda cls, llm_config, name_prefix=None: f"{cls.__name__}:m")
+    monkeypatch.setattr(builder, "build_dp_deployment",
+                        lambda llm_config, bind_kwargs, deployment_cls: bind_kwargs)
+    bound = builder.build_one_pool_app(_args("flash-h200"))
+    assert bound["serving_replicas"] == 32

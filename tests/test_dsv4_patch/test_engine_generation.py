@@ -99,6 +99,12 @@ REFERENCE = Bounds(decode_vs_prefill_rel=0.1, decode_vs_prefill_abs=0.05,
                    batch_agreement=0.75, batch_median_ulps=1.0)
 AMX = Bounds(decode_vs_prefill_rel=0.1, decode_vs_prefill_abs=0.45,
              batch_agreement=0.25, batch_median_ulps=2.0, decode_vs_prefill_median=True)
+# AVX512-BF16 without AMX (AMD EPYC, measured 2026-12-02), torch arm: our DSv4 ops mixed
+# with vLLM's native AVX512-BF16 MoE and GEMMs. Decode vs one prefill at 300 tokens was
+# 0.031 nats, 0.12x the sensitivity (0.253) and 2 bf16 ulps; the native arm on the same
+# host stayed within REFERENCE. The absolute bound is REFERENCE's.
+BF16_TORCH = Bounds(decode_vs_prefill_rel=0.2, decode_vs_prefill_abs=0.05,
+                    batch_agreement=0.75, batch_median_ulps=1.0)
 
 # Found on the same AMX host, not yet traced (2026-12-01): with our ops forced
 # (DSV4_CPU_OPS=torch, the packed pair and vLLM's AMX MoE native) the same 4-prompt batch
@@ -117,8 +123,12 @@ def torch_arm_on_amx(request: pytest.FixtureRequest, backend: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def bounds() -> Bounds:
-    return AMX if _amx_host() else REFERENCE
+def bounds(backend: str) -> Bounds:
+    """The regime: AMX hosts; the torch arm on an AVX512-BF16 host without AMX (the only
+    non-AMX host where it runs: elsewhere it is skipped); else the reference."""
+    if _amx_host():
+        return AMX
+    return BF16_TORCH if backend == "torch" else REFERENCE
 
 
 @pytest.fixture(scope="module", params=["auto", "torch"])
