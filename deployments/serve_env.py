@@ -51,15 +51,22 @@ LISTEN_FLAGS = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_ENABLE_HA_PROXY")
 def apply(environ: MutableMapping[str, str] | None = None) -> list[str]:
     """Set each ``SERVE_ENV`` flag the environment lacks (before Ray starts); one line
     per flag set, or kept at another value (nothing for a flag already at ours)."""
+    return _set_missing(SERVE_ENV, "throughput mode", "the throughput mode's is", environ)
+
+
+def _set_missing(flags: Mapping[str, str], why: str, ours: str,
+                 environ: MutableMapping[str, str] | None) -> list[str]:
+    """Set each of ``flags`` the environment lacks; a value already there wins and is
+    named. One line per flag set or kept (nothing for a flag already at ours)."""
     env = os.environ if environ is None else environ
     lines = []
-    for name, value in SERVE_ENV.items():
+    for name, value in flags.items():
         if name not in env:
             env[name] = value
-            lines.append(f"dsv4: Ray Serve env {name}={value} (throughput mode)")
+            lines.append(f"dsv4: Ray Serve env {name}={value} ({why})")
         elif env[name] != value:
             lines.append(f"dsv4: Ray Serve env {name}={env[name]} kept from the environment "
-                         f"(the throughput mode's is {value})")
+                         f"({ours} {value})")
     return lines
 
 
@@ -83,16 +90,8 @@ def apply_local_quiet(environ: MutableMapping[str, str] | None = None) -> list[s
     """Set each ``LOCAL_QUIET_ENV`` flag the environment lacks, before the local Ray
     starts (its processes inherit it); one line per flag, set or kept: a user's own
     value always wins and is named."""
-    env = os.environ if environ is None else environ
-    lines = []
-    for name, value in LOCAL_QUIET_ENV.items():
-        if name not in env:
-            env[name] = value
-            lines.append(f"dsv4: Ray Serve env {name}={value} (local run, quiet at rest)")
-        elif env[name] != value:
-            lines.append(f"dsv4: Ray Serve env {name}={env[name]} kept from the environment "
-                         f"(a local run's default is {value})")
-    return lines
+    return _set_missing(LOCAL_QUIET_ENV, "local run, quiet at rest",
+                        "a local run's default is", environ)
 
 
 def listen_requested(environ: Mapping[str, str] | None = None) -> bool:
