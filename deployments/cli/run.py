@@ -23,7 +23,7 @@ from deployments.config import DEFAULT_CONFIG, ConfigError, ServeConfig, load_se
 from deployments.control.report import describe
 from deployments.control.wire import FleetReport
 from deployments.local.client import first_token, wait_for_verdict
-from deployments.local.deploy import base_url, deploy, preload_app_module
+from deployments.local.deploy import base_url, deploy, preload_app_module, refuse_busy_ports
 from deployments.local.drain import StopSignal, stop_everything
 from deployments.local.ray_head import metrics_url, start_cluster
 from deployments.logs import get_logger, plain_output
@@ -88,6 +88,7 @@ def main(args: argparse.Namespace) -> int:
         from deployments.http.auth import preflight
 
         preflight(config)  # refuses a reachable bind without an API key, before Ray starts
+        refuse_busy_ports(config)  # a private cluster: every port it listens on is ours
     except ConfigError as exc:
         print(f"dsv4-serve run: {exc}", file=sys.stderr)
         return 2

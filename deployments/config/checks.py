@@ -49,7 +49,8 @@ def errors(problems: list[Problem]) -> list[Problem]:
 def check(args: AppArgs) -> list[Problem]:
     """Every policy problem of one application's args, errors first."""
     found = [*_parallel_problems(args), *_layout_problems(args), *_shape_problems(args),
-             *_override_problems(args), *_http_engine_problems(args)]
+             *_override_problems(args), *_http_engine_problems(args),
+             *_replica_port_problems(args)]
     return sorted(found, key=lambda p: not p.is_error)
 
 
@@ -82,6 +83,29 @@ def _http_engine_problems(args: AppArgs) -> list[Problem]:
             "Responses requests by one and vLLM serve them by the other. Fix: remove the "
             "env var and set http.responses_store."))
     return found
+
+
+def _replica_port_problems(args: AppArgs) -> list[Problem]:
+    """``http.replica_port`` bypasses Serve's proxy, so Serve's autoscaler, which counts
+    the requests Serve routes, would not see that traffic: a fixed replica count only."""
+    if args.http.replica_port is None:
+        return []
+    if getattr(args, "pd", None) is not None:
+        return [_error(
+            "replica-port-pd",
+            f"http.replica_port={args.http.replica_port} on a P/D app: not supported (the "
+            "decode pool's own scaling and the prefill hand-off are routed by Serve). Fix: "
+            "remove http.replica_port from the P/D app.")]
+    scaling = args.llm.deployment_config.autoscaling_config
+    if (scaling is None
+            or scaling.min_replicas == scaling.max_replicas):
+        return []
+    return [_error(
+        "replica-port-autoscaling",
+        f"http.replica_port={args.http.replica_port} with autoscaling between "
+        f"{scaling.min_replicas} and {scaling.max_replicas} replicas: requests on the "
+        "replicas' own port are invisible to Serve's autoscaler. Fix: set min_replicas = "
+        "max_replicas, or remove http.replica_port (Serve's proxy then routes every request).")]
 
 
 def _parallel_problems(args: AppArgs) -> list[Problem]:

@@ -76,6 +76,12 @@ class HTTPEdge(_Strict):
     stream_idle_s: float = Field(default=120.0, gt=0)
     # A refresh of /v1/kv-spec runs 2N RPCs: at most one per interval per ingress replica.
     kv_spec_refresh_interval_s: float = Field(default=1.0, ge=0, le=3600)
+    # Each ingress replica answers HTTP itself on http_options.host:replica_port, a port
+    # all replicas on the machine share (SO_REUSEPORT: the kernel spreads connections),
+    # so a request crosses no proxy (deployments/http/listener.py, docs/serving.md).
+    # Serve's proxy keeps http_options.port as a second door to the same edge. For one
+    # machine (the local run); None = Serve's proxy is the only door.
+    replica_port: int | None = Field(default=None, ge=1, le=65535)
 
     @field_validator("cors_allow_origins")
     @classmethod

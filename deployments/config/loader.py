@@ -42,4 +42,8 @@ def load_serve_config(path: str | Path, *, refuse: bool = True) -> ServeConfig:
     for app in config.applications:
         if app.is_ours:
             app.parse(refuse=refuse, label=str(path))
+    try:
+        config.check_replica_ports()
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc
     return config

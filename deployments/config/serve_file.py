@@ -79,6 +79,31 @@ class ServeConfig(_Open):
                 )
         return self
 
+    def replica_ports(self) -> list[tuple[ServeApplication, int]]:
+        """Our applications whose replicas answer on a port of their own
+        (``http.replica_port``); ``check_replica_ports`` has vetted them."""
+        return [(a, p.http.replica_port) for a, p in self.ours()
+                if p.http.replica_port is not None]
+
+    def check_replica_ports(self) -> None:
+        """``http.replica_port`` next to Serve's options: not the proxy's port, one
+        application per port (replicas sharing a port must serve the same app), and at
+        route prefix "/" (a replica's own listener serves the app at its root)."""
+        seen: dict[int, str] = {}
+        for app, port in self.replica_ports():
+            where = f"{app.where}.http.replica_port={port}"
+            if port == self.http_options.port:
+                raise ValueError(f"{where} is http_options.port, where Serve's proxy listens. "
+                                 "Fix: give the proxy or the replicas another port.")
+            if port in seen:
+                raise ValueError(f"{where} is also applications[{seen[port]}]'s: replicas "
+                                 "sharing a port must serve one app. Fix: one port per app.")
+            if (app.route_prefix or "/") != "/":
+                raise ValueError(f"{where} with route_prefix {app.route_prefix!r}: a "
+                                 "replica's own port serves its app at /. Fix: route_prefix "
+                                 "/ or remove http.replica_port.")
+            seen[port] = app.name
+
     def ours(self) -> list[tuple[ServeApplication, AppArgs]]:
         """Our applications with their validated args (parsed once, kept)."""
         return [(a, a.parsed) for a in self.applications if a.is_ours]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -11,10 +12,36 @@ from deployments.config import ConfigError, ServeConfig
 
 
 def base_url(config: ServeConfig, route_prefix: str | None = "/") -> str:
-    """The OpenAI base URL of an application (clients append /chat/completions etc.)."""
+    """The OpenAI base URL of an application (clients append /chat/completions etc.):
+    its replicas' own port when they have one (``http.replica_port``), else the proxy's."""
     http = config.http_options
     prefix = (route_prefix or "/").rstrip("/")
-    return f"http://{http.host}:{http.port}{prefix}/v1"
+    own = {app.route_prefix or "/": port for app, port in config.replica_ports()}
+    port = own.get(route_prefix or "/", http.port)
+    return f"http://{http.host}:{port}{prefix}/v1"
+
+
+def refuse_busy_ports(config: ServeConfig, timeout_s: float = 0.5) -> None:
+    """Refuse to start when something already answers on a port the run will listen on.
+
+    Serve's proxy and the replicas' own listeners (``http.replica_port``) bind with
+    SO_REUSEPORT, so a second run (or any process of this user that does the same)
+    would not fail to bind: it would silently share the port, and the kernel would
+    hand the old program half of the new run's connections.
+    """
+    host = config.http_options.host
+    probe = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    ports = [("http_options.port", config.http_options.port)]
+    ports += [(f"{app.where}.http.replica_port", port) for app, port in config.replica_ports()]
+    for field, port in ports:
+        try:
+            with socket.create_connection((probe, port), timeout=timeout_s):
+                pass
+        except OSError:
+            continue
+        raise ConfigError(f"{field}={port}: something already answers on {probe}:{port} "
+                          "(another dsv4-serve run or Serve?). Fix: stop it, or pick "
+                          "another port.")
 
 
 APP_MODULE = "deployments.app"
@@ -49,6 +76,10 @@ def deploy(config: ServeConfig,
 
     from deployments.app import build_parsed_app
 
+    try:
+        config.check_replica_ports()  # also for configs built in code, not by the loader
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     others = [a.name for a in config.applications if not a.is_ours]
     if others:
         raise ConfigError(

@@ -20,7 +20,6 @@ cycles). The prefill deployment routes with ``deployments.pd.route.PDPrefillRout
 
 from __future__ import annotations
 
-from ray import serve
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 
@@ -41,6 +40,7 @@ from deployments.serving.builder import (
 )
 from deployments.serving.names import DECODE_PREFIX
 from deployments.serving.router import with_kv_router
+from deployments.serving.server import listening_ingress
 
 logger = get_logger("pd")
 
@@ -89,10 +89,11 @@ def build_pd_app(parsed: PDAppArgs) -> Application:
     decode_replicas = parsed.pool_deployment_config("decode").max_replicas
     decode = build_llm_deployment(
         decode_config, name_prefix=DECODE_PREFIX,
-        deployment_cls=serve.ingress()(DSv4PDDecodeServer),
+        deployment_cls=listening_ingress(DSv4PDDecodeServer),
         bind_kwargs={"dsv4": parsed.pool_dsv4("decode"), "prefill_server": prefill,
                      "compat_check": parsed.pd.compat_check}
-        | ingress_bind_kwargs(parsed.http, decode_replicas, controller))
+        | ingress_bind_kwargs(parsed.http, decode_replicas, controller,
+                              parsed.pool_deployment_config("decode").drain_timeout_s))
     logger.info("dsv4: P/D app: %s prefill + %s decode replica(s), connector %s, compat "
                 "check %s", parsed.pool_deployment_config("prefill").max_replicas,
                 decode_replicas, parsed.pd.kv_transfer_config.get("kv_connector"),

@@ -26,7 +26,7 @@ from deployments.logs import get_logger
 from deployments.serving.boot import LocalModelCallback
 from deployments.serving.names import CONTROLLER_DRAIN_S, CONTROLLER_NAME
 from deployments.serving.router import with_kv_router
-from deployments.serving.server import DSv4DPServer, DSv4Server
+from deployments.serving.server import DSv4DPServer, DSv4Server, listening_ingress
 
 logger = get_logger("app")
 
@@ -81,13 +81,14 @@ def build_one_pool_app(parsed: AppArgs) -> Application:
         server=server_deployment_name(server_cls, llm_config), dsv4=dsv4)
     # Every DP rank is its own Serve replica and ingress: the share divides by ranks.
     bind_kwargs = {"dsv4": dsv4} | ingress_bind_kwargs(
-        parsed.http, parsed.max_serving_replicas, controller)
+        parsed.http, parsed.max_serving_replicas, controller,
+        parsed.llm.deployment_config.drain_timeout_s)
     if dp:
         # DP attention: Ray Serve LLM's gang-scheduled DPServer pattern, our checks on top.
         return build_dp_deployment(llm_config, bind_kwargs=bind_kwargs,
-                                   deployment_cls=serve.ingress()(DSv4DPServer))
+                                   deployment_cls=listening_ingress(DSv4DPServer))
     return build_llm_deployment(llm_config, bind_kwargs=bind_kwargs,
-                                deployment_cls=serve.ingress()(DSv4Server))
+                                deployment_cls=listening_ingress(DSv4Server))
 
 
 def with_http_engine_settings(config_dict: dict[str, Any], http: HTTPEdge) -> dict[str, Any]:
@@ -119,12 +120,13 @@ def with_boot_callback(config_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def ingress_bind_kwargs(http: HTTPEdge, serving_replicas: int,
-                        controller: Application) -> dict[str, Any]:
+                        controller: Application, drain_timeout_s: float) -> dict[str, Any]:
     """What a server replica that is the HTTP ingress is bound with (``DSv4ServerMixin``):
     the edge settings, how many Serve replicas (DP ranks, not gangs or nodes) share
-    ``http.max_in_flight`` at most, the controller."""
+    ``http.max_in_flight`` at most, the controller, and how long requests held on the
+    replica's own port (``http.replica_port``) may take to finish at shutdown."""
     return {"http": http.model_dump(mode="json"), "serving_replicas": serving_replicas,
-            "kv_spec_controller": controller}
+            "kv_spec_controller": controller, "drain_timeout_s": drain_timeout_s}
 
 
 def controller_deployment(cls: type, parsed: AppArgs) -> Any:

@@ -50,6 +50,7 @@ from deployments.control.prediction import (
 )
 from deployments.control.summary import KVLayoutMismatch, ReplicaKV, summarize_workers
 from deployments.control.wire import (
+    DRAIN_STAT,
     Prediction,
     ReplicaSpec,
     ReplicaVerdict,
@@ -58,6 +59,7 @@ from deployments.control.wire import (
 )
 from deployments.http import edge, front
 from deployments.http.auth import KeyFileStatus, KeyFileWatcher
+from deployments.http.listener import ReplicaListener
 from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
 from deployments.serving.names import TARGET_KWARG
@@ -171,7 +173,8 @@ class DSv4ServerMixin:
 
     async def __init__(self, llm_config: LLMConfig, *, dsv4: dict[str, Any],
                        http: dict[str, Any] | None = None, serving_replicas: int = 1,
-                       kv_spec_controller: DeploymentHandle | None = None, **kwargs: Any):
+                       kv_spec_controller: DeploymentHandle | None = None,
+                       drain_timeout_s: float = 60.0, **kwargs: Any):
         self._settings = DSv4Section.model_validate(dsv4)
         # ``http`` is given to the replicas that answer HTTP (the ingress); a P/D
         # prefill replica is called only by decode replicas and has no edge.
@@ -183,6 +186,8 @@ class DSv4ServerMixin:
         ctx = serve.get_replica_context()
         self._replica_id = ctx.replica_id.unique_id
         self._asgi_app: Any = None
+        self._listener: ReplicaListener | None = None
+        self._drain_timeout_s = drain_timeout_s
         if http is not None and self._http.responses_store:
             _start_relay(self._replica_id)
         self._rank = ctx.rank.rank if ctx.rank is not None else None
@@ -275,7 +280,28 @@ class DSv4ServerMixin:
         app = await super().__serve_build_asgi_app__()  # type: ignore[misc]
         self._asgi_app = front.harden(
             app, self._http, self._kv_spec_report if self._kv_spec is not None else None)
+        if self._http.replica_port is not None:
+            await self._open_listener(self._http.replica_port)
         return self._asgi_app
+
+    async def _open_listener(self, port: int) -> None:
+        """``http.replica_port``: answer HTTP here too, on the proxy's host (``listener``)."""
+        host = front.proxy_host()
+        if host is None:
+            raise RuntimeError(
+                f"http.replica_port={port}: the address Serve's proxy binds is unknown (or "
+                "Serve's direct ingress is on), so the replica cannot bind the same one. "
+                "Fix: remove http.replica_port, or unset RAY_SERVE_ENABLE_DIRECT_INGRESS/"
+                "RAY_SERVE_ENABLE_HA_PROXY.")
+        self._listener = ReplicaListener(self._asgi_app, host, port)
+        if not drain_stats(self._verdict)[DRAIN_STAT]:
+            await self._listener.start()
+
+    async def dsv4_close_listener(self) -> None:
+        """Shutdown: stop taking connections on the replica's own port, let held
+        requests finish (up to the deployment's graceful shutdown time)."""
+        if self._listener is not None:
+            await self._listener.stop(self._drain_timeout_s)
 
     async def dsv4_relay_http(self, scope: dict[str, Any], body: bytes,
                               **target: str) -> AsyncIterator[dict[str, Any]]:
@@ -328,8 +354,18 @@ class DSv4ServerMixin:
         """Take the controller's verdict; act on it within this replica's own policy."""
         self._verdict = take_verdict(message, self._replica_id, self._settings.policy.value,
                                      self._verdict)
+        await self._follow_drain()
         return {"replica_id": self._replica_id, "odd": self._verdict.odd,
                 "action": self._verdict.action.value}
+
+    async def _follow_drain(self) -> None:
+        """A drained replica takes no new connections on its own port either."""
+        if self._listener is None:
+            return
+        if drain_stats(self._verdict)[DRAIN_STAT]:
+            self._listener.pause()
+        elif not self._listener.listening:
+            await self._listener.resume()
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve LLM's routing stats plus whether the KV-spec router must skip us."""
@@ -400,6 +436,25 @@ def key_file_metrics() -> KeyFileWatcher:
             seen = status.refused
 
     return watch
+
+
+def listening_ingress(cls: type) -> type:
+    """``serve.ingress()(cls)`` whose shutdown first closes the replica's own port.
+
+    Serve's ingress wrapper runs the ASGI app's lifespan shutdown (vLLM's drops
+    ``app.state``) before the class's ``__del__``; requests held on ``http.replica_port``,
+    which Serve does not count while it drains, must finish before that.
+    """
+    wrapped = serve.ingress()(cls)
+
+    class ListeningIngress(wrapped):  # type: ignore[misc, valid-type]
+        async def __del__(self) -> None:
+            await self.dsv4_close_listener()
+            await super().__del__()
+
+    for attr in ("__name__", "__qualname__", "__module__", "__doc__"):
+        setattr(ListeningIngress, attr, getattr(cls, attr))
+    return ListeningIngress
 
 
 class DSv4Server(DSv4ServerMixin, LLMServer):

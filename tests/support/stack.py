@@ -41,6 +41,9 @@ def mixed_app_args(base: dict[str, Any]) -> dict[str, Any]:
     the Responses store on, so follow-ups cross replicas (relayed to the holder)."""
     args = copy.deepcopy(base)
     args["http"]["responses_store"] = True
+    # Served through Serve's proxy at its route prefix (the second door), not on the
+    # main app's own replica port: replicas sharing a port must serve one app.
+    args["http"].pop("replica_port", None)
     args["dsv4"].update(
         policy="warn",
         controller_period_s=2,

@@ -40,7 +40,8 @@ MAX_TOKENS = 48
 
 def one_replica_config(tmp_path: Path) -> Path:
     raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    raw["http_options"]["port"] = PORT
+    raw["http_options"]["port"] = PORT + 1  # Serve's proxy
+    raw["applications"][0]["args"]["http"]["replica_port"] = PORT  # the replicas' own door
     auto = raw["applications"][0]["args"]["llm"]["deployment_config"]["autoscaling_config"]
     auto["min_replicas"] = auto["max_replicas"] = 1
     path = tmp_path / "one-replica.yaml"
