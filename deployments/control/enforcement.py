@@ -150,6 +150,18 @@ def take_verdict(message: dict[str, Any], replica_id: str, own_policy: str,
     return verdict
 
 
+def others_serving(message: dict[str, Any], replica_id: str, own_policy: str) -> bool:
+    """Whether a ``VerdictMessage`` leaves some other replica serving (not drained).
+
+    A drained replica closes its share of ``http.replica_port`` only then, as the
+    router fails open: draining never takes the whole fleet's door away.
+    """
+    msg = VerdictMessage.model_validate(message)
+    policy = msg.policy_override or own_policy
+    return any(clamp(entry.action, policy) is not Action.DRAIN
+               for rid, entry in msg.replicas.items() if rid != replica_id)
+
+
 def drain_stats(verdict: ReplicaVerdict) -> dict[str, Any]:
     """The routing stats ``deployments.serving.router.KVSpecRouter`` reads to skip this replica."""
     return {DRAIN_STAT: verdict.action is Action.DRAIN,

@@ -41,7 +41,12 @@ from ray.serve.metrics import Counter, Gauge
 
 from deployments.config import WORKER_EXTENSION, DSv4Section, HTTPEdge, Policy
 from deployments.config.dsv4 import node_type_key
-from deployments.control.enforcement import drain_stats, raise_if_enforced, take_verdict
+from deployments.control.enforcement import (
+    drain_stats,
+    others_serving,
+    raise_if_enforced,
+    take_verdict,
+)
 from deployments.control.prediction import (
     layout_problem,
     predict,
@@ -294,8 +299,7 @@ class DSv4ServerMixin:
                 "Fix: remove http.replica_port, or unset RAY_SERVE_ENABLE_DIRECT_INGRESS/"
                 "RAY_SERVE_ENABLE_HA_PROXY.")
         self._listener = ReplicaListener(self._asgi_app, host, port)
-        if not drain_stats(self._verdict)[DRAIN_STAT]:
-            await self._listener.start()
+        await self._listener.start()  # a verdict comes later; drain then closes it
 
     async def dsv4_close_listener(self) -> None:
         """Shutdown: stop taking connections on the replica's own port, let held
@@ -354,17 +358,24 @@ class DSv4ServerMixin:
         """Take the controller's verdict; act on it within this replica's own policy."""
         self._verdict = take_verdict(message, self._replica_id, self._settings.policy.value,
                                      self._verdict)
-        await self._follow_drain()
+        await self._follow_drain(message)
         return {"replica_id": self._replica_id, "odd": self._verdict.odd,
                 "action": self._verdict.action.value}
 
-    async def _follow_drain(self) -> None:
-        """A drained replica takes no new connections on its own port either."""
+    async def _follow_drain(self, message: dict[str, Any]) -> None:
+        """A drained replica takes no new connections on its own port either, unless
+        no other replica would be left to take them (fail open, like the router)."""
         if self._listener is None:
             return
-        if drain_stats(self._verdict)[DRAIN_STAT]:
+        drained = bool(drain_stats(self._verdict)[DRAIN_STAT])
+        if drained and others_serving(message, self._replica_id,
+                                      self._settings.policy.value):
             self._listener.pause()
         elif not self._listener.listening:
+            if drained:
+                logger.warning("dsv4: drained, but no other replica serves: keeping "
+                               "%s open rather than refusing every client",
+                               self._listener.address)
             await self._listener.resume()
 
     async def record_routing_stats(self) -> dict[str, Any]:

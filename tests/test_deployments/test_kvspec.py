@@ -350,6 +350,23 @@ def test_a_verdict_is_resent_only_when_a_replica_would_act_differently() -> None
     assert not verdicts_held(_message(**odd), [])
 
 
+def test_a_drained_replica_closes_its_port_only_if_another_replica_serves() -> None:
+    from deployments.control.enforcement import others_serving
+
+    odd = ReplicaVerdict(odd=True, reason="differs", action=Action.DRAIN, attempts=1)
+    fine = ReplicaVerdict()
+    both_odd = wire.VerdictMessage(checked_at=1.0, replicas={"r0": odd, "r1": odd})
+    one_odd = wire.VerdictMessage(checked_at=1.0, replicas={"r0": odd, "r1": fine})
+    assert others_serving(one_odd.model_dump(mode="json"), "r0", "drain")
+    assert not others_serving(both_odd.model_dump(mode="json"), "r0", "drain")
+    assert not others_serving(wire.VerdictMessage(
+        checked_at=1.0, replicas={"r0": odd}).model_dump(mode="json"), "r0", "drain")
+    # enforce's fail_health, clamped by a drain policy, is a drain too:
+    failing = odd.model_copy(update={"action": Action.FAIL_HEALTH})
+    clamped = wire.VerdictMessage(checked_at=1.0, replicas={"r0": odd, "r1": failing})
+    assert not others_serving(clamped.model_dump(mode="json"), "r0", "drain")
+
+
 # ------------------------------------------------------ DeepSeek-V4.1 on mixed GPUs
 
 
