@@ -292,6 +292,30 @@ TOUCHES: tuple[RayTouch, ...] = (
         required=False,
     ),
     RayTouch(
+        name="ray.quiet_local_head",
+        target="ray._private.parameter:RayParams (no_monitor, include_log_monitor), read by "
+               "ray._private.node:Node.start_head_processes / start_ray_processes",
+        used_in="deployments/local/ray_head.py start_cluster (quiet_head)",
+        why="ray.init starts the autoscaler monitor and the log monitor unconditionally; "
+            "the private one-node local cluster scales nothing and forwards no logs "
+            "(log_to_driver off by default): two Python processes that compete for the "
+            "cores while the head boots and poll at rest (docs/benchmarks.md §2g)",
+        how="for the duration of ray.init(address='local') the RayParams class ray.init "
+            "instantiates is a subclass that sets no_monitor=True and, unless "
+            "DSV4_LOG_TO_DRIVER=1, include_log_monitor=False; restored afterwards",
+        upstream="ray start has --no-monitor / --include-log-monitor; ray.init exposes "
+                 "neither (Ray 2.60)",
+        removal="when ray.init takes both options",
+        probe=lambda: _symbols("ray._private.parameter", "RayParams")()
+        or _source_mentions("ray._private.node", "Node.start_head_processes",
+                            "self._ray_params.no_monitor")()
+        or _source_mentions("ray._private.node", "Node.start_ray_processes",
+                            "self._ray_params.include_log_monitor")()
+        or _source_mentions("ray._private.worker", "init",
+                            "ray._private.parameter.RayParams(")(),
+        required=False,
+    ),
+    RayTouch(
         name="serve.broadcast_per_replica_results",
         target="ray.serve.handle:DeploymentBroadcastResponse._fetch_replica_results_async; "
                "ray.serve._private.replica_result:ReplicaResult.get_async, cancel",

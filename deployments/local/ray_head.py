@@ -66,9 +66,10 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
     if cpus > (os.cpu_count() or 1):
         logger.info("dsv4: offering Ray %s logical CPUs on %s cores: the replicas share them "
                     "(VLLM_CPU_OMP_THREADS_BIND=nobind)", cpus, os.cpu_count())
-    with loopback_node_ip():
+    log_to_driver = os.environ.get("DSV4_LOG_TO_DRIVER") == "1"
+    with loopback_node_ip(), quiet_head(log_to_driver):
         ray.init(address="local", num_cpus=cpus, include_dashboard=False,
-                 namespace="serve", log_to_driver=os.environ.get("DSV4_LOG_TO_DRIVER") == "1",
+                 namespace="serve", log_to_driver=log_to_driver,
                  _metrics_export_port=metrics_port or free_port())
     check_loopback_node()
     if on_ray_up is not None:
@@ -100,6 +101,45 @@ def loopback_node_ip() -> Iterator[None]:
         yield
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+@contextlib.contextmanager
+def quiet_head(log_to_driver: bool) -> Iterator[None]:
+    """Start the private local head without the two daemons it cannot use.
+
+    ``ray.init`` always starts the autoscaler monitor (a fixed one-node cluster has
+    nothing to scale) and the log monitor (which only forwards worker logs to the
+    driver: off unless ``DSV4_LOG_TO_DRIVER=1``). Each is a Python process that
+    imports Ray while the head boots and polls at rest (docs/benchmarks.md §2g). For
+    the duration of ``ray.init`` the ``RayParams`` it builds get ``no_monitor`` and,
+    without log forwarding, ``include_log_monitor=False`` (``ray_touches``:
+    ``ray.quiet_local_head``); logs stay in Ray's session directory either way.
+    """
+    if not ray_touches.present("ray.quiet_local_head"):
+        logger.warning("dsv4: this Ray lacks ray.quiet_local_head (deployments/"
+                       "ray_touches.py): the local head starts its autoscaler and log "
+                       "monitors too (more CPU at boot and at rest, nothing lost)")
+        yield
+        return
+    from ray._private import parameter
+
+    real = parameter.RayParams
+
+    class QuietHeadParams(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)
+            self.no_monitor = True
+            if not log_to_driver:
+                self.include_log_monitor = False
+
+    parameter.RayParams = QuietHeadParams
+    try:
+        yield
+    finally:
+        parameter.RayParams = real
+    logger.info("dsv4: local Ray head without the autoscaler monitor%s (fixed one-node "
+                "cluster)", "" if log_to_driver else " and the log monitor (no log "
+                "forwarding to the driver; DSV4_LOG_TO_DRIVER=1 keeps it)")
 
 
 def check_loopback_node() -> None:

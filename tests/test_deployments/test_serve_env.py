@@ -62,3 +62,20 @@ def test_direct_env_pins_one_port() -> None:
     lo, hi = (int(env[f"RAY_SERVE_DIRECT_INGRESS_{k}_HTTP_PORT"]) for k in ("MIN", "MAX"))
     assert list(range(lo, hi)) == [8018]
     assert serve_env.listen_requested(env)
+
+
+@pytest.mark.parametrize("log_to_driver", [False, True])
+def test_the_local_head_starts_without_the_monitors_it_cannot_use(log_to_driver: bool) -> None:
+    from ray._private import parameter
+
+    from deployments.local.ray_head import quiet_head
+
+    real = parameter.RayParams
+    with quiet_head(log_to_driver):
+        params = parameter.RayParams(num_cpus=1)  # what ray.init builds, by this name
+        assert isinstance(params, real)
+        assert params.no_monitor is True
+        # The log monitor only forwards worker logs to the driver: kept when asked for.
+        assert params.include_log_monitor is (None if log_to_driver else False)
+    assert parameter.RayParams is real
+    assert real(num_cpus=1).no_monitor is False
