@@ -234,14 +234,19 @@ TOUCHES: tuple[RayTouch, ...] = (
     ),
     RayTouch(
         name="serve.replica_ongoing_requests",
-        target="ray.serve._private.replica:ReplicaActor.get_num_ongoing_requests",
+        target="ray.serve._private.replica:ReplicaActor.get_num_ongoing_requests, "
+               "record_routing_stats",
         used_in="deployments/local/drain.py in_flight_requests",
-        why="the count of in-flight requests the drain waits for",
-        how="call it on each ingress replica actor (10 s bound; a failure is logged and the "
-            "drain goes on)",
+        why="the count of in-flight requests the drain waits for: Serve's own count, and "
+            "the edge's (dsv4_http_in_flight in our routing stats), which also sees the "
+            "requests on the replicas' own port (http.replica_port) that Serve never routes",
+        how="call both on each ingress replica actor, take the larger per replica (10 s "
+            "bound; a failure is logged and the drain goes on)",
         upstream="private actor method",
         removal="as serve.replica_ids",
-        probe=_attr_chain("ray.serve._private.replica", "ReplicaActor.get_num_ongoing_requests"),
+        probe=lambda: _attr_chain("ray.serve._private.replica",
+                                  "ReplicaActor.get_num_ongoing_requests")()
+        or _attr_chain("ray.serve._private.replica", "ReplicaActor.record_routing_stats")(),
         required=False,
     ),
     RayTouch(

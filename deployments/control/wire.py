@@ -26,6 +26,8 @@ SCHEMA_VERSION = 2
 # The routing-stats key a drained replica sets (``record_routing_stats``) and
 # ``deployments.serving.router.KVSpecRouter`` reads.
 DRAIN_STAT = "dsv4_kv_drain"
+# Routing stat: HTTP requests this replica's edge holds now, through either door.
+HTTP_IN_FLIGHT_STAT = "dsv4_http_in_flight"
 
 
 class _Wire(BaseModel):

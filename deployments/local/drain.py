@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deployments.config import ServeConfig
+from deployments.control.wire import HTTP_IN_FLIGHT_STAT
 from deployments.local.ray_head import gcs_reachable, shutdown
 from deployments.logs import get_logger
 from deployments.serving.names import ingress_drain_timeout_s, serves_http
@@ -47,7 +48,11 @@ def in_flight_requests(app_names: list[str]) -> int:
     handles = [ray.get_actor(actor["name"], namespace=actor["namespace"])
                for _, actor in replica_actors(app_names, serves_http)]
     counts = ray.get([h.get_num_ongoing_requests.remote() for h in handles], timeout=10)
-    return int(sum(counts))
+    stats = ray.get([h.record_routing_stats.remote() for h in handles], timeout=10)
+    # The edge's count also sees requests on the replicas' own port (http.replica_port),
+    # which Serve never routes; Serve's also sees handle calls. The larger of the two.
+    return int(sum(max(c, int((s or {}).get(HTTP_IN_FLIGHT_STAT, 0)))
+                   for c, s in zip(counts, stats, strict=True)))
 
 
 def drain(timeout_s: float) -> None:

@@ -56,6 +56,7 @@ from deployments.control.prediction import (
 from deployments.control.summary import KVLayoutMismatch, ReplicaKV, summarize_workers
 from deployments.control.wire import (
     DRAIN_STAT,
+    HTTP_IN_FLIGHT_STAT,
     Prediction,
     ReplicaSpec,
     ReplicaVerdict,
@@ -381,7 +382,9 @@ class DSv4ServerMixin:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve LLM's routing stats plus whether the KV-spec router must skip us."""
         stats = await super().record_routing_stats() or {}  # type: ignore[misc]
-        return dict(stats) | drain_stats(self._verdict)
+        guard = edge.current()
+        held = {HTTP_IN_FLIGHT_STAT: guard.in_flight} if guard is not None else {}
+        return dict(stats) | drain_stats(self._verdict) | held
 
     async def check_health(self) -> None:
         """Engine health first; then, if our verdict says so, fail so Serve replaces us.
