@@ -174,6 +174,11 @@ class _Rejected(Exception):
         self.headers = headers or []
 
 
+# Serve's proxy turns this header into a multiplexed (LoRA) model id; refused with
+# LoRA itself (``deployments.serving.builder.refuse_lora``).
+MULTIPLEXED_HEADER = b"serve_multiplexed_model_id"
+
+
 class EdgeMiddleware:
     """See the module docstring. Reads its settings from the installed ``EdgeGuard``."""
 
@@ -225,6 +230,11 @@ class EdgeMiddleware:
                                 "`Authorization: Bearer <key>` with a key the server "
                                 "operator gave you.", "authentication_error",
                                 headers=[(b"www-authenticate", b"Bearer")])
+        if _header(scope, MULTIPLEXED_HEADER):
+            raise _Rejected(400, f"header {MULTIPLEXED_HEADER.decode()} asks for a LoRA "
+                            "adapter (Serve model multiplexing); this deployment serves "
+                            "no adapters. Fix: drop the header and name the base model in "
+                            "`model`.", "invalid_request_error")
         route = _check_route(path, method)
         if route.stateful and not settings.responses_store and route is not _RESPONSES:
             raise _Rejected(404, f"response {routes.response_id(path)} was not stored: this "

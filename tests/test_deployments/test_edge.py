@@ -404,6 +404,17 @@ def test_transfer_params_from_a_client_are_refused_on_every_route(
     assert probe.body_reads == 0
 
 
+def test_a_lora_multiplexing_header_is_a_400_before_the_body_is_read(probe: Probe) -> None:
+    app = build(HTTPEdge(), probe)
+    guard(HTTPEdge())
+    status, _, data = run(call(app, "POST", "/v1/chat/completions", b'{"model": "m"}',
+                               headers={"serve_multiplexed_model_id": "adapter-1"},
+                               read_forbidden=True))
+    err = error(data)
+    assert status == 400 and "serve_multiplexed_model_id" in err["message"]
+    assert "Fix:" in err["message"] and probe.body_reads == 0
+
+
 def test_a_body_of_escaped_quotes_is_judged_in_linear_time(probe: Probe) -> None:
     """1 MiB of an unterminated string of escaped quotes: the old pattern rescanned from
     every quote (about 50 minutes at this size); one pass now, also with a trailing
