@@ -91,8 +91,8 @@ def _standin() -> TestClient:
 
 
 def test_an_exception_on_a_read_route_is_a_scrubbed_500() -> None:
-    """The ``serve_multiplexed_model_id`` header's 500 (Ray Serve LLM's LoRA resolver
-    raises ValueError) reaches a client like this one: scrubbed."""
+    """An exception inside the app (here the ValueError Ray Serve LLM's LoRA resolver
+    raises; the edge now refuses its header first) reaches a client scrubbed."""
     resp = _standin().get("/v1/models", headers={"x-request-id": "req-x"})
     _scrubbed(resp, "req-x")
 
