@@ -1,7 +1,9 @@
 """``dsv4-serve run`` as a user runs it: boots, prints URL + consensus + first token, stops clean.
 
-Runs in its own process (its own private Ray cluster) before the session stack of
-test_serving.py boots: both use port 8000, and the session fixture starts lazily.
+Runs in its own process (its own private Ray cluster) on the default config with its
+two doors moved to ports 8020 (replicas) and 8021 (Serve's proxy): the session stack
+(``conftest.serve_stack``, booted by test_kv_controller.py, which sorts first) holds 8000
+and 8500 for the whole session, and ``run`` refuses a busy port before Ray starts.
 """
 
 from __future__ import annotations
@@ -15,16 +17,30 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from benchmarks.kv_poll import TRANSIENT, kv_report
 from benchmarks.multinode_scenario import FULL_FAULTS
 from benchmarks.run_process import SERVING_LINE, descendants, read_until_serving
+from deployments.config import DEFAULT_CONFIG
 from tests.support.procs import alive
 
 pytestmark = pytest.mark.slow
 
 BOOT_TIMEOUT_S = 420
 STOP_TIMEOUT_S = 90
+PORT = 8020  # the replicas' own door; Serve's proxy on PORT + 1
+URL = f"http://127.0.0.1:{PORT}/v1"
+
+
+def default_config_on_own_ports(tmp_path: Path) -> Path:
+    """configs/local-cpu.yaml as shipped, only its two ports moved off the session stack's."""
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    raw["http_options"]["port"] = PORT + 1
+    raw["applications"][0]["args"]["http"]["replica_port"] = PORT
+    path = tmp_path / "local-cpu-own-ports.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
 
 
 def processes_named(pids: set[int], fragment: bytes) -> list[int]:
@@ -69,7 +85,8 @@ def kill_one_replica_and_wait_for_its_replacement(url: str, run_pid: int) -> Non
           f"{time.monotonic() - killed_at:.1f} s")
 
 
-def test_run_serves_heals_a_killed_replica_and_a_group_sigterm_leaves_nothing() -> None:
+def test_run_serves_heals_a_killed_replica_and_a_group_sigterm_leaves_nothing(
+        tmp_path: Path) -> None:
     """Boot as a user does; SIGKILL a replica, Serve replaces it (``make test-faults``
     only: one more engine boot); then SIGTERM to the
     whole process group (``kill -TERM -PGID``, systemd's control-group stop): gcs_server
@@ -77,14 +94,15 @@ def test_run_serves_heals_a_killed_replica_and_a_group_sigterm_leaves_nothing() 
     (``VLLM::EngineCore``/``VLLM::Worker``) with its replica; ``run`` exits 0."""
     exe = Path(sys.executable).with_name("dsv4-serve")
     started = time.monotonic()
-    proc = subprocess.Popen([str(exe), "run"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([str(exe), "run", str(default_config_on_own_ports(tmp_path))],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env=os.environ | {"PYTHONUNBUFFERED": "1"})
     try:
         out = read_until_serving(proc, BOOT_TIMEOUT_S - (time.monotonic() - started))
         print(out)
         assert SERVING_LINE in out, out[-4000:]
-        assert "OpenAI base URL: http://127.0.0.1:8000/v1" in out
+        assert f"OpenAI base URL: {URL}" in out
         assert re.search(r"KV spec: agree \(policy enforce, expected fp8_ds_mla, "
                          r"reference prediction[^)]*\); 2/2", out), out[-4000:]
         first = re.search(r"first token after ([\d.]+) s \(request latency ([\d.]+) s\)", out)
@@ -93,7 +111,7 @@ def test_run_serves_heals_a_killed_replica_and_a_group_sigterm_leaves_nothing() 
               f"request latency {first.group(2)} s")
         engines_before = set(processes_named(descendants(proc.pid), b"VLLM::EngineCore"))
         if FULL_FAULTS:
-            kill_one_replica_and_wait_for_its_replacement("http://127.0.0.1:8000/v1", proc.pid)
+            kill_one_replica_and_wait_for_its_replacement(URL, proc.pid)
     finally:
         started_pids = descendants(proc.pid)
         engines = set(processes_named(started_pids, b"VLLM::"))

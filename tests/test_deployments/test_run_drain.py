@@ -3,10 +3,10 @@
 ``test_run_cli.py`` proves a clean stop of an idle stack; this proves the drain:
 requests already streaming when SIGTERM arrives run to their last token (Serve
 drains replicas before their vLLM engines stop), and afterwards no Ray or vLLM
-process started by the run survives. One replica on port 8010 (its own private
-Ray cluster) keeps the boot short and never collides with the session stack.
-The file name sorts right after ``test_run_cli.py``, before any test boots the
-session stack, so only one stack holds the 2 cores at a time.
+process started by the run survives. One replica on port 8010 (Serve's proxy on
+8011; its own private Ray cluster) keeps the boot short and never collides with the
+session stack, which holds 8000 and 8500 from test_kv_controller.py on and idles
+while this runs.
 """
 
 from __future__ import annotations
