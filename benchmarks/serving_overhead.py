@@ -477,8 +477,32 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]
         stats: dict[str, Any] = {k: {"median": statistics.median(r[k] for r in rs),
                                      "min": min(r[k] for r in rs), "max": max(r[k] for r in rs)}
                                  for k in KEYS if all(k in r for r in rs)}
-        out[arm] = stats | {"failed": sum(r["failed"] for r in rs), "runs": len(rs)}
+        out[arm] = stats | {"failed": sum(r["failed"] for r in rs), "runs": len(rs),
+                            "by_round": by_round(rs)}
     return out
+
+
+def by_round(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """An arm's runs keyed "round.n" (the n-th run of that round; a JSON key): what
+    pairs it with the other arms' runs of the same round (alternating order, the same
+    box state)."""
+    seen: dict[int, int] = {}
+    out = {}
+    for r in runs:
+        n = seen[r.get("round", 0)] = seen.get(r.get("round", 0), -1) + 1
+        out[f"{r.get('round', 0)}.{n}"] = r
+    return out
+
+
+def paired_ratio(agg: dict[str, dict[str, Any]], key: str, other: str,
+                 arm: str = "ours") -> float | None:
+    """The median over rounds of arm/other within each round. Rounds alternate the
+    arms' order and a busy box slows every arm of its round alike, so the per-round
+    ratio is the steadier estimate; None when no round has both."""
+    mine, theirs = agg[arm]["by_round"], agg[other]["by_round"]
+    ratios = [mine[k][key] / theirs[k][key] for k in mine.keys() & theirs.keys()
+              if key in mine[k] and key in theirs[k] and theirs[k][key]]
+    return statistics.median(ratios) if ratios else None
 
 
 def ratio(agg: dict[str, dict[str, Any]], key: str, other: str,
@@ -491,7 +515,8 @@ def ratio(agg: dict[str, dict[str, Any]], key: str, other: str,
 
 
 def table(agg: dict[str, dict[str, Any]]) -> str:
-    """Markdown: median (min-max) per arm, ours/other ratios (``~`` = inside the spread)."""
+    """Markdown: median (min-max) per arm, ours/other ratios of the medians (``~`` =
+    inside the spread) and, over several rounds, ``[median of the per-round ratios]``."""
     arms = [a for a in ARMS if a in agg]
     pairs = [("ours", a) for a in arms if a != "ours"] if "ours" in agg else []
     if "vllm" in agg:  # every other arm against plain vLLM too
@@ -505,7 +530,9 @@ def table(agg: dict[str, dict[str, Any]]) -> str:
                  f"{agg[a][key]['max']:.2f})" for a in arms]
         for a, o in pairs:
             value, noise = ratio(agg, key, o, a)
-            cells.append(f"{value:.3f}" + (" ~" if noise else ""))
+            paired = paired_ratio(agg, key, o, a) if agg[a]["runs"] > 1 else None
+            cells.append(f"{value:.3f}" + (" ~" if noise else "")
+                         + (f" [{paired:.3f}]" if paired is not None else ""))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("| failed requests | " + " | ".join(str(agg[a]["failed"]) for a in arms)
                  + " |" * (len(pairs) + 1))
