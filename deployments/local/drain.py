@@ -153,6 +153,9 @@ def stop_everything(stop: StopSignal, config: ServeConfig) -> None:
     try:
         if stop.draining and cluster_alive:
             cluster_alive = drain_while_cluster_lives(drain_deadline_s(config))
+    except KeyboardInterrupt:  # a second signal before the drain's own wait began
+        print("second signal: not waiting for in-flight requests", file=sys.stderr,
+              flush=True)
     finally:
         stop.draining = False
         if cluster_alive and gcs_reachable():

@@ -200,3 +200,27 @@ def test_http_settings_reach_the_engine_and_contradictions_are_refused() -> None
     on = copy.deepcopy(base)
     on["http"]["responses_store"] = True  # a fleet too: follow-ups are relayed
     assert codes(on) & {"responses-store-conflict"} == set()
+
+
+def test_a_second_signal_as_the_drain_begins_still_shuts_down_cleanly(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two SIGTERMs back to back (``timeout`` forwarding one, systemd sending another):
+    the second lands as the drain starts. ``run`` stops waiting and shuts Serve and Ray
+    down; the interrupt must not escape (Ray's excepthook would then block 60 s on a
+    GCS that the shutdown just stopped, keeping the replicas alive)."""
+    import ray
+
+    from deployments.local import drain
+
+    def second_signal(_timeout_s: float) -> bool:
+        raise KeyboardInterrupt
+
+    stopped: list[str] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(drain, "gcs_reachable", lambda: True)
+    monkeypatch.setattr(drain, "drain_deadline_s", lambda _config: 1.0)
+    monkeypatch.setattr(drain, "drain_while_cluster_lives", second_signal)
+    monkeypatch.setattr(drain, "shutdown", lambda: stopped.append("serve and ray"))
+    stop = drain.StopSignal(serving=True)
+    drain.stop_everything(stop, load_serve_config(DEFAULT_CONFIG))
+    assert stopped == ["serve and ray"] and stop.draining is False
