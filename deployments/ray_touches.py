@@ -299,25 +299,60 @@ TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="ray.quiet_local_head",
         target="ray._private.parameter:RayParams (no_monitor, include_log_monitor), read by "
-               "ray._private.node:Node.start_head_processes / start_ray_processes",
+               "ray._private.node:Node.start_head_processes / start_ray_processes; "
+               "ray._private.node:Node.start_api_server",
         used_in="deployments/local/ray_head.py start_cluster (quiet_head)",
-        why="ray.init starts the autoscaler monitor and the log monitor unconditionally; "
-            "the private one-node local cluster scales nothing and forwards no logs "
-            "(log_to_driver off by default): two Python processes that compete for the "
-            "cores while the head boots and poll at rest (docs/benchmarks.md §2g)",
+        why="ray.init starts the autoscaler monitor, the log monitor and (with "
+            "include_dashboard=False) a minimal dashboard head unconditionally; the "
+            "private one-node local cluster scales nothing, forwards no logs "
+            "(log_to_driver off by default) and reports no usage stats (ray.init sets "
+            "RAY_USAGE_STATS_ENABLED=0; the minimal head's one module is the usage "
+            "reporter): three Python processes that compete for the cores while the "
+            "head boots (ray.init waits for the dashboard head) and poll at rest "
+            "(docs/benchmarks.md §2g)",
         how="for the duration of ray.init(address='local') the RayParams class ray.init "
             "instantiates is a subclass that sets no_monitor=True and, unless "
-            "DSV4_LOG_TO_DRIVER=1, include_log_monitor=False; restored afterwards",
+            "DSV4_LOG_TO_DRIVER=1, include_log_monitor=False, and Node.start_api_server "
+            "starts nothing when include_dashboard is falsy and usage stats are off; "
+            "both restored afterwards",
         upstream="ray start has --no-monitor / --include-log-monitor; ray.init exposes "
-                 "neither (Ray 2.60)",
-        removal="when ray.init takes both options",
+                 "neither, and always starts the dashboard head (Ray 2.60)",
+        removal="when ray.init takes these options",
         probe=lambda: _symbols("ray._private.parameter", "RayParams")()
         or _source_mentions("ray._private.node", "Node.start_head_processes",
                             "self._ray_params.no_monitor")()
         or _source_mentions("ray._private.node", "Node.start_ray_processes",
                             "self._ray_params.include_log_monitor")()
         or _source_mentions("ray._private.worker", "init",
-                            "ray._private.parameter.RayParams(")(),
+                            "ray._private.parameter.RayParams(")()
+        or _source_mentions("ray._private.node", "Node.start_head_processes",
+                            "self.start_api_server(")()
+        or _parameter("ray._private.node", "Node.start_api_server", "raise_on_failure")()
+        or _symbols("ray._common.usage.usage_lib", "usage_stats_enabled")(),
+        required=False,
+    ),
+    RayTouch(
+        name="ray_llm.telemetry_push",
+        target="ray.llm._internal.serve.core.server.llm_server:"
+               "push_telemetry_report_for_all_models (called by LLMServer._start_engine)",
+        used_in="deployments/serving/boot.py keep_telemetry_off_boot_path",
+        why="after the engine starts, LLMServer blocks on a usage report to a detached "
+            "TelemetryAgent actor: a fresh worker process and Ray Serve LLM's imports on "
+            "the replica's boot path (~3 s of a 2-core local boot) and a resident process "
+            "(0.8 % of a core at rest), for Ray's usage stats only (docs/benchmarks.md §2g)",
+        how="in each replica process, once, the module attribute is replaced by a wrapper "
+            "that does nothing when ray._common.usage.usage_lib.usage_stats_enabled() is "
+            "False (ray.init clusters set RAY_USAGE_STATS_ENABLED=0 themselves) and "
+            "otherwise runs the original on a daemon thread",
+        upstream="none: the push is synchronous in Ray 2.60 (llm_server.py _start_engine)",
+        removal="when Ray Serve LLM pushes the report off the start path or skips it with "
+                "usage stats off",
+        probe=lambda: _symbols("ray.llm._internal.serve.core.server.llm_server",
+                               "push_telemetry_report_for_all_models")()
+        or _source_mentions("ray.llm._internal.serve.core.server.llm_server",
+                            "LLMServer._start_engine",
+                            "push_telemetry_report_for_all_models(")()
+        or _symbols("ray._common.usage.usage_lib", "usage_stats_enabled")(),
         required=False,
     ),
     RayTouch(

@@ -68,6 +68,7 @@ from deployments.http.auth import KeyFileStatus, KeyFileWatcher
 from deployments.http.listener import ReplicaListener
 from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
+from deployments.serving import boot
 from deployments.serving.names import TARGET_KWARG
 from deployments.serving.relay import Relay, serve_relayed
 from dsv4_patch import node as node_info
@@ -218,6 +219,7 @@ class DSv4ServerMixin:
         self._prediction, self._own_prediction = self._predictions(base_config, llm_config)
         self._verdict = ReplicaVerdict()
         self._kv: ReplicaKV | None = None
+        boot.keep_telemetry_off_boot_path()
         started = time.monotonic()
         await super().__init__(llm_config, **kwargs)  # type: ignore[misc]  # the server base
         self._engine_start_s = round(time.monotonic() - started, 1)
