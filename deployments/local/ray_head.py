@@ -12,6 +12,7 @@ import ipaddress
 import os
 import socket
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from deployments import ray_touches, serve_env
 from deployments.config import ConfigError, ServeConfig, sizing
@@ -105,15 +106,19 @@ def loopback_node_ip() -> Iterator[None]:
 
 @contextlib.contextmanager
 def quiet_head(log_to_driver: bool) -> Iterator[None]:
-    """Start the private local head without the two daemons it cannot use.
+    """Start the private local head without the three daemons it cannot use.
 
     ``ray.init`` always starts the autoscaler monitor (a fixed one-node cluster has
-    nothing to scale) and the log monitor (which only forwards worker logs to the
-    driver: off unless ``DSV4_LOG_TO_DRIVER=1``). Each is a Python process that
-    imports Ray while the head boots and polls at rest (docs/benchmarks.md §2g). For
-    the duration of ``ray.init`` the ``RayParams`` it builds get ``no_monitor`` and,
-    without log forwarding, ``include_log_monitor=False`` (``ray_touches``:
-    ``ray.quiet_local_head``); logs stay in Ray's session directory either way.
+    nothing to scale), the log monitor (which only forwards worker logs to the
+    driver: off unless ``DSV4_LOG_TO_DRIVER=1``) and, with ``include_dashboard=False``,
+    a minimal dashboard head whose one module is Ray's usage-stats reporter, which
+    ``ray.init`` itself turns off (``RAY_USAGE_STATS_ENABLED=0`` on release wheels).
+    Each is a Python process that imports Ray while the head boots (``ray.init`` waits
+    for the dashboard head) and polls at rest (docs/benchmarks.md §2g). For the
+    duration of ``ray.init`` the ``RayParams`` it builds get ``no_monitor`` and, without
+    log forwarding, ``include_log_monitor=False``; the dashboard head is not started
+    while usage stats are off (``ray_touches``: ``ray.quiet_local_head``). Logs stay in
+    Ray's session directory either way.
     """
     if not ray_touches.present("ray.quiet_local_head"):
         logger.warning("dsv4: this Ray lacks ray.quiet_local_head (deployments/"
@@ -121,9 +126,12 @@ def quiet_head(log_to_driver: bool) -> Iterator[None]:
                        "monitors too (more CPU at boot and at rest, nothing lost)")
         yield
         return
-    from ray._private import parameter
+    from ray._common.usage import usage_lib
+    from ray._private import node, parameter
 
     real = parameter.RayParams
+    real_api_server = node.Node.start_api_server
+    skipped: list[str] = []
 
     class QuietHeadParams(real):  # type: ignore[misc, valid-type]
         def __init__(self, *args: object, **kwargs: object) -> None:
@@ -132,14 +140,27 @@ def quiet_head(log_to_driver: bool) -> Iterator[None]:
             if not log_to_driver:
                 self.include_log_monitor = False
 
+    def start_api_server(self: Any, *, include_dashboard: bool | None,
+                         raise_on_failure: bool) -> None:
+        # Read when ray.init calls it: ray.init has set the usage-stats env by then.
+        if include_dashboard or usage_lib.usage_stats_enabled():
+            return real_api_server(self, include_dashboard=include_dashboard,
+                                   raise_on_failure=raise_on_failure)
+        skipped.append("the dashboard head (usage stats are off: its one module)")
+        return None
+
     parameter.RayParams = QuietHeadParams
+    node.Node.start_api_server = start_api_server
     try:
         yield
     finally:
         parameter.RayParams = real
-    logger.info("dsv4: local Ray head without the autoscaler monitor%s (fixed one-node "
-                "cluster)", "" if log_to_driver else " and the log monitor (no log "
-                "forwarding to the driver; DSV4_LOG_TO_DRIVER=1 keeps it)")
+        node.Node.start_api_server = real_api_server
+    left_out = ["the autoscaler monitor (fixed one-node cluster)"]
+    if not log_to_driver:
+        left_out.append("the log monitor (no log forwarding to the driver; "
+                        "DSV4_LOG_TO_DRIVER=1 keeps it)")
+    logger.info("dsv4: local Ray head without %s", ", ".join(left_out + skipped))
 
 
 def check_loopback_node() -> None:

@@ -79,3 +79,27 @@ def test_the_local_head_starts_without_the_monitors_it_cannot_use(log_to_driver:
         assert params.include_log_monitor is (None if log_to_driver else False)
     assert parameter.RayParams is real
     assert real(num_cpus=1).no_monitor is False
+
+
+@pytest.mark.parametrize("usage_stats", ["0", "1"])
+def test_the_local_head_starts_no_dashboard_head_while_usage_stats_are_off(
+        usage_stats: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The minimal dashboard head's one module reports usage stats: with them off (what
+    ray.init sets) it is not started; with them on, or a dashboard asked for, it is."""
+    from ray._private import node
+
+    from deployments.local.ray_head import quiet_head
+
+    calls: list[bool | None] = []
+
+    def recorder(self: object, *, include_dashboard: bool | None,
+                 raise_on_failure: bool) -> None:
+        calls.append(include_dashboard)
+
+    monkeypatch.setattr(node.Node, "start_api_server", recorder)
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", usage_stats)
+    with quiet_head(log_to_driver=False):
+        node.Node.start_api_server(object(), include_dashboard=False, raise_on_failure=False)
+        node.Node.start_api_server(object(), include_dashboard=True, raise_on_failure=True)
+    assert node.Node.start_api_server is recorder  # restored
+    assert calls == ([False, True] if usage_stats == "1" else [True])
