@@ -99,18 +99,15 @@ def drain_while_cluster_lives(timeout_s: float) -> bool:
     stops gcs_server and the raylet together with us, possibly while the drain is
     under way; a Serve call then blocks for 60 s before Ray ends this process with
     an error. Nothing is left to drain then: the replicas died with the raylet and
-    their engines with them (``dsv4_patch.patches.lifetime``). A second signal stops waiting.
+    their engines with them (``dsv4_patch.patches.lifetime``). A second signal
+    (KeyboardInterrupt) ends the wait: ``stop_everything`` catches it and shuts down.
     """
     worker = threading.Thread(target=drain, args=(timeout_s,), name="dsv4-drain", daemon=True)
     worker.start()
-    try:
-        while worker.is_alive():
-            worker.join(GCS_POLL_S)
-            if worker.is_alive() and not gcs_reachable():
-                return False
-    except KeyboardInterrupt:
-        print("second signal: not waiting for in-flight requests", file=sys.stderr,
-              flush=True)
+    while worker.is_alive():
+        worker.join(GCS_POLL_S)
+        if worker.is_alive() and not gcs_reachable():
+            return False
     return True
 
 
@@ -153,7 +150,7 @@ def stop_everything(stop: StopSignal, config: ServeConfig) -> None:
     try:
         if stop.draining and cluster_alive:
             cluster_alive = drain_while_cluster_lives(drain_deadline_s(config))
-    except KeyboardInterrupt:  # a second signal before the drain's own wait began
+    except KeyboardInterrupt:  # a second signal, before or during the drain's wait
         print("second signal: not waiting for in-flight requests", file=sys.stderr,
               flush=True)
     finally:
