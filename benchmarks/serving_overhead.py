@@ -489,8 +489,9 @@ def by_round(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     seen: dict[int, int] = {}
     out = {}
     for r in runs:
-        n = seen[r.get("round", 0)] = seen.get(r.get("round", 0), -1) + 1
-        out[f"{r.get('round', 0)}.{n}"] = r
+        rnd = r.get("round", 0)
+        seen[rnd] = seen.get(rnd, -1) + 1
+        out[f"{rnd}.{seen[rnd]}"] = r
     return out
 
 
