@@ -89,7 +89,7 @@ def loopback_node_ip() -> Iterator[None]:
     Serve's HTTP proxy is not affected: it binds ``http_options.host``.
     """
     if not ray_touches.present("ray.loopback_node_ip"):
-        logger.error("dsv4: this Ray lacks ray.loopback_node_ip (deployments/ray_touches.py): "
+        logger.error("dsv4: this Ray lacks ray.loopback_node_ip (deployments/ray_touches/): "
                      "the local cluster's ports, its metrics endpoint among them, bind every "
                      "interface. Fix: install the pinned Ray, or firewall the node.")
         yield
@@ -122,7 +122,7 @@ def quiet_head(log_to_driver: bool) -> Iterator[None]:
     """
     if not ray_touches.present("ray.quiet_local_head"):
         logger.warning("dsv4: this Ray lacks ray.quiet_local_head (deployments/"
-                       "ray_touches.py): the local head starts its autoscaler and log "
+                       "ray_touches/): the local head starts its autoscaler and log "
                        "monitors too (more CPU at boot and at rest, nothing lost)")
         yield
         return

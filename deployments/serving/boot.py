@@ -101,7 +101,7 @@ def keep_telemetry_off_boot_path() -> None:
             return
         if not ray_touches.present("ray_llm.telemetry_push"):
             logger.warning("dsv4: this Ray lacks ray_llm.telemetry_push (deployments/"
-                           "ray_touches.py): Ray Serve LLM's usage report stays on the "
+                           "ray_touches/): Ray Serve LLM's usage report stays on the "
                            "replica's boot path (slower start, nothing lost)")
             _telemetry_installed = True
             return

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -62,32 +61,6 @@ def test_check_returns_problems_and_the_loader_raises_them():
     with pytest.raises(ValueError, match="block_size=64 on a CPU node") as info:
         parse_app_args(args)
     assert "accelerator_type='H100'" in str(info.value)  # every problem, not the first
-
-
-def test_ray_touches_are_documented_and_probed():
-    """Every Ray internal has the vLLM patches' documentation fields and a probe that can fail."""
-    from deployments import ray_touches
-
-    rows = ray_touches.probe_all()
-    assert len(rows) == len(ray_touches.TOUCHES) >= 10
-    for row in rows:
-        assert all(row[k] for k in ("target", "why", "how", "upstream", "affected", "removal"))
-        assert row["present"], row  # the pinned Ray has every one of them
-    ray_touches.require(pd=True)
-    assert ray_touches.present("serve.broadcast_per_replica_results")
-    with pytest.raises(KeyError, match="no Ray touch named 'nope'"):
-        ray_touches.present("nope")
-    # A missing P/D-only touch refuses a P/D build only; an optional one never.
-    gone = dataclasses.replace(ray_touches.TOUCHES[0], name="gone",
-                               probe=ray_touches._symbols("ray.serve", "no_such_symbol"))
-    ray_touches.require(touches=(dataclasses.replace(gone, pd_only=True),))
-    ray_touches.require(pd=True, touches=(dataclasses.replace(gone, required=False),))
-    with pytest.raises(RuntimeError, match=r"(?s)gone .*no_such_symbol.*Fix"):
-        ray_touches.require(pd=True, touches=(dataclasses.replace(gone, pd_only=True),))
-    assert ray_touches._parameter("ray", "init", "_no_such_kwarg")() is not None
-    assert ray_touches._symbols("ray.serve", "no_such_symbol")() is not None
-    assert ray_touches._source_mentions("ray.serve.llm", "LLMConfig.update_engine_kwargs",
-                                        "no such text")() is not None
 
 
 def test_lora_is_refused_not_ignored():

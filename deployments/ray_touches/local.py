@@ -1,0 +1,163 @@
+"""The Ray internals the local cluster of ``dsv4-serve run`` touches: head, drain, nodes."""
+
+from __future__ import annotations
+
+from deployments.ray_touches.probes import (
+    RayTouch,
+    attr_chain,
+    every,
+    parameter,
+    source_mentions,
+    symbols,
+)
+
+TOUCHES: tuple[RayTouch, ...] = (
+    RayTouch(
+        name="serve.replica_ongoing_requests",
+        target="ray.serve._private.replica:ReplicaActor.get_num_ongoing_requests, "
+               "record_routing_stats",
+        used_in=("deployments.local.drain:in_flight_requests",),
+        why="the count of in-flight requests the drain waits for: Serve's own count, and "
+            "the edge's (dsv4_http_in_flight in our routing stats), which also sees the "
+            "requests on the replicas' own port (http.replica_port) that Serve never routes",
+        how="call both on each ingress replica actor, take the larger per replica (10 s "
+            "bound; a failure is logged and the drain goes on)",
+        upstream="private actor method",
+        removal="as serve.replica_ids",
+        probe=every(attr_chain("ray.serve._private.replica",
+                               "ReplicaActor.get_num_ongoing_requests"),
+                    attr_chain("ray.serve._private.replica",
+                               "ReplicaActor.record_routing_stats")),
+        required=False,
+    ),
+    RayTouch(
+        name="serve.delete_nonblocking",
+        target="ray.serve:delete(_blocking=False)",
+        used_in=("deployments.local.drain:drain",),
+        why="deleting every application at once lets their drains overlap; a blocking "
+            "delete would drain them one after another",
+        how="delete each app without waiting, then poll serve.status() until all are gone",
+        upstream="underscore parameter of the public serve.delete",
+        removal="when serve.delete takes several names or a public non-blocking flag",
+        probe=parameter("ray.serve", "delete", "_blocking"),
+        required=False,
+    ),
+    RayTouch(
+        name="ray.metrics_export_port",
+        target="ray:init(_metrics_export_port=)",
+        used_in=("deployments.local.ray_head:start_cluster",),
+        why="`dsv4-serve run` prints the Prometheus URL, so the port must be ours to know",
+        how="pass a free port to ray.init of the private local cluster",
+        upstream="underscore keyword of ray.init (popped from **kwargs)",
+        removal="when ray.init takes a public metrics port",
+        probe=parameter("ray", "init", "_metrics_export_port"),
+        required=False,
+    ),
+    RayTouch(
+        name="ray.loopback_node_ip",
+        target="ray._private.ray_constants:ENABLE_RAY_CLUSTER, read by "
+               "ray._private.services:get_node_ip_address",
+        used_in=("deployments.local.ray_head:loopback_node_ip",
+                 "deployments.local.ray_head:check_loopback_node"),
+        why="the private local cluster's Prometheus endpoint (the dashboard agent's "
+            "metrics server, no auth) bound every interface: reporter_agent binds "
+            "get_localhost_ip() only when the node IP is loopback, and on Linux the node "
+            "IP is the routable one; ray.init(_node_ip_address='127.0.0.1') does not help "
+            "(resolve_ip_for_localhost turns it back into the routable IP)",
+        how="False for the duration of ray.init(address='local'): get_node_ip_address() "
+            "then answers 127.0.0.1 (Ray's macOS/Windows default), so the node, and every "
+            "port Ray opens for it (GCS, raylet, agents, metrics), binds loopback; "
+            "start_cluster checks the node IP afterwards and logs an ERROR if not",
+        upstream="no public option in Ray 2.60 for the metrics server's bind address or a "
+                 "loopback node on Linux",
+        removal="when ray.init or the metrics agent takes a bind address",
+        probe=every(symbols("ray._private.ray_constants", "ENABLE_RAY_CLUSTER"),
+                    source_mentions("ray._private.services", "get_node_ip_address",
+                                    "ray_constants.ENABLE_RAY_CLUSTER"),
+                    source_mentions("ray.dashboard.modules.reporter.reporter_agent",
+                                    "ReporterAgent.__init__", "is_localhost(self._ip)")),
+        required=False,
+    ),
+    RayTouch(
+        name="ray.quiet_local_head",
+        target="ray._private.parameter:RayParams (no_monitor, include_log_monitor), read by "
+               "ray._private.node:Node.start_head_processes / start_ray_processes; "
+               "ray._private.node:Node.start_api_server",
+        used_in=("deployments.local.ray_head:quiet_head",),
+        why="ray.init starts the autoscaler monitor, the log monitor and (with "
+            "include_dashboard=False) a minimal dashboard head unconditionally; the "
+            "private one-node local cluster scales nothing, forwards no logs "
+            "(log_to_driver off by default) and reports no usage stats (ray.init sets "
+            "RAY_USAGE_STATS_ENABLED=0; the minimal head's one module is the usage "
+            "reporter): three Python processes that compete for the cores while the "
+            "head boots (ray.init waits for the dashboard head) and poll at rest "
+            "(docs/benchmarks.md §2g)",
+        how="for the duration of ray.init(address='local') the RayParams class ray.init "
+            "instantiates is a subclass that sets no_monitor=True and, unless "
+            "DSV4_LOG_TO_DRIVER=1, include_log_monitor=False, and Node.start_api_server "
+            "starts nothing when include_dashboard is falsy and usage stats are off; "
+            "both restored afterwards",
+        upstream="ray start has --no-monitor / --include-log-monitor; ray.init exposes "
+                 "neither, and always starts the dashboard head (Ray 2.60)",
+        removal="when ray.init takes these options",
+        probe=every(symbols("ray._private.parameter", "RayParams"),
+                    source_mentions("ray._private.node", "Node.start_head_processes",
+                                    "self._ray_params.no_monitor"),
+                    source_mentions("ray._private.node", "Node.start_ray_processes",
+                                    "self._ray_params.include_log_monitor"),
+                    source_mentions("ray._private.worker", "init",
+                                    "ray._private.parameter.RayParams("),
+                    source_mentions("ray._private.node", "Node.start_head_processes",
+                                    "self.start_api_server("),
+                    parameter("ray._private.node", "Node.start_api_server",
+                              "raise_on_failure"),
+                    symbols("ray._common.usage.usage_lib", "usage_stats_enabled")),
+        required=False,
+    ),
+    RayTouch(
+        name="serve.local_quiet_env",
+        target="ray.serve._private.constants: CONTROL_LOOP_INTERVAL_S "
+               "(RAY_SERVE_CONTROL_LOOP_INTERVAL_S), RAY_SERVE_METRICS_EXPORT_INTERVAL_MS",
+        used_in=("deployments.serve_env:LOCAL_QUIET_ENV",
+                 "deployments.serve_env:apply_local_quiet",
+                 "deployments.local.ray_head:start_cluster"),
+        why="a local run idles quietly: Serve's 10 Hz control loop and 10 Hz metrics flush "
+            "are most of what the app costs at rest on a small box (docs/benchmarks.md §2f)",
+        how="process environment before the local Ray starts; a value the user set wins",
+        upstream="environment variables read in constants.py, not in Serve's documented "
+                 "settings",
+        removal="when Serve offers a documented idle or local profile",
+        probe=symbols("ray.serve._private.constants", "CONTROL_LOOP_INTERVAL_S",
+                      "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"),
+        required=False,
+    ),
+    RayTouch(
+        name="serve.direct_ingress_port_range",
+        target="ray.serve._private.constants: RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT / "
+               "MAX_HTTP_PORT (range(MIN, MAX) in node_port_manager.PortAllocator)",
+        used_in=("deployments.serve_env:direct_env",),
+        why="pin the one replica's own HTTP port so a client can find it under direct "
+            "ingress (Serve otherwise picks from 30000-31000)",
+        how="process environment before Ray starts; MIN=p, MAX=p+1",
+        upstream="environment variables in constants.py; no public way to learn a "
+                 "replica's direct-ingress port",
+        removal="when Serve publishes replica ports or balances direct ingress itself",
+        probe=symbols("ray.serve._private.constants", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+                      "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"),
+        required=False,
+    ),
+    RayTouch(
+        name="autoscaler.fake_multinode",
+        target="ray.autoscaler._private.fake_multi_node.node_provider:FakeMultiNodeProvider",
+        used_in=("deployments.local.cluster:FAKE_PROVIDER",
+                 "deployments.local.cluster:ClusterSpec.autoscaling_config"),
+        why="Ray's real autoscaler adding and removing local raylets stands in for GPU nodes",
+        how="declared as an external provider module (Ray's wheel lacks the example.yaml "
+            "provider type fake_multinode reads)",
+        upstream="test utility, not a public API",
+        removal="when Ray ships a public local multi-node cluster",
+        probe=symbols("ray.autoscaler._private.fake_multi_node.node_provider",
+                      "FakeMultiNodeProvider"),
+        required=False,
+    ),
+)

@@ -1,0 +1,118 @@
+"""What a Ray touch is (``RayTouch``) and the probes that check one in the installed Ray.
+
+A probe reads the installed Ray without side effects and returns None when the internal
+is there as used, else what is missing. Each builder returns a plain named function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+Probe = Callable[[], "str | None"]  # None = present as used; else what is missing
+AFFECTED = "Ray 2.60.0 (checked; other releases are probed, not assumed)"
+
+
+@dataclass(frozen=True)
+class RayTouch:
+    """One use of a Ray internal, documented like a vLLM patch."""
+
+    name: str
+    target: str  # the internal symbol (module:attribute or a parameter)
+    used_in: tuple[str, ...]  # call sites, "module:qualname" (tests resolve each)
+    why: str
+    how: str
+    upstream: str
+    removal: str
+    probe: Probe
+    required: bool = True  # a missing required touch refuses build_app
+    affected: str = AFFECTED
+    pd_only: bool = False  # used by the P/D app only: refuses only a P/D build
+
+
+def symbols(module: str, *names: str) -> Probe:
+    """A probe: ``module`` imports and has every one of ``names``."""
+    def probe() -> str | None:
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as exc:
+            return f"cannot import {module}: {exc}"
+        missing = [n for n in names if not hasattr(mod, n)]
+        return f"{module} lacks {', '.join(missing)}" if missing else None
+    return probe
+
+
+def resolve(module: str, path: str) -> tuple[object | None, str | None]:
+    """(``module.path``, None), or (None, what is missing)."""
+    try:
+        obj: object = importlib.import_module(module)
+    except ImportError as exc:
+        return None, f"cannot import {module}: {exc}"
+    for part in path.split("."):
+        if not hasattr(obj, part):
+            return None, f"{module}.{path} does not exist ({part!r} missing)"
+        obj = getattr(obj, part)
+    return obj, None
+
+
+def attr_chain(module: str, path: str) -> Probe:
+    """A probe: ``module.path`` (dotted attributes) exists."""
+    def probe() -> str | None:
+        return resolve(module, path)[1]
+    return probe
+
+
+def every(*probes: Probe) -> Probe:
+    """A probe: the first of ``probes`` that finds something missing, else None."""
+    def probe() -> str | None:
+        return next((missing for p in probes if (missing := p()) is not None), None)
+    return probe
+
+
+def dataclass_field(module: str, path: str, field: str) -> Probe:
+    """A probe: the dataclass ``module.path`` declares ``field``."""
+    def probe() -> str | None:
+        obj, missing = resolve(module, path)
+        if missing:
+            return missing
+        fields = getattr(obj, "__dataclass_fields__", {})
+        return None if field in fields else f"{module}.{path} has no field {field!r}"
+    return probe
+
+
+def call_site_problem(site: str) -> str | None:
+    """None when ``site`` ("package.module:Qual.name") imports and resolves; else why not."""
+    module, sep, path = site.partition(":")
+    if not sep or not path:
+        return f"{site!r} is not 'module:qualname' (e.g. 'deployments.local.drain:drain')"
+    return resolve(module, path)[1]
+
+
+def source_mentions(module: str, path: str, text: str) -> Probe:
+    """A probe: the source of ``module.path`` contains ``text`` (a behaviour we rely on)."""
+    def probe() -> str | None:
+        obj, missing = resolve(module, path)
+        if missing:
+            return missing
+        try:
+            source = inspect.getsource(obj)  # type: ignore[arg-type]
+        except (OSError, TypeError) as exc:
+            return f"cannot read the source of {module}.{path}: {exc}"
+        return None if text in source else f"{module}.{path} no longer does {text!r}"
+    return probe
+
+
+def parameter(module: str, path: str, param: str) -> Probe:
+    """A probe: the callable ``module.path`` takes keyword ``param`` (or pops it from kwargs)."""
+    def probe() -> str | None:
+        obj, missing = resolve(module, path)
+        if missing:
+            return missing
+        func = inspect.unwrap(obj)  # type: ignore[arg-type]
+        if param in inspect.signature(func).parameters:
+            return None
+        return None if f'"{param}"' in inspect.getsource(func) else \
+            f"{module}.{path} does not take {param}"
+    return probe

@@ -1,0 +1,223 @@
+"""The Ray internals the served app touches: its replicas, its controller, its builders."""
+
+from __future__ import annotations
+
+from deployments.ray_touches.probes import (
+    RayTouch,
+    attr_chain,
+    dataclass_field,
+    every,
+    source_mentions,
+    symbols,
+)
+
+_LLM = "ray.llm._internal.serve"
+
+TOUCHES: tuple[RayTouch, ...] = (
+    RayTouch(
+        name="serve.late_bound_ingress",
+        target="ray.serve:ingress() without an app + "
+               f"{_LLM}.core.server.llm_server:LLMServer.__serve_build_asgi_app__",
+        used_in=("deployments.serving.server:DSv4ServerMixin.__serve_build_asgi_app__",
+                 "deployments.serving.server:listening_ingress",
+                 "deployments.http.front:harden"),
+        why="the ingress replica cost a Python hop per request and per streamed chunk "
+            "(TTFT 1.96x plain vLLM, docs/benchmarks.md 2a): the server replica answers "
+            "HTTP itself with vLLM's OpenAI app",
+        how="build_llm_deployment(deployment_cls=serve.ingress()(DSv4Server)); "
+            "DSv4Server.__serve_build_asgi_app__ hardens vLLM's app (front.harden)",
+        upstream="the late-bound hook is public Serve API in 2.60; Ray Serve LLM's direct "
+                 "streaming uses the same method (with HAProxy, binding all interfaces)",
+        removal="keep while Serve keeps the hook",
+        probe=attr_chain(f"{_LLM}.core.server.llm_server",
+                         "LLMServer.__serve_build_asgi_app__"),
+    ),
+    RayTouch(
+        name="llm.pd_direct_ingress_routes",
+        target=f"{_LLM}.serving_patterns.prefill_decode.pd_server:"
+               "PDOrchestratorMixin.__serve_build_asgi_app__",
+        used_in=("deployments.pd.builder:build_pd_app",
+                 "deployments.pd.server:DSv4PDDecodeServer"),
+        why="the P/D decode replica is the ingress (no ingress replica, as for one pool); "
+            "vLLM's own chat/completions routes would decode locally and skip the remote "
+            "prefill",
+        how="serve.ingress()(DSv4PDDecodeServer): the hook (reached through "
+            "DSv4ServerMixin.__serve_build_asgi_app__, which then hardens the app) re-points "
+            "/v1/chat/completions and /v1/completions at self.chat / self.completions, "
+            "ours: remote prefill only to a proven prefill replica (pd_route), else local",
+        upstream="Ray 2.60's direct-streaming P/D builder uses it (build_pd_openai_app "
+                 "with RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING); not public API",
+        removal="when Ray exports a P/D server whose ASGI app can be built without the "
+                "direct-streaming builder",
+        probe=every(
+                    source_mentions(f"{_LLM}.serving_patterns.prefill_decode.pd_server",
+                                    "PDOrchestratorMixin.__serve_build_asgi_app__", "self.chat("),
+                    source_mentions(f"{_LLM}.serving_patterns.prefill_decode.pd_server",
+                                    "PDOrchestratorMixin.__serve_build_asgi_app__",
+                                    "self.completions(")),
+        pd_only=True,
+    ),
+    RayTouch(
+        name="llm.deployment_name",
+        target=f"{_LLM}.core.server.builder:_get_deployment_name",
+        used_in=("deployments.serving.builder:server_deployment_name",),
+        why="the servers bind the controller (for /v1/kv-spec), so the controller finds "
+            "them by name: a Serve graph has no cycles",
+        how="the name build_llm_deployment gives: '<class>:' (P/D: 'Decode:') + "
+            "_get_deployment_name",
+        upstream="not public in Ray 2.60",
+        removal="when the builder exposes the deployment name",
+        probe=symbols(f"{_LLM}.core.server.builder", "_get_deployment_name"),
+    ),
+    RayTouch(
+        name="llm.node_init_callback",
+        target="ray.llm._internal.common.callbacks.base:CallbackBase, "
+               "CallbackCtx.run_init_node",
+        used_in=("deployments.serving.boot:LocalModelCallback.on_before_node_init",
+                 "deployments.serving.builder:with_boot_callback"),
+        why="Ray Serve LLM runs a per-node download task (a fresh Ray worker) before every "
+            "engine boot, also for a local model directory (~15 s of a loaded 2-core boot)",
+        how="LLMConfig.callback_config (public) with our callback, which sets "
+            "ctx.run_init_node = False only for a local directory on a one-node group",
+        upstream="callback_config is public; CallbackBase has no public re-export in 2.60",
+        removal="when Ray skips initialize_node for local paths, or exports CallbackBase",
+        probe=every(symbols("ray.llm._internal.common.callbacks.base", "CallbackBase",
+                            "CallbackCtx"),
+                    dataclass_field("ray.llm._internal.common.callbacks.base",
+                                    "CallbackCtx", "run_init_node")),
+    ),
+    RayTouch(
+        name="serve.proxy_host",
+        target="ray.serve.context:_get_global_client().http_config.host",
+        used_in=("deployments.http.front:proxy_host",),
+        why="the edge requires an API key unless Serve's proxies bind a loopback address; "
+            "only the Serve controller knows the bind address",
+        how="read it once when a server replica starts; unknown = treated as reachable",
+        upstream="no public accessor for the running http_options in Ray 2.60",
+        removal="when serve exposes the running HTTP options",
+        probe=symbols("ray.serve.context", "_get_global_client"),
+    ),
+    RayTouch(
+        name="serve.direct_ingress_flag",
+        target="ray.serve._private.constants: RAY_SERVE_ENABLE_DIRECT_INGRESS as Serve "
+               "resolved it (RAY_SERVE_THROUGHPUT_OPTIMIZED and RAY_SERVE_ENABLE_HA_PROXY "
+               "turn it on)",
+        used_in=("deployments.serve_env:replicas_listen",
+                 "deployments.http.front:proxy_host"),
+        why="under direct ingress each replica listens on its own port beside the proxy, "
+            "so http_options.host no longer bounds who connects: the edge must require keys",
+        how="read the resolved constant when a server replica starts; on = reachable",
+        upstream="the env flags are documented (docs.ray.io, Enable High Throughput on Ray "
+                 "Serve, Ray 2.55+); their resolution lives in constants.py",
+        removal="when Serve exposes whether a replica runs its own HTTP server",
+        probe=symbols("ray.serve._private.constants", "RAY_SERVE_ENABLE_DIRECT_INGRESS"),
+        required=False,
+    ),
+    RayTouch(
+        name="llm_config.update_engine_kwargs",
+        target="ray.serve.llm:LLMConfig.update_engine_kwargs (updates _engine_config too)",
+        used_in=("deployments.serving.server:canonicalize",
+                 "deployments.serving.server:_apply_override",
+                 "deployments.serving.server:DSv4ServerMixin.__init__"),
+        why="the replica rewrites kv_cache_dtype (and a canary's override) after Ray Serve "
+            "LLM cached the engine config at build time",
+        how="rely on update_engine_kwargs also updating the cached _engine_config",
+        upstream="documented as updating both, but the cached config is private",
+        removal="when LLMServer takes engine kwargs at construction only",
+        probe=source_mentions("ray.serve.llm", "LLMConfig.update_engine_kwargs",
+                              "_engine_config.engine_kwargs.update"),
+    ),
+    RayTouch(
+        name="serve.replica_ids",
+        target="ray.serve._private.common:ReplicaID.is_full_id_str, from_full_id_str",
+        used_in=("deployments.control.controller:replica_actors",
+                 "deployments.control.controller:alive_replica_ids",
+                 "deployments.local.drain:in_flight_requests"),
+        why="the drain prints how many requests are in flight; the controller names the "
+            "replicas that missed a check's deadline; both find a deployment's replicas "
+            "among the named actors by their replica id",
+        how="parse every named actor's name (never a hard-coded name format); keep the "
+            "replicas of one deployment",
+        upstream="no public per-replica request count in Ray 2.60",
+        removal="when serve.status() reports ongoing requests per replica",
+        probe=every(attr_chain("ray.serve._private.common", "ReplicaID.is_full_id_str"),
+                    attr_chain("ray.serve._private.common", "ReplicaID.from_full_id_str")),
+        required=False,
+    ),
+    RayTouch(
+        name="ray_llm.telemetry_push",
+        target="ray.llm._internal.serve.core.server.llm_server:"
+               "push_telemetry_report_for_all_models (called by LLMServer._start_engine)",
+        used_in=("deployments.serving.boot:keep_telemetry_off_boot_path",),
+        why="after the engine starts, LLMServer blocks on a usage report to a detached "
+            "TelemetryAgent actor: a fresh worker process and Ray Serve LLM's imports on "
+            "the replica's boot path (~3 s of a 2-core local boot) and a resident process "
+            "(0.8 % of a core at rest), for Ray's usage stats only (docs/benchmarks.md §2g)",
+        how="in each replica process, once, the module attribute is replaced by a wrapper "
+            "that does nothing when ray._common.usage.usage_lib.usage_stats_enabled() is "
+            "False (ray.init clusters set RAY_USAGE_STATS_ENABLED=0 themselves) and "
+            "otherwise runs the original on a daemon thread",
+        upstream="none: the push is synchronous in Ray 2.60 (llm_server.py _start_engine)",
+        removal="when Ray Serve LLM pushes the report off the start path or skips it with "
+                "usage stats off",
+        probe=every(symbols("ray.llm._internal.serve.core.server.llm_server",
+                            "push_telemetry_report_for_all_models"),
+                    source_mentions("ray.llm._internal.serve.core.server.llm_server",
+                                    "LLMServer._start_engine",
+                                    "push_telemetry_report_for_all_models("),
+                    symbols("ray._common.usage.usage_lib", "usage_stats_enabled")),
+        required=False,
+    ),
+    RayTouch(
+        name="serve.broadcast_per_replica_results",
+        target="ray.serve.handle:DeploymentBroadcastResponse._fetch_replica_results_async; "
+               "ray.serve._private.replica_result:ReplicaResult.get_async, cancel",
+        used_in=("deployments.control.controller:KVSpecController._call_each",),
+        why="the public results_async(timeout_s=) is all-or-nothing: one hung replica "
+            "discards every answer",
+        how="await each replica's result under its own timeout and cancel the ones that "
+            "miss it (fallback when absent: results_async, logged once per controller)",
+        upstream="no per-replica timeout in broadcast (alpha) as of Ray 2.60",
+        removal="when broadcast exposes per-replica results with timeouts",
+        probe=every(
+                    attr_chain("ray.serve.handle",
+                               "DeploymentBroadcastResponse._fetch_replica_results_async"),
+                    attr_chain("ray.serve._private.replica_result", "ReplicaResult.get_async"),
+                    attr_chain("ray.serve._private.replica_result", "ReplicaResult.cancel")),
+        required=False,
+    ),
+    RayTouch(
+        name="pd.serving_args",
+        target=f"{_LLM}.serving_patterns.prefill_decode.builder:PDServingArgs",
+        used_in=("deployments.pd.builder:pool_configs",),
+        why="Ray Serve LLM's own validation of a prefill/decode pair (both kv_transfer_config, "
+            "the roles); build_pd_openai_app takes a dict and builds its own servers and "
+            "ingress, not ours",
+        how="validate our two LLMConfigs with it and use the configs it returns",
+        upstream="PDServingArgs is not exported by ray.serve.llm in Ray 2.60",
+        removal="when ray.serve.llm exports it, or build_pd_openai_app takes server classes "
+                "and an ingress",
+        probe=symbols(f"{_LLM}.serving_patterns.prefill_decode.builder", "PDServingArgs"),
+        pd_only=True,
+    ),
+    RayTouch(
+        name="pd.local_prefill",
+        target="ray.serve.llm.deployment:PDDecodeServer.chat, completions (the remote-prefill "
+               "path) over LLMServer.chat, completions (the local one)",
+        used_in=("deployments.pd.server:DSv4PDDecodeServer.chat",
+                 "deployments.pd.server:DSv4PDDecodeServer.completions"),
+        why="a decode replica with no prefill replica proven compatible must not receive "
+            "unproven KV pages: it prefills on its own engine instead",
+        how="when pd_route forbids a transfer, call LLMServer's method on self, skipping "
+            "PDDecodeServer's override (relies on that override being the only place the "
+            "remote prefill happens)",
+        upstream="no per-request switch for the remote prefill in Ray 2.60",
+        removal="when PDDecodeServer can be told per request to prefill locally",
+        probe=every(source_mentions("ray.serve.llm.deployment", "PDDecodeServer.chat",
+                                    "_pd_handle_request"),
+                    source_mentions("ray.serve.llm.deployment", "PDDecodeServer.completions",
+                                    "_pd_handle_request"),
+                    attr_chain("ray.serve.llm.deployment", "LLMServer.completions")),
+        pd_only=True,
+    ),
+)
