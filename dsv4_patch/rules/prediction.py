@@ -9,6 +9,7 @@ from typing import Any
 from dsv4_patch.rules.byte_model import ModelShape, page_breakdown
 from dsv4_patch.rules.dtypes import Resolution
 from dsv4_patch.rules.family import FIRST_V41_VLLM, V41_ARCHITECTURES, Family, family_of
+from dsv4_patch.rules.model_config import flatten_config
 from dsv4_patch.rules.versions import parse_version
 
 # ---------------------------------------------------------- per-layer prediction
@@ -76,7 +77,7 @@ def predictable(hf_config: Mapping[str, Any], vllm_version: str | None) -> str |
         return f"vLLM {vllm_version} has no DeepSeek-V4 (first: 0.20)"
     if family is Family.V41 and parse_version(vllm_version)[:2] < FIRST_V41_VLLM:
         return f"vLLM {vllm_version} has no DeepSeek-V4.1 (first: 0.30)"
-    flat = {**hf_config, **(hf_config.get("text_config") or {})}
+    flat = flatten_config(hf_config)
     keys = ("num_hidden_layers", "compress_ratios", "head_dim", "index_head_dim",
             *(("kv_source_layer_ids", "index_source_layer_ids") if family is Family.V41
               else ("qk_rope_head_dim",)))

@@ -192,7 +192,8 @@ def test_attention_choice_is_vllms_selector(platform: Any, monkeypatch: pytest.M
             backend=AttentionBackendEnum[backend] if backend else None),
         parallel_config=SimpleNamespace(prefill_context_parallel_size=1))
     cls = model._select_dsv4_attn_cls(cfg)
-    ours = rules.v41_attention("cuda", cap, backend, mega_built=mega)
+    ours = rules.v41_attention(rules.EngineSetup("0.32.0", "cuda", cap, attention_backend=backend),
+                               fits=mega)
     packed = cls.use_fp8_ds_mla_layout
     preferred = cls.packed_kv_cache_dtype.fget(None)
     assert (ours.packed, ours.preferred if ours.packed else preferred) == (packed, preferred)

@@ -1,0 +1,365 @@
+"""The one answer: what vLLM ``release`` builds for a DeepSeek-V4/V4.1 engine, or why not.
+
+``build(EngineSetup, hf_config)`` is what plan, the controller's prediction, the
+replica's self-check, doctor and the presets ask. It mirrors, per release
+(``releases.release_rules``): V4.1's attention class selection
+(``deepseek_v41/nvidia/model.py::_select_dsv4_attn_cls``, ``amd/model.py``), the
+kernel-availability check of mega attention (``FlashMLAMegaAttnAttention.is_available_for``),
+the backends' capability checks, V4.1's resolver, the block size vLLM settles on
+(``Platform._preferred_block_size_for_backends`` over the main, SWA, indexer and
+compressor backends), and the page arithmetic of every KV spec. V4 goes through the
+layout tables and byte model of ``layouts``/``dtypes``/``byte_model`` (with dsv4_patch
+loaded: stock 0.20-0.29 crash on ``auto``, see ``stock_vllm_crashes_on``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsv4_patch.rules.byte_model import ModelShape, kv_bytes_per_token, page_breakdown
+from dsv4_patch.rules.dtypes import resolve_kv_cache_dtype
+from dsv4_patch.rules.family import (
+    FIRST_V41_VLLM,
+    FLASHINFER_V41,
+    FLASHMLA_V41,
+    FP8_DS_MLA,
+    MEGA_V41,
+    NVFP4_DS_MLA,
+    NVFP4_RECORD,
+    ROW_ALIGNMENT,
+    V4_ALIGNMENT,
+    V4_BLOCK_SIZE,
+    V4_RECORD,
+    V41_MXFP8_ALIGNMENT,
+    V41_MXFP8_RECORD,
+    WV_GROUP_SIZE,
+    Family,
+    KVRecord,
+    V41Cache,
+    V41Topology,
+    family_of,
+    resolve_v41_kv_cache_dtype,
+    v41_bytes_per_token,
+    v41_caches,
+)
+from dsv4_patch.rules.layouts import KVCacheDtypeError, LayoutError, detect_layout
+from dsv4_patch.rules.model_config import flatten_config
+from dsv4_patch.rules.releases import ReleaseRules, release_rules
+from dsv4_patch.rules.versions import parse_version
+
+FIRST_V4 = (0, 20)
+# The release plan/predictions assume for V4.1 when nothing names one (the gpu-v41 stack).
+DEFAULT_V41_RELEASE = "0.33.0"
+SWA_KERNEL_MULTIPLE = 32  # DeepseekSparseSWABackend: [MultipleOf(32)]
+V4_INDEXER_BLOCKS = (256,)  # DeepseekV4IndexerBackend: [256]
+_REFUSED_V41 = ("FLASHINFER_MLA_SPARSE", "FLASHINFER_MLA_SPARSE_SM120")
+_FLASHINFER_V41_NAMES = ("FLASHINFER_MLA_SPARSE_DSV4", FLASHINFER_V41)
+_FLASHMLA_V41_NAMES = ("FLASHMLA_SPARSE", "FLASHMLA_SPARSE_DSV4", FLASHMLA_V41)
+# supports_compute_capability of each V4.1 CUDA backend (majors).
+_V41_MAJORS = {FLASHMLA_V41: (9, 10), MEGA_V41: (10,), FLASHINFER_V41: (10, 12)}
+
+
+@dataclass(frozen=True)
+class EngineSetup:
+    """What vLLM reads to build DeepSeek's KV cache: the node, the release, the engine config."""
+
+    release: str
+    platform: str = "cuda"
+    capability: tuple[int, int] | None = None
+    tp: int = 1
+    block_size: int | None = None
+    kv_cache_dtype: str | None = None
+    attention_backend: str | None = None
+    indexer_kv_dtype: str | None = None  # attention_config.indexer_kv_dtype: fp8 | mxfp4
+    lora: bool = False
+    speculative_method: str | None = None  # speculative_config.method (dspark, mtp, ...)
+    num_speculative_tokens: int = 0
+
+    @classmethod
+    def from_engine_kwargs(cls, release: str, platform: str,
+                           capability: tuple[int, int] | None, node_backend: str | None,
+                           engine_kwargs: Mapping[str, Any]) -> EngineSetup:
+        """Read what vLLM reads, coerced as vLLM's lax pydantic does ("256" -> 256)."""
+        ek = dict(engine_kwargs)
+        attn = ek.get("attention_config") or {}
+        spec = ek.get("speculative_config") or {}
+        backend = ek.get("attention_backend") or attn.get("backend") or node_backend
+        return cls(
+            release=release, platform=platform, capability=capability,
+            tp=_as_int(ek.get("tensor_parallel_size"), "tensor_parallel_size") or 1,
+            block_size=_as_int(ek.get("block_size"), "block_size"),
+            kv_cache_dtype=_lower(ek.get("kv_cache_dtype")),
+            attention_backend=str(backend).upper() if backend else None,
+            indexer_kv_dtype=_lower(attn.get("indexer_kv_dtype")),
+            lora=bool(ek.get("enable_lora")),
+            speculative_method=_lower(spec.get("method")),
+            num_speculative_tokens=_as_int(spec.get("num_speculative_tokens"),
+                                           "speculative_config.num_speculative_tokens") or 0,
+        )
+
+
+def _as_int(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(str(value).strip())
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected an integer.") from None
+
+
+def _lower(value: Any) -> str | None:
+    return None if value is None else str(value).strip().lower()
+
+
+@dataclass(frozen=True)
+class Built:
+    """What the engine builds: attention backend, dtype, block, pages, bytes per token."""
+
+    family: Family
+    release: str
+    backend: str
+    cache_dtype_str: str
+    packed: bool
+    block_size: int
+    record: KVRecord | None  # V4.1's per-node record (None for V4)
+    page_bytes: dict[str, int]  # per layer group ("main c4", "indexer c4", "swa"...)
+    bytes_per_token: float
+    numerics: str
+    reason: str
+    caches: tuple[V41Cache, ...] = field(default=(), repr=False)
+
+
+def mega_fits(hf_config: Mapping[str, Any], tp: int) -> bool:
+    """``is_available_for``'s topology test: 8 local heads per local ``wo_a`` group."""
+    flat = flatten_config(hf_config)
+    heads, groups = int(flat.get("num_attention_heads") or 0), int(flat.get("o_groups") or 0)
+    if tp < 1 or heads % tp or groups % tp:
+        return False
+    local_heads, local_groups = heads // tp, groups // tp
+    if not local_groups or local_heads % WV_GROUP_SIZE:
+        return False
+    return local_heads // local_groups == WV_GROUP_SIZE
+
+
+@dataclass(frozen=True)
+class V41Choice:
+    """The V4.1 attention class's backend, layout and preferred packed dtype on one node."""
+
+    backend: str
+    packed: bool
+    preferred: str
+    reason: str
+
+
+def v41_attention(setup: EngineSetup, fits: bool) -> V41Choice:
+    """``_select_dsv4_attn_cls`` of ``setup.release`` and the chosen backend's capability check."""
+    rel = release_rules(setup.release)
+    if setup.platform == "rocm":
+        return V41Choice(rel.v41_rocm_backend, True, FP8_DS_MLA, "ROCm: aiter, V4 record")
+    if setup.platform != "cuda":
+        raise LayoutError(
+            f"platform={setup.platform!r}: vLLM has no DeepSeek-V4.1 path there (no "
+            "models/deepseek_v41/cpu; the nvidia classes need CUDA streams). Fix: serve "
+            "V4.1 on CUDA (SM90/SM100/SM120) or ROCm nodes, or serve DeepSeek-V4 on CPU.")
+    choice = _cuda_v41_choice(setup, rel, fits)
+    major = setup.capability[0] if setup.capability else None
+    majors = _V41_MAJORS[choice.backend]
+    if major is not None and major not in majors:
+        raise LayoutError(
+            f"attention backend {choice.backend} supports compute capability "
+            f"{' and '.join(f'{m}.x' for m in majors)} only, got "
+            f"{setup.capability[0]}.{setup.capability[1]}; "  # type: ignore[index]
+            "unset attention_backend (or pick one this GPU runs).")
+    return choice
+
+
+def _cuda_v41_choice(setup: EngineSetup, rel: ReleaseRules, fits: bool) -> V41Choice:
+    name = setup.attention_backend
+    major = setup.capability[0] if setup.capability else None
+    lora_off = setup.lora and rel.v41_lora_disables_mega
+    if name in _REFUSED_V41:
+        raise LayoutError(f"attention_backend={name} is not a DeepSeek-V4.1 backend; use "
+                          f"{FLASHINFER_V41} (or leave it unset for the default).")
+    if name in _FLASHINFER_V41_NAMES:
+        if major == 12:
+            return V41Choice(FLASHINFER_V41, True, FP8_DS_MLA, "SM12x FlashInfer, packed V4 record")
+        return V41Choice(FLASHINFER_V41, False, "bfloat16", "FlashInfer DSv4.1: plain KV rows")
+    if name == MEGA_V41:
+        if not rel.v41_mega:
+            raise LayoutError(f"attention_backend={name}: vLLM {setup.release} has no mega "
+                              "attention (first: 0.31); unset attention_backend.")
+        if lora_off:
+            return V41Choice(FLASHMLA_V41, True, FP8_DS_MLA,
+                             f"LoRA: vLLM {setup.release} builds FlashMLA instead of mega")
+        if major == 10 and not fits:
+            raise LayoutError(f"attention_backend={name} needs {WV_GROUP_SIZE} local heads "
+                              "per wo_a group (num_attention_heads/TP over o_groups/TP); "
+                              "unset attention_backend or change tensor_parallel_size.")
+        return V41Choice(MEGA_V41, True, NVFP4_DS_MLA, "FlashMLA mega (vllm#56935)")
+    if name in _FLASHMLA_V41_NAMES:
+        return V41Choice(FLASHMLA_V41, True, FP8_DS_MLA, "FlashMLA sparse, packed record")
+    if name is not None:
+        raise LayoutError(f"attention_backend={name} is not a DeepSeek-V4.1 backend; "
+                          f"use one of {FLASHMLA_V41}, {FLASHINFER_V41}, {MEGA_V41} or unset it.")
+    if major == 12:
+        return V41Choice(FLASHINFER_V41, True, FP8_DS_MLA, "SM12x default: FlashInfer, packed")
+    if major == 10 and rel.v41_mega and not lora_off and fits:
+        return V41Choice(MEGA_V41, True, NVFP4_DS_MLA,
+                         "SM100 default: FlashMLA mega, NVFP4 compressed cache (vllm#56935)")
+    why = ("LoRA turns mega attention off" if major == 10 and rel.v41_mega and lora_off else
+           "the heads per wo_a group rule mega out" if major == 10 and rel.v41_mega else
+           "default")
+    return V41Choice(FLASHMLA_V41, True, FP8_DS_MLA, f"FlashMLA sparse ({why})")
+
+
+def v41_kernel_blocks(setup: EngineSetup, backend: str) -> list[list[int]]:
+    """Kernel block sizes (MultipleOf as its base) of every backend a V4.1 engine registers:
+    main attention, SWA, indexer, compressor."""
+    rel = release_rules(setup.release)
+    fam = setup.capability[0] if setup.platform == "cuda" and setup.capability else None
+    if setup.platform == "rocm":  # gfx942 -> (9, 4), gfx950 -> (9, 5): family 9
+        fam = 9
+        main = [64, 128] if parse_version(setup.release)[:2] >= (0, 32) else [64]
+    elif backend == MEGA_V41:
+        main = [128]
+    elif backend == FLASHINFER_V41:
+        main = [rel.v41_sm120_block] if fam == 12 else [128]
+    else:
+        main = [64 if fam == 9 else 128]
+    indexer = [rel.v41_sm120_block] if fam == 12 else [64 if fam == 9 else 128]
+    return [main, [SWA_KERNEL_MULTIPLE], indexer, [1]]
+
+
+def common_block_size(sizes: list[list[int]], default: int) -> int:
+    """``_preferred_block_size_for_backends``: the smallest size every backend accepts."""
+    def accepts(options: list[int], block: int) -> bool:
+        return not options or any(block % s == 0 for s in options)
+
+    if all(accepts(s, default) for s in sizes):
+        return default
+    for candidate in sorted({math.lcm(*p) for p in itertools.product(*(s or [1] for s in sizes))}):
+        if all(accepts(s, candidate) for s in sizes):
+            return candidate
+    raise LayoutError(f"the attention backends share no KV cache block size ({sizes})")
+
+
+def _v41_block(setup: EngineSetup, backend: str) -> int:
+    sizes = v41_kernel_blocks(setup, backend)
+    if setup.block_size is None:
+        return common_block_size(sizes, release_rules(setup.release).default_block_size)
+    bad = [s for s in sizes if not any(setup.block_size % k == 0 for k in s)]
+    if bad:
+        raise LayoutError(
+            f"block_size={setup.block_size}: {backend} on this node needs a multiple of "
+            f"{bad[0]} (every backend of DeepSeek-V4.1 must accept it). Fix: unset block_size "
+            f"or use {common_block_size(sizes, 256)}.")
+    return setup.block_size
+
+
+def v41_node_record(setup: EngineSetup, fits: bool = True) -> KVRecord:
+    """The V4.1 record one node writes (no topology needed); raises where vLLM refuses."""
+    if parse_version(setup.release)[:2] < FIRST_V41_VLLM:
+        raise LayoutError(f"vLLM {setup.release} has no DeepSeek-V4.1 (first: 0.30). Fix: "
+                          "run vLLM 0.30 or newer (the gpu-v41 extra).")
+    choice = v41_attention(setup, fits)
+    mxfp8 = setup.platform == "cuda" and bool(setup.capability) and setup.capability[0] == 10  # type: ignore[index]
+    dtype, torch_name = resolve_v41_kv_cache_dtype(choice.packed, setup.kv_cache_dtype,
+                                                   choice.preferred, mxfp8)
+    if setup.indexer_kv_dtype not in (None, "auto", "fp8", "mxfp4"):
+        raise KVCacheDtypeError(f"indexer_kv_dtype={setup.indexer_kv_dtype!r} is not supported "
+                                "by the DeepSeek sparse indexer (expected fp8 or mxfp4).")
+    return _v41_record(choice, dtype, torch_name, mxfp8, _v41_block(setup, choice.backend))
+
+
+def v41_record(platform: str, capability: tuple[int, int] | None, backend: str | None,
+               requested: str | None, block_size: int | None = None, *,
+               release: str = DEFAULT_V41_RELEASE, tp: int = 1, lora: bool = False,
+               hf_config: Mapping[str, Any] | None = None) -> KVRecord:
+    """Shorthand for ``v41_node_record``; without ``hf_config`` the heads fit mega (V4.1-Flash)."""
+    setup = EngineSetup(release, platform, capability, tp, block_size, requested,
+                        backend.upper() if backend else None, lora=lora)
+    return v41_node_record(setup, True if hf_config is None else mega_fits(hf_config, tp))
+
+
+def build_v41(setup: EngineSetup, hf_config: Mapping[str, Any]) -> Built:
+    """DeepSeek-V4.1 on one node (raises LayoutError / KVCacheDtypeError: vLLM refuses)."""
+    record = v41_node_record(setup, mega_fits(hf_config, setup.tp))
+    topo = V41Topology.from_hf_config(hf_config)
+    dspark = setup.speculative_method == "dspark"
+    caches = v41_caches(topo, record, indexer_fp4=setup.indexer_kv_dtype == "mxfp4",
+                        num_speculative_tokens=setup.num_speculative_tokens, dspark=dspark)
+    pages = {f"{c.role} c{c.compress_ratio}" if c.role != "swa" else "swa": c.page_size_bytes
+             for c in caches}
+    return Built(Family.V41, setup.release, record.backend, record.cache_dtype_str,
+                 record.packed, record.block_size, record, pages, v41_bytes_per_token(caches),
+                 record.numerics, record.reason, tuple(caches))
+
+
+def _v41_record(choice: V41Choice, dtype: str, torch_name: str, mxfp8: bool,
+                block: int) -> KVRecord:
+    if choice.packed:
+        swa = V41_MXFP8_RECORD if mxfp8 else V4_RECORD
+        compressed = NVFP4_RECORD if dtype == NVFP4_DS_MLA else swa
+        align = V41_MXFP8_ALIGNMENT if mxfp8 else V4_ALIGNMENT
+        numerics = ("MXFP8 e4m3, one UE8M0 scale per 32 dims (RoPE in fp8)" if mxfp8 else
+                    "fp8 e4m3 NoPE, one UE8M0 scale per 64 dims, bf16 RoPE")
+        if dtype == NVFP4_DS_MLA:
+            numerics += "; compressed cache NVFP4 e2m1 with e4m3 scales"
+        return KVRecord(Family.V41, dtype, True, swa, compressed, align, align, block,
+                        choice.backend, numerics, choice.reason)
+    row = 512 * (1 if torch_name == "float8_e4m3fn" else 2)
+    numerics = "per-tensor fp8 e4m3 rows" if row == 512 else "bf16 rows"
+    return KVRecord(Family.V41, dtype, False, row, row, ROW_ALIGNMENT, ROW_ALIGNMENT, block,
+                    choice.backend, numerics, choice.reason)
+
+
+def build_v4(setup: EngineSetup, hf_config: Mapping[str, Any]) -> Built:
+    """DeepSeek-V4 (with dsv4_patch loaded) on one node; raises where vLLM refuses."""
+    if parse_version(setup.release)[:2] < FIRST_V4:
+        raise LayoutError(f"vLLM {setup.release} has no DeepSeek-V4 (first: 0.20).")
+    decision = detect_layout(setup.platform, setup.capability, setup.attention_backend,
+                             setup.release)
+    res = resolve_kv_cache_dtype(decision.layout, setup.kv_cache_dtype)
+    block = setup.block_size or V4_BLOCK_SIZE
+    if block % V4_INDEXER_BLOCKS[0]:
+        raise LayoutError(f"block_size={block}: DeepSeek-V4's indexer backend takes "
+                          f"{V4_BLOCK_SIZE}-token blocks only (a multiple of "
+                          f"{V4_BLOCK_SIZE}). Fix: unset block_size or set {V4_BLOCK_SIZE}.")
+    shape = ModelShape.from_hf_config(flatten_config(hf_config))
+    pages: dict[str, int] = {}
+    for row in page_breakdown(shape, res.storage, block):
+        pages[f"main c{row.ratio}"] = row.main_page_bytes
+        if row.indexer_page_bytes:
+            pages[f"indexer c{row.ratio}"] = row.indexer_page_bytes
+    return Built(Family.V4, setup.release, decision.backend, res.cache_dtype_str,
+                 decision.layout.value == FP8_DS_MLA, block, None, pages,
+                 kv_bytes_per_token(shape, res.storage, block), res.storage.value,
+                 decision.reason)
+
+
+def build(setup: EngineSetup, hf_config: Mapping[str, Any]) -> Built:
+    """What vLLM ``setup.release`` builds for this model on this node and engine config.
+
+    Raises ``LayoutError``/``KVCacheDtypeError`` (the refusal, naming the setting and
+    the fix) where vLLM would refuse; ``ValueError`` when the config is not ours.
+    """
+    family = family_of(hf_config)
+    if family is Family.V41:
+        return build_v41(setup, hf_config)
+    if family is Family.V4:
+        return build_v4(setup, hf_config)
+    raise ValueError(f"architectures={list(hf_config.get('architectures') or [])}: not a "
+                     "DeepSeek-V4 or V4.1 config.json")
+
+
+def refusal(setup: EngineSetup, hf_config: Mapping[str, Any]) -> str | None:
+    """Why vLLM refuses this setup, or None when it builds."""
+    try:
+        build(setup, hf_config)
+    except (LayoutError, KVCacheDtypeError) as exc:
+        return str(exc)
+    return None
