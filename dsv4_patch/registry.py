@@ -34,7 +34,8 @@ def all_patches() -> tuple[Patch, ...]:
 
 
 def all_reads() -> tuple[Read, ...]:
-    """Every read of vLLM internals (the layout selector, the NIXL connector's facts)."""
-    from dsv4_patch import selector, worker_ext
+    """Every read of vLLM internals (the layout selector, the NIXL connector's facts), and
+    the Responses state the replica moves into the fleet's store (``responses_touch``)."""
+    from dsv4_patch import responses_touch, selector, worker_ext
 
-    return (selector.READ, worker_ext.CONNECTOR_READ)
+    return (selector.READ, worker_ext.CONNECTOR_READ, responses_touch.READ)

@@ -24,6 +24,8 @@ import pytest
 import yaml
 
 from deployments.config import DEFAULT_CONFIG, load_serve_config
+from tests.support.redis_server import RedisServer, free_port
+from tests.support.redis_server import binary as redis_binary
 from tests.support.stack import MIXED_APP, MIXED_ROUTE, Stack, mixed_app_args
 
 TESTS = Path(__file__).resolve().parent
@@ -45,6 +47,21 @@ def pytest_configure(config: pytest.Config) -> None:
             f"expected tests/test_<package>/test_<module>.py in one of {mirrors}. "
             "Fix: git mv each into the package its module belongs to (or add the new "
             "package to pyproject's testpaths).")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server for the Responses store tests (127.0.0.1, a free port)."""
+    exe = redis_binary()
+    if exe is None:
+        pytest.skip("no redis-server/valkey-server on PATH: `make setup` installs "
+                    "Debian's redis-server (as root)")
+    server = RedisServer(exe, free_port(), tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,7 @@ from deployments.config.base import WORKER_EXTENSION, _Strict
 from deployments.config.dsv4 import DSv4Section
 from deployments.config.http import HTTPEdge
 from deployments.config.llm import LLMSection
+from deployments.config.responses import ResponsesStore
 from dsv4_patch import rules
 
 # ------------------------------------------------------------------ app args
@@ -54,6 +55,8 @@ class AppArgs(_Strict):
     llm: LLMSection
     dsv4: DSv4Section = Field(default_factory=DSv4Section)
     http: HTTPEdge = Field(default_factory=HTTPEdge)
+    # Where Responses state lives while http.responses_store is on (deployments.responses).
+    responses: ResponsesStore = Field(default_factory=ResponsesStore)
 
     def parallel(self) -> sizing.Parallel:
         """The parallel layout of one engine and one replica (``deployments.config.sizing``)."""

@@ -1,0 +1,76 @@
+"""What every Responses store backend offers, and the owner a record is filed under.
+
+A record is one stored response: its JSON (vLLM's ``ResponsesResponse``), the input
+messages vLLM continues a conversation from (its ``msg_store`` entry), and its status,
+kept apart so a cancel made on one replica is never overwritten by the replica still
+running it (``put_response(..., keep_cancelled=True)``). Records are filed under
+``(owner, id)``: a lookup under another owner finds nothing, exactly like a missing id.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+# The owner of everything stored without API keys (a loopback app): one owner.
+LOCAL_OWNER = "local"
+
+
+def owner_of(key_digest: str | None) -> str:
+    """The store owner for an API key's SHA-256 hex digest (None: keyless, one owner)."""
+    if key_digest is None:
+        return LOCAL_OWNER
+    if len(key_digest) != 64 or any(c not in "0123456789abcdef" for c in key_digest):
+        raise ValueError(f"key digest of {len(key_digest)} characters: expected the SHA-256 "
+                         "hex digest of the API key (64 lowercase hex)")
+    return "k" + key_digest
+
+
+class StoreError(RuntimeError):
+    """The store did not answer in time or refused; the message names the backend, never
+    an id, a key or a record."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One stored response as the store holds it (plain JSON text)."""
+
+    response: str | None
+    messages: str | None
+    status: str | None
+    created: float
+
+
+class ResponsesStore(Protocol):
+    """An async store shared by every replica; every call has the store's deadline."""
+
+    kind: str
+
+    async def get(self, owner: str, response_id: str) -> Record | None:
+        """The record, or None (missing, evicted, or another owner's)."""
+        ...
+
+    async def put_response(self, owner: str, response_id: str, response: str,
+                           status: str, keep_cancelled: bool = False) -> bool:
+        """Store the response; with ``keep_cancelled`` a stored cancel wins (False)."""
+        ...
+
+    async def put_messages(self, owner: str, response_id: str, messages: str) -> None:
+        """Store the input messages a follow-up continues from."""
+        ...
+
+    async def statuses(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
+        """The status of each ``(owner, id)`` that is stored."""
+        ...
+
+    async def size(self) -> int:
+        """Records held now."""
+        ...
+
+    async def close(self) -> None:
+        ...
+
+
+def now() -> float:
+    return time.time()
