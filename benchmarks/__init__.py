@@ -1,7 +1,6 @@
-"""Benchmarks (``python -m benchmarks.<name>``; results in docs/benchmarks.md) and the
-harness modules they share with the tests (``standin``, ``load``, ``kv_poll``,
-``run_process``, ``multinode_scenario``).
+"""Benchmarks (``python -m benchmarks.<name>``; results and method in docs/benchmarks.md).
 
-May import ``deployments`` and ``dsv4_patch``; never ``tests`` (tests import from here,
-not the reverse).
+May import ``deployments`` and ``dsv4_patch`` (the harnesses they share with the tests are
+``deployments.harness``); never ``tests``, and no test imports a benchmark
+(``tests/test_house/test_imports.py``).
 """

@@ -20,7 +20,7 @@ import psutil
 ROLES = (  # (role, pattern on the process command line / title), first match wins
     ("proxy", re.compile(r"ProxyActor")),
     ("controller", re.compile(r"KVSpecController")),
-    ("standin", re.compile(r"StandInReplica")),  # benchmarks.standin (controller benchmarks)
+    ("standin", re.compile(r"StandInReplica")),  # deployments.harness.standin
     # Stock Ray Serve LLM's OpenAiIngress replica (ours has none since issue 16).
     ("ingress", re.compile(r"ServeReplica:\w+:\w*Ingress")),
     ("server", re.compile(r"ServeReplica:\w+:(DSv4Server|LLMServer|DSv4DPServer)")),

@@ -1,7 +1,7 @@
 """Benchmark: KV-spec check time vs replica count with one hung replica.
 
 Real Ray Serve, the real ``KVSpecController``, N stand-in replicas
-(``benchmarks.standin``) of which rank 0 stalls ``kv_page_spec`` for 60 s from its
+(``deployments.harness.standin``) of which rank 0 stalls ``kv_page_spec`` for 60 s from its
 second call on. Two arms side by side in one run, same fleet sizes:
 
 * **per-replica** (ours): every replica under its own deadline
@@ -53,7 +53,7 @@ class AllOrNothingController(KVSpecController):
 def build(n: int, timeout_s: float, controller: type) -> Any:
     from ray import serve
 
-    from benchmarks.standin import StandInReplica
+    from deployments.harness.standin import StandInReplica
 
     server = serve.deployment(
         StandInReplica, name=SERVER, num_replicas=n, ray_actor_options={"num_cpus": 0},

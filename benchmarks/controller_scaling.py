@@ -1,7 +1,7 @@
 """Benchmark: how long the KV-spec controller takes to reach a verdict, vs replica count.
 
 Real Ray Serve, the real ``KVSpecController`` deployment, watching a deployment of
-stand-in replicas (``benchmarks.standin.StandInReplica``: the ``DSv4Server``
+stand-in replicas (``deployments.harness.standin.StandInReplica``: the ``DSv4Server``
 controller contract without a vLLM engine, so 256 fit on one box). For each
 replica count N, scaled up in place (same deployment version, only
 ``num_replicas`` changes, as Serve autoscaling does):
@@ -68,8 +68,8 @@ def build(n: int, period_s: float, timeout_s: float,
     """
     from ray import serve
 
-    from benchmarks.standin import StandInReplica
     from deployments.control.controller import KVSpecController
+    from deployments.harness.standin import StandInReplica
 
     actor: dict[str, Any] = {"num_cpus": 0}
     if standin_env:  # the stand-ins' own settings only; the controller keeps Ray's defaults
@@ -89,7 +89,7 @@ def build(n: int, period_s: float, timeout_s: float,
 
 def decide_ms(n: int, repeats: int = 5) -> float:
     """Median wall time of ``decide`` over N stand-in-shaped specs, in ms."""
-    from benchmarks.standin import standin_spec
+    from deployments.harness.standin import standin_spec
 
     one = standin_spec("r0", 0)
     specs = [one.model_copy(update={"replica_id": f"r{i}", "rank": i}) for i in range(n)]

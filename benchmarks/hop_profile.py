@@ -40,9 +40,9 @@ from typing import Any
 
 import psutil
 
-from benchmarks import load as bench_load
 from benchmarks import serving_overhead as so
 from benchmarks.arm_procs import cpu_by_role, role_of, session_processes
+from deployments.harness import load as bench_load
 
 _ACCESS = re.compile(r"^\w+ \S+ \S+ (?P<who>\S+) \S+ (?P<rid>[0-9a-f-]{36}) -- "
                      r"(?P<what>.+?) (?P<ms>[\d.]+)ms$")

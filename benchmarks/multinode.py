@@ -1,6 +1,6 @@
 """Autoscaling end to end on ``dsv4-serve run --nodes 3``, timed step by step.
 
-Load from ``vllm bench serve`` (``benchmarks.load``) drives Serve's autoscaling
+Load from ``vllm bench serve`` (``deployments.harness.load``) drives Serve's autoscaling
 1 -> 2 -> 3 replicas; Ray's autoscaler adds a worker node for each; the KV-spec
 verdict includes every new replica. The load ends: Serve scales down to 1 and
 the autoscaler removes the idle nodes. Then SIGTERM to the run's process group.
@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks import load as bench_load
-from benchmarks import multinode_scenario as mn
+from deployments.harness import load as bench_load
+from deployments.harness import multinode_scenario as mn
 
 NODES = 3
 IDLE_TIMEOUT_S = 5.0

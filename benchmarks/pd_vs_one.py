@@ -2,7 +2,7 @@
 
 Both arms are deployed side by side in one local Ray cluster (``configs/local-cpu-pd.yaml``
 at ``/pd``, ``configs/local-cpu.yaml`` with one replica at ``/one``) and get the same
-``vllm bench serve`` load (``benchmarks.load``), alternating arm by arm for ``--rounds``
+``vllm bench serve`` load (``deployments.harness.load``), alternating arm by arm for ``--rounds``
 rounds, so machine noise hits both. Reports TTFT, TPOT and throughput per arm and their
 ratios, and the cost of the P/D check itself (``compat.judge`` over N x N replicas,
 and one ``/v1/kv-spec?refresh=true`` of the live P/D app).
@@ -22,10 +22,10 @@ from typing import Any
 
 import yaml
 
-from benchmarks import load as bench_load
-from benchmarks.standin import standin_spec
 from deployments.config import DEFAULT_CONFIG, ServeApplication, load_serve_config
 from deployments.control.wire import TransferSpec
+from deployments.harness import load as bench_load
+from deployments.harness.standin import standin_spec
 from deployments.local import client, deploy, ray_head
 from deployments.pd import compat
 from dsv4_patch.tiny_model import ensure_tiny_model

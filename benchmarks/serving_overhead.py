@@ -2,7 +2,7 @@
 
 The same tiny DeepSeek-V4 (random weights, CPU, ``kv_cache_dtype: auto``, the engine
 settings of ``configs/local-cpu.yaml``), the same ``vllm bench serve`` load
-(``benchmarks.load``), one engine per arm, through:
+(``deployments.harness.load``), one engine per arm, through:
 
 * ``ours``  -- ``serve.run(deployments.app.build_app(args))``: ``DSv4Server`` replicas
   that are their own HTTP ingress (vLLM's OpenAI app behind our edge), the KV-spec
@@ -68,7 +68,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks import load as bench_load
+from deployments.harness import load as bench_load
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local-cpu.yaml"

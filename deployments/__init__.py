@@ -14,6 +14,8 @@ Floors, bottom to top (a module imports only from its own floor or below):
 6. ``app``: ``deployments.app:build_app``, the ``import_path`` users write.
 7. ``local/``: the stack on this machine (private Ray, multi-node, deploy, drain).
 8. ``cli/``: the ``dsv4-serve`` command.
+9. ``harness/``: what the tests and the benchmarks both drive the app with (stand-in
+   replicas, the load client, the multi-node scenario); the serving code never imports it.
 
 Each package's ``__init__`` says what its modules do and what it may import.
 """

@@ -1,8 +1,9 @@
 """What the tests share: helpers, engine harnesses and their data. No test functions.
 
 Imported by the test modules and by ``tests/conftest.py`` (which keeps only pytest hooks
-and fixtures); may import ``deployments``, ``dsv4_patch`` and ``benchmarks``, never a
-test module.
+and fixtures); may import ``deployments`` (the harnesses benchmarks share are
+``deployments.harness``) and ``dsv4_patch``, never a test module or ``benchmarks``
+(``tests/test_house/test_imports.py``).
 
 - ``stack``: the session stack's ``Stack`` and the mixed app's odd replica.
 - ``serve_client``: ``wait_agree`` (poll /v1/kv-spec), ``Traffic``, ``check`` (the

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks.kv_poll import TRANSIENT, kv_report
+from deployments.harness.kv_poll import TRANSIENT, kv_report
 
 REQUEST_TIMEOUT_S = 120.0
 HEAL_TIMEOUT_S = 300.0

@@ -1,6 +1,6 @@
 """The KV-spec controller against stand-in replicas on real Ray + real Serve.
 
-Stand-ins (``benchmarks.standin.StandInReplica``) answer the replica contract
+Stand-ins (``deployments.harness.standin.StandInReplica``) answer the replica contract
 with Flash-shaped specs and byte-model predictions, so the controller, the
 request router, Serve's health checks and rolling updates are all the real
 thing while no engine boots (the engine-side proof is ``test_serving.py``'s
@@ -33,8 +33,8 @@ def standin_app(replicas: int, dsv4: dict[str, Any], controller: Any = None,
                 **standin: Any) -> Any:
     from ray import serve
 
-    from benchmarks.standin import StandInReplica
     from deployments.control.controller import KVSpecController
+    from deployments.harness.standin import StandInReplica
     from deployments.serving.router import router_config
 
     server = serve.deployment(

@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from benchmarks.standin import flash_worker_specs, standin_spec
 from deployments.control import wire
 from deployments.control.enforcement import (
     EnforceBook,
@@ -31,6 +30,7 @@ from deployments.control.summary import (
 )
 from deployments.control.verdict import NoAnswer, decide
 from deployments.control.wire import Action, FleetReport, ReplicaSpec, ReplicaVerdict, State
+from deployments.harness.standin import flash_worker_specs, standin_spec
 from dsv4_patch import rules
 from dsv4_patch.tiny_model import tiny_config
 
@@ -372,7 +372,7 @@ def test_a_drained_replica_closes_its_port_only_if_another_replica_serves() -> N
 
 def _mixed(odd: dict[int, str] | None = None, nodes: tuple[str, ...] = (
         "h200", "h200", "b200", "b200")) -> list[ReplicaSpec]:
-    from benchmarks.standin import v41_standin_spec
+    from deployments.harness.standin import v41_standin_spec
 
     layouts = {"sm90": "fp8_ds_mla", "sm100": "nvfp4_ds_mla"}
     return [v41_standin_spec(f"r{i}", i, node, odd_record=(odd or {}).get(i),
@@ -381,7 +381,7 @@ def _mixed(odd: dict[int, str] | None = None, nodes: tuple[str, ...] = (
 
 def test_v41_standin_pages_are_vllms_spec_pages() -> None:
     """The stand-in's rows are the real spec classes' pages (no hand-typed bytes)."""
-    from benchmarks.standin import V41_NODES, v41_worker_specs
+    from deployments.harness.standin import V41_NODES, v41_worker_specs
     from tests.test_dsv4_patch.test_rules_v41 import V41_FLASH, _real_spec
 
     topo = rules.V41Topology.from_hf_config(V41_FLASH)

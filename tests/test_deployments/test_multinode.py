@@ -1,8 +1,8 @@
 """``dsv4-serve run --nodes 3``: one replica per node, autoscaling with node add/remove,
 node loss under traffic, and a clean stop after it -- on ONE cluster, in order.
 
-The module boots one run (``benchmarks.multinode_scenario``): a head that takes no replicas and
-worker nodes from Ray's autoscaler, the local app autoscaled 1..2. The tests are
+The module boots one run (``deployments.harness.multinode_scenario``): a head that takes no
+replicas and worker nodes from Ray's autoscaler, the local app autoscaled 1..2. The tests are
 steps of one story and run in file order, each starting from where the previous
 left the cluster: 1 replica -> load: 2 replicas on 2 nodes -> the first node's
 raylet SIGKILLed under traffic: a replacement on a third node -> load stops:
@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from benchmarks import multinode_scenario as mn
+from deployments.harness import multinode_scenario as mn
 from deployments.local.cluster import cmdline
 from tests.support.procs import alive
 from tests.support.serve_client import Traffic

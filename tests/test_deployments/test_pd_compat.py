@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks.standin import standin_spec
 from deployments.config import ConfigError, load_serve_config, parse_app_args
 from deployments.control.wire import PDVerdict, ReplicaSpec, State, TransferSpec
+from deployments.harness.standin import standin_spec
 from deployments.pd import compat
 from dsv4_patch.tiny_model import ensure_tiny_model
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.kv_poll import TRANSIENT, kv_report
-from benchmarks.multinode_scenario import FULL_FAULTS
-from benchmarks.run_process import SERVING_LINE, descendants, read_until_serving
 from deployments.config import DEFAULT_CONFIG
+from deployments.harness.kv_poll import TRANSIENT, kv_report
+from deployments.harness.multinode_scenario import FULL_FAULTS
+from deployments.harness.run_process import SERVING_LINE, descendants, read_until_serving
 from tests.support.procs import alive
 
 pytestmark = pytest.mark.slow

@@ -25,8 +25,8 @@ import httpx
 import pytest
 import yaml
 
-from benchmarks.run_process import SERVING_LINE, descendants, read_until_serving
 from deployments.config import DEFAULT_CONFIG
+from deployments.harness.run_process import SERVING_LINE, descendants, read_until_serving
 from tests.support.procs import alive
 
 pytestmark = pytest.mark.slow

@@ -57,7 +57,7 @@ def healthy(serve_stack: Stack) -> Iterator[dict[str, Any]]:
 def test_load_concurrency_16_all_requests_complete(serve_stack: Stack,
                                                    healthy: dict[str, Any]) -> None:
     """``vllm bench serve``: 64 random prompts at concurrency 16, every one complete."""
-    from benchmarks import load as bench_load
+    from deployments.harness import load as bench_load
     from dsv4_patch.tiny_model import ensure_tiny_model
 
     load = bench_load.Load(num_prompts=64, concurrency=16, input_len=32, output_len=16)
@@ -192,8 +192,8 @@ def _standin_app(replicas: int) -> Any:
     """
     from ray import serve
 
-    from benchmarks.standin import StandInReplica
     from deployments.control.controller import KVSpecController
+    from deployments.harness.standin import StandInReplica
 
     server = serve.deployment(
         StandInReplica, name="StandInReplica", num_replicas=replicas,

@@ -1,6 +1,6 @@
 """``dsv4-serve run`` as a process: its output up to the serving line, its process tree.
 
-Shared by the multi-node scenario (``benchmarks.multinode_scenario``) and the tests that
+Shared by the multi-node scenario (``deployments.harness.multinode_scenario``) and the tests that
 start ``dsv4-serve run`` themselves (tests/test_deployments/test_run_cli.py,
 test_run_drain.py). Reads ``/proc``; imports nothing of the project.
 """

@@ -2,10 +2,7 @@
 tests/test_deployments/test_multinode.py (in CI) and benchmarks/multinode.py (timings for
 docs/benchmarks.md).
 
-It lives here, not in tests/: a benchmark imports no test code, and tests may import
-benchmark harnesses (they already use ``benchmarks.standin`` and ``benchmarks.load``),
-so the one copy sits on the lower floor. It imports only ``deployments`` and its
-benchmark siblings (``benchmarks.kv_poll``, ``benchmarks.run_process``).
+It imports only ``deployments`` (``harness.kv_poll``, ``harness.run_process``).
 
 Everything runs the way a user runs it: ``dsv4-serve run --nodes N`` in its own
 process group, real HTTP on 127.0.0.1, Ray's autoscaler adding and removing
@@ -27,9 +24,9 @@ from typing import Any
 
 import yaml
 
-from benchmarks.kv_poll import TRANSIENT, kv_report
-from benchmarks.run_process import SERVING_LINE, descendants, read_until_serving
 from deployments.config import DEFAULT_CONFIG
+from deployments.harness.kv_poll import TRANSIENT, kv_report
+from deployments.harness.run_process import SERVING_LINE, descendants, read_until_serving
 from deployments.local.cluster import FAKE_HEAD_NODE_ID, session_pids, worker_raylets
 
 PORT = 8020

@@ -45,13 +45,14 @@ from typing import Any
 
 from ray import serve
 
+from deployments import resources
 from deployments.control.enforcement import drain_stats, raise_if_enforced, take_verdict
 from deployments.control.prediction import predict, self_problem
 from deployments.control.summary import KVLayoutMismatch, layer_role, summarize_workers
 from deployments.control.wire import ReplicaSpec, ReplicaVerdict, answer_kv_page_spec
 from dsv4_patch import rules
 
-MODELS = Path(__file__).resolve().parent.parent / "configs" / "models" / "deepseek-ai"
+MODELS = resources.configs_dir() / "models" / "deepseek-ai"
 FLASH_CONFIG = MODELS / "DeepSeek-V4-Flash" / "config.json"
 V41_FLASH_CONFIG = MODELS / "DeepSeek-V4.1-Flash" / "config.json"
 # Nodes a V4.1 stand-in can present (NodeInfo.as_dict() as a replica reports it).

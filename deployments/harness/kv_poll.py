@@ -1,5 +1,5 @@
 """One ``GET /v1/kv-spec`` for the pollers that watch it while replicas die
-(``benchmarks.multinode_scenario``, tests/support/serve_client.py, test_run_cli.py).
+(``deployments.harness.multinode_scenario``, tests/support/serve_client.py, test_run_cli.py).
 
 Not every answer during a fault is a report: when a replica dies with a request in
 flight, Ray Serve's proxy ends the request without a response and uvicorn answers a

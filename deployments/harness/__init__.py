@@ -1,0 +1,14 @@
+"""What the tests and the benchmarks both drive the app with; the serving code never imports it.
+
+Here, in the package, because ``benchmarks/`` imports the package and never ``tests/``,
+and ``tests/`` never imports ``benchmarks/`` (``tests/test_house/test_imports.py``): the
+one copy both use sits on the floor both may import. Top floor: may import every other
+floor of ``deployments``; nothing else in ``deployments`` imports it.
+
+- ``standin``: stand-in Serve replicas with the replica contract and no engine (the
+  controller measured and tested at 256 replicas).
+- ``load``: ``vllm bench serve`` from Python, one call per load run.
+- ``kv_poll``: one ``GET /v1/kv-spec`` for pollers that watch it while replicas die.
+- ``run_process``: ``dsv4-serve run`` as a process (its serving line, its process tree).
+- ``multinode_scenario``: the multi-node story step by step (CI test and benchmark).
+"""
