@@ -1,27 +1,23 @@
 """The KV-spec controller: proves every RUNNING replica stores the KV pages its config predicts.
 
-vLLM checks that the ranks of one engine agree; nothing checks separate
-replicas (mixed GPU generations, a rolling vLLM upgrade, a node-local backend
-override). This Serve deployment does, periodically and on demand:
+vLLM checks that the ranks of one engine agree; nothing checks separate replicas
+(mixed GPU generations, a rolling vLLM upgrade, a node-local backend override). This
+Serve deployment does, periodically and on demand:
 
-1. count RUNNING replicas of the server deployment (``serve.status()``, bounded
-   by ``dsv4.status_timeout_s``; at most one call in flight), so a replica that
-   silently does not answer makes the verdict ``incomplete``;
+1. count RUNNING replicas (``serve.status()``, bounded by ``dsv4.status_timeout_s``, at
+   most one call in flight): a replica that silently does not answer makes the verdict
+   ``incomplete``;
 2. call ``kv_page_spec`` on every replica, each under its own deadline
-   (``dsv4.broadcast_timeout_s``): a hung replica is ``no_answer`` while the
-   others are judged in the same check;
-3. judge with ``deployments.control.verdict.decide`` (the byte-model prediction first,
-   peers second), choose each odd replica's action within its own policy
-   (``EnforceBook``: enforce is bounded, then drains) and send every
-   replica its verdict (``apply_kv_verdict``, a ``wire.VerdictMessage``);
-4. publish the report (``GET /v1/kv-spec``, a ``wire.FleetReport``) and
-   Prometheus gauges. A report older than ``dsv4.stale_bound_s`` is served as
-   ``stale`` with its age, and the controller then fails its health check so
-   Serve restarts it.
+   (``dsv4.broadcast_timeout_s``): a hung replica is ``no_answer``, the others are judged;
+3. judge (``verdict.decide``: the byte-model prediction first, peers second), choose each
+   odd replica's action within its own policy (``enforcement``) and send every replica
+   its verdict (``apply_kv_verdict``, a ``wire.VerdictMessage``);
+4. publish the report (``GET /v1/kv-spec``, a ``wire.FleetReport``) and the Prometheus
+   series (``control.metrics``). A report older than ``dsv4.stale_bound_s`` is served as
+   ``stale`` and the controller fails its health check so Serve restarts it.
 
 Ray internals touched, documented and probed in ``deployments.ray_touches``:
-``serve.broadcast_per_replica_results`` (each replica's answer under its own
-deadline; asked once per controller, fallback ``results_async``, all-or-nothing,
+``serve.broadcast_per_replica_results`` (fallback ``results_async``, all-or-nothing,
 logged) and ``serve.replica_ids`` (naming the replicas that missed a deadline).
 """
 
@@ -34,20 +30,20 @@ from typing import Any
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from ray.serve.metrics import Counter, Gauge
 
 from deployments import ray_touches
 from deployments.config import DSv4Section, Policy
-from deployments.control.enforcement import EnforceBook, verdicts_held
-from deployments.control.summary import fingerprint
+from deployments.control.answers import parse_answer
+from deployments.control.enforcement import EnforceBook, plan_actions, verdicts_held
+from deployments.control.metrics import FleetMetrics, ReplicaMetrics
+from deployments.control.report import log_change
 from deployments.control.verdict import NoAnswer, decide
 from deployments.control.wire import (
-    Action,
     Expected,
     FleetReport,
+    KVCapacityPlan,
     Problem,
     ReplicaSpec,
-    ReplicaSpecBrief,
     ReplicaVerdict,
     State,
     VerdictMessage,
@@ -92,62 +88,14 @@ def alive_replica_ids(app_name: str, deployment_name: str) -> set[str]:
     return {rid for rid, _ in replica_actors({app_name}, lambda name: name == deployment_name)}
 
 
-class _Metrics:
-    """Prometheus series; tagged by deployment so several apps can share a cluster."""
-
-    def __init__(self, deployment: str):
-        tags = ("llm_deployment",)
-        self._tags = {"llm_deployment": deployment}
-        self.agree = Gauge("dsv4_kv_spec_agree", "1 if every RUNNING replica has the "
-                           "predicted KV spec (fresh report), else 0", tag_keys=tags)
-        self.running = Gauge("dsv4_kv_spec_running_replicas", "RUNNING replicas per Serve",
-                             tag_keys=tags)
-        self.answered = Gauge("dsv4_kv_spec_answered_replicas", "replicas that answered "
-                              "kv_page_spec in the last check", tag_keys=tags)
-        self.odd = Gauge("dsv4_kv_spec_odd_replicas", "replicas whose KV spec differs from "
-                         "the prediction, their peers or the expected layout", tag_keys=tags)
-        self.drained = Gauge("dsv4_kv_spec_drained_replicas", "odd replicas kept up but "
-                             "routed no requests (policy drain, or enforce gave up)",
-                             tag_keys=tags)
-        self.stale = Gauge("dsv4_kv_spec_stale", "1 if the last completed check is older "
-                           "than dsv4.stale_bound_s", tag_keys=tags)
-        self.age = Gauge("dsv4_kv_spec_report_age_seconds", "seconds since the last "
-                         "completed check", tag_keys=tags)
-        self.checks = Counter("dsv4_kv_spec_checks_total", "KV-spec checks run",
-                              tag_keys=(*tags, "state"))
-        self.replacements = Counter("dsv4_kv_spec_enforce_replacements_total", "odd "
-                                    "replicas told to fail health under enforce",
-                                    tag_keys=tags)
-        for gauge in (self.agree, self.running, self.answered, self.odd, self.drained,
-                      self.stale, self.age):
-            gauge.set_default_tags(dict(self._tags))  # Serve adds its tags in place
-
-    def record(self, report: FleetReport) -> None:
-        self.agree.set(1 if report.agree else 0)
-        self.stale.set(1 if report.state is State.STALE else 0)
-        self.age.set(report.age_s or 0.0)
-        if report.state is State.STALE:
-            return  # the counts below are the last check's; leave them, flagged stale
-        self.running.set(report.running_replicas or 0)
-        self.answered.set(report.answered)
-        self.odd.set(len(report.odd_replicas))
-        self.drained.set(sum(r.action is Action.DRAIN and r.reason is not None
-                             for r in report.replicas))
-
-    def checked(self, report: FleetReport, replaced: int) -> None:
-        self.checks.inc(tags={**self._tags, "state": report.state.value})
-        if replaced:
-            self.replacements.inc(replaced, tags=dict(self._tags))
-
-
 class KVSpecController:
     """One replica; its loop checks every ``controller_period_s`` seconds."""
 
-    async def __init__(self, server: DeploymentHandle | str, dsv4: dict[str, Any]):
+    async def __init__(self, server: DeploymentHandle | str, dsv4: dict[str, Any],
+                       kv_capacity: dict[str, Any] | None = None):
+        """``kv_capacity``: ``plan``'s figures per node type (``observe.capacity``)."""
         self._settings = DSv4Section.model_validate(dsv4)
-        if isinstance(server, str):
-            # By name when the servers bind us (they are the ingress and answer
-            # /v1/kv-spec from our report; a Serve graph has no cycles).
+        if isinstance(server, str):  # by name when the servers bind us (a graph has no cycles)
             server = serve.get_deployment_handle(
                 server, app_name=serve.get_replica_context().app_name)
         self._server = server
@@ -163,10 +111,13 @@ class KVSpecController:
         # with a ReplicaSpecBrief (see wire.answer_kv_page_spec).
         self._held: dict[str, ReplicaSpec] = {}
         self._brief = True  # False once a replica rejected `known` (older dsv4-serve)
-        self._book = EnforceBook(self._settings.enforce_max_attempts,
-                                        self._settings.enforce_backoff_s)
+        s = self._settings
+        self._book = EnforceBook(s.enforce_max_attempts, s.enforce_backoff_s)
         self._report = self._not_checked()
-        self._metrics = _Metrics(server.deployment_name)
+        self._metrics = FleetMetrics(server.deployment_name)
+        self._capacity = KVCapacityPlan.model_validate(kv_capacity or {"reason": (
+            "the controller was given no KV capacity figures (an app built without them)")})
+        self._replica_metrics = ReplicaMetrics(server.deployment_name, self._capacity)
         self._per_replica = ray_touches.present("serve.broadcast_per_replica_results")
         if not self._per_replica:
             logger.warning("dsv4: this Ray has no per-replica broadcast results; one hung "
@@ -185,6 +136,7 @@ class KVSpecController:
             state=State.NOT_CHECKED, agree=False, policy=self._policy,
             deployment=self._server.deployment_name, application=self._server.app_name,
             expected=Expected(layout=self._settings.expected_layout.value, reference="none"),
+            kv_capacity=self._capacity,
             problems=[Problem(kind="not_checked", message="no check has completed since the "
                               "controller started")])
 
@@ -216,8 +168,6 @@ class KVSpecController:
         report = self.current()
         self._metrics.record(report)
         return report.model_dump(mode="json")
-
-    # ------------------------------------------------------------------ loop
 
     def _check_bound_s(self) -> float:
         s = self._settings
@@ -316,40 +266,13 @@ class KVSpecController:
             return await self._call_each("kv_page_spec")
         return answers, late, error
 
-    def _parse_spec(self, answer: Any) -> ReplicaSpec | NoAnswer:
-        """One answer validated on receipt: a full spec (re-hashed) or a brief one."""
-        if isinstance(answer, BaseException):
-            return NoAnswer(None, f"a replica failed kv_page_spec: "
-                                   f"{type(answer).__name__}: {answer}")
-        try:
-            if isinstance(answer, dict) and answer.get("brief") is True:
-                return self._from_brief(ReplicaSpecBrief.model_validate(answer))
-            spec = ReplicaSpec.model_validate(answer)
-        except ValueError as exc:
-            return NoAnswer(None, f"a replica answered kv_page_spec with something "
-                                   f"that is not a ReplicaSpec: {exc}")
-        if fingerprint(spec.layers) != spec.fingerprint:
-            return NoAnswer(spec.replica_id, (
-                f"replica {spec.replica_id} sent fingerprint {spec.fingerprint[:19]} that "
-                "does not hash its own layers: not judged"))
-        return spec
-
-    def _from_brief(self, brief: ReplicaSpecBrief) -> ReplicaSpec | NoAnswer:
-        held = self._held.get(brief.replica_id)
-        if held is None or held.fingerprint != brief.fingerprint:
-            # Only a race with a replaced cache can get here; the next check asks in full.
-            return NoAnswer(brief.replica_id, (
-                f"replica {brief.replica_id} answered briefly for a spec this controller "
-                "does not hold; asked in full next check"))
-        return held.model_copy(update={"verdict": brief.verdict})
-
     async def _collect(self) -> tuple[list[ReplicaSpec], list[NoAnswer]]:
         """Every replica's validated ``ReplicaSpec``; failures become named gaps."""
         answers, late, error = await self._ask_specs()
         gaps = [NoAnswer(None, error)] if error else []
         specs = []
         for answer in answers:
-            parsed = self._parse_spec(answer)
+            parsed = parse_answer(answer, self._held)
             (specs if isinstance(parsed, ReplicaSpec) else gaps).append(parsed)
         if late:
             gaps += await self._name_late(late, {s.replica_id for s in specs})
@@ -391,15 +314,16 @@ class KVSpecController:
                 report.problems.append(Problem(kind="status", message=status_error))
                 if report.state is State.AGREE:
                     report.state, report.agree = State.INCOMPLETE, False
-            replaced = self._plan_actions(report, specs, started)
+            replaced = plan_actions(self._book, report, specs, self._policy_override, started)
             report = report.model_copy(update={
                 "policy": self._policy, "policy_override": self._policy_override,
                 "deployment": self._server.deployment_name,
                 "application": self._server.app_name, "checked_at": started,
                 "check_seconds": round(time.time() - started, 3),
-                "check_cpu_seconds": round(time.process_time() - cpu_started, 3)})
+                "check_cpu_seconds": round(time.process_time() - cpu_started, 3),
+                "kv_capacity": self._capacity})
             await self._push_verdict(report, specs, started)
-            self._log_change(report)
+            log_change(self._report, report)
             self._known = {s.replica_id: s.rank for s in specs} | {
                 g.replica: self._known.get(g.replica) for g in gaps if g.replica}
             # Without the RUNNING count a check is not complete: its answers still
@@ -409,29 +333,9 @@ class KVSpecController:
             if status_error is None:
                 self._completed_at = time.time()
             self._metrics.checked(report, replaced)
+            self._replica_metrics.record(report, specs, {g.replica for g in gaps if g.replica})
             self._metrics.record(self.current())
             return self.current().model_dump(mode="json")
-
-    def _plan_actions(self, report: FleetReport, specs: list[ReplicaSpec], now: float) -> int:
-        """Each answered replica's action; returns how many were told to fail health."""
-        by_id = {s.replica_id: s for s in specs}
-        replaced = 0
-        for row in report.replicas:
-            spec = by_id.get(row.id)
-            if spec is None:
-                continue
-            policy = self._policy_override or spec.policy
-            before = self._book.ranks.get(spec.rank if spec.rank is not None else spec.replica_id)
-            attempts_before = before.attempts if before else 0
-            action, attempts, note = self._book.action(spec, row.reason is not None, policy, now)
-            row.action, row.attempts = action, attempts
-            replaced += int(action is Action.FAIL_HEALTH and attempts > attempts_before)
-            if note:
-                row.reason = f"{row.reason}; {note}"
-                report.odd_replicas[row.id] = row.reason
-                report.problems.append(Problem(kind="enforce_exhausted", replica=row.id,
-                                               message=f"replica {row.id}: {note}"))
-        return replaced
 
     async def _push_verdict(self, report: FleetReport, specs: list[ReplicaSpec],
                             checked_at: float) -> None:
@@ -457,16 +361,6 @@ class KVSpecController:
         if failed or late or error:
             logger.warning("dsv4: %d replica(s) did not take the verdict (%d late): %s",
                            len(failed) + late, late, error or (failed[0] if failed else ""))
-
-    def _log_change(self, report: FleetReport) -> None:
-        prev = self._report
-        if (prev.state, sorted(prev.odd_replicas.items())) == (
-                report.state, sorted(report.odd_replicas.items())):
-            return
-        log = logger.info if report.agree else logger.warning
-        log("dsv4: KV spec %s: %d/%s replicas answered, reference %s; %s", report.state.value,
-            report.answered, report.running_replicas, report.expected.reference,
-            "; ".join(p.message for p in report.problems) or "one fingerprint, as predicted")
 
     # ------------------------------------------------------------------ control
 

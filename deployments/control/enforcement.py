@@ -6,10 +6,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from deployments.config.dsv4 import node_type_key
 from deployments.control.summary import KVLayoutMismatch
 from deployments.control.wire import (
     DRAIN_STAT,
     Action,
+    FleetReport,
+    Problem,
     ReplicaSpec,
     ReplicaVerdict,
     VerdictMessage,
@@ -102,6 +105,31 @@ class EnforceBook:
         if held.action is Action.FAIL_HEALTH:
             book.failed.add(spec.replica_id)  # already being replaced: keep it so
         return book
+
+
+def plan_actions(book: EnforceBook, report: FleetReport, specs: Sequence[ReplicaSpec],
+                 override: str | None, now: float) -> int:
+    """Each answered replica's action (and node type) in ``report``; returns how many
+    were told to fail health. ``override``: an operator's policy for every replica."""
+    by_id = {s.replica_id: s for s in specs}
+    replaced = 0
+    for row in report.replicas:
+        spec = by_id.get(row.id)
+        if spec is None:
+            continue
+        row.node_type = node_type_key(spec.node)
+        policy = override or spec.policy
+        before = book.ranks.get(spec.rank if spec.rank is not None else spec.replica_id)
+        attempts_before = before.attempts if before else 0
+        action, attempts, note = book.action(spec, row.reason is not None, policy, now)
+        row.action, row.attempts = action, attempts
+        replaced += int(action is Action.FAIL_HEALTH and attempts > attempts_before)
+        if note:
+            row.reason = f"{row.reason}; {note}"
+            report.odd_replicas[row.id] = row.reason
+            report.problems.append(Problem(kind="enforce_exhausted", replica=row.id,
+                                           message=f"replica {row.id}: {note}"))
+    return replaced
 
 
 def verdicts_held(message: VerdictMessage, specs: Sequence[ReplicaSpec]) -> bool:

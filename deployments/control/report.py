@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from deployments.control.wire import FleetReport
+from deployments.logs import get_logger
+
+logger = get_logger("controller")
 
 
 def describe(report: FleetReport) -> str:
@@ -45,3 +48,14 @@ def describe_pd(report: FleetReport) -> list[str]:
     lines += [f"    decode {d} takes KV from prefill {ids or 'none (prefills locally)'}"
               for d, ids in pd.allowed.items()]
     return lines
+
+
+def log_change(prev: FleetReport, report: FleetReport) -> None:
+    """Log the verdict when its state or its odd replicas changed since ``prev``."""
+    if (prev.state, sorted(prev.odd_replicas.items())) == (
+            report.state, sorted(report.odd_replicas.items())):
+        return
+    log = logger.info if report.agree else logger.warning
+    log("dsv4: KV spec %s: %d/%s replicas answered, reference %s; %s", report.state.value,
+        report.answered, report.running_replicas, report.expected.reference,
+        "; ".join(p.message for p in report.problems) or "one fingerprint, as predicted")

@@ -1,0 +1,156 @@
+"""The catalogue of every Prometheus series dsv4-serve defines, and how Ray exports them.
+
+One list, read by the code that creates the series (``make``) and by the dashboard's
+test: a panel on a name that is not here (or not vLLM's) fails before anyone deploys it.
+
+Names follow Prometheus' conventions (base units in the name: ``_seconds``, ``_bytes``;
+counters end in ``_total``; ``*_info`` gauges are 1 and carry labels to join on) and
+vLLM's where the two overlap (``time_to_first_token_seconds``, ``requests_in_flight``).
+Ray's metrics agent exports every ``ray.util.metrics`` series prefixed ``ray_`` with
+``:`` turned into ``_`` (``exported``): vLLM's ``vllm:kv_cache_usage_perc`` becomes
+``ray_vllm_kv_cache_usage_perc``, tagged ``ReplicaId``; ours are tagged ``replica``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+
+class Kind(str, Enum):
+    GAUGE = "gauge"
+    COUNTER = "counter"
+    HISTOGRAM = "histogram"
+
+
+# Seconds: from a loopback edge check (~0.1 ms) to a slow prefill on 2 CPU cores.
+STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# The per-replica labels. ``replica`` is Serve's replica id (``ReplicaID.unique_id``),
+# the value Serve puts in its own ``replica`` tag and vLLM in ``ReplicaId``.
+KV_TAGS = ("llm_deployment", "replica", "node_type")
+FLEET_TAGS = ("llm_deployment",)
+
+
+@dataclass(frozen=True)
+class Series:
+    """One series: what ``ray.util.metrics`` is given, and where it is created."""
+
+    name: str
+    kind: Kind
+    help: str
+    tags: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+    where: str = "controller"  # controller | replica (the serving replica's process)
+
+    def exported(self) -> tuple[str, ...]:
+        """The sample names Prometheus scrapes from Ray's metrics agent."""
+        return exported(self.name, self.kind)
+
+
+def exported(name: str, kind: Kind) -> tuple[str, ...]:
+    """Sample names of one series after Ray's export (prefix, ``:`` -> ``_``, suffixes)."""
+    base = "ray_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
+    if kind is Kind.HISTOGRAM:
+        return (f"{base}_bucket", f"{base}_sum", f"{base}_count")
+    if kind is Kind.COUNTER:
+        return (base if base.endswith("_total") else f"{base}_total",)
+    return (base,)
+
+
+def _g(name: str, help: str, tags: tuple[str, ...] = FLEET_TAGS) -> Series:
+    return Series(name, Kind.GAUGE, help, tags)
+
+
+# ----------------------------------------------------------- the controller: the fleet
+AGREE = _g("dsv4_kv_spec_agree", "1 if every RUNNING replica has the predicted KV spec "
+           "(fresh report), else 0")
+RUNNING = _g("dsv4_kv_spec_running_replicas", "RUNNING replicas per Serve")
+ANSWERED = _g("dsv4_kv_spec_answered_replicas", "replicas that answered kv_page_spec in "
+              "the last check")
+ODD = _g("dsv4_kv_spec_odd_replicas", "replicas whose KV spec differs from the prediction, "
+         "their peers or the expected layout")
+DRAINED = _g("dsv4_kv_spec_drained_replicas", "odd replicas kept up but routed no requests "
+             "(policy drain, or enforce gave up)")
+STALE = _g("dsv4_kv_spec_stale", "1 if the last completed check is older than "
+           "dsv4.stale_bound_s")
+AGE = _g("dsv4_kv_spec_report_age_seconds", "seconds since the last completed check")
+CHECKS = Series("dsv4_kv_spec_checks_total", Kind.COUNTER, "KV-spec checks run",
+                (*FLEET_TAGS, "state"))
+REPLACEMENTS = Series("dsv4_kv_spec_enforce_replacements_total", Kind.COUNTER,
+                      "odd replicas told to fail health under enforce", FLEET_TAGS)
+
+# ------------------------------------------------------- the controller: each replica
+REPLICA_INFO = _g("dsv4_kv_replica_info", "1 per answering replica; its labels say what it "
+                  "stores (status ok|odd, action serve|drain|fail_health, cache dtype, "
+                  "fingerprints): join other series on replica to get node_type",
+                  (*KV_TAGS, "status", "action", "cache_dtype", "fingerprint",
+                   "predicted_fingerprint"))
+AS_PREDICTED = _g("dsv4_kv_layout_as_predicted", "1 if the replica's reported per-layer KV "
+                  "layout equals the byte model's prediction for its node, else 0", KV_TAGS)
+PAGE_BYTES = _g("dsv4_kv_page_bytes", "bytes of one KV page of a cache group "
+                "(role/compress ratio; source reported by the engine or predicted by the "
+                "byte model). vLLM's cache_config_info block_size is the minimum over "
+                "DeepSeek-V4's groups (vllm#51163): these are the real pages",
+                (*KV_TAGS, "cache_group", "source"))
+BYTES_PER_TOKEN = _g("dsv4_kv_bytes_per_token", "KV bytes one more context token costs on "
+                     "one GPU of the replica (fullest pipeline stage, pages padded), as "
+                     "dsv4-serve plan computes it for the replica's node type", KV_TAGS)
+CAPACITY_TOKENS = _g("dsv4_kv_capacity_tokens", "context tokens of KV cache the replica "
+                     "holds (all its DP engines), as dsv4-serve plan computes it for its "
+                     "node type", KV_TAGS)
+ENGINE_CAPACITY_TOKENS = _g("dsv4_kv_capacity_tokens_per_engine", "context tokens of KV "
+                            "cache one engine of the replica holds (dsv4-serve plan)", KV_TAGS)
+BUDGET_BYTES = _g("dsv4_kv_budget_bytes", "bytes one GPU (or the CPU KV space) of the "
+                  "replica has for KV pages after the weights (dsv4-serve plan)", KV_TAGS)
+
+# ------------------------------------------- the serving replica: its own path's time
+STAGE = Series("dsv4_serve_request_stage_seconds", Kind.HISTOGRAM,
+               "time a request spends in one stage of the serving path on the replica: "
+               "edge (keys, route, body, bounds until vLLM's app has it), "
+               "engine_first_token (vLLM's app and engine until the first response "
+               "chunk), edge_stream (the edge's work on the later chunks, summed)",
+               ("stage",), STAGE_BUCKETS, "replica")
+TTFT = Series("dsv4_serve_time_to_first_token_seconds", Kind.HISTOGRAM,
+              "arrival at the replica to its first response chunk (edge + "
+              "engine_first_token): the TTFT the serving path delivers",
+              (), STAGE_BUCKETS, "replica")
+IN_FLIGHT = Series("dsv4_serve_requests_in_flight", Kind.GAUGE, "HTTP requests the "
+                   "replica's serving path holds now (edge to last byte)", (), (), "replica")
+REFUSED = Series("dsv4_serve_requests_refused_total", Kind.COUNTER, "requests the edge "
+                 "answered itself with an error, by reason (keys, routes, bounds, "
+                 "body_deadline, overload, drain, stream_limit...)", ("reason",), (), "replica")
+
+CONTROLLER_SERIES = (AGREE, RUNNING, ANSWERED, ODD, DRAINED, STALE, AGE, CHECKS,
+                     REPLACEMENTS, REPLICA_INFO, AS_PREDICTED, PAGE_BYTES, BYTES_PER_TOKEN,
+                     CAPACITY_TOKENS, ENGINE_CAPACITY_TOKENS, BUDGET_BYTES)
+REPLICA_SERIES = (STAGE, TTFT, IN_FLIGHT, REFUSED)
+ALL = CONTROLLER_SERIES + REPLICA_SERIES
+
+
+def exported_names() -> set[str]:
+    """Every sample name of the series above, as scraped from Ray's metrics agent."""
+    return {name for s in ALL for name in s.exported()}
+
+
+def make(series: Series, serve_tags: bool = True) -> Any:
+    """The Ray metric for ``series``.
+
+    ``serve_tags``: through ``ray.serve.metrics``, which adds Serve's ``deployment``,
+    ``replica`` and ``application`` tags of the process that records; without, through
+    ``ray.util.metrics`` with ``series.tags`` only (the controller's per-replica
+    series name the *served* replica in ``replica``, which Serve reserves).
+    """
+    if serve_tags:
+        from ray.serve import metrics
+    else:
+        from ray.util import metrics  # type: ignore[no-redef]
+    tags = series.tags or None
+    if series.kind is Kind.HISTOGRAM:
+        return metrics.Histogram(series.name, series.help, boundaries=list(series.buckets),
+                                 tag_keys=tags)
+    cls = metrics.Counter if series.kind is Kind.COUNTER else metrics.Gauge
+    return cls(series.name, series.help, tag_keys=tags)
