@@ -46,6 +46,23 @@ class AuthConfig(_Strict):
         return value
 
 
+class ReplicaPortLimits(_Strict):
+    """Waits and connections on ``http.replica_port``, each replica's own uvicorn: they
+    come before any key is checked (``deployments.http.listener_guard``)."""
+
+    header_timeout_s: float = Field(
+        default=15.0, gt=0, le=300, description="a connection must send a request's full "
+        "headers within this long of opening (or of the first byte after a response); "
+        "else it is closed")
+    idle_timeout_s: int = Field(
+        default=90, ge=1, le=3600, description="a kept-alive connection with no request "
+        "is closed after this long")
+    max_connections: int = Field(
+        default=1024, ge=1, le=1 << 16, description="connections one replica holds on the "
+        "port at once (requests in flight plus idle keep-alives); the next one gets a 503 "
+        "and is closed")
+
+
 class HTTPEdge(_Strict):
     """The HTTP edge of the ingress: auth, CORS, body and request bounds, overload.
 
@@ -82,6 +99,7 @@ class HTTPEdge(_Strict):
     # Serve's proxy keeps http_options.port as a second door to the same edge. For one
     # machine (the local run); None = Serve's proxy is the only door.
     replica_port: int | None = Field(default=None, ge=1, le=65535)
+    replica_port_limits: ReplicaPortLimits = Field(default_factory=ReplicaPortLimits)
 
     @field_validator("cors_allow_origins")
     @classmethod

@@ -220,4 +220,26 @@ TOUCHES: tuple[RayTouch, ...] = (
                     attr_chain("ray.serve.llm.deployment", "LLMServer.completions")),
         pd_only=True,
     ),
+    RayTouch(
+        name="serve.replica_shutting_down",
+        target="ray.serve._private.replica:Replica._shutting_down via "
+               "ray._private.worker.global_worker.actors[actor_id]._replica_impl",
+        used_in=("deployments.serving.stopping:serve_stopping",),
+        why="Serve tells the replica's code nothing until __del__, after draining only "
+            "the requests it routed: the replica's own port (http.replica_port) must "
+            "stop taking connections as the shutdown begins, and its held requests get "
+            "what is left of graceful_shutdown_timeout_s (issue 34)",
+        how="read the flag every 0.25 s from the listener's watch task; read only, "
+            "never written; absent = the port closes at __del__ (logged)",
+        upstream="no public replica-stopping hook in Ray 2.60 (the flag's comment says "
+                 "replica subclasses may use it)",
+        removal="when Serve calls a user hook at the start of a graceful shutdown",
+        probe=every(source_mentions("ray.serve._private.replica",
+                                    "Replica._perform_graceful_shutdown",
+                                    "self._shutting_down = True"),
+                    source_mentions("ray.serve._private.replica", "ReplicaActor.__init__",
+                                    "self._replica_impl"),
+                    attr_chain("ray._private.worker", "global_worker.actors")),
+        required=False,
+    ),
 )

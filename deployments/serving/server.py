@@ -71,6 +71,7 @@ from deployments.logs import get_logger
 from deployments.serving import boot
 from deployments.serving.names import TARGET_KWARG
 from deployments.serving.relay import Relay, serve_relayed
+from deployments.serving.stopping import serve_stopping
 from dsv4_patch import node as node_info
 from dsv4_patch import rules
 from dsv4_patch.node import NodeInfo
@@ -301,8 +302,12 @@ class DSv4ServerMixin:
                 "Serve's direct ingress is on), so the replica cannot bind the same one. "
                 "Fix: remove http.replica_port, or unset RAY_SERVE_ENABLE_DIRECT_INGRESS/"
                 "RAY_SERVE_ENABLE_HA_PROXY.")
-        self._listener = ReplicaListener(self._asgi_app, host, port)
+        self._listener = ReplicaListener(self._asgi_app, host, port,
+                                         self._http.replica_port_limits)
         await self._listener.start()  # a verdict comes later; drain then closes it
+        stopping = serve_stopping()  # Serve began stopping us: close the port at once
+        if stopping is not None:
+            self._listener.watch(stopping, self._drain_timeout_s)
 
     async def dsv4_close_listener(self) -> None:
         """Shutdown: stop taking connections on the replica's own port, let held
@@ -371,8 +376,8 @@ class DSv4ServerMixin:
         if self._listener is None:
             return
         drained = bool(drain_stats(self._verdict)[DRAIN_STAT])
-        if drained and others_serving(message, self._replica_id,
-                                      self._settings.policy.value):
+        if drained and others_serving(message, self._replica_id, self._settings.policy.value) \
+                and self._listener.others_listening():  # the last one on this node stays
             self._listener.pause()
         elif not self._listener.listening:
             if drained:
@@ -398,7 +403,14 @@ class DSv4ServerMixin:
         guard = edge.current()
         if guard is not None:
             guard.keys.refresh()
-        await super().check_health()  # type: ignore[misc]
+        try:
+            await super().check_health()  # type: ignore[misc]
+        except Exception:
+            if self._listener is not None:  # a dead engine takes no new connections
+                self._listener.engine_dead()
+            raise
+        if self._listener is not None:  # healthy again (a passing failure): reopen
+            await self._listener.open_for("engine")
         raise_if_enforced(self._verdict)
 
 

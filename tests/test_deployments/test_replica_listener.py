@@ -19,42 +19,7 @@ import yaml
 from deployments.config import DEFAULT_CONFIG, ConfigError, load_serve_config
 from deployments.http.listener import ReplicaListener, reuse_port_socket
 from deployments.local.deploy import base_url, refuse_busy_ports
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def named_app(name: str, hold: asyncio.Event | None = None) -> Any:
-    """An ASGI app that answers its name; ``/slow`` streams until ``hold`` is set."""
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        assert scope["type"] == "http"
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/plain")]})
-        if scope["path"] == "/slow" and hold is not None:
-            await send({"type": "http.response.body", "body": b"start ",
-                        "more_body": True})
-            await hold.wait()
-        await send({"type": "http.response.body", "body": name.encode()})
-
-    return app
-
-
-def get(port: int, path: str = "/", timeout: float = 5.0) -> str:
-    """One request on a fresh connection (so the kernel picks a listener each time)."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
-    try:
-        conn.request("GET", path)
-        return conn.getresponse().read().decode()
-    finally:
-        conn.close()
-
-
-async def in_thread(fn: Any, *args: Any) -> Any:
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+from tests.support.replica_port import free_port, get, in_thread, named_app
 
 
 def test_replicas_share_one_port_and_a_paused_one_gets_no_connections() -> None:

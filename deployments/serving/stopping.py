@@ -1,0 +1,42 @@
+"""Whether Serve began stopping this replica: the signal that closes its own port.
+
+Why: Serve tells a replica's code nothing until ``__del__``, after it has drained the
+requests *it* routed; requests on ``http.replica_port`` are not among them, so the
+port would keep taking new connections (1/N of the node's) while the replica is
+STOPPING, and its held streams would get only what is left after Serve's drain.
+
+How: Serve's replica sets ``Replica._shutting_down`` as its graceful shutdown begins
+(documented there as "may be used by replica subclass implementations"); the actor
+instance is reached through the worker's actor table. Ray touch
+``serve.replica_shutting_down`` (deployments.ray_touches); when it is absent the port
+closes at ``__del__``, as before, and the replica says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from deployments import ray_touches
+from deployments.logs import get_logger
+
+logger = get_logger("server")
+
+TOUCH = "serve.replica_shutting_down"
+
+
+def serve_stopping() -> Callable[[], bool] | None:
+    """A cheap check of "Serve is stopping this replica", or None (logged) when the
+    installed Ray does not let us see it."""
+    if not ray_touches.present(TOUCH):
+        logger.warning("dsv4: ray touch %s is missing in this Ray: the replica's own port "
+                       "closes only at __del__, after Serve's drain", TOUCH)
+        return None
+    from ray._private.worker import global_worker
+
+    actor = global_worker.actors.get(global_worker.actor_id)
+    replica = getattr(actor, "_replica_impl", None)
+    if replica is None or not hasattr(replica, "_shutting_down"):
+        logger.warning("dsv4: this process is not a Serve replica actor (%s): the "
+                       "replica's own port closes only at __del__", type(actor).__name__)
+        return None
+    return lambda: bool(replica._shutting_down)
