@@ -18,11 +18,16 @@ from fastapi.testclient import TestClient
 from starlette.types import Receive, Scope, Send
 
 from deployments.config import HTTPEdge
-from deployments.http import edge
+from deployments.http.edge import Edge
 from deployments.http.front import KV_SPEC_ROUTE, harden
-from tests.test_deployments.test_front import vllm_app
+from deployments.http.scrub import ScrubMiddleware
+from tests.support.vllm_app import vllm_app
 
 SECRET = "RayActorError: actor pid=4242 on node 10.11.12.13 died (/opt/ray/x.py)"
+
+
+def _edge() -> Edge:
+    return Edge.start(HTTPEdge(), "127.0.0.1", environ={})
 
 
 def _leaks(text: str) -> bool:
@@ -40,8 +45,7 @@ def vllm_client() -> TestClient:
             raise RuntimeError(SECRET)
         return {"state": "not_checked", "note": "first check pending"}, "cached"
 
-    edge.install(edge.EdgeGuard.start(HTTPEdge(), "127.0.0.1", environ={}))
-    return TestClient(harden(vllm_app(), HTTPEdge(), kv_spec), raise_server_exceptions=False)
+    return TestClient(harden(vllm_app(), _edge(), kv_spec), raise_server_exceptions=False)
 
 
 def _scrubbed(resp: Any, request_id: str) -> None:
@@ -86,8 +90,7 @@ def _standin() -> TestClient:
     async def model(model: str) -> Any:
         return JSONResponse({"detail": SECRET}, status_code=502)
 
-    edge.install(edge.EdgeGuard.start(HTTPEdge(), "127.0.0.1", environ={}))
-    return TestClient(harden(app, HTTPEdge()), raise_server_exceptions=False)
+    return TestClient(harden(app, _edge()), raise_server_exceptions=False)
 
 
 def test_an_exception_on_a_read_route_is_a_scrubbed_500() -> None:
@@ -109,8 +112,7 @@ async def _start_without_body(scope: Scope, receive: Receive, send: Send) -> Non
 
 
 def test_a_5xx_start_without_a_body_still_gets_an_answer() -> None:
-    app = edge.EdgeMiddleware(_start_without_body)
-    edge.install(edge.EdgeGuard.start(HTTPEdge(), "127.0.0.1", environ={}))
+    app = ScrubMiddleware(_start_without_body)
     resp = TestClient(app, raise_server_exceptions=False).get(
         "/v1/models", headers={"x-request-id": "req-z"})
     _scrubbed(resp, "req-z")

@@ -14,23 +14,23 @@ from fastapi.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
 from deployments.config import HTTPEdge
-from deployments.http import edge
+from deployments.http.edge import Edge
 from deployments.http.front import harden
-from tests.test_deployments.test_front import vllm_app
+from tests.support.vllm_app import vllm_app
 
 KEY = "k" * 24
 ORIGIN = "https://chat.example"
 CORS = HTTPEdge(cors_allow_origins=[ORIGIN])
 
 
+def _keys_required() -> Edge:
+    """CORS on, bound beyond loopback, one key."""
+    return Edge.start(CORS, "0.0.0.0", environ={"DSV4_API_KEYS": KEY})
+
+
 @pytest.fixture(scope="module")
 def client() -> TestClient:
-    return TestClient(harden(vllm_app(), CORS), raise_server_exceptions=False)
-
-
-@pytest.fixture(autouse=True)
-def keys_required() -> None:
-    edge.install(edge.EdgeGuard.start(CORS, "0.0.0.0", environ={"DSV4_API_KEYS": KEY}))
+    return TestClient(harden(vllm_app(), _keys_required()), raise_server_exceptions=False)
 
 
 @pytest.mark.parametrize("headers", [{}, {"origin": ORIGIN},
@@ -67,7 +67,7 @@ def _websocket_app() -> TestClient:
         await websocket.send_text("unauthenticated")
         await websocket.close()
 
-    return TestClient(harden(app, CORS))
+    return TestClient(harden(app, _keys_required()))
 
 
 @pytest.mark.parametrize("headers", [{}, {"authorization": f"Bearer {KEY}"}])
@@ -81,6 +81,6 @@ def test_websockets_are_refused(headers: dict[str, str]) -> None:
 def test_lifespan_still_reaches_the_app() -> None:
     started: list[bool] = []
     app = FastAPI(on_startup=[lambda: started.append(True)])
-    with TestClient(harden(app, CORS)):
+    with TestClient(harden(app, _keys_required())):
         pass
     assert started == [True]

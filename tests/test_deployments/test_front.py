@@ -11,8 +11,6 @@ path is ``tests/test_deployments/test_serve_security.py``.
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -20,19 +18,15 @@ from fastapi.testclient import TestClient
 from starlette.middleware.cors import CORSMiddleware
 
 from deployments.config import HTTPEdge
-from deployments.http import edge
-from deployments.http.edge import EdgeMiddleware
+from deployments.http.edge import Edge
+from deployments.http.scrub import ScrubMiddleware
 from deployments.http.errors import openai_validation_error
 from deployments.http.front import KV_SPEC_ROUTE, harden
+from tests.support.vllm_app import vllm_app
 
 
-def vllm_app() -> FastAPI:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.entrypoints.launchers.app import build_app
-    from vllm.entrypoints.launchers.cli_args import FrontendArgs
-
-    args = argparse.Namespace(**(vars(FrontendArgs()) | vars(AsyncEngineArgs(model="m"))))
-    return build_app(args, supported_tasks=("generate",))
+def _edge(settings: HTTPEdge | None = None) -> Edge:
+    return Edge.start(settings or HTTPEdge(), "127.0.0.1", environ={})
 
 
 @pytest.fixture(scope="module")
@@ -40,22 +34,21 @@ def client() -> TestClient:
     async def kv_spec(refresh: bool) -> tuple[dict[str, object], str]:
         return {"state": "disagree", "pid": 7, "note": "see /opt/x/y.py"}, "cached"
 
-    edge.install(edge.EdgeGuard.start(HTTPEdge(), "127.0.0.1", environ={}))
-    return TestClient(harden(vllm_app(), HTTPEdge(), kv_spec), raise_server_exceptions=False)
+    return TestClient(harden(vllm_app(), _edge(), kv_spec), raise_server_exceptions=False)
 
 
 def test_vllm_app_comes_with_its_own_cors_and_we_drop_it() -> None:
     app = vllm_app()
     assert [m for m in app.user_middleware if m.cls is CORSMiddleware], \
         "vLLM's build_app no longer adds CORS: recheck harden"
-    hardened = harden(app, HTTPEdge())
+    hardened = harden(app, _edge())
     assert not [m for m in hardened.user_middleware if m.cls is CORSMiddleware]
-    assert hardened.user_middleware[0].cls is EdgeMiddleware  # outermost
+    assert hardened.user_middleware[0].cls is ScrubMiddleware  # outermost
     assert hardened.exception_handlers[RequestValidationError] is openai_validation_error
 
 
 def test_configured_cors_is_ours() -> None:
-    hardened = harden(vllm_app(), HTTPEdge(cors_allow_origins=["https://chat.example"]))
+    hardened = harden(vllm_app(), _edge(HTTPEdge(cors_allow_origins=["https://chat.example"])))
     [cors] = [m for m in hardened.user_middleware if m.cls is CORSMiddleware]
     assert cors.kwargs["allow_origins"] == ["https://chat.example"]
 
@@ -138,7 +131,7 @@ def test_the_pd_decode_replica_serves_rays_prefill_first_routes_behind_our_edge(
     assert "PDOrchestratorMixin" in endpoints["/v1/completions"], endpoints
     assert "PDOrchestratorMixin" in endpoints["/v1/chat/completions"], endpoints
     assert KV_SPEC_ROUTE in endpoints
-    assert app.user_middleware[0].cls is EdgeMiddleware
+    assert app.user_middleware[0].cls is ScrubMiddleware
     assert not [m for m in app.user_middleware if m.cls is CORSMiddleware]
 
 

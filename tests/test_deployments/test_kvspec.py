@@ -382,13 +382,13 @@ def _mixed(odd: dict[int, str] | None = None, nodes: tuple[str, ...] = (
 def test_v41_standin_pages_are_vllms_spec_pages() -> None:
     """The stand-in's rows are the real spec classes' pages (no hand-typed bytes)."""
     from deployments.harness.standin import V41_NODES, v41_worker_specs
-    from tests.test_dsv4_patch.test_rules_v41 import V41_FLASH, _real_spec
+    from tests.support.v41_pages import V41_FLASH, real_spec
 
     topo = rules.V41Topology.from_hf_config(V41_FLASH)
     for name, node in V41_NODES.items():
         cap = tuple(int(x) for x in node["compute_capability"].split("."))
         record = rules.v41_record("cuda", cap, node["attention_backend"], "auto")
-        real = [_real_spec(c, record, topo.head_dim) for c in rules.v41_caches(topo, record)]
+        real = [real_spec(c, record, topo.head_dim) for c in rules.v41_caches(topo, record)]
         assert [r["page_size_bytes"] for r in v41_worker_specs(node)] == real, name
 
 

@@ -14,9 +14,9 @@ from vllm.entrypoints.openai.models.protocol import BaseModelPath
 from vllm.entrypoints.openai.models.serving import OpenAIModelRegistry
 
 from deployments.config import HTTPEdge
-from deployments.http import edge
+from deployments.http.edge import Edge
 from deployments.http.front import harden, public_cards
-from tests.test_deployments.test_front import vllm_app
+from tests.support.vllm_app import vllm_app
 
 MODEL_ID = "deepseek-ai/DeepSeek-V4-Flash"
 WEIGHTS = "/mnt/secret-models/dsv4-flash"
@@ -26,8 +26,7 @@ def test_the_model_list_shows_the_id_not_the_path() -> None:
     app = vllm_app()
     app.state.openai_serving_models = OpenAIModelRegistry(
         SimpleNamespace(max_model_len=4096), [BaseModelPath(MODEL_ID, WEIGHTS)])  # type: ignore[arg-type]
-    edge.install(edge.EdgeGuard.start(HTTPEdge(), "127.0.0.1", environ={}))
-    resp = TestClient(harden(app, HTTPEdge())).get("/v1/models")
+    resp = TestClient(harden(app, Edge.start(HTTPEdge(), "127.0.0.1", environ={}))).get("/v1/models")
     assert resp.status_code == 200, resp.text
     assert "secret-models" not in resp.text
     [card] = resp.json()["data"]

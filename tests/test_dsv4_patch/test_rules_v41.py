@@ -10,7 +10,6 @@ wheel (tests/releases/sources.py's cache), never retyped here.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,10 +18,8 @@ from typing import Any
 import pytest
 
 from dsv4_patch import rules
+from tests.support.v41_pages import V41_FLASH, real_spec
 
-REPO = Path(__file__).resolve().parents[2]
-V41_FLASH = json.loads((REPO / "configs" / "models" / "deepseek-ai" / "DeepSeek-V4.1-Flash" /
-                        "config.json").read_text())
 ATTN = "vllm/models/deepseek_v41/attention.py"
 V4_ATTN = "vllm/models/deepseek_v4/attention.py"
 SM90, SM100, SM120 = (9, 0), (10, 0), (12, 0)
@@ -207,41 +204,6 @@ def test_no_cpu_path_for_v41() -> None:
 # ------------------------------------------------------------------ caches per layer
 
 
-def _real_spec(cache: rules.V41Cache, record: rules.KVRecord, head_dim: int) -> int:
-    """The page size vLLM's own spec class gives the same cache (attention.py, compressor.py)."""
-    import torch
-    from vllm.v1.kv_cache_interface import (
-        CircularBufferSpec,
-        MLAAttentionSpec,
-        SlidingWindowMLASpec,
-    )
-
-    dtype = torch.uint8 if record.packed else (
-        torch.float8_e4m3fn if record.swa_bytes == head_dim else torch.bfloat16)
-    if cache.role == "swa":
-        return SlidingWindowMLASpec(
-            block_size=cache.block_size, num_kv_heads=1, head_size=head_dim, dtype=dtype,
-            sliding_window=128, cache_dtype_str=record.cache_dtype_str,
-            state_content_bytes=record.swa_bytes if record.packed else None,
-            alignment=record.alignment if record.packed else 512,
-            model_version="deepseek_v4").page_size_bytes
-    if cache.role == "main":
-        return MLAAttentionSpec(
-            block_size=cache.block_size, num_kv_heads=1, head_size=head_dim, dtype=dtype,
-            tokens_per_state=cache.compress_ratio, cache_dtype_str=record.cache_dtype_str,
-            alignment=record.alignment if record.packed else 512, model_version="deepseek_v4",
-            state_content_bytes=record.compressed_bytes if record.packed else None,
-        ).page_size_bytes
-    if cache.role == "indexer":
-        return MLAAttentionSpec(
-            block_size=cache.block_size, num_kv_heads=1, head_size=rules.family.INDEXER_FP8_ROW,
-            dtype=torch.uint8, tokens_per_state=cache.compress_ratio,
-            alignment=record.indexer_alignment).page_size_bytes
-    return CircularBufferSpec(block_size=cache.block_size, num_kv_heads=1,
-                              head_size=2 * head_dim, head_size_v=0,
-                              dtype=torch.float32).page_size_bytes
-
-
 NODES = [("cuda", SM90, None, "auto"), ("cuda", SM100, None, "auto"),
          ("cuda", SM100, "FLASHMLA_SPARSE_DSV41", "fp8"), ("cuda", SM120, None, "auto"),
          ("cuda", SM100, "FLASHINFER_MLA_SPARSE_DSV41", "auto"),
@@ -254,7 +216,7 @@ def test_every_cache_page_is_what_vllms_spec_computes(node: tuple[Any, ...]) -> 
     record = rules.v41_record(*node)
     caches = rules.v41_caches(topo, record, dspark=True)
     for cache in caches:
-        assert cache.page_size_bytes == _real_spec(cache, record, topo.head_dim), cache
+        assert cache.page_size_bytes == real_spec(cache, record, topo.head_dim), cache
 
 
 def test_caches_follow_the_topology() -> None:
