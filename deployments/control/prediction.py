@@ -12,6 +12,7 @@ from deployments.control.wire import (
     LayerDifference,
     LayerEntry,
     Prediction,
+    Problem,
     ReplicaSpec,
 )
 from dsv4_patch import rules
@@ -21,12 +22,14 @@ from dsv4_patch import rules
 
 def predict(hf_config: Mapping[str, Any] | None, layout: rules.Layout, requested: str | None,
             vllm_version: str | None, source: str,
-            node: Mapping[str, Any] | None = None) -> Prediction:
+            node: Mapping[str, Any] | None = None,
+            engine: Mapping[str, Any] | None = None) -> Prediction:
     """What the engine will allocate for this config, layout, dtype and vLLM, per layer.
 
     ``node`` (``NodeInfo.as_dict()``: platform, compute_capability, attention_backend)
     is the replica's own node; DeepSeek-V4.1's record depends on it (vllm#56893,
-    vllm#56935), so a V4.1 prediction is always for one node type.
+    vllm#56935), so a V4.1 prediction is always for one node type. ``engine``: the
+    engine kwargs vLLM reads (block_size, TP, LoRA, attention and speculative config).
     """
     if hf_config is None:
         return Prediction(source=source, reason="the model's config.json could not be read")
@@ -34,7 +37,8 @@ def predict(hf_config: Mapping[str, Any] | None, layout: rules.Layout, requested
     if why:
         return Prediction(source=source, reason=why)
     if rules.family_of(hf_config) is rules.Family.V41:
-        return _predict_v41(hf_config, requested, source, node or {})
+        return _predict_v41(hf_config, requested, source, node or {}, str(vllm_version),
+                            engine or {})
     resolution = rules.resolve_kv_cache_dtype(layout, requested)
     shape = rules.ModelShape.from_hf_config(hf_config)
     layers = [LayerEntry(layer=f"layers.{p.index}.{p.role}", index=p.index, role=p.role,
@@ -59,23 +63,28 @@ def node_type(node: Mapping[str, Any]) -> str:
 
 
 def node_capability(node: Mapping[str, Any]) -> tuple[int, int] | None:
-    cap = node.get("compute_capability")
-    if not cap:
-        return None
-    major, _, minor = str(cap).partition(".")
-    return int(major), int(minor or 0)
+    return rules.parse_capability(node.get("compute_capability"))
+
+
+def engine_setup(node: Mapping[str, Any], release: str, requested: str | None,
+                 engine: Mapping[str, Any] | None = None) -> rules.EngineSetup:
+    """The pure rules' view of one node running ``engine`` on vLLM ``release``."""
+    kwargs = {**(engine or {}), "kv_cache_dtype": requested}
+    return rules.EngineSetup.from_engine_kwargs(
+        release, str(node.get("platform") or "cpu"), node_capability(node),
+        node.get("attention_backend"), kwargs)
 
 
 def _predict_v41(hf_config: Mapping[str, Any], requested: str | None, source: str,
-                 node: Mapping[str, Any]) -> Prediction:
+                 node: Mapping[str, Any], release: str,
+                 engine: Mapping[str, Any]) -> Prediction:
     """V4.1's main and indexer caches on this node (the growing caches; peers compare the rest)."""
-    platform = str(node.get("platform") or "cpu")
     try:
-        record = rules.v41_record(platform, node_capability(node),
-                                  node.get("attention_backend"), requested)
+        built = rules.build(engine_setup(node, release, requested, engine), hf_config)
     except (rules.LayoutError, rules.KVCacheDtypeError) as exc:
         return Prediction(source=source, node_type=node_type(node), reason=str(exc))
-    caches = rules.v41_caches(rules.V41Topology.from_hf_config(hf_config), record)
+    record, caches = built.record, list(built.caches)
+    assert record is not None
     layers = [LayerEntry(layer=f"layers.{c.index}.{c.role}", index=c.index, role=c.role,
                          spec_type="MLAAttentionSpec", cache_dtype_str=c.cache_dtype_str,
                          page_size_bytes=c.page_size_bytes, block_size=c.block_size,
@@ -177,58 +186,95 @@ def layout_problem(layers: Sequence[LayerEntry], expected_layout: str) -> str | 
     return None
 
 
-def self_problem(spec: ReplicaSpec) -> str | None:
-    """What a replica can tell about itself alone: split ranks, layout, its own prediction.
+def judge_alone(spec: ReplicaSpec, own: bool = False) -> list[Problem]:
+    """What a replica tells about itself alone: split ranks, layout, its prediction.
 
-    Used by the replica before it serves (under enforce it then refuses to start,
-    which holds a rolling update back) and by the controller as the first test.
+    The one judge of a single replica: the controller asks it against the deployment's
+    prediction (``own=False``; a canary whose own config explains it is named so), the
+    replica itself, before it serves, against its own config's (``own=True``).
     """
+    problems = []
     if spec.ranks_disagreeing:
-        return (f"worker ranks {spec.ranks_disagreeing} report other specs than rank "
-                f"{spec.workers[0].rank} for the same layers")
+        problems.append(Problem(
+            kind="intra_replica", replica=spec.replica_id, field="layers",
+            message=f"replica {spec.replica_id}: worker ranks {spec.ranks_disagreeing} "
+                    f"report other specs than rank {spec.workers[0].rank} for the same "
+                    "layers (one engine, two KV layouts)"))
     bad = layout_problem(spec.layers, spec.expected_layout)
     if bad:
-        return bad
-    own = spec.own_prediction or spec.prediction
-    if own.layers is not None:
-        diffs = prediction_differences(spec.layers, own)
-        if diffs:
-            return (f"the engine built other KV caches than its own config predicts "
-                    f"({own.source}): {describe_differences(diffs)}")
-    return None
+        problems.append(Problem(kind="expected", replica=spec.replica_id, field="cache_dtype",
+                                message=f"replica {spec.replica_id}: {bad} (its "
+                                        f"expected_layout is {spec.expected_layout})"))
+    found = _against_prediction(spec, own)
+    return problems + ([found] if found else [])
+
+
+def _against_prediction(spec: ReplicaSpec, own: bool) -> Problem | None:
+    pred = (spec.own_prediction or spec.prediction) if own else spec.prediction
+    if pred.layers is None:
+        return None
+    diffs = replica_vs_prediction(spec.fingerprint, spec.layers, pred)
+    if not diffs:
+        return None
+    if own:
+        text = (f"the engine built other KV caches than its own config predicts "
+                f"({pred.source}): {describe_differences(diffs)}")
+        return Problem(kind="prediction", replica=spec.replica_id, field=diffs[0].field,
+                       layers=diffs, message=text)
+    mine = spec.own_prediction
+    if spec.is_canary and mine is not None and mine.layers is not None and \
+            not replica_vs_prediction(spec.fingerprint, spec.layers, mine):
+        why = (f"as its replica_overrides entry predicts "
+               f"({(spec.override or {}).get('reason', 'canary')}): a canary, odd on purpose")
+    else:
+        why = "its own config does not explain it either"
+    return Problem(
+        kind="prediction", replica=spec.replica_id, field=diffs[0].field, layers=diffs,
+        message=(f"replica {spec.replica_id} (rank {spec.rank}) differs from the KV spec "
+                 f"predicted for the deployment ({spec.prediction.source}) at "
+                 f"{len(diffs)} cache(s), {why}: {describe_differences(diffs)}"))
+
+
+def self_problem(spec: ReplicaSpec) -> str | None:
+    """The replica's own check before it serves (``judge_alone`` against its own config)."""
+    found = judge_alone(spec, own=True)
+    if not found:
+        return None
+    if found[0].kind == "intra_replica":
+        return (f"worker ranks {spec.ranks_disagreeing} report other specs than rank "
+                f"{spec.workers[0].rank} for the same layers")
+    if found[0].kind == "expected":
+        return layout_problem(spec.layers, spec.expected_layout)
+    return found[0].message
 
 
 def node_record_fields(hf_config: Mapping[str, Any], node: Mapping[str, Any],
-                   requested: str | None, vllm_version: str | None) -> dict[str, Any]:
+                       requested: str | None, vllm_version: str | None,
+                       engine: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """What one pool's node writes per token, from the pure rules (no replica needed)."""
-    cap = node.get("compute_capability")
-    capability = tuple(int(x) for x in cap) if isinstance(cap, (list, tuple)) else \
-        (tuple(int(x) for x in str(cap).split(".")) if cap else None)
-    platform = str(node.get("platform") or "cpu")
-    backend = node.get("attention_backend")
-    if rules.family_of(hf_config) is rules.Family.V41:
-        record = rules.v41_record(platform, capability, backend, requested)  # type: ignore[arg-type]
-        caches = rules.v41_caches(rules.V41Topology.from_hf_config(hf_config), record)
+    release = vllm_version or rules.DEFAULT_V41_RELEASE
+    built = rules.build(engine_setup(node, release, requested, engine), hf_config)
+    if built.record is not None:
+        record = built.record
         return {"cache_dtype_str": record.cache_dtype_str, "swa_record_bytes": record.swa_bytes,
                 "compressed_record_bytes": record.compressed_bytes,
                 "page_alignment": record.alignment, "block_size": record.block_size,
-                "kv_bytes_per_token": rules.v41_bytes_per_token(caches),
-                "numerics": record.numerics}
-    decision = rules.detect_layout(platform, capability, backend, vllm_version)  # type: ignore[arg-type]
-    res = rules.resolve_kv_cache_dtype(decision.layout, requested)
-    shape = rules.ModelShape.from_hf_config(hf_config)
-    return {"cache_dtype_str": res.cache_dtype_str,
-            "swa_record_bytes": rules.state_bytes(shape, res.storage),
-            "compressed_record_bytes": rules.state_bytes(shape, res.storage),
-            "page_alignment": rules.page_alignment(res.storage),
-            "block_size": rules.DSV4_BLOCK_SIZE,
-            "kv_bytes_per_token": rules.kv_bytes_per_token(shape, res.storage),
-            "numerics": res.storage.value}
+                "kv_bytes_per_token": built.bytes_per_token, "numerics": record.numerics}
+    shape = rules.ModelShape.from_hf_config(rules.flatten_config(hf_config))
+    storage = rules.Storage(built.numerics)
+    return {"cache_dtype_str": built.cache_dtype_str,
+            "swa_record_bytes": rules.state_bytes(shape, storage),
+            "compressed_record_bytes": rules.state_bytes(shape, storage),
+            "page_alignment": rules.page_alignment(storage),
+            "block_size": built.block_size,
+            "kv_bytes_per_token": built.bytes_per_token, "numerics": built.numerics}
 
 
 def pool_node_differences(hf_config: Mapping[str, Any], prefill_node: Mapping[str, Any],
                           decode_node: Mapping[str, Any], requested: str | None,
-                          vllm_version: str | None = None) -> list[tuple[str, Any, Any]]:
+                          vllm_version: str | None = None,
+                          engine: Mapping[str, Any] | None = None
+                          ) -> list[tuple[str, Any, Any]]:
     """``(field, prefill, decode)`` where the two pools' nodes write other KV bytes.
 
     Decided from the declared nodes before any replica exists: NIXL's handshake
@@ -237,6 +283,6 @@ def pool_node_differences(hf_config: Mapping[str, Any], prefill_node: Mapping[st
     NVFP4 under mega attention) would pass it. V4 writes one record on SM90 and SM100
     FlashMLA alike, so such V4 pools agree.
     """
-    mine = node_record_fields(hf_config, prefill_node, requested, vllm_version)
-    theirs = node_record_fields(hf_config, decode_node, requested, vllm_version)
+    mine = node_record_fields(hf_config, prefill_node, requested, vllm_version, engine)
+    theirs = node_record_fields(hf_config, decode_node, requested, vllm_version, engine)
     return [(f, mine[f], theirs[f]) for f in mine if mine[f] != theirs[f]]

@@ -8,9 +8,8 @@ from dataclasses import dataclass
 
 from deployments.control.prediction import (
     describe_differences,
-    layout_problem,
+    judge_alone,
     peer_differences,
-    replica_vs_prediction,
 )
 from deployments.control.wire import (
     Expected,
@@ -51,44 +50,6 @@ def majority_reference(group: Sequence[ReplicaSpec]) -> ReplicaSpec:
     return ranked[0]
 
 
-def _odd_against_prediction(spec: ReplicaSpec) -> Problem | None:
-    diffs = replica_vs_prediction(spec.fingerprint, spec.layers, spec.prediction)
-    if not diffs:
-        return None
-    own = spec.own_prediction
-    if spec.is_canary and own is not None and own.layers is not None and \
-            not replica_vs_prediction(spec.fingerprint, spec.layers, own):
-        why = (f"as its replica_overrides entry predicts "
-               f"({(spec.override or {}).get('reason', 'canary')}): a canary, odd on purpose")
-    else:
-        why = "its own config does not explain it either"
-    return Problem(
-        kind="prediction", replica=spec.replica_id, field=diffs[0].field, layers=diffs,
-        message=(f"replica {spec.replica_id} (rank {spec.rank}) differs from the KV spec "
-                 f"predicted for the deployment ({spec.prediction.source}) at "
-                 f"{len(diffs)} cache(s), {why}: {describe_differences(diffs)}"))
-
-
-def _judge_alone(spec: ReplicaSpec) -> list[Problem]:
-    problems = []
-    if spec.ranks_disagreeing:
-        problems.append(Problem(
-            kind="intra_replica", replica=spec.replica_id, field="layers",
-            message=f"replica {spec.replica_id}: worker ranks {spec.ranks_disagreeing} "
-                    f"report other specs than rank {spec.workers[0].rank} for the same "
-                    "layers (one engine, two KV layouts)"))
-    bad = layout_problem(spec.layers, spec.expected_layout)
-    if bad:
-        problems.append(Problem(kind="expected", replica=spec.replica_id, field="cache_dtype",
-                                message=f"replica {spec.replica_id}: {bad} (its "
-                                        f"expected_layout is {spec.expected_layout})"))
-    if spec.prediction.layers is not None:
-        found = _odd_against_prediction(spec)
-        if found:
-            problems.append(found)
-    return problems
-
-
 def _judge_peers(group: Sequence[ReplicaSpec]) -> tuple[ReplicaSpec, list[Problem]]:
     ref = majority_reference(group)
     problems = []
@@ -120,7 +81,7 @@ def decide(specs: Sequence[ReplicaSpec], no_answers: Sequence[NoAnswer], running
     problems: list[Problem] = []
     odd: dict[str, str] = {}
     for spec in specs:
-        found = _judge_alone(spec)
+        found = judge_alone(spec)
         if found:
             odd[spec.replica_id] = found[0].message
             problems += found

@@ -33,6 +33,7 @@ from typing import Any
 
 from deployments.control.prediction import describe_differences, peer_differences
 from deployments.control.wire import PDDifference, PDPool, PDReport, PDVerdict, ReplicaSpec, State
+from dsv4_patch import rules
 
 # The files that decide what token ids and KV pages mean. Weights are left out on
 # purpose: they are gigabytes, and two different checkpoints of one architecture
@@ -123,6 +124,10 @@ def describe(d: PDDifference) -> str:
             f"{d.decode_replica} has {_short(d.decode)}")
     if d.layers:
         text += f" ({describe_differences(d.layers)})"
+    if d.field == "vllm_version" and d.prefill and d.decode:
+        nixl = rules.nixl_mismatch(str(d.prefill), str(d.decode))
+        if nixl:
+            text += f" ({nixl})"
     return text
 
 

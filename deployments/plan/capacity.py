@@ -26,7 +26,6 @@ from deployments.plan.weights import WeightEstimate, weights_per_gpu
 from dsv4_patch import rules
 
 GIB = 2**30
-VLLM_DEFAULT_GPU_UTILIZATION = 0.9  # vLLM EngineArgs.gpu_memory_utilization default
 
 
 def pp_stage_ranges(num_layers: int, pp: int) -> list[range]:
@@ -79,10 +78,13 @@ def engine_extra(args: AppArgs, key: str, default: Any = None) -> Any:
 
 
 def kv_budget_per_gpu(args: AppArgs, weights_gpu: float, reserve_gib: float,
-                      node: NodeSpec | None = None) -> float | None:
+                      node: NodeSpec | None = None, release: str | None = None
+                      ) -> float | None:
     """Bytes one GPU (or the CPU KV space) has for KV pages, or None if undeclared.
 
-    ``node``: one node type of a mixed fleet (default ``dsv4.node``).
+    ``node``: one node type of a mixed fleet (default ``dsv4.node``). Unset
+    ``gpu_memory_utilization`` is the release's own default
+    (``rules.default_gpu_memory_utilization``: 0.92; 1.0 on 0.34 CUDA/ROCm).
     """
     node = node or args.dsv4.node
     if node.platform == "cpu":
@@ -90,13 +92,17 @@ def kv_budget_per_gpu(args: AppArgs, weights_gpu: float, reserve_gib: float,
         return float(space) * GIB if space else None
     if node.gpu_memory_gib is None:
         return None
-    util = float(engine_extra(args, "gpu_memory_utilization", VLLM_DEFAULT_GPU_UTILIZATION))
+    release = release or args.dsv4.vllm_version or rules.DEFAULT_VLLM[node.platform]
+    nixl = bool(getattr(args, "pd", None) and node.platform == "rocm")
+    default = 0.92 if nixl else rules.default_gpu_memory_utilization(release, node.platform)
+    util = float(engine_extra(args, "gpu_memory_utilization", default))
     return node.gpu_memory_gib * GIB * util - weights_gpu - reserve_gib * GIB
 
 
 def capacity(args: AppArgs, shape: rules.ModelShape, weights: WeightEstimate,
              storage: rules.Storage, block: int, reserve_gib: float,
-             par: Parallel | None = None, node: NodeSpec | None = None) -> Capacity:
+             par: Parallel | None = None, node: NodeSpec | None = None,
+             release: str | None = None) -> Capacity:
     """KV tokens per engine and per replica for ``storage`` on the declared node.
 
     ``par`` replaces the configured parallel layout (for counterfactuals); ``node``
@@ -106,7 +112,7 @@ def capacity(args: AppArgs, shape: rules.ModelShape, weights: WeightEstimate,
     par = par or args.parallel()
     return _fill(args, storage.value, per_token,
                  stage_bytes_per_token(shape, storage, block, par.pp), weights, reserve_gib,
-                 par, node or args.dsv4.node)
+                 par, node or args.dsv4.node, release)
 
 
 def v41_stage_bytes_per_token(caches: list[rules.V41Cache], num_layers: int,
@@ -116,30 +122,31 @@ def v41_stage_bytes_per_token(caches: list[rules.V41Cache], num_layers: int,
                for stage in pp_stage_ranges(num_layers, pp))
 
 
-def v41_capacity(args: AppArgs, topo: rules.V41Topology, record: rules.KVRecord,
+def v41_capacity(args: AppArgs, caches: list[rules.V41Cache], num_layers: int,
                  weights: WeightEstimate, reserve_gib: float, node: NodeSpec,
-                 par: Parallel | None = None) -> Capacity:
-    """KV tokens per engine and replica of DeepSeek-V4.1 on ``node`` (its own record).
+                 par: Parallel | None = None, release: str | None = None) -> Capacity:
+    """KV tokens per engine and replica of DeepSeek-V4.1 on ``node`` (its own caches,
+    ``rules.build``).
 
     V4.1's growth per token is the pages of its growing caches (compressed KV on the
-    KV-source layers and their indexer rows; ``rules.v41_caches``), not V4's formula:
-    V4's gives 5265 B for V4.1-Flash on every GPU (2.9x SM90's 1827 B, 5x SM100's
-    1056 B) and hides that the two differ.
+    KV-source layers and their indexer rows), not V4's formula: V4's gives 5265 B for
+    V4.1-Flash on every GPU (2.9x SM90's 1827 B, 5x SM100's 1056 B) and hides that the
+    two differ.
     """
     par = par or args.parallel()
-    caches = rules.v41_caches(topo, record)
-    return _fill(args, record.cache_dtype_str, rules.v41_bytes_per_token(caches),
-                 v41_stage_bytes_per_token(caches, topo.num_layers, par.pp), weights,
-                 reserve_gib, par, node)
+    dtype = next((c.cache_dtype_str for c in caches if c.cache_dtype_str), "")
+    return _fill(args, dtype, rules.v41_bytes_per_token(caches),
+                 v41_stage_bytes_per_token(caches, num_layers, par.pp), weights,
+                 reserve_gib, par, node, release)
 
 
 def _fill(args: AppArgs, storage: str, per_token: float, per_gpu_token: float,
           weights: WeightEstimate, reserve_gib: float, par: Parallel,
-          node: NodeSpec) -> Capacity:
+          node: NodeSpec, release: str | None = None) -> Capacity:
     """The token counts of one bytes-per-token on one node and parallel layout."""
     on_gpu = node.platform != "cpu"
     w_gpu = weights_per_gpu(weights, par) if on_gpu else None
-    budget = kv_budget_per_gpu(args, w_gpu or 0.0, reserve_gib, node)
+    budget = kv_budget_per_gpu(args, w_gpu or 0.0, reserve_gib, node, release)
     tokens = None if budget is None else max(0, math.floor(budget / per_gpu_token))
     return Capacity(
         storage=storage,

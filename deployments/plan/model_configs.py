@@ -1,4 +1,9 @@
-"""Where ``dsv4-serve plan`` finds a model's ``config.json`` (it never downloads one)."""
+"""Where a model's ``config.json`` is found (never downloaded), and the one reader of it.
+
+Plan, doctor and k8s rendering find it here; every reader gets the flat form vLLM's
+model code sees (``rules.flatten_config``: a published nested V4.1 config and its flat
+form give the same plan).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from deployments.config import AppArgs, ConfigError
+from dsv4_patch import rules
 
 
 def find_model_config(args: AppArgs, config_path: Path,
@@ -21,16 +27,22 @@ def find_model_config(args: AppArgs, config_path: Path,
 
         return tiny_config(TOKENIZER_VOCAB_SIZE)
     source = loading.model_source or loading.model_id
-    candidates = [Path(source) / "config.json",
-                  config_path.resolve().parent / "models" / source / "config.json"]
-    for path in candidates:
-        if path.is_file():
-            return _read_json(path)
+    path, candidates = config_json_path(str(source), config_path.resolve().parent / "models")
+    if path is not None:
+        return _read_json(path)
     raise ConfigError(
         f"model_source={source!r}: no config.json found (looked in "
         f"{', '.join(str(c) for c in candidates)}). Fix: pass --model-config PATH or "
         "add the model's config.json under configs/models/<model_source>/."
     )
+
+
+def config_json_path(source: str, *roots: Path) -> tuple[Path | None, list[Path]]:
+    """The ``config.json`` of ``source`` (a directory, or ``<root>/<source>/``), and
+    every place looked (for the error)."""
+    candidates = [Path(source) / "config.json", *(Path(r) / source / "config.json"
+                                                  for r in roots)]
+    return next((c for c in candidates if c.is_file()), None), candidates
 
 
 MODEL_KEYS = ("hidden_size", "num_hidden_layers", "moe_intermediate_size", "n_routed_experts",
@@ -40,11 +52,13 @@ MODEL_KEYS = ("hidden_size", "num_hidden_layers", "moe_intermediate_size", "n_ro
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    """A DeepSeek-V4 ``config.json`` with every key the planner reads."""
+    """A DeepSeek-V4/V4.1 ``config.json`` (nested or flat) with every key the planner
+    reads, flat."""
     try:
-        cfg = json.loads(Path(path).read_text())
+        raw = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read model config {path}: {exc}") from exc
+    cfg = rules.flatten_config(raw)
     missing = [key for key in MODEL_KEYS if key not in cfg]
     if missing:
         raise ConfigError(
