@@ -250,6 +250,8 @@ def test_family_of_configs() -> None:
     assert rules.family_of({"architectures": ["DSparkV41DraftModel"]}) is rules.Family.V41
     assert rules.family_of({"architectures": ["DeepseekV4ForCausalLM"]}) is rules.Family.V4
     assert rules.family_of({"architectures": ["LlamaForCausalLM"]}) is None
-    nested = {"architectures": ["DeepseekV41ForCausalLM"],
-              "text_config": {k: v for k, v in V41_FLASH.items() if k != "architectures"}}
-    assert rules.V41Topology.from_hf_config(nested) == rules.V41Topology.from_hf_config(V41_FLASH)
+    # The shipped copy is in the published nested layout; its flat form plans the same.
+    assert rules.is_nested(V41_FLASH)
+    flat = rules.flatten_config(V41_FLASH)
+    assert not rules.is_nested(flat) and "vision_config" not in flat
+    assert rules.V41Topology.from_hf_config(flat) == rules.V41Topology.from_hf_config(V41_FLASH)
