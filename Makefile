@@ -11,9 +11,21 @@ PD_STAMP := $(VENV)/.dsv4-pd-stamp
 # say --no-deps, hence this step.
 NIXL_PINS := nixl-cu12==1.5.1 nixl==1.5.1
 
+
+.PHONY: redis-server
 .PHONY: setup run test test-fast test-faults test-pd test-releases lint clean
 
-setup: $(STAMP) $(PD_STAMP)
+setup: $(STAMP) $(PD_STAMP) redis-server
+
+# The Responses store's fleet backend for the tests (and a local Redis to try it): PyPI
+# ships no current server binary, so Debian's redis-server, installed as root; otherwise
+# say how (the store tests then skip with that reason). SQLite, the default, needs nothing.
+redis-server:
+	@command -v redis-server >/dev/null || command -v valkey-server >/dev/null || \
+	  { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends redis-server; \
+	    else echo "make setup: no redis-server: install it (apt-get install redis-server, or \
+	valkey-server) for the Redis Responses store tests"; fi; }
 
 # Idempotent: re-runs only when pyproject.toml changes.
 $(STAMP): pyproject.toml

@@ -21,6 +21,7 @@ from ray.serve.llm import LLMConfig, build_dp_deployment, build_llm_deployment
 
 from deployments.config import AppArgs, HTTPEdge
 from deployments.config.app_args import apply_http_to_engine
+from deployments.config.responses import ResponsesStore
 from deployments.control.controller import KVSpecController
 from deployments.logs import get_logger
 from deployments.serving.boot import LocalModelCallback
@@ -82,7 +83,7 @@ def build_one_pool_app(parsed: AppArgs) -> Application:
     # Every DP rank is its own Serve replica and ingress: the share divides by ranks.
     bind_kwargs = {"dsv4": dsv4} | ingress_bind_kwargs(
         parsed.http, parsed.max_serving_replicas, controller,
-        parsed.llm.deployment_config.drain_timeout_s)
+        parsed.llm.deployment_config.drain_timeout_s, parsed.responses)
     if dp:
         # DP attention: Ray Serve LLM's gang-scheduled DPServer pattern, our checks on top.
         return build_dp_deployment(llm_config, bind_kwargs=bind_kwargs,
@@ -120,13 +121,16 @@ def with_boot_callback(config_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def ingress_bind_kwargs(http: HTTPEdge, serving_replicas: int,
-                        controller: Application, drain_timeout_s: float) -> dict[str, Any]:
+                        controller: Application, drain_timeout_s: float,
+                        responses: ResponsesStore | None = None) -> dict[str, Any]:
     """What a server replica that is the HTTP ingress is bound with (``DSv4ServerMixin``):
     the edge settings, how many Serve replicas (DP ranks, not gangs or nodes) share
     ``http.max_in_flight`` at most, the controller, and how long requests held on the
-    replica's own port (``http.replica_port``) may take to finish at shutdown."""
+    replica's own port (``http.replica_port``) may take to finish at shutdown, and
+    where Responses state lives (``args.responses``, used with ``http.responses_store``)."""
     return {"http": http.model_dump(mode="json"), "serving_replicas": serving_replicas,
-            "kv_spec_controller": controller, "drain_timeout_s": drain_timeout_s}
+            "kv_spec_controller": controller, "drain_timeout_s": drain_timeout_s,
+            "responses": (responses or ResponsesStore()).model_dump(mode="json")}
 
 
 def controller_deployment(cls: type, parsed: AppArgs) -> Any:

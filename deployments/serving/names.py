@@ -37,8 +37,3 @@ def ingress_drain_timeout_s(args: AppArgs) -> float:
     the ingress, so their drain is the application's.
     """
     return args.llm.deployment_config.drain_timeout_s
-
-# A Responses follow-up relayed to the replica that stores the response
-# (``deployments.serving.relay``): the server method, and the keyword the router reads.
-RELAY_METHOD = "dsv4_relay_http"
-TARGET_KWARG = "dsv4_target_replica"

@@ -12,7 +12,10 @@ controller polls it every ``request_routing_stats_period_s`` and ships it to
 every router with the replica set (``RunningReplica.routing_stats``).
 
 The router fails open: if every candidate is drained it routes among them
-anyway (and says so in the log) -- draining never takes the whole fleet down.
+anyway (and says so in the log) -- draining never takes the whole fleet down. It
+never pins a request to one replica: Responses state lives in the fleet's store
+(``deployments.responses``), so any replica serves any follow-up, and no request
+waits for a replica that Serve stopped routing to.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from ray.serve.request_router import (
 
 from deployments.control.wire import DRAIN_STAT
 from deployments.logs import get_logger
-from deployments.serving.names import RELAY_METHOD, TARGET_KWARG
 
 logger = get_logger("router")
 
@@ -61,14 +63,6 @@ def with_kv_router(deployment_config: dict[str, Any]) -> dict[str, Any]:
     return deployment_config | {"request_router_config": router_config()}
 
 
-def relay_target(pending_request: PendingRequest | None) -> str | None:
-    """The replica a relayed Responses request must reach (``relay.TARGET_KWARG``)."""
-    if pending_request is None or pending_request.metadata.call_method != RELAY_METHOD:
-        return None
-    target = pending_request.kwargs.get(TARGET_KWARG)
-    return target if isinstance(target, str) else None
-
-
 def drained(replica: RunningReplica) -> bool:
     return bool((replica.routing_stats or {}).get(DRAIN_STAT))
 
@@ -88,12 +82,6 @@ class KVSpecRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        target = relay_target(pending_request)
-        if target is not None:
-            # A stored response lives on one replica (deployments.serving.relay): that
-            # one, drained or not; none while it is not (yet) in this router's set.
-            return [[r for r in self.curr_replicas.values()
-                     if r.replica_id.unique_id == target]]
         if pending_request is not None and pending_request.metadata.multiplexed_model_id:
             ids = self.apply_multiplex_routing(pending_request=pending_request)
         else:

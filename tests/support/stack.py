@@ -38,7 +38,8 @@ class Stack:
 
 def mixed_app_args(base: dict[str, Any]) -> dict[str, Any]:
     """The local app, with rank 0 on another layer order, under policy warn; and with
-    the Responses store on, so follow-ups cross replicas (relayed to the holder)."""
+    the Responses store on (SQLite, the default), so follow-ups cross replicas
+    (``tests/test_deployments/test_responses_live.py``)."""
     args = copy.deepcopy(base)
     args["http"]["responses_store"] = True
     # Served through Serve's proxy at its route prefix (the second door), not on the

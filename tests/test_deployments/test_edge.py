@@ -2,7 +2,7 @@
 
 The app is a FastAPI app hardened exactly as each server replica hardens vLLM's
 OpenAI app (``deployments.http.front.harden``: our CORS policy, our validation handler,
-``EdgeMiddleware`` outermost) with stand-in routes on the served paths, driven
+the edge stack outermost) with stand-in routes on the served paths, driven
 through raw ASGI calls so each case runs in milliseconds and can see what the app
 read, sent and when it was cancelled. ``test_serve_security.py`` checks the same
 against the live stack.
@@ -14,13 +14,10 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
 
 from deployments.config import (
     SERVE_DEFAULT_HOST,
@@ -29,133 +26,14 @@ from deployments.config import (
     HTTPEdge,
     parse_app_args,
 )
-from deployments.http import auth, bounds, edge, routes
-from deployments.http.front import harden
+from deployments.http import auth, bounds, routes
+from deployments.http.edge import Edge
 from deployments.http.public import RefreshGate, public_report
+from tests.support.edge_app import Probe, build, call, error, guard, names, post, run
 
 KEY = "k" * 20
 OTHER = "o" * 20
 LLM = {"model_loading_config": {"model_id": "m", "model_source": "dsv4-tiny"}}
-
-
-# ------------------------------------------------------------------ harness
-
-
-class Probe:
-    """What the stand-in routes saw."""
-
-    def __init__(self) -> None:
-        self.body_reads = 0
-        self.cancelled = 0
-        self.release = asyncio.Event()
-
-
-def build(settings: HTTPEdge, probe: Probe) -> FastAPI:
-    app = harden(FastAPI(docs_url=None, redoc_url=None, openapi_url=None), settings)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Any:
-        probe.body_reads += 1
-        body = await request.json()
-        mode = body.get("mode")
-        if mode == "boom":
-            raise RuntimeError("secret internal detail /opt/secret/path.py")
-        if mode in ("five-hundred", "five-oh-three"):
-            code = 500 if mode == "five-hundred" else 503
-            return JSONResponse({"error": {"message": "engine died: secret", "code": code}},
-                                status_code=code)
-        if mode == "block":
-            await probe.release.wait()
-        if mode in ("stream", "stall", "stream-error"):
-            return StreamingResponse(_events(mode, probe), media_type="text/event-stream")
-        return {"choices": [], "n": body.get("n")}
-
-    @app.post("/v1/chat/completions")
-    @app.post("/v1/chat/completions/batch")
-    @app.post("/v1/responses")
-    @app.post("/v1/messages")
-    async def chat(request: Request) -> Any:
-        probe.body_reads += 1
-        return {"choices": []}
-
-    @app.get("/v1/models")
-    async def models() -> Any:
-        return {"data": []}
-
-    return app
-
-
-async def _events(mode: str, probe: Probe) -> AsyncIterator[bytes]:
-    try:
-        yield b'data: {"choices": []}\n\n'
-        if mode == "stream-error":
-            yield b'data: {"error": {"message": "Traceback: /x/y.py secret", "code": 500}}\n\n'
-            yield b"data: [DONE]\n\n"
-            return
-        if mode == "stall":
-            await asyncio.sleep(30)
-        yield b"data: [DONE]\n\n"
-    except asyncio.CancelledError:
-        probe.cancelled += 1
-        raise
-
-
-async def call(app: Any, method: str, path: str, body: bytes = b"",
-               headers: dict[str, str] | None = None, chunks: list[bytes] | None = None,
-               read_forbidden: bool = False,
-               trickle: bool = False) -> tuple[int, dict[str, str], bytes]:
-    """One raw ASGI request; ``read_forbidden`` fails if anyone reads the body;
-    ``trickle``: the last chunk promises more body, which never comes."""
-    hdrs = {"content-type": "application/json", **(headers or {})}
-    if chunks is None:
-        chunks = [body]
-        hdrs.setdefault("content-length", str(len(body)))
-    scope = {"type": "http", "method": method, "path": path, "root_path": "",
-             "headers": [(k.lower().encode(), v.encode()) for k, v in hdrs.items()],
-             "query_string": b"", "http_version": "1.1", "scheme": "http",
-             "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 5000)}
-    pending = list(chunks)
-    out: list[dict[str, Any]] = []
-
-    async def receive() -> dict[str, Any]:
-        if read_forbidden:
-            raise AssertionError("the body was read")
-        if pending:
-            chunk = pending.pop(0)
-            return {"type": "http.request", "body": chunk,
-                    "more_body": bool(pending) or trickle}
-        await asyncio.sleep(3600)
-        return {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        out.append(message)
-
-    await asyncio.wait_for(app(scope, receive, send), timeout=20)
-    start = next(m for m in out if m["type"] == "http.response.start")
-    data = b"".join(m.get("body", b"") for m in out if m["type"] == "http.response.body")
-    return start["status"], {k.decode(): v.decode() for k, v in start["headers"]}, data
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
-def guard(settings: HTTPEdge, host: str = "127.0.0.1", **env: str) -> edge.EdgeGuard:
-    g = edge.EdgeGuard.start(settings, host, environ=env)
-    edge.install(g)
-    return g
-
-
-def error(data: bytes) -> dict[str, Any]:
-    payload = json.loads(data)
-    assert set(payload) == {"error"}, payload
-    assert isinstance(payload["error"]["message"], str)
-    return payload["error"]
-
-
-def post(app: Any, body: dict[str, Any] | bytes, **kw: Any) -> tuple[int, dict[str, str], bytes]:
-    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return run(call(app, "POST", "/v1/completions", raw, **kw))
 
 
 # ------------------------------------------------------------------ keys
@@ -194,16 +72,16 @@ def test_loopback(host: str | None, loopback: bool) -> None:
 
 def test_startup_refused_beyond_loopback_without_a_key() -> None:
     with pytest.raises(auth.AuthConfigError, match=r"http_options.host='0.0.0.0'.*Fix:"):
-        edge.EdgeGuard.start(HTTPEdge(), "0.0.0.0", environ={})
+        Edge.start(HTTPEdge(), "0.0.0.0", environ={})
     with pytest.raises(auth.AuthConfigError, match="mode=keys but no API key"):
-        edge.EdgeGuard.start(HTTPEdge(auth={"mode": "keys"}), "127.0.0.1", environ={})
+        Edge.start(HTTPEdge(auth={"mode": "keys"}), "127.0.0.1", environ={})
     with pytest.raises(auth.AuthConfigError, match="mode=off but 1 key"):
-        edge.EdgeGuard.start(HTTPEdge(auth={"mode": "off"}), "0.0.0.0",
+        Edge.start(HTTPEdge(auth={"mode": "off"}), "0.0.0.0",
                              environ={"DSV4_API_KEYS": KEY})
     # explicit opt-out, or a key: starts
-    assert not edge.EdgeGuard.start(HTTPEdge(auth={"mode": "off"}), "0.0.0.0",
+    assert not Edge.start(HTTPEdge(auth={"mode": "off"}), "0.0.0.0",
                                     environ={}).keys.required("0.0.0.0")
-    assert edge.EdgeGuard.start(HTTPEdge(), "0.0.0.0",
+    assert Edge.start(HTTPEdge(), "0.0.0.0",
                                 environ={"DSV4_API_KEYS": KEY}).keys.required("0.0.0.0")
 
 
@@ -238,8 +116,7 @@ def probe() -> Probe:
 
 
 def test_auth_on_every_route(probe: Probe) -> None:
-    app = build(HTTPEdge(), probe)
-    guard(HTTPEdge(), "0.0.0.0", DSV4_API_KEYS=KEY)
+    app = build(HTTPEdge(), probe, guard(HTTPEdge(), "0.0.0.0", DSV4_API_KEYS=KEY))
     for method, path in [("GET", "/v1/models"), ("POST", "/v1/completions"),
                          ("POST", "/v1/chat/completions"), ("GET", "/v1/kv-spec"),
                          ("POST", "/v1/embeddings"), ("GET", "/docs")]:
@@ -254,12 +131,13 @@ def test_auth_on_every_route(probe: Probe) -> None:
 
 
 def test_open_on_loopback_until_a_key_is_configured(probe: Probe, tmp_path: Path) -> None:
-    """auto on loopback: an empty key file leaves it open until the file holds a key; a
-    *missing* key file fails closed (issue 26: it used to turn auth off)."""
-    app = build(HTTPEdge(), probe)
+    """auto on loopback: a key file saying ``none`` leaves it open until the file holds a
+    key; a *missing* key file fails closed (issue 26: it used to turn auth off), and so
+    does an empty one (issue 32: ``cat > keys`` opened the server for a moment)."""
     keys = tmp_path / "keys"
-    keys.write_text("")
-    guard(HTTPEdge(), "127.0.0.1", DSV4_API_KEYS_FILE=str(keys))
+    keys.write_text(f"{auth.NO_KEYS}\n")
+    app = build(HTTPEdge(), probe, guard(HTTPEdge(), "127.0.0.1",
+                                         DSV4_API_KEYS_FILE=str(keys)))
     assert post(app, {"prompt": "x"})[0] == 200
     keys.write_text(KEY)
     time.sleep(auth.FILE_RECHECK_S + 0.05)
@@ -268,7 +146,8 @@ def test_open_on_loopback_until_a_key_is_configured(probe: Probe, tmp_path: Path
     keys.unlink()
     time.sleep(auth.FILE_RECHECK_S + 0.05)
     assert post(app, {"prompt": "x"})[0] == 401, "a deleted key file opened the server"
-    guard(HTTPEdge(), "127.0.0.1", DSV4_API_KEYS_FILE=str(tmp_path / "never-written"))
+    app = build(HTTPEdge(), probe, guard(HTTPEdge(), "127.0.0.1", DSV4_API_KEYS_FILE=str(
+        tmp_path / "never-written")))
     assert post(app, {"prompt": "x"})[0] == 401, "a missing key file opened the server"
 
 
@@ -278,7 +157,6 @@ def test_open_on_loopback_until_a_key_is_configured(probe: Probe, tmp_path: Path
                                   "/scale_elastic_ep", "/ping", "/nope"])
 def test_unserved_routes_are_404_before_the_body_is_read(probe: Probe, path: str) -> None:
     app = build(HTTPEdge(), probe)
-    guard(HTTPEdge())
     status, _, data = run(call(app, "POST", path, b"x" * 10, read_forbidden=True))
     message = error(data)["message"]
     assert status == 404 and "/v1/chat/completions" in message and "/v1/responses" in message
@@ -305,14 +183,12 @@ def test_every_route_vllm_mounts_is_served_or_closed_with_a_reason() -> None:
 def test_a_served_route_the_app_lacks_is_the_apps_404(probe: Probe) -> None:
     """Served routes reach the app (here a stand-in without /tokenize)."""
     app = build(HTTPEdge(), probe)
-    guard(HTTPEdge())
     assert run(call(app, "POST", "/tokenize", b'{"prompt": "x"}'))[0] == 404
     assert run(call(app, "GET", "/version"))[0] == 404
 
 
 def test_wrong_method_is_405(probe: Probe) -> None:
     app = build(HTTPEdge(), probe)
-    guard(HTTPEdge())
     status, hdrs, _ = run(call(app, "GET", "/v1/completions", read_forbidden=True))
     assert status == 405 and hdrs["allow"] == "POST"
 
@@ -320,7 +196,6 @@ def test_wrong_method_is_405(probe: Probe) -> None:
 def test_body_size_is_413_declared_or_counted(probe: Probe) -> None:
     settings = HTTPEdge(max_body_bytes=2048)
     app = build(settings, probe)
-    guard(settings)
     status, _, data = post(app, b"x" * 4096, read_forbidden=True)
     assert status == 413 and "http.max_body_bytes=2048" in error(data)["message"]
     status, _, data = run(call(app, "POST", "/v1/completions", chunks=[b"x" * 1500] * 3))
@@ -329,7 +204,6 @@ def test_body_size_is_413_declared_or_counted(probe: Probe) -> None:
 
 def test_nesting_depth_is_a_400_naming_the_limit(probe: Probe) -> None:
     app = build(HTTPEdge(), probe)
-    guard(HTTPEdge())
     deep = b'{"prompt": "x", "extra": ' + b"[" * 600 + b"]" * 600 + b"}"
     status, _, data = post(app, deep)
     assert status == 400 and "http.max_json_depth=32" in error(data)["message"]
@@ -358,7 +232,6 @@ def test_nesting_depth_is_a_400_naming_the_limit(probe: Probe) -> None:
 def test_request_bounds_are_400s_naming_the_limit(probe: Probe, body: dict[str, Any],
                                                   param: str, limit: str) -> None:
     app = build(HTTPEdge(), probe)
-    guard(HTTPEdge())
     status, _, data = post(app, body)
     err = error(data)
     assert status == 400 and err["param"] == param and limit in err["message"], err
@@ -380,11 +253,10 @@ def test_every_generating_route_bounds_its_own_fields(probe: Probe, path: str,
                                                       body: dict[str, Any],
                                                       param: str) -> None:
     app = build(HTTPEdge(), probe)
-    guard(HTTPEdge())
     status, _, data = run(call(app, "POST", path, json.dumps(body).encode(),
                                read_forbidden=False))
     err = error(data)
-    assert status == 400 and err["param"] == param, err
+    assert status == 400 and names(err, param), err
     assert probe.body_reads == 0
 
 
@@ -395,18 +267,16 @@ def test_every_generating_route_bounds_its_own_fields(probe: Probe, path: str,
 def test_transfer_params_from_a_client_are_refused_on_every_route(
         probe: Probe, path: str, field: str) -> None:
     app = build(HTTPEdge(), probe)
-    guard(HTTPEdge())
     body = {"prompt": "x", field: {"remote_host": "10.0.0.9", "remote_port": 5600,
                                    "remote_block_ids": [1, 2]}}
     status, _, data = run(call(app, "POST", path, json.dumps(body).encode()))
     err = error(data)
-    assert status == 400 and err["param"] == field and "remove" in err["message"]
+    assert status == 400 and names(err, field) and "remove" in err["message"]
     assert probe.body_reads == 0
 
 
 def test_a_lora_multiplexing_header_is_a_400_before_the_body_is_read(probe: Probe) -> None:
     app = build(HTTPEdge(), probe)
-    guard(HTTPEdge())
     status, _, data = run(call(app, "POST", "/v1/chat/completions", b'{"model": "m"}',
                                headers={"serve_multiplexed_model_id": "adapter-1"},
                                read_forbidden=True))
@@ -426,7 +296,6 @@ def test_a_body_of_escaped_quotes_is_judged_in_linear_time(probe: Probe) -> None
         assert time.monotonic() - started < 5.0
     settings = HTTPEdge(max_body_bytes=2 << 20)
     app = build(settings, probe)
-    guard(settings)
     # Not JSON: the edge answers at once and leaves it to the request schema's 400.
     run(call(app, "POST", "/v1/completions", raw))
     assert probe.body_reads == 1
@@ -440,7 +309,6 @@ def test_json_depth_counts_what_a_parser_sees() -> None:
 
 def test_a_non_utf8_body_is_refused(probe: Probe) -> None:
     app = build(HTTPEdge(), probe)
-    guard(HTTPEdge())
     deep = ('{"prompt": "x", "e": ' + "[" * 2000 + "]" * 2000 + "}").encode("utf-16-le")
     status, _, data = run(call(app, "POST", "/v1/completions", deep))
     assert status == 400 and "UTF-8" in error(data)["message"] and probe.body_reads == 0
@@ -448,10 +316,12 @@ def test_a_non_utf8_body_is_refused(probe: Probe) -> None:
     assert bounds.encoding_problem(bom) is None
 
 
-def test_a_trickled_body_is_408_and_holds_no_slot(probe: Probe) -> None:
+def test_a_trickled_body_is_408_and_holds_a_slot_while_it_uploads(probe: Probe) -> None:
+    """An upload in progress holds an in-flight slot (issue 32: slow uploads took none,
+    so any number could be parked); the deadline gives it back."""
     settings = HTTPEdge(body_timeout_s=0.3, max_in_flight=1)
-    app = build(settings, probe)
     g = guard(settings)
+    app = build(settings, probe, g)
 
     async def scenario() -> tuple[Any, Any, int]:
         # the first chunk arrives, then nothing (the harness waits an hour)
@@ -459,12 +329,14 @@ def test_a_trickled_body_is_408_and_holds_no_slot(probe: Probe) -> None:
                                           chunks=[b'{"prompt": '], trickle=True))
         await asyncio.sleep(0.1)
         during = g.in_flight
-        other = await call(app, "POST", "/v1/completions", b'{"prompt": "x"}')
+        other = await call(app, "POST", "/v1/completions", b'{"prompt": "x"}',
+                           read_forbidden=True)
         return await slow, other, during
 
     slow, other, during = run(scenario())
     assert slow[0] == 408 and "http.body_timeout_s" in error(slow[2])["message"]
-    assert other[0] == 200 and during == 0 and g.in_flight == 0
+    assert during == 1 and other[0] == 503 and g.in_flight == 0
+    assert post(app, {"prompt": "x"})[0] == 200
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -475,7 +347,6 @@ def test_a_trickled_body_is_408_and_holds_no_slot(probe: Probe) -> None:
 def test_responses_that_need_the_store_are_400_while_it_is_off(
         probe: Probe, body: dict[str, Any], param: str) -> None:
     app = build(HTTPEdge(), probe)
-    guard(HTTPEdge())
     status, _, data = run(call(app, "POST", "/v1/responses", json.dumps(body).encode()))
     err = error(data)
     assert status == 400 and err["param"] == param
@@ -487,14 +358,14 @@ def test_responses_that_need_the_store_are_400_while_it_is_off(
     # store off is fine when nothing needs it; on, the fields pass to vLLM
     assert run(call(app, "POST", "/v1/responses", b'{"input": "x", "store": false}'))[0] == 200
     on = HTTPEdge(responses_store=True)
-    guard(on)
+    app = build(on, probe)
     assert run(call(app, "POST", "/v1/responses", json.dumps(body).encode()))[0] == 200
 
 
 def test_overload_is_503_with_retry_after(probe: Probe) -> None:
     settings = HTTPEdge(max_in_flight=2, retry_after_s=3)
-    app = build(settings, probe)
     g = guard(settings)
+    app = build(settings, probe, g)
 
     async def scenario() -> list[tuple[int, dict[str, str], bytes]]:
         held = [asyncio.ensure_future(call(app, "POST", "/v1/completions",
@@ -516,7 +387,6 @@ def test_overload_is_503_with_retry_after(probe: Probe) -> None:
 
 def test_500_bodies_carry_only_a_request_id(probe: Probe) -> None:
     app = build(HTTPEdge(), probe)
-    guard(HTTPEdge())
     for mode in ("boom", "five-hundred"):
         status, _, data = post(app, {"mode": mode}, headers={"x-request-id": "req-42"})
         err = error(data)
@@ -526,14 +396,12 @@ def test_500_bodies_carry_only_a_request_id(probe: Probe) -> None:
 
 def test_a_503_from_behind_the_edge_is_scrubbed_and_says_when_to_retry(probe: Probe) -> None:
     app = build(HTTPEdge(retry_after_s=2), probe)
-    guard(HTTPEdge(retry_after_s=2))
     status, hdrs, data = post(app, {"mode": "five-oh-three"})
     assert status == 503 and hdrs["retry-after"] == "2" and b"secret" not in data
 
 
 def test_stream_error_events_are_scrubbed(probe: Probe) -> None:
     app = build(HTTPEdge(), probe)
-    guard(HTTPEdge())
     status, _, data = post(app, {"mode": "stream-error"}, headers={"x-request-id": "r-7"})
     assert status == 200 and b"secret" not in data and b"r-7" in data, data
     assert data.endswith(b"data: [DONE]\n\n")
@@ -542,7 +410,6 @@ def test_stream_error_events_are_scrubbed(probe: Probe) -> None:
 def test_stream_idle_limit_ends_the_stream_and_cancels_generation(probe: Probe) -> None:
     settings = HTTPEdge(stream_idle_s=0.3)
     app = build(settings, probe)
-    guard(settings)
     started = time.monotonic()
     status, _, data = post(app, {"mode": "stall"})
     assert time.monotonic() - started < 5
@@ -555,7 +422,6 @@ def test_stream_idle_limit_ends_the_stream_and_cancels_generation(probe: Probe) 
 def test_stream_duration_limit(probe: Probe) -> None:
     settings = HTTPEdge(stream_max_s=0.3)
     app = build(settings, probe)
-    guard(settings)
     _, _, data = post(app, {"mode": "stall"})
     assert b"http.stream_max_s" in data and probe.cancelled == 1
 
@@ -563,14 +429,12 @@ def test_stream_duration_limit(probe: Probe) -> None:
 def test_cors_closed_unless_configured(probe: Probe) -> None:
     preflight = {"origin": "https://evil.example", "access-control-request-method": "POST"}
     app = build(HTTPEdge(), probe)
-    guard(HTTPEdge())
     _, hdrs, _ = run(call(app, "GET", "/v1/models", headers={"origin": "https://evil.example"}))
     assert "access-control-allow-origin" not in hdrs
     status, hdrs, _ = run(call(app, "OPTIONS", "/v1/models", headers=preflight))
     assert "access-control-allow-origin" not in hdrs and status >= 400
     settings = HTTPEdge(cors_allow_origins=["https://chat.example"])
-    app = build(settings, probe)
-    guard(settings, "0.0.0.0", DSV4_API_KEYS=KEY)
+    app = build(settings, probe, guard(settings, "0.0.0.0", DSV4_API_KEYS=KEY))
     good = {**preflight, "origin": "https://chat.example"}
     status, hdrs, _ = run(call(app, "OPTIONS", "/v1/models", headers=good))
     assert status == 200 and hdrs["access-control-allow-origin"] == "https://chat.example"
@@ -653,95 +517,3 @@ def test_run_refuses_a_reachable_bind_without_a_key_before_ray_starts(
     err = capsys.readouterr().err
     assert "http_options.host='0.0.0.0' answers beyond this machine" in err
     assert "Fix: put keys in DSV4_API_KEYS" in err
-
-
-class _Relay:
-    """A stand-in for ``deployments.serving.relay.Relay.send_to``: records each call and
-    answers as the holder would, or as a lost holder."""
-
-    def __init__(self, alive: set[str]) -> None:
-        self.alive, self.calls = alive, []
-
-    async def send_to(self, holder: str, scope: Any, body: bytes) -> AsyncIterator[Any]:
-        self.calls.append((holder, scope["method"], scope["path"], body))
-        if holder not in self.alive:
-            raise edge.ResponseHolderGone(holder)
-        payload = json.dumps({"from": holder}).encode()
-        yield {"type": "http.response.start", "status": 200,
-               "headers": [(b"content-type", b"application/json")]}
-        yield {"type": "http.response.body", "body": payload, "more_body": False}
-
-
-def _stored(probe: Probe, relay: _Relay) -> Any:
-    settings = HTTPEdge(responses_store=True)
-    app = build(settings, probe)
-    seen: list[dict[str, Any]] = []
-
-    @app.get("/v1/responses/{rid}")
-    async def retrieve(rid: str) -> Any:
-        return {"id": rid, "from": "self"}
-
-    # this test's own create handler in place of build()'s generic stand-in
-    app.router.routes = [r for r in app.router.routes
-                         if getattr(r, "path", "") != "/v1/responses"]
-
-    @app.post("/v1/responses")
-    async def create(request: Request) -> Any:
-        seen.append(await request.json())
-        return {"id": seen[-1].get("request_id")}
-
-    g = guard(settings)
-    g.replica_id, g.relay = "self1", relay.send_to
-    return app, seen
-
-
-def test_stored_responses_are_named_after_their_replica_and_followed_there(
-        probe: Probe) -> None:
-    other = routes.tagged_response_id("other2")
-    relay = _Relay(alive={"other2"})
-    app, _ = _stored(probe, relay)
-    # a new response: the id names this replica (vLLM takes request_id as the id)
-    status, _, data = run(call(app, "POST", "/v1/responses", b'{"input": "x"}'))
-    assert status == 200 and routes.holder_of(json.loads(data)["id"]) == "self1"
-    # a follow-up of another replica's response goes there, body unchanged
-    body = json.dumps({"input": "y", "previous_response_id": other}).encode()
-    status, _, data = run(call(app, "POST", "/v1/responses", body))
-    assert status == 200 and json.loads(data) == {"from": "other2"}
-    assert relay.calls[-1] == ("other2", "POST", "/v1/responses", body)
-    # retrieve and cancel likewise; our own and untagged ids stay here
-    assert json.loads(run(call(app, "GET", f"/v1/responses/{other}"))[2]) == {"from": "other2"}
-    assert run(call(app, "POST", f"/v1/responses/{other}/cancel"))[0] == 200
-    own = routes.tagged_response_id("self1")
-    assert json.loads(run(call(app, "GET", f"/v1/responses/{own}"))[2])["from"] == "self"
-    assert json.loads(run(call(app, "GET", "/v1/responses/resp_abc"))[2])["from"] == "self"
-    assert len(relay.calls) == 3
-
-
-def test_a_lost_holder_and_a_client_request_id_are_named(probe: Probe) -> None:
-    relay = _Relay(alive=set())
-    app, seen = _stored(probe, relay)
-    gone = routes.tagged_response_id("gone3")
-    status, _, data = run(call(app, "GET", f"/v1/responses/{gone}"))
-    assert status == 404 and "replica gone3" in error(data)["message"]
-    status, _, data = run(call(app, "POST", "/v1/responses",
-                               b'{"input": "x", "request_id": "resp_mine"}'))
-    assert status == 400 and error(data)["param"] == "request_id" and seen == []
-    # a request another replica relayed here is never relayed again
-    status, _, _ = run(call(app, "GET", f"/v1/responses/{gone}",
-                            headers={"x-dsv4-relayed": "1"}))
-    assert status == 404 and len(relay.calls) == 1
-
-
-def test_relay_target_routing_hint() -> None:
-    """The router routes a relayed call to its target only (``router.relay_target``)."""
-    from types import SimpleNamespace
-
-    from deployments.serving import names, router
-
-    def pending(method: str, **kwargs: Any) -> Any:
-        return SimpleNamespace(metadata=SimpleNamespace(call_method=method), kwargs=kwargs)
-
-    assert router.relay_target(pending(names.RELAY_METHOD,
-                                       **{names.TARGET_KWARG: "r1"})) == "r1"
-    assert router.relay_target(pending("__call__", **{names.TARGET_KWARG: "r1"})) is None
-    assert router.relay_target(None) is None

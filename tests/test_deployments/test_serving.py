@@ -251,37 +251,6 @@ def test_differing_replica_is_named_and_warn_keeps_serving(mixed_app: str) -> No
     assert again["running_replicas"] == 2
 
 
-def test_stored_responses_are_followed_on_whichever_replica_answers(mixed_app: str) -> None:
-    """The second app stores responses (``http.responses_store``) on 2 replicas. Each
-    response id names its holder; retrieve, cancel and previous_response_id follow-ups
-    that Serve's proxy hands to the other replica are relayed there. Without the relay
-    about half of them would be vLLM's 404 (the chance that 6 retrieves of one response
-    all land on its holder by themselves is 1 in 64)."""
-    from deployments.http.routes import holder_of
-
-    client = openai.OpenAI(base_url=mixed_app, api_key="unused", timeout=120, max_retries=0)
-    held: dict[str, str] = {}
-    for _ in range(16):
-        resp = client.responses.create(model="dsv4-tiny", input="hi", max_output_tokens=2,
-                                       store=True)
-        held.setdefault(holder_of(resp.id), resp.id)
-        if len(held) == 2:
-            break
-    assert len(held) == 2 and None not in held, held  # both replicas hold one
-    for rid in held.values():
-        for _ in range(6):
-            assert client.responses.retrieve(rid).id == rid
-        follow = client.responses.create(model="dsv4-tiny", input="more", max_output_tokens=2,
-                                         previous_response_id=rid)
-        assert follow.previous_response_id == rid and holder_of(follow.id) == holder_of(rid)
-        kinds = [e.type for e in client.responses.create(
-            model="dsv4-tiny", input="again", max_output_tokens=2, stream=True,
-            previous_response_id=rid)]
-        assert kinds[0] == "response.created" and "error" not in kinds
-        with pytest.raises(openai.BadRequestError):  # vLLM's answer: it is not a 404
-            client.responses.cancel(rid)
-
-
 def _set_policy(policy: str, capsys: pytest.CaptureFixture) -> int:
     """``dsv4-serve policy POLICY --app MIXED_APP`` in this (Ray-attached) process."""
     import argparse

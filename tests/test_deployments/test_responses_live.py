@@ -1,0 +1,104 @@
+"""The fleet's Responses store, live: the mixed app's 2 replicas with ``http.responses_store``.
+
+Any replica serves any follow-up (no relay, no holder in the id): each response is
+retrieved 6 times and continued, streamed and not, through Serve's proxy, which picks
+a replica per request (were state per replica, about half of these would 404); a
+10-turn ``previous_response_id`` chain through the official client; a background run
+cancelled through whichever replica answers; and two API keys that cannot read each
+other's responses (the same 404 as a missing id).
+"""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from deployments.http import auth
+from tests.support.stack import Stack
+
+pytestmark = pytest.mark.slow
+
+MODEL = "dsv4-tiny"
+KEY_A = "sk-dsv4-test-owner-a-0123456789abcdef"
+KEY_B = "sk-dsv4-test-owner-b-0123456789abcdef"
+
+
+def _client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key=key, timeout=120, max_retries=0)
+
+
+def test_follow_ups_on_whichever_replica_answers(mixed_app: str) -> None:
+    client = _client(mixed_app)
+    for _ in range(3):
+        first = client.responses.create(model=MODEL, input="hi", max_output_tokens=2,
+                                        store=True)
+        for _ in range(6):
+            assert client.responses.retrieve(first.id).id == first.id
+        follow = client.responses.create(model=MODEL, input="more", max_output_tokens=2,
+                                         previous_response_id=first.id)
+        assert follow.previous_response_id == first.id
+        events = list(client.responses.create(model=MODEL, input="again", max_output_tokens=2,
+                                              stream=True, previous_response_id=follow.id))
+        kinds = [e.type for e in events]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed", kinds
+        streamed = events[-1].response.id
+        for _ in range(4):  # a streamed response is stored before its last event
+            assert client.responses.retrieve(streamed).previous_response_id == follow.id
+        with pytest.raises(openai.BadRequestError):  # vLLM's answer: a finished response
+            client.responses.cancel(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_" + "0" * 32)
+
+
+def test_ten_turn_chain_with_the_official_client(mixed_app: str) -> None:
+    client = _client(mixed_app)
+    previous = None
+    ids = []
+    for turn in range(10):
+        resp = client.responses.create(model=MODEL, input=f"turn {turn}", max_output_tokens=2,
+                                       previous_response_id=previous)
+        assert resp.status == "completed" and resp.previous_response_id == previous
+        ids.append(resp.id)
+        previous = resp.id
+    for rid in ids:
+        assert client.responses.retrieve(rid).id == rid
+
+
+def test_background_status_and_cancel_from_any_replica(mixed_app: str) -> None:
+    client = _client(mixed_app)
+    run = client.responses.create(model=MODEL, input="count to a thousand", background=True,
+                                  max_output_tokens=2000, store=True)
+    assert run.status in ("queued", "in_progress")
+    statuses = {client.responses.retrieve(run.id).status for _ in range(4)}
+    assert statuses <= {"queued", "in_progress", "completed"}, statuses
+    cancelled = client.responses.cancel(run.id)
+    if cancelled.status != "cancelled":
+        pytest.skip(f"the run finished before the cancel ({cancelled.status})")
+    time.sleep(3)  # the running replica polls the store (responses.cancel_poll_s = 1 s)
+    for _ in range(4):
+        assert client.responses.retrieve(run.id).status == "cancelled"
+
+
+def test_two_keys_cannot_read_each_others_responses(serve_stack: Stack,
+                                                    mixed_app: str) -> None:
+    assert serve_stack.keys_file is not None
+    serve_stack.keys_file.write_text(f"{KEY_A}\n{KEY_B}\n")
+    time.sleep(auth.FILE_RECHECK_S + 0.5)
+    try:
+        a, b = _client(mixed_app, KEY_A), _client(mixed_app, KEY_B)
+        mine = a.responses.create(model=MODEL, input="secret", max_output_tokens=2)
+        for _ in range(4):
+            assert a.responses.retrieve(mine.id).id == mine.id
+            with pytest.raises(openai.NotFoundError) as err:
+                b.responses.retrieve(mine.id)
+            assert mine.id in str(err.value)  # vLLM's "not found", as for a missing id
+            with pytest.raises(openai.NotFoundError):
+                b.responses.create(model=MODEL, input="x", max_output_tokens=2,
+                                   previous_response_id=mine.id)
+            with pytest.raises(openai.NotFoundError):
+                b.responses.cancel(mine.id)
+    finally:
+        serve_stack.keys_file.write_text("")
+        time.sleep(auth.FILE_RECHECK_S + 0.5)
