@@ -12,17 +12,25 @@ process environment of the ingress replica:
   when its size, times or inode changed, and re-read anyway every
   ``FILE_REHASH_S``: a copy that keeps size and mtime (``cp -p``) is still seen.
   A change is decided by the SHA-256 of the bytes, never by the mtime alone.
-  An empty file holds no key; a missing one holds none either, and fails closed
-  (below).
+  A read that yields no key is an edit in progress (``cat > keys`` and ``echo k >
+  keys`` truncate first), refused like any bad edit, unless the file says so on
+  purpose: its one line is ``none`` (``NO_KEYS``). A missing file holds no key and
+  fails closed (below).
+
+A key is at least ``MIN_KEY_CHARS`` printable ASCII characters without space, comma
+or ``#`` (``KEY_SHAPE``): anything else in a key file (a half-written key, a binary
+byte) is not a key, and the edit is refused.
 
 A key file edit is **parsed first and switched to only when it is good**. A bad
-edit (a key shorter than ``MIN_KEY_CHARS``, a byte that is not UTF-8, a file that
-cannot be read or is larger than ``MAX_KEY_FILE_BYTES``) keeps the last good set
-serving, and says so: an ERROR log line naming the file and the fix, the
-``KeyFileStatus`` the edge shows in ``GET /v1/kv-spec`` (``dsv4-serve status``)
-and the watcher the serving replica turns into metrics. The text of a refusal
-(it names the file) goes to the log and to operators, never to an HTTP caller. At
-startup there is no last good set: a bad file refuses to start.
+edit (no key at all, a key shorter than ``MIN_KEY_CHARS`` or of another shape, a byte
+that is not UTF-8, a file that cannot be read or is larger than
+``MAX_KEY_FILE_BYTES``) keeps the last good set serving, and says so: an ERROR log
+line naming the file and the fix, the ``KeyFileStatus`` the edge shows in
+``GET /v1/kv-spec`` (``dsv4-serve status``) and the watcher the serving replica
+turns into metrics. The text of a refusal (it names the file) goes to the log and
+to operators, never to an HTTP caller. At startup there is no last good set: a bad
+file refuses to start, and a file with no key (not ``none``) starts failing closed
+(401 until it holds keys).
 
 Several keys are valid at once: that is how a key rotates (add the new one, move
 clients, remove the old one). Comparison is constant-time per key
@@ -35,9 +43,9 @@ never (and then no key may be configured, so nobody believes one protects them);
 address as soon as one is configured; so ``make run`` on 127.0.0.1 works for a
 new user without a key while nothing that answers beyond this machine answers
 without one (the ingress refuses to start instead). In ``auto`` mode on loopback
-a key file that exists and holds no key leaves the server open, as if none were
-configured (the file may gain its first key while serving; emptying it reopens
-the loopback server); a configured key file that is **missing** (or whose edit
+a key file that says ``none`` leaves the server open, as if no key were configured
+(the file may gain its first key while serving; writing ``none`` reopens the loopback
+server); an empty key file, a configured key file that is **missing** (or whose edit
 was refused while it held no key) fails closed: a key nobody has is required,
 every request gets 401, until the file exists and holds keys. A missing file is
 never read as "no keys wanted".
@@ -49,6 +57,7 @@ import hashlib
 import hmac
 import ipaddress
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -63,6 +72,13 @@ from deployments.logs import get_logger
 logger = get_logger("auth")
 
 MIN_KEY_CHARS = 16
+# What a key looks like: printable ASCII, no separator (space, comma) or comment (#).
+KEY_SHAPE = re.compile(r"[!-~]+")
+KEY_SHAPE_TEXT = (f"at least {MIN_KEY_CHARS} printable ASCII characters without space, "
+                  "comma or #")
+# A key file whose one line is this holds no key on purpose (auto mode on loopback
+# then serves without keys); any other read that yields no key is a bad edit.
+NO_KEYS = "none"
 # How often the key file is looked at (a stat, not a read).
 FILE_RECHECK_S = 1.0
 # How often it is re-read and hashed even when the stat looks unchanged: a copy
@@ -98,9 +114,23 @@ def parse_keys(text: str, where: str) -> tuple[str, ...]:
     if short:
         raise AuthConfigError(
             f"{where}: {len(short)} key(s) shorter than {MIN_KEY_CHARS} characters; a key "
-            "that short can be guessed. Fix: generate one with "
+            "that short can be guessed (or is half written). A key is "
+            f"{KEY_SHAPE_TEXT}. Fix: generate one with "
             "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`.")
+    odd = [k for k in keys if not KEY_SHAPE.fullmatch(k)]
+    if odd:
+        raise AuthConfigError(
+            f"{where}: {len(odd)} key(s) with a character outside printable ASCII: not a "
+            f"key (a half-written or binary file?). A key is {KEY_SHAPE_TEXT}. Fix: write "
+            "`secrets.token_urlsafe(32)` keys, one per line.")
     return tuple(dict.fromkeys(keys))
+
+
+def says_no_keys(raw: bytes) -> bool:
+    """Whether a key file's only content (comments aside) is the word ``NO_KEYS``."""
+    words = [w for line in raw.decode("utf-8", "replace").splitlines()
+             for w in line.split("#", 1)[0].split()]
+    return words == [NO_KEYS]
 
 
 def parse_key_bytes(raw: bytes, where: str) -> tuple[str, ...]:
@@ -168,6 +198,7 @@ class _FileState:
     hashed: float = float("-inf")  # monotonic time of the last read
     keys: tuple[str, ...] = ()
     status: KeyFileStatus = KeyFileStatus("missing", 0)
+    empty_read: bool = False  # the refusal in force is a read that yielded no key
 
 
 class KeyStore:
@@ -187,7 +218,8 @@ class KeyStore:
         self._watcher = watcher
         if self._file is not None:
             self._reload(force=True)
-            if self._file.status.state == "stale":  # no last good set to keep serving
+            stale = self._file.status.state == "stale"
+            if stale and not self._file.empty_read:  # no last good set to keep serving
                 raise AuthConfigError(str(self._file.status.problem))
 
     @property
@@ -247,9 +279,17 @@ class KeyStore:
         if digest == state.digest:
             return
         try:
-            keys = () if raw is None else parse_key_bytes(raw, self._file_where)
+            none = raw is not None and says_no_keys(raw)
+            keys = () if raw is None or none else parse_key_bytes(raw, self._file_where)
         except AuthConfigError as exc:
             self._refuse(str(exc), digest)
+            return
+        if raw is not None and not keys and not none:
+            self._refuse(f"{self._file_where}: the read yielded no key: an edit in progress "
+                         "(`cat > file` and `echo key > file` empty it first) or a mistake. "
+                         "Fix: write the new file beside it and rename it over (what the "
+                         "kubelet does with a Secret); to serve no key from this file on "
+                         f"purpose, write the single line `{NO_KEYS}`.", digest, empty=True)
             return
         self._switch(keys, digest)
 
@@ -257,7 +297,7 @@ class KeyStore:
         """Serve ``keys`` from now on: the file's content was judged good (or is gone)."""
         state = self._file
         assert state is not None
-        state.digest, state.keys = digest, keys
+        state.digest, state.keys, state.empty_read = digest, keys, False
         kind: KeyFileState = "missing" if digest is None else "ok"
         state.status = replace(state.status, state=kind, keys=len(keys), loaded_at=time.time(),
                                failed_at=None, problem=None)
@@ -268,10 +308,11 @@ class KeyStore:
             logger.info("dsv4: API key file %s loaded: %d key(s)", state.path, len(keys))
         self._notify()
 
-    def _refuse(self, problem: str, digest: bytes | None) -> None:
+    def _refuse(self, problem: str, digest: bytes | None, empty: bool = False) -> None:
         """Keep the last good set serving; say so once per distinct fault."""
         state = self._file
         assert state is not None
+        state.empty_read = empty
         if digest is not None:
             state.digest = digest  # judged: not re-parsed until the bytes change again
         if state.status.problem == problem:

@@ -1,7 +1,7 @@
 """What the edge judges in a request body, before vLLM reads it: pure functions.
 
 Each check runs in time linear in the body (``json_depth`` is one regex pass and one
-scan; the rest walk the parsed top level) and judges a field as vLLM's pydantic
+scan; the rest walk the parsed body once) and judges a field as vLLM's pydantic
 request models will read it (``engine_int``). ``body_problem`` is the whole judgement
 for one route (``deployments.http.routes``); ``deployments.http.edge`` turns a problem
 into a 400 naming the field.
@@ -67,18 +67,29 @@ def _limit(limits: HTTPEdge, name: str) -> int:
     return int(getattr(limits, name))
 
 
+def field_at(body: dict[str, Any], path: str) -> Any:
+    """The value at a dotted field path (``thinking.budget_tokens``), else None."""
+    value: Any = body
+    for part in path.split("."):
+        if not isinstance(value, dict):
+            return None
+        value = value.get(part)
+    return value
+
+
 def limit_problem(body: Any, limits: HTTPEdge,
                   route: routes.Route = routes.EXACT[routes.COMPLETIONS_ROUTE],
                   ) -> tuple[str, str] | None:
     """(param, message) for the first bound a parsed body exceeds, else None.
 
-    Each field is judged as the engine will read it (``engine_int``); a value the
-    request schema will refuse is left to that schema's 400.
+    Each field is judged as the engine will read it (``engine_int``), at the depth
+    vLLM reads it (dotted names); a value the request schema will refuse is left to
+    that schema's 400.
     """
     if not isinstance(body, dict):
         return None
     for name, limit_name in route.bounds.items():
-        value, limit = engine_int(body.get(name)), _limit(limits, limit_name)
+        value, limit = engine_int(field_at(body, name)), _limit(limits, limit_name)
         if value is not None and value > limit:
             return name, (f"{name}={value} is above this server's limit http.{limit_name}="
                           f"{limit}. Fix: ask for at most {limit}.")
@@ -91,16 +102,37 @@ def limit_problem(body: Any, limits: HTTPEdge,
     return None
 
 
+def forbidden_path(body: Any) -> str | None:
+    """The path of the first key only the server may set, at any depth, else None.
+
+    Iterative and linear in the parsed body: vLLM copies free-form carriers
+    (``vllm_xargs`` into ``SamplingParams.extra_args``) to where the KV connector
+    reads ``kv_transfer_params``, so a nested one is as dangerous as a top-level one
+    (a falsy or non-dict value there killed the P/D decode engine).
+    """
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                path = f"{where}.{key}" if where else str(key)
+                if key in FORBIDDEN_FIELDS:
+                    return path
+                stack.append((path, item))
+        elif isinstance(value, list):
+            stack.extend((f"{where}.{i}", item) for i, item in enumerate(value))
+    return None
+
+
 def forbidden_problem(body: Any) -> tuple[str, str] | None:
     """(param, message) when a client sets a field only dsv4-serve's P/D path may set."""
-    if not isinstance(body, dict):
+    path = forbidden_path(body)
+    if path is None:
         return None
-    for name in FORBIDDEN_FIELDS:
-        if name in body:
-            return name, (f"{name} is set by the server's own prefill/decode path, never "
-                          "by a client (it names hosts and KV blocks to pull). Fix: remove "
-                          f"{name} from the request.")
-    return None
+    name = path.rsplit(".", 1)[-1]
+    return path, (f"{path}: {name} is set by the server's own prefill/decode path, never "
+                  "by a client (it names hosts and KV blocks to pull), at any depth. Fix: "
+                  f"remove {name} from the request.")
 
 
 STORE_SETTING = "http.responses_store"

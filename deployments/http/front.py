@@ -14,9 +14,10 @@ What the removed hop gave us is kept by hardening that app (``harden``) the same
 the ingress app was hardened, so the OpenAI API, errors, streaming and usage are
 vLLM's own, and on top of them:
 
-* ``deployments.http.edge.EdgeMiddleware`` outermost: API keys, 404/405 for unserved
-  routes (vLLM's app also mounts ``/metrics``, ``/tokenize``, ``/health``...: they stay
-  closed), body/size/nesting/limits bounds, overload 503s, stream limits, 5xx scrubbing;
+* the edge (``deployments.http.edge.edge_stack``) outermost: 5xx scrubbing, API keys,
+  404/405 for unserved routes (vLLM's app also mounts ``/metrics``, ``/tokenize``,
+  ``/health``...: they stay closed), in-flight slots, body/size/nesting/field bounds,
+  stream limits;
 * our CORS policy instead of vLLM's (``allowed_origins=["*"]`` by default);
 * our ``RequestValidationError`` handler (400 naming the field, never echoing raw input)
   and ``HTTPException`` handler (OpenAI error bodies, never ``{"detail": ...}``);
@@ -46,17 +47,19 @@ from starlette.middleware.cors import CORSMiddleware
 
 from deployments import serve_env
 from deployments.config import HTTPEdge
-from deployments.http import edge
-from deployments.http.edge import (
+from deployments.http.auth import KeyStore
+from deployments.http.edge import Edge, edge_stack, middleware
+from deployments.http.errors import openai_http_error, openai_validation_error
+from deployments.http.problem import (
     ASGIApp,
-    EdgeMiddleware,
     Message,
     Receive,
+    Refusal,
     Scope,
     Send,
     mark_public_error,
+    refuse,
 )
-from deployments.http.errors import openai_http_error, openai_validation_error
 from deployments.http.public import public_report
 from deployments.http.routes import KV_SPEC_ROUTE
 from deployments.logs import get_logger
@@ -104,25 +107,24 @@ def _close_cors(app: FastAPI, settings: HTTPEdge) -> None:
                            allow_headers=["authorization", "content-type"])
 
 
-def ingress_state() -> dict[str, Any]:
+def ingress_state(keys: KeyStore | None) -> dict[str, Any]:
     """What the answering replica's edge says about itself, for ``dsv4-serve status``:
     its API key file's status without path or error text (``KeyFileStatus.public``);
     ``stale`` = a bad edit is refused and the last good keys still serve."""
-    guard = edge.current()
-    status = guard.keys.file_status() if guard is not None else None
+    status = keys.file_status() if keys is not None else None
     return {"api_key_file": status.public() if status is not None else None}
 
 
-def kv_spec_response(report: Any, how: str) -> JSONResponse:
+def kv_spec_response(report: Any, how: str, keys: KeyStore | None = None) -> JSONResponse:
     """200 agree, 409 disagree, 503 otherwise; the public (redacted) report as the body.
 
-    The route marks its 503 public (``edge.mark_public_error``): the body is the
+    The route marks its 503 public (``problem.mark_public_error``): the body is the
     redacted report, which the edge's 5xx scrubbing must let through.
     """
     if hasattr(report, "model_dump"):  # a typed report: its plain-JSON form
         report = report.model_dump(mode="json")
     status = {"agree": 200, "disagree": 409}.get(report["state"], 503)
-    body = public_report(report) | {"ingress": ingress_state()}
+    body = public_report(report) | {"ingress": ingress_state(keys)}
     return JSONResponse(body, status_code=status, headers={"x-dsv4-refresh": how})
 
 
@@ -187,13 +189,33 @@ async def _send_cards(send: Send, start: Message, raw: bytes) -> None:
     await send({"type": "http.response.body", "body": raw, "more_body": False})
 
 
-def harden(app: FastAPI, settings: HTTPEdge, kv_spec: KVSpecSource | None = None) -> FastAPI:
+def background_tasks(app: FastAPI) -> Callable[[str], Any]:
+    """Response id -> vLLM's background task for it (``OpenAIServingResponses.
+    background_tasks``, vLLM 0.32-0.34), read when a request ends (state is set late)."""
+    def task(response_id: str) -> Any:
+        serving = getattr(app.state, "openai_serving_responses", None)
+        tasks = getattr(serving, "background_tasks", None)
+        return tasks.get(response_id) if isinstance(tasks, dict) else None
+
+    return task
+
+
+async def closed_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """The HTTP app of a replica built without an edge: every request gets a 503."""
+    if scope["type"] == "http":
+        await refuse(scope, send, Refusal(503, "this replica does not answer HTTP (it has "
+                                          "no edge). Fix: call the application's route.",
+                                          "unavailable", "routes"))
+
+
+def harden(app: FastAPI, edge: Edge, kv_spec: KVSpecSource | None = None) -> FastAPI:
     """``app`` (vLLM's OpenAI app, or a stand-in in tests) with our edge, CORS and handlers.
 
     Works on an app whose middleware stack is already built (vLLM's ``build_app``
-    builds it): the cached stack is dropped so Starlette rebuilds it, with
-    ``EdgeMiddleware`` outermost, on the first request.
+    builds it): the cached stack is dropped so Starlette rebuilds it, with the edge
+    (``edge_stack``) outermost, on the first request.
     """
+    settings = edge.settings
     app.middleware_stack = None
     _close_cors(app, settings)
     app.add_exception_handler(RequestValidationError, openai_validation_error)
@@ -204,12 +226,12 @@ def harden(app: FastAPI, settings: HTTPEdge, kv_spec: KVSpecSource | None = None
     if kv_spec is not None:
         async def kv_spec_route(request: Request, refresh: bool = False) -> JSONResponse:
             """The controller's verdict; ``?refresh=true`` checks every replica now."""
-            response = kv_spec_response(*await kv_spec(refresh))
+            response = kv_spec_response(*await kv_spec(refresh), edge.keys)
             if response.status_code >= 500:
                 mark_public_error(request.scope)  # the redacted report, not an error text
             return response
 
         app.add_api_route(KV_SPEC_ROUTE, kv_spec_route, methods=["GET"])
     app.add_middleware(PublicModelCards)
-    app.add_middleware(EdgeMiddleware)
+    app.user_middleware[:0] = middleware(edge_stack(edge, background_tasks(app)))
     return app

@@ -45,14 +45,27 @@ class Route:
     prompts: str | None = None
     chat_messages: bool = False  # ``messages`` must be a list (else vLLM answers 500)
     stateful: bool = False  # Responses: store/background/previous_response_id rules
+    # A GET that costs (a controller call, a held stream): it takes an in-flight slot.
+    costly_get: bool = False
 
     @property
     def body(self) -> bool:
         return self.method == "POST"
 
+    @property
+    def admitted(self) -> bool:
+        """Whether a request on this route takes an in-flight slot while it runs."""
+        return self.body or self.costly_get
 
+
+# A dotted name is a nested field (``repetition_detection.max_pattern_size``): judged
+# where vLLM reads it. ``deployments.http.fields`` classifies every other field.
+_REPETITION = {"repetition_detection.max_pattern_size": TOKENS,
+               "repetition_detection.min_pattern_size": TOKENS,
+               "repetition_detection.min_count": TOKENS}
 _CHAT_BOUNDS = {"n": CHOICES, "max_tokens": TOKENS, "max_completion_tokens": TOKENS,
-                "min_tokens": TOKENS, "top_logprobs": LOGPROBS, "prompt_logprobs": LOGPROBS}
+                "min_tokens": TOKENS, "thinking_token_budget": TOKENS,
+                "top_logprobs": LOGPROBS, "prompt_logprobs": LOGPROBS, **_REPETITION}
 
 _ROUTES = (
     Route(CHAT_ROUTE, "POST", _CHAT_BOUNDS, chat_messages=True),
@@ -60,22 +73,28 @@ _ROUTES = (
     Route(CHAT_BATCH_ROUTE, "POST", _CHAT_BOUNDS, prompts="messages"),
     Route(COMPLETIONS_ROUTE, "POST",
           {"n": CHOICES, "best_of": CHOICES, "max_tokens": TOKENS, "min_tokens": TOKENS,
-           "logprobs": LOGPROBS, "prompt_logprobs": LOGPROBS}, prompts="prompt"),
-    Route(RESPONSES_ROUTE, "POST", {"max_output_tokens": TOKENS, "top_logprobs": LOGPROBS},
-          stateful=True),
-    Route(MESSAGES_ROUTE, "POST", {"max_tokens": TOKENS}),
+           "thinking_token_budget": TOKENS, "logprobs": LOGPROBS,
+           "prompt_logprobs": LOGPROBS, **_REPETITION}, prompts="prompt"),
+    # thinking_token_budget: vLLM 0.34+.
+    Route(RESPONSES_ROUTE, "POST", {"max_output_tokens": TOKENS, "top_logprobs": LOGPROBS,
+                                    "thinking_token_budget": TOKENS}, stateful=True),
+    # min_tokens: vLLM 0.34+; thinking.budget_tokens: below max_tokens (vLLM checks).
+    Route(MESSAGES_ROUTE, "POST", {"max_tokens": TOKENS, "min_tokens": TOKENS,
+                                   "thinking.budget_tokens": TOKENS}),
     Route(MESSAGES_ROUTE + "/count_tokens", "POST"),
     Route("/tokenize", "POST"),
     Route("/detokenize", "POST"),
     Route("/v1/models", "GET"),
-    Route(KV_SPEC_ROUTE, "GET"),
+    Route(KV_SPEC_ROUTE, "GET", costly_get=True),  # a controller call per request
     Route("/version", "GET"),
     Route(HEALTH_ROUTE, "GET"),
 )
 EXACT: dict[str, Route] = {r.path: r for r in _ROUTES}
 
 # Routes with an id in the path: (pattern, route).
-RESPONSE_GET = Route(RESPONSES_ROUTE + "/{response_id}", "GET", stateful=True)
+# ``?stream=true`` replays a stored stream: held like a generation.
+RESPONSE_GET = Route(RESPONSES_ROUTE + "/{response_id}", "GET", stateful=True,
+                     costly_get=True)
 RESPONSE_CANCEL = Route(RESPONSES_ROUTE + "/{response_id}/cancel", "POST", stateful=True)
 MODEL_GET = Route("/v1/models/{model}", "GET")
 _PATTERNS = (
@@ -132,6 +151,14 @@ CLOSED: dict[str, str] = {
     "/v1/rerank": "DeepSeek-V4 is a generative model: no pooling routes",
     "/v1/audio/transcriptions": "DeepSeek-V4 takes no audio",
     "/v1/audio/translations": "DeepSeek-V4 takes no audio",
+    # vLLM 0.34: mounted without --api-key checks of their own.
+    "/checkpoint/prepare": _DEV_WHY,
+    "/checkpoint/restore": _DEV_WHY,
+    "/checkpoint/status": _DEV_WHY,
+    "/v1/fault_tolerance/apply": _DEV_WHY,
+    "/v1/fault_tolerance/status": _DEV_WHY,
+    "/fault_tolerance/apply": _DEV_WHY,
+    "/fault_tolerance/status": _DEV_WHY,
 }
 
 

@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 
 from deployments.config import HTTPEdge
-from deployments.http import auth, edge
+from deployments.http import auth
 from deployments.http.auth import KeyFileStatus, KeyStore
-from tests.test_deployments.test_edge import Probe, build, error, guard, post
+from deployments.http.edge import Edge
+from tests.support.edge_app import Probe, build, error, guard, post
 
 GOOD = "g" * 24
 NEW = "n" * 24
@@ -145,8 +146,8 @@ def test_a_deleted_file_revokes_and_fails_closed(tmp_path: Path) -> None:
 
 def test_mode_off_refuses_a_configured_key_file(tmp_path: Path) -> None:
     with pytest.raises(auth.AuthConfigError, match="mode=off but 0 key"):
-        edge.EdgeGuard.start(HTTPEdge(auth={"mode": "off"}), "127.0.0.1",
-                             environ={"DSV4_API_KEYS_FILE": str(tmp_path / "keys")})
+        Edge.start(HTTPEdge(auth={"mode": "off"}), "127.0.0.1",
+                   environ={"DSV4_API_KEYS_FILE": str(tmp_path / "keys")})
 
 
 def test_callers_never_see_the_key_file_or_its_fault(tmp_path: Path) -> None:
@@ -156,8 +157,8 @@ def test_callers_never_see_the_key_file_or_its_fault(tmp_path: Path) -> None:
     path.parent.mkdir()
     path.write_text(f"{GOOD}\n")
     probe = Probe()
-    app = build(HTTPEdge(), probe)
     g = guard(HTTPEdge(), "0.0.0.0", DSV4_API_KEYS_FILE=str(path))
+    app = build(HTTPEdge(), probe, g)
     path.write_text("short\n")
     assert post(app, {"prompt": "x"}, headers={"authorization": f"Bearer {GOOD}"})[0] == 200
     status, _, data = post(app, {"prompt": "x"}, headers={"authorization": f"Bearer {OTHER}"})
@@ -222,9 +223,9 @@ def test_status_shows_a_stale_key_file_without_its_path(tmp_path: Path) -> None:
     path = tmp_path / "secret-dir" / "keys"
     path.parent.mkdir()
     path.write_text(f"{GOOD}\n{NEW}\n")
-    guard(HTTPEdge(), "0.0.0.0", DSV4_API_KEYS_FILE=str(path))
+    g = guard(HTTPEdge(), "0.0.0.0", DSV4_API_KEYS_FILE=str(path))
     path.write_text("short\n")
-    response = kv_spec_response({"state": "not_checked"}, "cached")
+    response = kv_spec_response({"state": "not_checked"}, "cached", g.keys)
     text = bytes(response.body).decode()
     assert "secret-dir" not in text and "shorter" not in text
     body = json.loads(text)
@@ -233,16 +234,57 @@ def test_status_shows_a_stale_key_file_without_its_path(tmp_path: Path) -> None:
     assert "STALE" in line and "still serving the 2 key(s)" in line
     path.write_text(f"{NEW}\n")
     [line] = describe_ingress(json.loads(bytes(kv_spec_response(
-        {"state": "agree"}, "cached").body)))
+        {"state": "agree"}, "cached", g.keys).body)))
     assert "ok, 1 key(s)" in line
 
 
 def test_a_refused_first_edit_of_an_empty_file_fails_closed(tmp_path: Path) -> None:
-    """An empty file leaves a loopback server open; an edit that tried to add keys but
-    was refused must not keep it open."""
+    """A file saying ``none`` leaves a loopback server open; an edit that tried to add
+    keys but was refused must not keep it open."""
     path = tmp_path / "keys"
-    path.write_text("")
+    path.write_text(f"{auth.NO_KEYS}\n")
     keys = store(path)
     assert not keys.required("127.0.0.1")
     path.write_text("short\n")
     assert keys.required("127.0.0.1") and not keys.matches("short")
+
+
+@pytest.mark.parametrize("edit", [b"", b"\n", b"# rotating\n"])
+def test_a_read_that_yields_no_key_is_a_bad_edit(tmp_path: Path, logged: Any,
+                                                  edit: bytes) -> None:
+    """``cat > keys`` / ``echo k > keys`` empty the file first (issue 32): that read
+    keeps the last good set and says so, unless the file says ``none`` on purpose."""
+    path = tmp_path / "keys"
+    path.write_text(f"{GOOD}\n")
+    keys = store(path)
+    path.write_bytes(edit)
+    assert keys.required("127.0.0.1") and keys.matches(GOOD)
+    status = keys.file_status()
+    assert status is not None and status.state == "stale" and status.keys == 1
+    assert any(str(path) in r.getMessage() and "no key" in r.getMessage() for r in logged)
+    path.write_text(f"{auth.NO_KEYS}  # no keys on purpose\n")
+    assert not keys.required("127.0.0.1") and not keys.matches(GOOD)
+
+
+def test_an_empty_file_at_startup_fails_closed(tmp_path: Path) -> None:
+    """No last good set: an empty file starts, every request needs a key nobody has."""
+    path = tmp_path / "keys"
+    path.write_text("")
+    keys = store(path)
+    assert keys.required("127.0.0.1") and not keys.matches("")
+    path.write_text(f"{GOOD}\n")
+    assert keys.matches(GOOD)
+
+
+@pytest.mark.parametrize("half", [b"k\n", f"{NEW[:8]}".encode(), f"{NEW}\x01\n".encode(),
+                                  "ключ-ключ-ключ-ключ\n".encode()])
+def test_a_half_written_key_is_not_a_key(tmp_path: Path, half: bytes) -> None:
+    """A key has a shape (``auth.KEY_SHAPE_TEXT``); the refusal says what it is."""
+    path = tmp_path / "keys"
+    path.write_text(f"{GOOD}\n")
+    keys = store(path)
+    path.write_bytes(half)
+    assert keys.matches(GOOD)
+    status = keys.file_status()
+    assert status is not None and status.state == "stale"
+    assert auth.KEY_SHAPE_TEXT in str(status.problem)

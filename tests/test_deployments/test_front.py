@@ -19,9 +19,9 @@ from starlette.middleware.cors import CORSMiddleware
 
 from deployments.config import HTTPEdge
 from deployments.http.edge import Edge
-from deployments.http.scrub import ScrubMiddleware
 from deployments.http.errors import openai_validation_error
 from deployments.http.front import KV_SPEC_ROUTE, harden
+from deployments.http.scrub import ScrubMiddleware
 from tests.support.vllm_app import vllm_app
 
 
@@ -119,6 +119,7 @@ def test_the_pd_decode_replica_serves_rays_prefill_first_routes_behind_our_edge(
         "model_id": "m"}))
     server.engine = _AppOnlyEngine()
     server._http = HTTPEdge()
+    server._edge = _edge()  # what the replica's __init__ builds (``server._start_edge``)
 
     async def kv_spec() -> None:
         raise AssertionError("not called")

@@ -16,19 +16,18 @@ from fastapi.testclient import TestClient
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 
 from deployments.config import HTTPEdge
-from deployments.http import edge
+from deployments.http.edge import Edge
 from deployments.http.front import harden
 
 
 @pytest.fixture(autouse=True)
 def open_edge() -> None:
     """The edge as on a loopback bind without keys (what `make run` starts with)."""
-    edge.install(edge.EdgeGuard.start(HTTPEdge(), "127.0.0.1", environ={}))
 
 
 @pytest.fixture(scope="module")
 def client() -> TestClient:
-    app: FastAPI = harden(FastAPI(), HTTPEdge())
+    app: FastAPI = harden(FastAPI(), Edge.start(HTTPEdge(), "127.0.0.1", environ={}))
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
