@@ -215,3 +215,31 @@ def scaling(args: AppArgs) -> tuple[int, int, int]:
     except ValueError as exc:
         raise ConfigError(f"P/D preset: {exc}. Fix: TP sizes per pool that pack the "
                           f"{node.gpus_per_node}-GPU nodes.") from exc
+
+
+# The Responses store's password (``args.responses.password_env``), from this Secret.
+DEFAULT_STORE_SECRET = {"name": "dsv4-responses-store", "key": "password"}
+
+
+def store_env(args: AppArgs, params: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Pod env for the Responses store: its password by Secret reference, when on.
+
+    Every pod may run a serving replica, so every pod gets it; the value never sits in
+    the manifest or in runtime_env (the state API echoes runtime_env).
+    """
+    if not args.http.responses_store:
+        return []
+    secret = params.get("responses_store_secret") or DEFAULT_STORE_SECRET
+    return [{"name": args.responses.password_env, "valueFrom": {"secretKeyRef": {
+        "name": secret["name"], "key": secret["key"], "optional": False}}}]
+
+
+def store_problems(args: AppArgs, config_path: Path) -> list[str]:
+    """A RayService spans pods: Responses state needs a server every pod reaches."""
+    if args.http.responses_store and args.responses.backend != "redis":
+        return [f"{config_path.name}: http.responses_store is on with responses.backend="
+                f"{args.responses.backend}: a SQLite file serves the processes of one "
+                "machine, and a RayService's replicas run on several pods. Fix: set "
+                "responses.backend: redis and responses.url to a Redis/Valkey service "
+                "(docs/deploy-kuberay.md), or turn http.responses_store off."]
+    return []

@@ -34,6 +34,8 @@ from deployments.k8s.params import (
     scaling,
     stack_image,
     stack_problems,
+    store_env,
+    store_problems,
 )
 
 # A checkout's top level, or the wheel's deployments/_data (deployments.resources).
@@ -249,8 +251,9 @@ def render_documents(preset: Preset, params: Mapping[str, Any]) -> list[dict[str
     if problems:
         raise ConfigError(f"{preset.name}: the rendered manifest is not secure:\n  "
                           + "\n  ".join(problems))
-    problems = semantic_problems(docs[0]) + stack_problems(preset, gpu_args(
-        preset.config_path)[1], params)
+    args = gpu_args(preset.config_path)[1]
+    problems = semantic_problems(docs[0]) + stack_problems(preset, args, params) + \
+        store_problems(args, preset.config_path)
     if problems:
         raise ConfigError(f"{preset.name}: the rendered manifest contradicts its preset:\n  "
                           + "\n  ".join(problems))
@@ -262,6 +265,11 @@ def render_manifest(preset: Preset, params: Mapping[str, Any]) -> dict[str, Any]
     serve_text, args = gpu_args(preset.config_path)
     name = f"dsv4-{preset.name}"
     security = container_security_context()
+    head, workers = head_group(params, name, image_ref(params, preset)), \
+        worker_groups(preset, args, params)
+    for group in (head, *workers):  # any pod may hold a replica that reads the store
+        for container in group["template"]["spec"]["containers"]:
+            container["env"] += store_env(args, params)
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",
@@ -287,8 +295,8 @@ def render_manifest(preset: Preset, params: Mapping[str, Any]) -> dict[str, Any]
                     # writable: it writes Ray's session files under /tmp)
                     "securityContext": security | {"readOnlyRootFilesystem": False},
                 },
-                "headGroupSpec": head_group(params, name, image_ref(params, preset)),
-                "workerGroupSpecs": worker_groups(preset, args, params),
+                "headGroupSpec": head,
+                "workerGroupSpecs": workers,
             },
         },
     }

@@ -93,7 +93,8 @@ def build_pd_app(parsed: PDAppArgs) -> Application:
         bind_kwargs={"dsv4": parsed.pool_dsv4("decode"), "prefill_server": prefill,
                      "compat_check": parsed.pd.compat_check}
         | ingress_bind_kwargs(parsed.http, decode_replicas, controller,
-                              parsed.pool_deployment_config("decode").drain_timeout_s))
+                              parsed.pool_deployment_config("decode").drain_timeout_s,
+                              parsed.responses))
     logger.info("dsv4: P/D app: %s prefill + %s decode replica(s), connector %s, compat "
                 "check %s", parsed.pool_deployment_config("prefill").max_replicas,
                 decode_replicas, parsed.pd.kv_transfer_config.get("kv_connector"),

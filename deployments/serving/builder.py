@@ -24,6 +24,7 @@ from deployments.config.app_args import apply_http_to_engine
 from deployments.config.responses import ResponsesStore
 from deployments.control.controller import KVSpecController
 from deployments.logs import get_logger
+from deployments.observe.capacity import plan_capacity
 from deployments.serving.boot import LocalModelCallback
 from deployments.serving.names import CONTROLLER_DRAIN_S, CONTROLLER_NAME
 from deployments.serving.router import with_kv_router
@@ -79,7 +80,8 @@ def build_one_pool_app(parsed: AppArgs) -> Application:
     # The controller finds the servers by name: they bind it (for /v1/kv-spec), and a
     # Serve graph has no cycles.
     controller = controller_deployment(KVSpecController, parsed).bind(
-        server=server_deployment_name(server_cls, llm_config), dsv4=dsv4)
+        server=server_deployment_name(server_cls, llm_config), dsv4=dsv4,
+        kv_capacity=plan_capacity(llm_config.model_id, parsed).model_dump(mode="json"))
     # Every DP rank is its own Serve replica and ingress: the share divides by ranks.
     bind_kwargs = {"dsv4": dsv4} | ingress_bind_kwargs(
         parsed.http, parsed.max_serving_replicas, controller,
@@ -122,7 +124,7 @@ def with_boot_callback(config_dict: dict[str, Any]) -> dict[str, Any]:
 
 def ingress_bind_kwargs(http: HTTPEdge, serving_replicas: int,
                         controller: Application, drain_timeout_s: float,
-                        responses: ResponsesStore | None = None) -> dict[str, Any]:
+                        responses: ResponsesStore) -> dict[str, Any]:
     """What a server replica that is the HTTP ingress is bound with (``DSv4ServerMixin``):
     the edge settings, how many Serve replicas (DP ranks, not gangs or nodes) share
     ``http.max_in_flight`` at most, the controller, and how long requests held on the
@@ -130,7 +132,7 @@ def ingress_bind_kwargs(http: HTTPEdge, serving_replicas: int,
     where Responses state lives (``args.responses``, used with ``http.responses_store``)."""
     return {"http": http.model_dump(mode="json"), "serving_replicas": serving_replicas,
             "kv_spec_controller": controller, "drain_timeout_s": drain_timeout_s,
-            "responses": (responses or ResponsesStore()).model_dump(mode="json")}
+            "responses": responses.model_dump(mode="json")}
 
 
 def controller_deployment(cls: type, parsed: AppArgs) -> Any:
