@@ -272,8 +272,10 @@ class ReplicaListener:
             if pending:
                 cut = self._held.cut(f"this replica is shutting down; its {budget_s:.0f} s "
                                      "drain budget ran out. Retry the request.")
-                logger.warning("dsv4: %d request(s) on %s still held at the end of the "
-                               "shutdown budget; ending them with an error", cut, self.address)
+                if cut:
+                    logger.warning("dsv4: %d request(s) on %s still held at the end of the "
+                                   "shutdown budget; ending them with an error", cut,
+                                   self.address)
                 _, pending = await asyncio.wait(pending, timeout=CUT_MARGIN_S)
             if pending:
                 for server, _ in self._closing:
