@@ -6,6 +6,10 @@ joining the Ray cluster. The answer is validated as the controller's own
 ``deployments.control.wire.FleetReport``. Exit code: 0 agree, 1 disagree, 3 incomplete,
 not_checked, stale or unreachable: scripts can gate on it.
 
+With ``--metrics URL`` (Ray's metrics agent) it also prints, per replica and node type,
+KV use against ``plan``'s capacity, the TTFT split into the serving path's part and the
+engine's, and refusals by reason (``deployments.observe.scrape``).
+
 The answer also says how the answering replica's edge is (``ingress``): an API
 key file whose last edit was refused (``stale``: the previous keys still serve)
 is printed loudly; the replica's log has the reason.
@@ -25,6 +29,7 @@ from pydantic import ValidationError
 from deployments.control.report import describe
 from deployments.control.wire import FleetReport
 from deployments.local.client import http_json
+from deployments.observe import scrape
 
 EXIT = {"agree": 0, "disagree": 1}
 EXIT_INCOMPLETE = 3
@@ -36,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the raw report")
     parser.add_argument("--refresh", action="store_true",
                         help="ask every replica now instead of reading the last check")
+    parser.add_argument("--metrics", metavar="URL", default=None,
+                        help="also read this Prometheus endpoint (Ray's metrics agent; "
+                        "`dsv4-serve run` prints it) for KV use, TTFT split and refusals "
+                        "per replica and node type")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -55,9 +64,21 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_INCOMPLETE
     text = describe(parsed)
-    text = "\n".join([text, *describe_ingress(report)])
+    text = "\n".join([text, *describe_ingress(report), *describe_metrics(args.metrics, parsed)])
     print(json.dumps(report, indent=2) if args.json else text)
     return EXIT.get(parsed.state.value, EXIT_INCOMPLETE)
+
+
+def describe_metrics(url: str | None, report: FleetReport) -> list[str]:
+    """The scrape's figures per replica and node type (``deployments.observe.scrape``)."""
+    if url is None:
+        return []
+    try:
+        text = scrape.read(url)
+    except (urllib.error.URLError, OSError) as exc:
+        return [f"  metrics: cannot read {url}: {exc}. Fix: pass Ray's metrics agent "
+                "address (`dsv4-serve run` prints it; on Kubernetes a node's :8080)."]
+    return scrape.describe(scrape.per_replica(scrape.samples(text), report.deployment))
 
 
 def describe_ingress(report: Any) -> list[str]:

@@ -28,13 +28,34 @@ def describe(report: FleetReport) -> str:
             continue
         action = "" if rep.action.value == "serve" else f", action {rep.action.value}"
         pool = f"{rep.pool} " if rep.pool else ""
-        lines.append(f"  {pool}{rep.id} rank {rep.rank} on node {rep.node_id}: "
+        node_type = f" ({rep.node_type})" if rep.node_type else ""
+        lines.append(f"  {pool}{rep.id} rank {rep.rank} on node {rep.node_id}{node_type}: "
                      f"{rep.cache_dtype}, blocks "
                      f"{rep.block_sizes}, pages {rep.page_sizes} B, {rep.fingerprint[:19]} "
                      f"[{rep.status.value}{action}]")
+    lines += describe_capacity(report)
     lines += describe_pd(report)
     lines += [f"  problem: {p.message}" for p in report.problems]
     return "\n".join(lines)
+
+
+def describe_capacity(report: FleetReport) -> list[str]:
+    """KV capacity per node type as ``dsv4-serve plan`` computes it, and replicas on each."""
+    plan = report.kv_capacity
+    if plan is None:
+        return []
+    if not plan.nodes:
+        return [f"  KV capacity: unknown ({plan.reason})"] if plan.reason else []
+    lines = ["  KV capacity per node type (dsv4-serve plan; vLLM's cache_config_info "
+             "block_size is the minimum over DSv4's cache groups, vllm#51163):"]
+    for n in plan.nodes:
+        on = sum(r.node_type == n.node_type for r in report.replicas)
+        tokens = (f"{n.kv_tokens_per_engine:,} tokens per engine, {n.kv_tokens_per_replica:,} "
+                  "per replica" if n.kv_tokens_per_engine is not None
+                  else "tokens unknown (no memory declared for the node)")
+        lines.append(f"    {n.node_type}: {n.storage}, block {n.block_size}, "
+                     f"{n.kv_bytes_per_token:,.2f} B/token per GPU, {tokens}; {on} replica(s)")
+    return lines
 
 
 def describe_pd(report: FleetReport) -> list[str]:
