@@ -15,19 +15,11 @@ from ray.serve.deployment import Application
 
 from deployments import ray_touches
 from deployments.config import AppArgs, PDAppArgs, parse_app_args
-from deployments.http.front import KV_SPEC_ROUTE
 from deployments.pd.builder import build_pd_app
 from deployments.serving.builder import build_one_pool_app
-from deployments.serving.names import (
-    CONTROLLER_NAME,
-    DECODE_PREFIX,
-    ingress_drain_timeout_s,
-    serves_http,
-)
 
-# The names this module has always offered; their home is the module they come from.
-__all__ = ["CONTROLLER_NAME", "DECODE_PREFIX", "KV_SPEC_ROUTE", "build_app", "build_parsed_app",
-           "ingress_drain_timeout_s", "serves_http"]
+# What users name: `import_path: deployments.app:build_app` (YAML), and `dsv4-serve run`.
+__all__ = ["build_app", "build_parsed_app"]
 
 
 def build_app(args: dict[str, Any]) -> Application:

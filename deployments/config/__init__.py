@@ -41,8 +41,6 @@ from deployments.config.base import (
     TINY_MODEL_SOURCE,
     WORKER_EXTENSION,
     Policy,
-    _Open,
-    _Strict,
 )
 from deployments.config.dsv4 import (
     DSv4Section,
@@ -126,8 +124,6 @@ __all__ = [
     "ReplicaOverride",
     "ServeApplication",
     "ServeConfig",
-    "_Open",
-    "_Strict",
     "args_model",
     "format_validation_error",
     "load_serve_config",

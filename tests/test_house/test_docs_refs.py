@@ -11,7 +11,6 @@ its folder). Static only (ast): nothing is imported.
 
 from __future__ import annotations
 
-import ast
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.house import REPO, repo_files
+from tests.support.house import REPO, defined_names, repo_files
 
 TOPS = ("deployments", "dsv4_patch", "configs", "tests", "k8s", "docs", "benchmarks")
 ROOT_FILES = ("README.md", "Makefile", "pyproject.toml", "Dockerfile")
@@ -58,36 +57,6 @@ class Ref:
 
     def where(self) -> str:
         return f"{self.doc}:{self.line} `{self.text}`"
-
-
-@cache
-def defined_names(path: Path) -> frozenset[str]:
-    """Top-level and class-level names a Python file defines or imports (``Cls.meth`` too)."""
-    tree = ast.parse(path.read_text())
-    names: set[str] = set()
-
-    def visit(body: list[ast.stmt], prefix: str) -> None:
-        for node in body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                names.add(prefix + node.name)
-            elif isinstance(node, ast.ClassDef):
-                names.add(prefix + node.name)
-                visit(node.body, f"{prefix}{node.name}.")
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                for target in targets:
-                    for name in ast.walk(target):
-                        if isinstance(name, ast.Name):
-                            names.add(prefix + name.id)
-            elif isinstance(node, (ast.Import, ast.ImportFrom)) and not prefix:
-                names.update((a.asname or a.name).split(".")[0] for a in node.names)
-            elif isinstance(node, (ast.If, ast.Try)) and not prefix:
-                visit(node.body, prefix)
-                for handler in getattr(node, "handlers", []):
-                    visit(handler.body, prefix)
-                visit(node.orelse, prefix)
-    visit(tree.body, "")
-    return frozenset(names)
 
 
 def symbol_problem(path: Path, symbol: str) -> str | None:
