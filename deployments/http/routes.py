@@ -70,7 +70,7 @@ _CHAT_BOUNDS = {"n": CHOICES, "max_tokens": TOKENS, "max_completion_tokens": TOK
 _ROUTES = (
     Route(CHAT_ROUTE, "POST", _CHAT_BOUNDS, chat_messages=True),
     # ``messages`` is a list of conversations: one generation each.
-    Route(CHAT_BATCH_ROUTE, "POST", _CHAT_BOUNDS, prompts="messages"),
+    Route(CHAT_BATCH_ROUTE, "POST", {**_CHAT_BOUNDS, "best_of": CHOICES}, prompts="messages"),
     Route(COMPLETIONS_ROUTE, "POST",
           {"n": CHOICES, "best_of": CHOICES, "max_tokens": TOKENS, "min_tokens": TOKENS,
            "thinking_token_budget": TOKENS, "logprobs": LOGPROBS,

@@ -68,13 +68,14 @@ def test_transfer_params_nested_in_a_carrier_are_refused(
      "thinking_token_budget"),
     ("/v1/chat/completions", {"messages": [], "repetition_detection": {
         "max_pattern_size": 10**6, "min_count": 2}}, "repetition_detection.max_pattern_size"),
+    ("/v1/chat/completions/batch", {"messages": [[]], "best_of": "9"}, "best_of"),
 ])
 def test_new_costly_fields_are_bounded_where_vllm_reads_them(
         probe: Probe, path: str, body: dict[str, Any], param: str) -> None:
     app = build(HTTPEdge(), probe)
     status, _, data = run(call(app, "POST", path, json.dumps(body).encode()))
     err = error(data)
-    assert status == 400 and names(err, param) and "http.max_tokens" in err["message"], err
+    assert status == 400 and names(err, param) and "limit http.max_" in err["message"], err
 
 
 @pytest.mark.parametrize("path", ["/checkpoint/prepare", "/checkpoint/restore",
