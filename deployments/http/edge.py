@@ -30,6 +30,7 @@ from typing import Any
 from starlette.middleware import Middleware
 
 from deployments.config import HTTPEdge
+from deployments.http import timing
 from deployments.http.admission import AdmissionMiddleware, BackgroundTasks, Slots
 from deployments.http.auth import KeyStore
 from deployments.http.keycheck import AuthMiddleware
@@ -93,7 +94,7 @@ def edge_stack(edge: Edge, background_tasks: BackgroundTasks | None = None) -> l
     """
     s = edge.settings
     cors = bool(s.cors_allow_origins)
-    return [
+    return timing.around([  # the serving path's own time per stage, around the edge
         (ScrubMiddleware, {"retry_after_s": s.retry_after_s}),
         (AuthMiddleware, {"keys": edge.keys, "bind_host": edge.bind_host, "cors": cors}),
         (RouteMiddleware, {"responses_store": s.responses_store, "cors": cors}),
@@ -101,7 +102,7 @@ def edge_stack(edge: Edge, background_tasks: BackgroundTasks | None = None) -> l
                                "background_tasks": background_tasks}),
         (StreamLimitMiddleware, {"stream_max_s": s.stream_max_s,
                                  "stream_idle_s": s.stream_idle_s}),
-    ]
+    ])
 
 
 def middleware(layers: list[Layer]) -> list[Middleware]:

@@ -22,6 +22,7 @@ from deployments.http.edge import Edge
 from deployments.http.errors import openai_validation_error
 from deployments.http.front import KV_SPEC_ROUTE, harden
 from deployments.http.scrub import ScrubMiddleware
+from deployments.http.timing import TimingMiddleware
 from tests.support.vllm_app import vllm_app
 
 
@@ -43,7 +44,8 @@ def test_vllm_app_comes_with_its_own_cors_and_we_drop_it() -> None:
         "vLLM's build_app no longer adds CORS: recheck harden"
     hardened = harden(app, _edge())
     assert not [m for m in hardened.user_middleware if m.cls is CORSMiddleware]
-    assert hardened.user_middleware[0].cls is ScrubMiddleware  # outermost
+    # outermost: the serving path's clock, then the edge
+    assert [m.cls for m in hardened.user_middleware[:2]] == [TimingMiddleware, ScrubMiddleware]
     assert hardened.exception_handlers[RequestValidationError] is openai_validation_error
 
 
@@ -132,7 +134,7 @@ def test_the_pd_decode_replica_serves_rays_prefill_first_routes_behind_our_edge(
     assert "PDOrchestratorMixin" in endpoints["/v1/completions"], endpoints
     assert "PDOrchestratorMixin" in endpoints["/v1/chat/completions"], endpoints
     assert KV_SPEC_ROUTE in endpoints
-    assert app.user_middleware[0].cls is ScrubMiddleware
+    assert [m.cls for m in app.user_middleware[:2]] == [TimingMiddleware, ScrubMiddleware]
     assert not [m for m in app.user_middleware if m.cls is CORSMiddleware]
 
 
