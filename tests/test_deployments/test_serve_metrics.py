@@ -1,4 +1,4 @@
-"""The controller's Prometheus gauges, scraped from Ray's metrics endpoint of the session stack.
+"""The project's Prometheus series, scraped from Ray's metrics endpoint of the session stack.
 
 ``ray.serve.metrics`` series are exported by Ray's per-node metrics agent
 (``ray_head.start_cluster`` gives it a known port; ``ray_head.metrics_url``), prefixed
@@ -6,16 +6,26 @@
 session stack runs 2 agreeing replicas, so the gauges must say agree=1, running=2,
 answered=2, odd=0 for the ``dsv4`` application, and checks with state ``agree``
 must have been counted.
+
+After some traffic (streamed completions, a refused request), every series the
+Grafana dashboard (``k8s/monitoring/``) names must have a sample for this app, the
+serving path's stages must add up to the TTFT the replica delivered (the serving
+part and the engine's part), and the KV capacity gauges must be ``dsv4-serve plan``'s
+figures for the same config.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.request
+from typing import Any
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support import promql
 from tests.support.serve_client import wait_agree
 from tests.support.stack import Stack
 
@@ -86,3 +96,88 @@ def test_kv_spec_gauges_are_exported_with_the_verdict(serve_stack: Stack) -> Non
               if name.startswith(CHECKS) and not name.endswith("_created")
               for labels, value in series}
     assert checks.get("agree", 0) >= 1, checks
+
+
+def dashboard_names() -> set[str]:
+    """Every metric the committed dashboard's queries name."""
+    from deployments.resources import k8s_dir
+
+    board = json.loads((k8s_dir() / "monitoring" / "dsv4-serve.dashboard.json").read_text())
+    return {name for panel in board["panels"] for target in panel.get("targets", [])
+            for name in promql.metric_names(target["expr"])}
+
+
+def send_traffic(url: str, model: str) -> None:
+    """Streamed and plain completions and chats, and one request the edge refuses."""
+    with httpx.Client(timeout=120) as http:
+        for i in range(4):
+            body = {"model": model, "prompt": f"Observability {i}", "max_tokens": 8,
+                    "temperature": 0.0, "stream": i % 2 == 0}
+            resp = http.post(f"{url}/completions", json=body)
+            assert resp.status_code == 200, resp.text[:300]
+        chat = {"model": model, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 8, "stream": True}
+        assert http.post(f"{url}/chat/completions", json=chat).status_code == 200
+        refused = http.post(f"{url.removesuffix('/v1')}/tokenize", json={"prompt": "x"})
+        assert refused.status_code == 404, refused.text[:300]
+
+
+def ours(name: str, labels: dict[str, str], deployment: str) -> bool:
+    """A sample of this app: by the deployment label the series carries."""
+    if name.startswith("ray_vllm_"):
+        return True  # tagged ReplicaId only; joined to the app through dsv4_kv_replica_info
+    return deployment in (labels.get("llm_deployment"), labels.get("deployment"))
+
+
+def missing(scraped: dict[str, list[tuple[dict[str, str], float]]], deployment: str,
+            names: set[str]) -> list[str]:
+    return sorted(n for n in names
+                  if not any(ours(n, lb, deployment) for lb, _ in scraped.get(n, [])))
+
+
+def test_every_dashboard_series_answers_after_traffic(serve_stack: Stack) -> None:
+    from deployments.config import DEFAULT_CONFIG
+    from deployments.local import ray_head
+    from deployments.observe import scrape
+    from deployments.plan.preflight import plan_config
+
+    report = wait_agree(serve_stack.url, 2)
+    deployment = report["deployment"]
+    send_traffic(serve_stack.url, serve_stack.model)
+    names = dashboard_names()
+    url = ray_head.metrics_url()
+    deadline = time.monotonic() + SCRAPE_TIMEOUT_S
+    scraped: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        scraped = scrape.samples(scrape.read(url))
+        figures = scrape.per_replica(scraped, deployment)
+        if not missing(scraped, deployment, names) and len(figures) >= 2 and all(
+                f.ttft[1] and f.ttft[1] == f.stage_seconds.get("edge", (0, 0))[1]
+                for f in figures.values() if f.ttft[1]):
+            break
+        time.sleep(2)
+    assert not missing(scraped, deployment, names), \
+        f"dashboard series without a sample for {deployment}: " \
+        f"{missing(scraped, deployment, names)}"
+    figures = scrape.per_replica(scraped, deployment)
+    print("\n".join(scrape.describe(figures)))
+
+    # The serving path's part + the engine's part = the TTFT the replica delivered.
+    timed = [f for f in figures.values() if f.ttft[1]]
+    assert timed, figures
+    for f in timed:
+        edge, engine = f.stage_seconds["edge"], f.stage_seconds["engine_first_token"]
+        assert edge[1] == engine[1] == f.ttft[1], f
+        assert edge[0] + engine[0] == pytest.approx(f.ttft[0], rel=1e-6, abs=1e-6), f
+        assert 0 < edge[0] < f.ttft[0] and engine[0] > 0, f
+    reasons = {r for f in figures.values() for r in f.refused}
+    assert reasons & {"routes", "status_404"}, reasons
+
+    # KV capacity: plan's figures for the same config, on every replica.
+    [plan] = plan_config(DEFAULT_CONFIG).applications
+    live = [f for f in figures.values() if f.node_type is not None]
+    assert len(live) == 2, figures
+    for f in live:
+        assert f.node_type == "cpu" and f.status == "ok", f
+        assert f.kv_capacity_tokens == plan.capacity.kv_tokens_per_replica, f
+        assert f.kv_bytes_per_token == pytest.approx(plan.capacity.kv_bytes_per_token_per_gpu)
