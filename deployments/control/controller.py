@@ -113,10 +113,10 @@ class KVSpecController:
         self._brief = True  # False once a replica rejected `known` (older dsv4-serve)
         s = self._settings
         self._book = EnforceBook(s.enforce_max_attempts, s.enforce_backoff_s)
-        self._report = self._not_checked()
         self._metrics = FleetMetrics(server.deployment_name)
         self._capacity = KVCapacityPlan.model_validate(kv_capacity or {"reason": (
             "the controller was given no KV capacity figures (an app built without them)")})
+        self._report = self._not_checked()  # reads _capacity
         self._replica_metrics = ReplicaMetrics(server.deployment_name, self._capacity)
         self._per_replica = ray_touches.present("serve.broadcast_per_replica_results")
         if not self._per_replica:
