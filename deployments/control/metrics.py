@@ -18,6 +18,8 @@ from deployments.control.prediction import replica_vs_prediction
 from deployments.control.wire import Action, FleetReport, KVCapacityPlan, ReplicaSpec, State
 from deployments.observe import series as S
 
+# One series' sample: (name, sorted tags).
+Key = tuple[str, tuple[tuple[str, str], ...]]
 _PER_REPLICA = (S.REPLICA_INFO, S.AS_PREDICTED, S.PAGE_BYTES, S.BYTES_PER_TOKEN,
                 S.CAPACITY_TOKENS, S.ENGINE_CAPACITY_TOKENS, S.BUDGET_BYTES)
 
@@ -108,7 +110,20 @@ class ReplicaMetrics:
         self._deployment = deployment
         self.capacity = capacity
         self._metrics = {s.name: S.make(s, serve_tags=False) for s in _PER_REPLICA}
-        self._last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        self._last: dict[Key, float] = {}
+        # A replica's values change only with its spec or verdict: computed once each.
+        self._cache: dict[tuple[str, str, str, str], dict[Key, float]] = {}
+
+    def _values(self, spec: ReplicaSpec, status: str, action: str) -> dict[Key, float]:
+        key = (spec.replica_id, spec.fingerprint, status, action)
+        if key not in self._cache:
+            if len(self._cache) > 4096:
+                self._cache.clear()
+            self._cache[key] = {
+                (series.name, tuple(sorted((tags | {"llm_deployment": self._deployment})
+                                           .items()))): value
+                for series, tags, value in replica_values(spec, status, action, self.capacity)}
+        return self._cache[key]
 
     def record(self, report: FleetReport, specs: Sequence[ReplicaSpec],
                silent: Collection[str] = ()) -> None:
@@ -119,14 +134,12 @@ class ReplicaMetrics:
         """
         rows = {r.id: r for r in report.replicas}
         answered = {s.replica_id for s in specs}
-        now: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        now: dict[Key, float] = {}
         for spec in specs:
             row = rows.get(spec.replica_id)
             status = row.status.value if row else "ok"
             action = row.action.value if row else "serve"
-            for series, tags, value in replica_values(spec, status, action, self.capacity):
-                tags = tags | {"llm_deployment": self._deployment}
-                now[(series.name, tuple(sorted(tags.items())))] = value
+            now.update(self._values(spec, status, action))
         for key, value in self._last.items():
             if key in now:
                 continue

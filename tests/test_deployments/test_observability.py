@@ -296,3 +296,41 @@ def test_pod_monitors_are_current_and_select_each_presets_pods() -> None:
             ports = [p["name"] for c in group["template"]["spec"]["containers"]
                      for p in c.get("ports", [])]
             assert monitor["spec"]["podMetricsEndpoints"][0]["port"] in ports, (preset, ports)
+
+
+class Gauges:
+    """Stands in for Ray's gauges, which a process outside a cluster cannot read back."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+
+    def gauge(self, name: str) -> Any:
+        values = self.values
+
+        class One:
+            def set(self, value: float, tags: dict[str, str]) -> None:
+                values[(name, tuple(sorted(tags.items())))] = value
+        return One()
+
+
+def test_gone_replicas_series_go_to_zero_and_silent_ones_keep_theirs() -> None:
+    from deployments.control.metrics import ReplicaMetrics
+    from deployments.control.wire import Expected, FleetReport, State
+
+    gauges = Gauges()
+    metrics = ReplicaMetrics("dep", KVCapacityPlan())
+    metrics._metrics = {name: gauges.gauge(name) for name in metrics._metrics}
+    report = FleetReport(state=State.AGREE, agree=True, policy="warn",
+                         expected=Expected(layout="fp8_ds_mla", reference="prediction"))
+    one = spec((1000, 200), (1000, 200))
+    two = one.model_copy(update={"replica_id": "r2"})
+
+    def live(replica: str) -> dict[str, float]:
+        return {k[0]: v for k, v in gauges.values.items() if dict(k[1])["replica"] == replica}
+
+    metrics.record(report, [one, two])
+    assert live("r2")["dsv4_kv_replica_info"] == 1.0
+    metrics.record(report, [one], silent={"r2"})  # r2 missed a deadline: keeps its word
+    assert live("r2")["dsv4_kv_replica_info"] == 1.0
+    metrics.record(report, [one])  # r2 is gone
+    assert set(live("r2").values()) == {0.0} and live("r1")["dsv4_kv_replica_info"] == 1.0
