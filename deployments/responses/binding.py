@@ -51,7 +51,7 @@ class StoreBinding:
         pinned = self._running.__contains__
         self.responses: OwnedView[Any] = OwnedView(LOCAL_COPIES, pinned)
         self.messages: OwnedView[Any] = OwnedView(LOCAL_COPIES, pinned)
-        self.events: OwnedView[Any] = OwnedView(EVENT_STREAMS, pinned)
+        self.events: OwnedView[Any] = OwnedView(EVENT_STREAMS, pinned, saved=False)
 
     def install(self) -> None:
         """Swap the dicts and entry points of this instance (probed first)."""
@@ -98,6 +98,11 @@ class StoreBinding:
         self.responses.drop(key)
         self.messages.drop(key)
 
+    def _abandon(self, key: Key) -> None:
+        """What vLLM wrote for a request that ended without a saved answer."""
+        self.responses.discard(key)
+        self.messages.discard(key)
+
     def _failed(self, op: str, exc: StoreError) -> Any:
         self.on_error(op)
         logger.error("dsv4: Responses store %s failed: %s", op, exc)
@@ -120,16 +125,20 @@ class StoreBinding:
         if previous is not None:
             self._forget((owner, previous))
         if isinstance(result, self._error_type):
+            self._abandon(key)
             return result
         if request.background or isinstance(result, self._response_type):
             task = self.serving.background_tasks.get(request.request_id)
             if task is not None and not task.done():
                 self._running[request.request_id] = owner  # its copies stay local
+                task.add_done_callback(lambda _: self._running.pop(request.request_id, None))
             try:
                 await self._save(key)
             except StoreError as exc:
                 if task is not None:
                     task.cancel()
+                self._running.pop(request.request_id, None)
+                self._abandon(key)
                 return self._failed("write", exc)
             finally:
                 self._forget(key)
@@ -149,7 +158,7 @@ class StoreBinding:
                         return
                 yield event
         finally:
-            self._forget(key)
+            self._abandon(key)  # saved before response.completed, or never complete
 
     async def retrieve(self, response_id: str, starting_after: int | None = None,
                        stream: bool | None = False) -> Any:
@@ -202,8 +211,7 @@ class StoreBinding:
                     self.on_error("write")
                     logger.error("dsv4: a background response's final state was not "
                                  "stored (%s); the store keeps its last saved state", exc)
-                self._forget(key)
-                self.events.drop(key)
+                self._forget(key)  # its event stream stays replayable (bounded)
         return background
 
     # ------------------------------------------------------------ cancels elsewhere

@@ -32,12 +32,14 @@ class OwnedView(Generic[V]):
 
     ``limit`` bounds the clean copies (oldest dropped first); a copy vLLM wrote and
     nobody saved yet (``dirty``), or one ``pinned`` says a running task holds, is kept.
+    ``saved=False``: a view whose copies never go to the store (bounded by ``limit`` only).
     """
 
-    def __init__(self, limit: int, pinned: Callable[[str], bool] = lambda _: False) -> None:
+    def __init__(self, limit: int, pinned: Callable[[str], bool] = lambda _: False,
+                 saved: bool = True) -> None:
         self._local: OrderedDict[Key, V] = OrderedDict()
         self.dirty: set[Key] = set()
-        self._limit, self._pinned = limit, pinned
+        self._limit, self._pinned, self._saved = limit, pinned, saved
 
     @staticmethod
     def key(response_id: str) -> Key:
@@ -56,7 +58,8 @@ class OwnedView(Generic[V]):
         key = self.key(response_id)
         self._local[key] = value
         self._local.move_to_end(key)
-        self.dirty.add(key)
+        if self._saved:  # a view nobody saves (the event streams) keeps no dirty marks
+            self.dirty.add(key)
         self._trim()
 
     def pop(self, response_id: str, default: V | None = None) -> V | None:
@@ -87,6 +90,12 @@ class OwnedView(Generic[V]):
     def drop(self, key: Key) -> None:
         """Forget a saved copy no running task holds."""
         if key not in self.dirty and not self._pinned(key[1]):
+            self._local.pop(key, None)
+
+    def discard(self, key: Key) -> None:
+        """Forget a copy that will never be saved (a failed or abandoned request)."""
+        if not self._pinned(key[1]):
+            self.dirty.discard(key)
             self._local.pop(key, None)
 
     def _trim(self) -> None:

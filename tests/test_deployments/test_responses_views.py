@@ -90,3 +90,18 @@ def test_owner_scope_reads_the_edges_digest_and_tasks_inherit_it() -> None:
         assert OWNER.get() == LOCAL_OWNER  # reset after each request
     asyncio.run(main())
     assert seen == [B, B, LOCAL_OWNER, LOCAL_OWNER, LOCAL_OWNER, LOCAL_OWNER]
+
+
+def test_unsaved_views_stay_bounded_and_abandoned_copies_go() -> None:
+    events: OwnedView[int] = OwnedView(3, saved=False)  # event streams: never stored
+    token = OWNER.set(A)
+    try:
+        for i in range(10):
+            events[f"r{i}"] = i
+        assert len(events) == 3 and not events.dirty
+        saved: OwnedView[int] = OwnedView(3)
+        saved["gone"] = 1  # a stream the client left before response.completed
+        saved.discard((A, "gone"))
+        assert saved.get("gone") is None and not saved.dirty
+    finally:
+        OWNER.reset(token)
