@@ -124,7 +124,8 @@ class HeldRequests:
             if not held.cut:
                 raise
             # Our own cancellation (``cut``): the request ends here with a word.
-            task.uncancel()
+            if hasattr(task, "uncancel"):  # Python 3.11+: this cancel is handled
+                task.uncancel()
             await held.finish(self._why)
         finally:
             self._held.pop(task, None)

@@ -35,6 +35,32 @@ def named_app(name: str, hold: asyncio.Event | None = None,
     return app
 
 
+def fastapi_stream_app(hold: asyncio.Event) -> Any:
+    """vLLM's shape of a stream: FastAPI's ``StreamingResponse`` (anyio task group) of
+    SSE events on ``/v1/chat/completions``, one event, then waiting for ``hold``;
+    ``/late`` answers only after ``hold``."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    async def events() -> Any:
+        yield 'data: {"choices": []}\n\n'
+        await hold.wait()
+        yield "data: [DONE]\n\n"
+
+    async def chat() -> StreamingResponse:
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def late() -> dict[str, str]:
+        await hold.wait()
+        return {}
+
+    app.add_api_route("/v1/chat/completions", chat, methods=["GET"])
+    app.add_api_route("/late", late, methods=["GET"])
+    return app
+
+
 def get(port: int, path: str = "/", timeout: float = 5.0) -> str:
     """One request on a fresh connection (so the kernel picks a listener each time)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)

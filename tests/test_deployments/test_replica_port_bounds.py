@@ -20,6 +20,7 @@ from deployments.http import listener as listener_module
 from deployments.http.listener import ReplicaListener, listeners_on
 from tests.support.replica_port import (
     closed_within,
+    fastapi_stream_app,
     free_port,
     get,
     get_response,
@@ -197,16 +198,20 @@ def test_serve_stopping_the_replica_closes_the_port_at_once() -> None:
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("path, content_type, expect", [
-    ("/slow", b"text/event-stream", 'data: {"error": {"message": "this replica is shutting'),
-    ("/v1/messages", b"text/event-stream", 'event: error\ndata: {"type": "error"'),
+@pytest.mark.parametrize("path, app, expect", [
+    ("/slow", "plain", 'start data: {"error": {"message": "this replica is shutting'),
+    ("/v1/messages", "plain", 'start event: error\ndata: {"type": "error"'),
+    ("/v1/chat/completions", "fastapi",
+     'data: {"choices": []}\n\ndata: {"error": {"message": "this replica is shutting'),
 ])
 def test_streams_held_past_the_budget_end_with_an_error_event(
-        path: str, content_type: bytes, expect: str) -> None:
+        path: str, app: str, expect: str) -> None:
     async def scenario() -> None:
         port = free_port()
-        listener = ReplicaListener(named_app("a", asyncio.Event(), content_type),
-                                   "127.0.0.1", port)
+        hold = asyncio.Event()
+        asgi = fastapi_stream_app(hold) if app == "fastapi" else \
+            named_app("a", hold, b"text/event-stream")
+        listener = ReplicaListener(asgi, "127.0.0.1", port)
         await listener.start()
         stream = asyncio.ensure_future(in_thread(get_response, port, path))
         late = asyncio.ensure_future(in_thread(get_response, port, "/late"))
@@ -215,7 +220,7 @@ def test_streams_held_past_the_budget_end_with_an_error_event(
         await listener.stop(listener_module.CUT_MARGIN_S + 0.5)
         assert time.monotonic() - started < listener_module.CUT_MARGIN_S + 2.0
         status, body = await stream  # read to the chunked body's clean end
-        assert status == 200 and body.startswith("start ") and expect in body, body
+        assert status == 200 and body.startswith(expect), body
         status, body = await late
         assert status == 503 and json.loads(body)["error"]["code"] == 503
 
