@@ -1,206 +1,70 @@
 """API keys for the HTTP edge: where they come from, how they are compared, when to refuse.
 
-Keys never live in the Serve YAML (a config is committed, rendered into KubeRay
-manifests and shown by ``serve status``/the dashboard). They come from the
-process environment of the ingress replica:
+Keys never live in the Serve YAML; they come from the ingress replica's environment:
+``DSV4_API_KEYS`` (comma/space separated) and the file named by ``DSV4_API_KEYS_FILE``
+or ``http.auth.keys_file`` (one key per line, ``#`` comments; a mounted Kubernetes
+Secret). The file is stat-ed at most every ``FILE_RECHECK_S``, re-read on a change and
+every ``FILE_REHASH_S`` anyway, and judged by the SHA-256 of its bytes.
 
-* ``DSV4_API_KEYS``: one or more keys separated by commas or whitespace;
-* ``DSV4_API_KEYS_FILE`` (or ``http.auth.keys_file``): a file with one key per
-  line (``#`` comments allowed). A Kubernetes Secret mounted as a volume is such a
-  file; the kubelet swaps it when the Secret changes, so a key rotates without a
-  restart. The file is looked at (a ``stat``) at most once a second and re-read
-  when its size, times or inode changed, and re-read anyway every
-  ``FILE_REHASH_S``: a copy that keeps size and mtime (``cp -p``) is still seen.
-  A change is decided by the SHA-256 of the bytes, never by the mtime alone.
-  A read that yields no key is an edit in progress (``cat > keys`` and ``echo k >
-  keys`` truncate first), refused like any bad edit, unless the file says so on
-  purpose: its one line is ``none`` (``NO_KEYS``). A missing file holds no key and
-  fails closed (below).
+An edit is **parsed first and switched to only when good** (``keyfile``: what a key
+looks like, ``NO_KEYS``). A bad edit -- no key at all (``cat > keys`` empties the file
+first) unless the file says ``none``, a key of the wrong shape (half written), not
+UTF-8, unreadable, too large -- keeps the last good set serving and says so: an ERROR
+line naming the file, ``KeyFileStatus`` in ``GET /v1/kv-spec`` and metrics; never to
+an HTTP caller. At startup a bad file refuses to start; a file with no key starts
+failing closed. Keys compare in constant time, every key every time.
 
-A key is at least ``MIN_KEY_CHARS`` printable ASCII characters without space, comma
-or ``#`` (``KEY_SHAPE``): anything else in a key file (a half-written key, a binary
-byte) is not a key, and the edit is refused.
-
-A key file edit is **parsed first and switched to only when it is good**. A bad
-edit (no key at all, a key shorter than ``MIN_KEY_CHARS`` or of another shape, a byte
-that is not UTF-8, a file that cannot be read or is larger than
-``MAX_KEY_FILE_BYTES``) keeps the last good set serving, and says so: an ERROR log
-line naming the file and the fix, the ``KeyFileStatus`` the edge shows in
-``GET /v1/kv-spec`` (``dsv4-serve status``) and the watcher the serving replica
-turns into metrics. The text of a refusal (it names the file) goes to the log and
-to operators, never to an HTTP caller. At startup there is no last good set: a bad
-file refuses to start, and a file with no key (not ``none``) starts failing closed
-(401 until it holds keys).
-
-Several keys are valid at once: that is how a key rotates (add the new one, move
-clients, remove the old one). Comparison is constant-time per key
-(``hmac.compare_digest``) and every configured key is compared, so the time taken
-does not say which key, or how much of one, matched.
-
-Whether a key is needed at all (``http.auth.mode``): ``keys`` always; ``off``
-never (and then no key may be configured, so nobody believes one protects them);
-``auto`` (the default) needs one beyond a loopback address, and on a loopback
-address as soon as one is configured; so ``make run`` on 127.0.0.1 works for a
-new user without a key while nothing that answers beyond this machine answers
-without one (the ingress refuses to start instead). In ``auto`` mode on loopback
-a key file that says ``none`` leaves the server open, as if no key were configured
-(the file may gain its first key while serving; writing ``none`` reopens the loopback
-server); an empty key file, a configured key file that is **missing** (or whose edit
-was refused while it held no key) fails closed: a key nobody has is required,
-every request gets 401, until the file exists and holds keys. A missing file is
-never read as "no keys wanted".
+``http.auth.mode``: ``keys`` always needs one; ``off`` never (and no key may be
+configured); ``auto`` needs one beyond loopback, and on loopback once one is
+configured or while a configured key file is missing, empty or refused (fail
+closed). docs/security.md has the whole story.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 import os
-import re
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal
 
 from deployments import serve_env
-from deployments.config import AuthConfig, ConfigError, ServeConfig
+from deployments.config import AuthConfig, ServeConfig
+from deployments.http.keyfile import (
+    KEY_SHAPE,
+    KEY_SHAPE_TEXT,
+    MAX_KEY_FILE_BYTES,
+    MIN_KEY_CHARS,
+    NO_KEYS,
+    AuthConfigError,
+    FileState,
+    KeyFileState,
+    KeyFileStatus,
+    KeyFileWatcher,
+    bearer_token,
+    is_loopback,
+    parse_key_bytes,
+    parse_keys,
+    read_capped,
+    says_no_keys,
+    stat_signature,
+    when,
+)
 from deployments.logs import get_logger
 
 logger = get_logger("auth")
 
-MIN_KEY_CHARS = 16
-# What a key looks like: printable ASCII, no separator (space, comma) or comment (#).
-KEY_SHAPE = re.compile(r"[!-~]+")
-KEY_SHAPE_TEXT = (f"at least {MIN_KEY_CHARS} printable ASCII characters without space, "
-                  "comma or #")
-# A key file whose one line is this holds no key on purpose (auto mode on loopback
-# then serves without keys); any other read that yields no key is a bad edit.
-NO_KEYS = "none"
+__all__ = ["KEY_SHAPE", "KEY_SHAPE_TEXT", "MAX_KEY_FILE_BYTES", "MIN_KEY_CHARS", "NO_KEYS",
+           "AuthConfigError", "KeyFileStatus", "KeyFileWatcher", "KeyStore", "bearer_token",
+           "client_headers", "is_loopback", "parse_key_bytes", "parse_keys", "preflight"]
+
 # How often the key file is looked at (a stat, not a read).
 FILE_RECHECK_S = 1.0
 # How often it is re-read and hashed even when the stat looks unchanged: a copy
 # that keeps size and mtime (``cp -p``), or a file system with coarse timestamps.
 FILE_REHASH_S = 10.0
-# A key file is a handful of lines; anything this large is not one.
-MAX_KEY_FILE_BYTES = 1 << 20
-
-
-class AuthConfigError(ConfigError):
-    """The auth settings cannot be honoured; the message names the setting and the fix."""
-
-
-def is_loopback(host: str | None) -> bool:
-    """True when ``host`` only accepts connections from this machine."""
-    if host is None:
-        return False
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a hostname: it may resolve to anything, treat it as reachable
-
-
-def parse_keys(text: str, where: str) -> tuple[str, ...]:
-    """Keys from an env value or a file body; rejects keys too short to be secrets."""
-    keys = []
-    for line in text.splitlines():
-        line = line.split("#", 1)[0]
-        keys += [k for k in line.replace(",", " ").split() if k]
-    short = [k for k in keys if len(k) < MIN_KEY_CHARS]
-    if short:
-        raise AuthConfigError(
-            f"{where}: {len(short)} key(s) shorter than {MIN_KEY_CHARS} characters; a key "
-            "that short can be guessed (or is half written). A key is "
-            f"{KEY_SHAPE_TEXT}. Fix: generate one with "
-            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`.")
-    odd = [k for k in keys if not KEY_SHAPE.fullmatch(k)]
-    if odd:
-        raise AuthConfigError(
-            f"{where}: {len(odd)} key(s) with a character outside printable ASCII: not a "
-            f"key (a half-written or binary file?). A key is {KEY_SHAPE_TEXT}. Fix: write "
-            "`secrets.token_urlsafe(32)` keys, one per line.")
-    return tuple(dict.fromkeys(keys))
-
-
-def says_no_keys(raw: bytes) -> bool:
-    """Whether a key file's only content (comments aside) is the word ``NO_KEYS``."""
-    words = [w for line in raw.decode("utf-8", "replace").splitlines()
-             for w in line.split("#", 1)[0].split()]
-    return words == [NO_KEYS]
-
-
-def parse_key_bytes(raw: bytes, where: str) -> tuple[str, ...]:
-    """Keys from a key file's bytes: UTF-8 only, bounded, then ``parse_keys``."""
-    if len(raw) > MAX_KEY_FILE_BYTES:
-        raise AuthConfigError(
-            f"{where}: {len(raw)} bytes, above {MAX_KEY_FILE_BYTES}: not a key file. Fix: "
-            "point it at a file with one key per line.")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
-        raise AuthConfigError(
-            f"{where}: byte {exc.start} (line {line}) is not UTF-8 ({exc.reason}). Fix: "
-            "write the keys as plain ASCII, one per line (`token_urlsafe` keys are).") from exc
-    return parse_keys(text, where)
-
-
-KeyFileState = Literal["ok", "missing", "stale"]
-
-
-@dataclass(frozen=True)
-class KeyFileStatus:
-    """What the edge knows about its key file: for logs, metrics and ``status``.
-
-    ``stale`` means a bad edit is being ignored and the last good set still
-    serves. ``problem`` names the file and the fault: operators only (log,
-    ``dsv4-serve doctor``), never an HTTP caller (``public``).
-    """
-
-    state: KeyFileState
-    keys: int  # keys from the file in use now
-    loaded_at: float | None = None  # wall-clock time of the last good load
-    failed_at: float | None = None  # wall-clock time of the refusal now in force
-    refused: int = 0  # bad edits refused since this process started
-    problem: str | None = None
-
-    def public(self) -> dict[str, Any]:
-        """The status without the file's path or the refusal's text."""
-        data = asdict(self)
-        data.pop("problem")
-        return data
-
-
-KeyFileWatcher = Callable[[KeyFileStatus], None]
-
-
-def _stat_signature(path: Path) -> tuple[int, ...] | None:
-    """What a stat says about the file (None: missing); a change means re-read now."""
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return (-1,)  # unreadable metadata: the read that follows says why
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-@dataclass
-class _FileState:
-    path: Path
-    signature: tuple[int, ...] | None = (-2,)  # never a real signature: the first look reads
-    digest: bytes | None = b""  # SHA-256 of the bytes last judged (good or bad); None: missing
-    checked: float = float("-inf")  # monotonic time of the last stat
-    hashed: float = float("-inf")  # monotonic time of the last read
-    keys: tuple[str, ...] = ()
-    status: KeyFileStatus = KeyFileStatus("missing", 0)
-    empty_read: bool = False  # the refusal in force is a read that yielded no key
-
-
 class KeyStore:
     """The valid keys of this process: env keys plus the (re-read) key file."""
 
@@ -211,7 +75,7 @@ class KeyStore:
         self._env_name = config.keys_env
         self._env_keys = parse_keys(env.get(config.keys_env, ""), f"${config.keys_env}")
         path = config.keys_file or env.get(config.keys_file_env) or None
-        self._file = _FileState(Path(path)) if path else None
+        self._file = FileState(Path(path)) if path else None
         self._file_where = (f"http.auth.keys_file={path!r}" if config.keys_file
                             else f"${config.keys_file_env}={path!r}")
         self._lock = threading.Lock()
@@ -265,12 +129,12 @@ class KeyStore:
         if not force and now - state.checked < FILE_RECHECK_S:
             return
         state.checked = now
-        signature = _stat_signature(state.path)
+        signature = stat_signature(state.path)
         if signature == state.signature and now - state.hashed < FILE_REHASH_S:
             return
         state.signature, state.hashed = signature, now
         try:
-            raw = None if signature is None else _read(state.path)
+            raw = None if signature is None else read_capped(state.path)
         except OSError as exc:
             self._refuse(f"{self._file_where}: cannot be read ({exc.strerror or exc}). Fix: "
                          "make it readable by the user the Ray workers run as.", None)
@@ -321,7 +185,7 @@ class KeyStore:
                                refused=state.status.refused + 1, problem=problem)
         logger.error("dsv4: API key file edit REFUSED, still serving the last good set of "
                      "%d key(s) loaded at %s: %s", len(state.keys),
-                     _when(state.status.loaded_at), problem)
+                     when(state.status.loaded_at), problem)
         self._notify()
 
     def _notify(self) -> None:
@@ -394,26 +258,6 @@ class KeyStore:
         if self.keys():
             return True
         return self._file is not None and self._file.status.state != "ok"
-
-
-def _read(path: Path) -> bytes:
-    """The file's bytes, at most one byte over the limit (the parse refuses a larger one)."""
-    with path.open("rb") as handle:
-        return handle.read(MAX_KEY_FILE_BYTES + 1)
-
-
-def _when(wall: float | None) -> str:
-    return "never" if wall is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
-
-
-def bearer_token(authorization: str | None) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header, else None."""
-    if not authorization:
-        return None
-    scheme, _, token = authorization.strip().partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip()
 
 
 def preflight(config: ServeConfig, environ: dict[str, str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Client errors in OpenAI's shape: bad bodies get 400s that name the field, never 500s.
+"""Client errors in the route's protocol: bad bodies get 400s that name the field, never 500s.
 
 Used by the HTTP front (``deployments.http.front.harden``) on vLLM's OpenAI app, and by
 the edge (``deployments.http.edge``) for the one bad input vLLM's own request model turns
@@ -14,6 +14,8 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+
+from deployments.http.problem import error_payload, protocol_of
 
 # Bounds on what a 400 echoes back: pydantic repeats the offending input in every
 # error, and a hostile body must not turn into a large (or unserializable) answer.
@@ -83,12 +85,6 @@ def _describe(error: dict[str, Any] | str, content_type: str) -> str:
     return text
 
 
-def invalid_request(message: str, param: str | None) -> dict[str, Any]:
-    """The OpenAI error body of a 400 ``invalid_request_error``."""
-    return {"error": {"message": "Invalid request: " + message,
-                      "type": "invalid_request_error", "param": param, "code": 400}}
-
-
 async def openai_validation_error(request: Request,
                                   exc: RequestValidationError) -> JSONResponse:
     """A request the schema rejects gets 400 with an OpenAI error, never a 500.
@@ -104,8 +100,9 @@ async def openai_validation_error(request: Request,
     if len(errors) > _MAX_REPORTED_ERRORS:
         lines.append(f"...and {len(errors) - _MAX_REPORTED_ERRORS} more")
     param = _error_param(errors[0]) if errors else None
-    return JSONResponse(invalid_request("; ".join(lines) or "validation failed", param),
-                        status_code=400)
+    body = error_payload(400, "Invalid request: " + ("; ".join(lines) or "validation failed"),
+                         "invalid_request_error", param, protocol_of(request.scope))
+    return JSONResponse(body, status_code=400)
 
 
 _KIND = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -128,7 +125,7 @@ async def openai_http_error(request: Request, exc: Exception) -> JSONResponse:
                   "application/json"
     kind = _KIND.get(status, "internal_server_error" if status >= 500 else
                      "invalid_request_error")
-    body = {"error": {"message": detail, "type": kind, "param": None, "code": status}}
+    body = error_payload(status, detail, kind, protocol=protocol_of(request.scope))
     return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
 
 
