@@ -178,7 +178,7 @@ def measure(counts: list[int], period_s: float, repeats: int, save: Any = None,
 
     ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              object_store_memory=200 * 2**20)
-    rows = []
+    rows: list[dict[str, Any]] = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": 8011},
                     proxy_location="Disabled", logging_config={"log_level": "WARNING"})

@@ -10,8 +10,13 @@ Arms, each its own session of processes (``benchmarks.arm_procs``):
 
 * ``port``: the stand-in app on the replicas' own port (``deployments.http.listener``:
   uvicorn with the port's bounds and held-request tracking), one process.
-* ``proxy``: the same app as a Serve deployment (``serve.ingress``) behind Serve's HTTP
-  proxy on a private local Ray: client -> proxy actor -> replica actor.
+* ``proxy``: the same app as a Serve deployment (``serve.ingress``, built late in the
+  replica as ours is) behind Serve's HTTP proxy on a private local Ray: client -> proxy
+  actor -> replica actor.
+* ``port-edge``, ``proxy-edge``: the same, with the stand-in behind our real edge
+  (``front.harden``: keys, bounds, routes, stream limits, scrub), as the replicas serve
+  vLLM's app. vLLM's own per-token work (detokenizing, its pydantic chunks) is not in
+  any arm: these are the costs of the path around it.
 
 For each concurrency ``c`` and tokens per chunk ``k``, the node's rate is split over
 the ``c`` streams; for ``--window`` seconds the client (this process, outside the
@@ -43,20 +48,28 @@ from fastapi.responses import StreamingResponse
 
 from benchmarks.arm_procs import role_of, session_processes
 
-ARMS = ("port", "proxy")
+ARMS = ("port", "port-edge", "proxy", "proxy-edge")
 
 
-def standin_app() -> Any:
-    """The stand-in replica: OpenAI-shaped SSE chunks at the rate the request asks."""
+def standin_app(edge: bool = False) -> Any:
+    """The stand-in replica: OpenAI-shaped SSE chunks at the rate the query asks; with
+    ``edge``, behind our edge as the replicas serve vLLM's app (loopback: no key)."""
     app = FastAPI()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> StreamingResponse:
         body = await request.json()
-        tokens, rate, chunk = int(body["max_tokens"]), float(body["rate"]), int(body["chunk"])
+        tokens = int(body["max_tokens"])
+        rate, chunk = float(request.query_params["rate"]), int(request.query_params["chunk"])
         return StreamingResponse(stream(tokens, rate, chunk), media_type="text/event-stream")
 
-    return app
+    if not edge:
+        return app
+    from deployments.config.http import HTTPEdge
+    from deployments.http import front
+    from deployments.http.edge import Edge
+
+    return front.harden(app, Edge.start(HTTPEdge(max_tokens=1 << 20), "127.0.0.1", environ={}))
 
 
 async def stream(tokens: int, rate: float, chunk: int) -> Any:
@@ -79,12 +92,12 @@ async def stream(tokens: int, rate: float, chunk: int) -> Any:
 # ------------------------------------------------------------------ arm servers
 
 
-def serve_port_arm(port: int) -> None:
+def serve_port_arm(port: int, edge: bool) -> None:
     """The ``port`` arm's one process: the app on a replica port, until SIGTERM."""
     from deployments.http.listener import ReplicaListener
 
     async def run() -> None:
-        listener = ReplicaListener(standin_app(), "127.0.0.1", port)
+        listener = ReplicaListener(standin_app(edge), "127.0.0.1", port)
         await listener.start()
         stop = asyncio.Event()
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -94,7 +107,7 @@ def serve_port_arm(port: int) -> None:
     asyncio.run(run())
 
 
-def serve_proxy_arm(port: int) -> None:
+def serve_proxy_arm(port: int, edge: bool) -> None:
     """The ``proxy`` arm: Ray + Serve's HTTP proxy + one replica of the app, until SIGTERM."""
     import ray
     from ray import serve
@@ -103,11 +116,13 @@ def serve_proxy_arm(port: int) -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
 
     @serve.deployment(name="GpuRateReplica", max_ongoing_requests=1024)
-    @serve.ingress(standin_app())
+    @serve.ingress()
     class GpuRateReplica:
-        pass
+        async def __serve_build_asgi_app__(self) -> Any:  # built in the replica, as ours
+            return standin_app(edge)
 
-    serve.run(GpuRateReplica.bind(), name="sim", route_prefix="/")
+    # serve.deployment makes the class a Deployment; mypy reads Ray as Any, so sees the class.
+    serve.run(GpuRateReplica.bind(), name="sim", route_prefix="/")  # type: ignore[attr-defined]
     print("ready", flush=True)
     signal.sigwait({signal.SIGTERM})
     serve.shutdown()
@@ -139,9 +154,11 @@ def wait_ready(port: int, timeout_s: float) -> None:
 
 async def one_stream_tokens(port: int, tokens: int, rate: float, chunk: int) -> int:
     """One streamed request on its own connection; the tokens that arrived."""
-    body = json.dumps({"max_tokens": tokens, "rate": rate, "chunk": chunk}).encode()
+    body = json.dumps({"model": "sim", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": tokens, "stream": True}).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: sim\r\n"
+    writer.write(f"POST /v1/chat/completions?rate={rate}&chunk={chunk} HTTP/1.1\r\n"
+                 "host: sim\r\n".encode() +
                  b"content-type: application/json\r\nconnection: close\r\n"
                  b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     got = 0
@@ -224,7 +241,7 @@ def run_arm(arm: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     port = free_port()
     proc = start_arm(arm, port)
     try:
-        wait_ready(port, 120.0 if arm == "proxy" else 30.0)
+        wait_ready(port, 30.0 if arm.startswith("port") else 120.0)
         rows = []
         for streams in args.streams:
             for chunk in args.chunks:
@@ -268,11 +285,9 @@ def main() -> int:
     parser.add_argument("--serve-arm", choices=ARMS, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.serve_arm == "port":
-        serve_port_arm(args.port)
-        return 0
-    if args.serve_arm == "proxy":
-        serve_proxy_arm(args.port)
+    if args.serve_arm:
+        serve = serve_port_arm if args.serve_arm.startswith("port") else serve_proxy_arm
+        serve(args.port, args.serve_arm.endswith("-edge"))
         return 0
     rows = [row for arm in args.arms for row in run_arm(arm, args)]
     if args.json:

@@ -31,6 +31,6 @@ def build_parsed_app(parsed: AppArgs) -> Application:
     """Build the application from args the loader already validated (``dsv4-serve run``)."""
     pd = isinstance(parsed, PDAppArgs)  # prefill/decode pools
     ray_touches.require(pd=pd)  # the Ray internals we build on (deployments/ray_touches/)
-    if pd:
+    if isinstance(parsed, PDAppArgs):
         return build_pd_app(parsed)
     return build_one_pool_app(parsed)

@@ -370,7 +370,7 @@ def ensure_tiny_model(path: Path | None = None, *, force: bool = False) -> Path:
 # thread pinning (2 cores shared with the test runner), eager mode.
 CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 
-def cpu_engine_kwargs(path: Path, **overrides: Any) -> dict[str, Any]:
+def cpu_engine_kwargs(path: str | Path, **overrides: Any) -> dict[str, Any]:
     """``vllm.LLM``/engine arguments that serve the tiny model on CPU.
 
     ``kv_cache_dtype="auto"`` on purpose: it is the setting this project fixes, and on

@@ -53,6 +53,10 @@ def autoscaling_config_file(tmp: Path, max_replicas: int = 2) -> Path:
     # Autoscaled: Serve's proxy routes every request, so Serve's autoscaler sees them
     # (requests on the replicas' own port would be invisible to it; the config refuses).
     args["http"].pop("replica_port", None)
+    # Stored responses in the fleet's store (SQLite: every node of a local run is on this
+    # machine), so a node lost or scaled down takes none of them along.
+    args["http"]["responses_store"] = True
+    args["responses"] = {"sqlite_path": str(tmp / "responses.sqlite3")}
     path = tmp / "autoscaled.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path

@@ -49,7 +49,8 @@ def _parents() -> dict[int, int]:
 
 def descendants(root: int) -> set[int]:
     """Every live process below ``root`` (Ray daemons, replicas, vLLM engines, workers)."""
-    parents, found, frontier = _parents(), set(), {root}
+    parents, frontier = _parents(), {root}
+    found: set[int] = set()
     while frontier:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
         found |= frontier

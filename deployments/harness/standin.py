@@ -41,7 +41,7 @@ import asyncio
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
 
@@ -56,7 +56,7 @@ MODELS = resources.configs_dir() / "models" / "deepseek-ai"
 FLASH_CONFIG = MODELS / "DeepSeek-V4-Flash" / "config.json"
 V41_FLASH_CONFIG = MODELS / "DeepSeek-V4.1-Flash" / "config.json"
 # Nodes a V4.1 stand-in can present (NodeInfo.as_dict() as a replica reports it).
-V41_NODES = {
+V41_NODES: dict[str, dict[str, Any]] = {
     "h200": {"platform": "cuda", "compute_capability": "9.0", "attention_backend": None},
     "b200": {"platform": "cuda", "compute_capability": "10.0", "attention_backend": None},
     "b200-flashmla": {"platform": "cuda", "compute_capability": "10.0",
@@ -141,8 +141,9 @@ def v41_worker_specs(node: dict[str, Any], cache_dtype: str | None = "auto",
     cfg = json.loads(V41_FLASH_CONFIG.read_text())
     src = record_of or node
     cap = src.get("compute_capability")
-    record = rules.v41_record(src["platform"], tuple(int(x) for x in cap.split(".")) if cap
-                              else None, src.get("attention_backend"), cache_dtype)
+    capability = cast("tuple[int, int]", tuple(int(x) for x in cap.split("."))) if cap else None
+    record = rules.v41_record(src["platform"], capability, src.get("attention_backend"),
+                              cache_dtype)
     suffix = {"main": "", "swa": ".swa_cache", "indexer": ".indexer.k_cache",
               "compressor_state": ".compressor.state_cache"}
     spec_type = {"main": "MLAAttentionSpec", "swa": "SlidingWindowMLASpec",

@@ -37,7 +37,7 @@ TOUCHES: tuple[RayTouch, ...] = (*served.TOUCHES, *local.TOUCHES)
 
 def probe_all() -> list[dict[str, str | bool]]:
     """Every touch with its probe result, as JSON-safe rows (``dsv4-serve doctor``)."""
-    rows = []
+    rows: list[dict[str, str | bool]] = []
     for touch in TOUCHES:
         missing = touch.probe()
         rows.append({"name": touch.name, "target": touch.target,

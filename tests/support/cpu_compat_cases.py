@@ -287,7 +287,8 @@ def run(seeds: int) -> dict[str, Any]:
         fallback = variant.function
         params = list(inspect.signature(fallback).parameters)
         launch = _grid_launch(original) if variant.grid else original
-        cases, written, tags, mismatches = 0, 0, Counter(), []
+        cases, written, mismatches = 0, 0, []
+        tags: Counter[str] = Counter()
         for seed in range(seeds):
             r = random.Random(f"{fb.name}/{seed}")
             torch.manual_seed(seed)

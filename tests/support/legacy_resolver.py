@@ -8,7 +8,6 @@ is already fixed; installing this reproduces the bug the plugin exists for.
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any
 
 ATTENTION_MODULE = "vllm.models.deepseek_v4.attention"
@@ -31,6 +30,6 @@ def legacy_resolve(use_fp8_ds_mla_layout: bool, kv_cache_dtype: str, cache_confi
     return kv_cache_dtype, torch.bfloat16
 
 
-def install_into(module: ModuleType) -> None:
+def install_into(module: Any) -> None:  # vLLM's DSv4 attention module
     """Put the legacy resolver into the DSv4 attention module."""
     module._resolve_dsv4_kv_cache_dtype = legacy_resolve

@@ -14,7 +14,6 @@ from one seeded generator, so every process loads the same weights.
 from __future__ import annotations
 
 import functools
-from types import ModuleType
 from typing import Any
 
 DUMMY_LOADER_MODULE = "vllm.model_executor.model_loader.dummy_loader"
@@ -44,6 +43,6 @@ def scaled(original: Any) -> Any:
     return initialize
 
 
-def install_into(module: ModuleType) -> None:
+def install_into(module: Any) -> None:  # vLLM's dummy loader module
     """Replace the dummy loader's initializer (it imported the function by name)."""
     module.initialize_single_dummy_weight = scaled(module.initialize_single_dummy_weight)

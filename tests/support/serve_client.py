@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +27,7 @@ def report(url: str, refresh: bool = True) -> tuple[int, dict[str, Any]]:
     return kv_report(url, refresh, REQUEST_TIMEOUT_S)
 
 
-def wait_agree(url: str, replicas: int, exclude: set[str] = frozenset(),
+def wait_agree(url: str, replicas: int, exclude: AbstractSet[str] = frozenset(),
                timeout_s: float = HEAL_TIMEOUT_S) -> dict[str, Any]:
     """Until the controller reports agree over ``replicas`` ids, none of them in ``exclude``."""
     deadline = time.monotonic() + timeout_s

@@ -159,8 +159,9 @@ def test_bmm_matches_matmul(seed: int) -> None:
 
 
 def _insert_random_tokens(g: torch.Generator, cache: torch.Tensor, bs: int, slots: torch.Tensor,
-                          cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Insert random kv rows at ``slots`` through the fused op; return (q_out, kv, pos)."""
+                          cos_sin: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Insert random kv rows at ``slots`` through the fused op; return (q_out, kv, pos, q)."""
     n = slots.shape[0]
     q = torch.randn(n, 3, 512, generator=g).bfloat16()
     kv = (torch.randn(n, 512, generator=g) * 3).bfloat16()

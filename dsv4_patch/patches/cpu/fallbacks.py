@@ -106,7 +106,7 @@ class CpuFallback:
     def variant_for(self, module: ModuleType) -> tuple[Variant | None, list[str]]:
         """The variant this module's launcher matches, and each present launcher's
         signature (for the error when none matches)."""
-        seen = []
+        seen: list[str] = []
         for variant in self.variants:
             target = getattr(module, variant.attr, None)
             if target is None:
