@@ -72,7 +72,7 @@ def serve_stack() -> Iterator[Stack]:
     [(app, args)] = config.ours()
     # Ray's processes inherit this environment: the ingress reads its keys from the file.
     keys_file = Path(tempfile.mkdtemp(prefix="dsv4-keys-")) / "api-keys"
-    keys_file.write_text("")
+    keys_file.write_text("none\n")  # no key on purpose (an empty read is a bad edit)
     os.environ.pop("DSV4_API_KEYS", None)  # a developer's own key would close the app
     os.environ["DSV4_API_KEYS_FILE"] = str(keys_file)
     started = time.monotonic()

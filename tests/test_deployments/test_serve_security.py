@@ -2,10 +2,10 @@
 
 Runs against ``conftest.serve_stack`` (``configs/local-cpu.yaml``: 127.0.0.1, policy
 enforce, 2 replicas of the tiny DeepSeek-V4, real Ray Serve LLM ingress and vLLM
-engines). The session's ingress reads its keys from ``Stack.keys_file``, empty
-(so the loopback app is open, as ``make run`` is for a new user); the auth test
-writes keys there, which the ingress picks up within a second (the rotation path
-a mounted Kubernetes Secret takes), and empties it again.
+engines). The session's ingress reads its keys from ``Stack.keys_file``, which says
+``none`` (so the loopback app is open, as ``make run`` is for a new user); the auth
+tests write keys there, which the ingress picks up within a second (the rotation
+path a mounted Kubernetes Secret takes), and write ``none`` again.
 
 Every test leaves the same 2 replicas RUNNING and agreeing (checked around the
 module): a hostile client must not restart anything. Bounded: hypothesis runs
@@ -61,9 +61,12 @@ def http(serve_stack: Stack) -> Iterator[httpx.Client]:
     assert replica_ids(60) == before, "a replica was restarted by a client"
 
 
-def set_keys(stack: Stack, *keys: str) -> None:
+def set_keys(stack: Stack, *keys: str, raw: bytes | None = None) -> None:
+    """Write ``keys`` (none: the file says ``none``, no key on purpose) or ``raw`` bytes."""
     assert stack.keys_file is not None
-    stack.keys_file.write_text("".join(f"{k}\n" for k in keys))
+    if raw is None:
+        raw = "".join(f"{k}\n" for k in keys or (auth.NO_KEYS,)).encode()
+    stack.keys_file.write_bytes(raw)
     time.sleep(auth.FILE_RECHECK_S + 0.5)  # the ingress looks at the file once a second
 
 
@@ -312,3 +315,95 @@ def test_client_disconnect_aborts_the_generation_in_the_engine(serve_stack: Stac
     print(f"disconnect: engine dropped the request {dropped:.2f} s after the close "
           f"(~{remaining_s:.0f} s of generation were left at {rate:.0f} tok/s)")
     assert dropped < remaining_s / 2, (dropped, remaining_s)
+
+
+# ------------------------------------------------------------------ issue 32's ways around
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/responses", "/messages"])
+def test_nested_transfer_params_are_refused_live(http: httpx.Client, path: str) -> None:
+    """``vllm_xargs.kv_transfer_params = 0`` reached NIXL's scheduler through
+    ``SamplingParams.extra_args`` and killed the P/D decode engine."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "input": "Hi",
+            "max_tokens": 2, "vllm_xargs": {"kv_transfer_params": 0}}
+    resp = http.post(path, json=body)
+    assert resp.status_code == 400, resp.text
+    assert "vllm_xargs.kv_transfer_params" in resp.text and "remove" in resp.text
+    ok = http.post("/chat/completions", json={"model": MODEL, "max_tokens": 1, "messages": [
+        {"role": "user", "content": "Hi"}]})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/chat/completions", {"thinking_token_budget": "5000"}, "thinking_token_budget"),
+    ("/chat/completions", {"repetition_detection": {"max_pattern_size": 10**6,
+                                                    "min_count": 2}},
+     "repetition_detection.max_pattern_size"),
+    ("/completions", {"prompt": "Hi", "thinking_token_budget": 5000.0},
+     "thinking_token_budget"),
+    ("/messages", {"max_tokens": 10**6}, "max_tokens"),
+])
+def test_costly_fields_are_bounded_where_vllm_reads_them_live(
+        http: httpx.Client, path: str, body: dict[str, Any], param: str) -> None:
+    resp = http.post(path, json={"model": MODEL, "messages": [
+        {"role": "user", "content": "Hi"}], **body})
+    assert resp.status_code == 400, resp.text
+    payload = resp.json()
+    if path == "/messages":  # Anthropic's protocol, Anthropic's error shape
+        assert payload["type"] == "error" and param in payload["error"]["message"]
+    else:
+        assert payload["error"]["param"] == param and "http.max_tokens" in resp.text
+
+
+@pytest.mark.parametrize("path", ["/checkpoint/prepare", "/v1/fault_tolerance/apply"])
+def test_vllm_operator_routes_are_closed_live(http: httpx.Client, path: str) -> None:
+    root = str(http.base_url).removesuffix("/v1/")
+    resp = httpx.post(f"{root}{path}", json={})
+    assert resp.status_code == 404 and "is closed on this server" in resp.text, resp.text
+
+
+def test_a_key_file_read_without_a_key_keeps_the_last_good_set_live(
+        serve_stack: Stack, http: httpx.Client) -> None:
+    """``cat > keys`` empties the file first: that must not open the loopback app, nor
+    must a half-written key count."""
+    good = {"Authorization": f"Bearer {KEY}"}
+    try:
+        set_keys(serve_stack, KEY)
+        for raw in (b"", b"k\n", KEY[:10].encode()):
+            set_keys(serve_stack, raw=raw)
+            assert http.get("/models").status_code == 401, raw
+            assert http.get("/models", headers=good).status_code == 200, raw
+    finally:
+        set_keys(serve_stack)
+    assert http.get("/models").status_code == 200, "the loopback app did not reopen"
+
+
+def test_uploads_in_progress_hold_in_flight_slots_live(http: httpx.Client,
+                                                       edge_settings: Any) -> None:
+    """64 stalled uploads fill both replicas' shares of ``http.max_in_flight`` (32):
+    the next request is a 503 until their ``http.body_timeout_s`` frees the slots."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(str(http.base_url))
+    head = (f"POST {url.path.rstrip('/')}/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"pr")
+    stalled = []
+    try:
+        for _ in range(2 * edge_settings.max_in_flight):
+            sock = socket.create_connection((url.hostname, url.port), timeout=30)
+            sock.sendall(head.encode())
+            stalled.append(sock)
+        time.sleep(1.0)
+        resp = http.post("/completions", json={"model": MODEL, "prompt": "Hi",
+                                               "max_tokens": 1})
+        assert resp.status_code == 503 and "http.max_in_flight" in resp.text, resp.text
+        assert "retry-after" in resp.headers
+        time.sleep(edge_settings.body_timeout_s + 2)
+        answers = [s.recv(4096) for s in stalled]
+        assert all(a.startswith(b"HTTP/1.1 408") for a in answers), answers[:2]
+    finally:
+        for sock in stalled:
+            sock.close()
+    resp = http.post("/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    assert resp.status_code == 200, resp.text
