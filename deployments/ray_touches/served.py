@@ -22,7 +22,7 @@ TOUCHES: tuple[RayTouch, ...] = (
                  "deployments.serving.server:listening_ingress",
                  "deployments.http.front:harden"),
         why="the ingress replica cost a Python hop per request and per streamed chunk "
-            "(TTFT 1.96x plain vLLM, docs/benchmarks.md 2a): the server replica answers "
+            "(16 ms of a 100 ms one-token request, docs/benchmarks.md §2a): the replica answers "
             "HTTP itself with vLLM's OpenAI app",
         how="build_llm_deployment(deployment_cls=serve.ingress()(DSv4Server)); "
             "DSv4Server.__serve_build_asgi_app__ hardens vLLM's app (front.harden)",
@@ -116,8 +116,8 @@ TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="llm_config.update_engine_kwargs",
         target="ray.serve.llm:LLMConfig.update_engine_kwargs (updates _engine_config too)",
-        used_in=("deployments.serving.server:canonicalize",
-                 "deployments.serving.server:_apply_override",
+        used_in=("deployments.serving.resolve:canonicalize",
+                 "deployments.serving.resolve:apply_override",
                  "deployments.serving.server:DSv4ServerMixin.__init__"),
         why="the replica rewrites kv_cache_dtype (and a canary's override) after Ray Serve "
             "LLM cached the engine config at build time",
