@@ -5,7 +5,9 @@ retrieved 6 times and continued, streamed and not, through Serve's proxy, which 
 a replica per request (were state per replica, about half of these would 404); a
 10-turn ``previous_response_id`` chain through the official client; a background run
 cancelled through whichever replica answers; and two API keys that cannot read each
-other's responses (the same 404 as a missing id).
+other's responses (the same 404 as a missing id). With ``DSV4_FULL_FAULTS=1``
+(``make test-faults``: one more engine boot), a chain continues while the replica
+that made its first turns is killed and replaced.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import time
 import openai
 import pytest
 
+from deployments.harness.multinode_scenario import FULL_FAULTS
 from deployments.http import auth
-from tests.support.stack import Stack
+from tests.support.stack import MIXED_APP, Stack
 
 pytestmark = pytest.mark.slow
 
@@ -100,5 +103,54 @@ def test_two_keys_cannot_read_each_others_responses(serve_stack: Stack,
             with pytest.raises(openai.NotFoundError):
                 b.responses.cancel(mine.id)
     finally:
-        serve_stack.keys_file.write_text("")
+        serve_stack.keys_file.write_text(f"{auth.NO_KEYS}\n")  # empty would be a bad edit
         time.sleep(auth.FILE_RECHECK_S + 0.5)
+
+
+def _server_replicas(app: str) -> dict[str, str]:
+    """Ray actor name -> namespace of ``app``'s server replicas."""
+    import ray
+
+    return {a["name"]: a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(f"SERVE_REPLICA::{app}#DSv4Server")}
+
+
+def _running(app: str) -> int:
+    from ray import serve
+
+    deployments = serve.status().applications[app].deployments
+    return sum(d.replica_states.get("RUNNING", 0) for name, d in deployments.items()
+               if name.startswith("DSv4Server"))
+
+
+@pytest.mark.skipif(not FULL_FAULTS, reason="one more engine boot: `make test-faults` "
+                    "(DSV4_FULL_FAULTS=1) runs it")
+def test_chain_continues_while_its_replicas_are_replaced(mixed_app: str) -> None:
+    import ray
+
+    client = openai.OpenAI(base_url=mixed_app, api_key="unused", timeout=120, max_retries=3)
+    ids: list[str] = []
+
+    def turns(n: int) -> None:
+        for _ in range(n):
+            resp = client.responses.create(model=MODEL, input="go", max_output_tokens=2,
+                                           previous_response_id=ids[-1] if ids else None)
+            ids.append(resp.id)
+
+    turns(4)  # on both replicas (Serve's proxy picks per request)
+    before = _server_replicas(MIXED_APP)
+    assert len(before) == 2, before
+    victim = next(iter(before))
+    ray.kill(ray.get_actor(victim, namespace=before[victim]), no_restart=True)
+    turns(3)  # the survivor serves the chain, including turns made on the killed one
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if victim not in _server_replicas(MIXED_APP) and _running(MIXED_APP) == 2:
+            break
+        time.sleep(2)
+    else:
+        raise AssertionError(f"no running replacement for {victim} in 600 s")
+    turns(3)
+    assert len(ids) == 10
+    for rid in ids:  # every turn, whichever replica made it, from whichever answers
+        assert client.responses.retrieve(rid).id == rid
