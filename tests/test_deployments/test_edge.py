@@ -517,3 +517,19 @@ def test_run_refuses_a_reachable_bind_without_a_key_before_ray_starts(
     err = capsys.readouterr().err
     assert "http_options.host='0.0.0.0' answers beyond this machine" in err
     assert "Fix: put keys in DSV4_API_KEYS" in err
+
+
+def test_the_edge_is_small_parts_without_module_state() -> None:
+    """Issue 32: no edge module over 300 lines, none keeps settings or state in a module
+    global (each part is configured through its constructor by the replica)."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(auth.__file__).parent
+    for path in sorted(folder.glob("*.py")):
+        if path.name.startswith("listener"):  # the replica port's server, not the edge
+            continue
+        text = path.read_text()
+        assert len(text.splitlines()) <= 300, f"{path.name} is over 300 lines"
+        tree = ast.parse(text)
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)], path.name
