@@ -12,8 +12,7 @@ PD_STAMP := $(VENV)/.dsv4-pd-stamp
 NIXL_PINS := nixl-cu12==1.5.1 nixl==1.5.1
 
 
-.PHONY: redis-server
-.PHONY: setup run test test-fast test-faults test-pd test-releases lint clean
+.PHONY: setup redis-server run test test-fast test-faults test-pd test-releases lint clean
 
 setup: $(STAMP) $(PD_STAMP) redis-server
 
@@ -54,10 +53,12 @@ test-fast: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow and not releases"
 
-# The single-node fault step that costs one more engine boot (a replica of
-# `dsv4-serve run` killed and replaced): not in `make test`/CI. Node loss is in CI.
+# The single-node fault steps that cost one more engine boot (a replica of
+# `dsv4-serve run` killed and replaced; a Responses chain across a replaced replica):
+# not in `make test`/CI. Node loss is in CI.
 test-faults: setup
-	DSV4_FULL_FAULTS=1 $(BIN)/python -m pytest -v -s tests/test_deployments/test_run_cli.py tests/test_deployments/test_multinode.py
+	DSV4_FULL_FAULTS=1 $(BIN)/python -m pytest -v -s tests/test_deployments/test_run_cli.py tests/test_deployments/test_multinode.py \
+	  tests/test_deployments/test_responses_live.py
 
 # The P/D tests that each cost one more pair of engines (an incompatible decode pool gets
 # no transfers; a model copy at another path is compatible): not in `make test`/CI.
