@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4_patch.rules.byte_model import ModelShape, kv_bytes_per_token, page_breakdown
-from dsv4_patch.rules.dtypes import resolve_kv_cache_dtype
+from dsv4_patch.rules.dtypes import resolve_kv_cache_dtype, upstream_resolver_decision
 from dsv4_patch.rules.family import (
     FIRST_V41_VLLM,
     FLASHINFER_V41,
@@ -45,6 +45,7 @@ from dsv4_patch.rules.family import (
     resolve_v41_kv_cache_dtype,
     v41_bytes_per_token,
     v41_caches,
+    v41_refusal,
 )
 from dsv4_patch.rules.layouts import KVCacheDtypeError, LayoutError, detect_layout
 from dsv4_patch.rules.model_config import flatten_config
@@ -158,7 +159,16 @@ class V41Choice:
 def v41_attention(setup: EngineSetup, fits: bool) -> V41Choice:
     """``_select_dsv4_attn_cls`` of ``setup.release`` and the chosen backend's capability check."""
     rel = release_rules(setup.release)
+    unknown = _unknown_backend(setup, rel)
+    if unknown:
+        raise LayoutError(f"attention_backend={unknown}: vLLM {setup.release} has no such "
+                          "attention backend; unset attention_backend.")
     if setup.platform == "rocm":
+        accepted = ("ROCM_FLASHMLA_SPARSE_DSV4", rel.v41_rocm_backend)
+        if setup.attention_backend not in (None, *accepted):
+            raise LayoutError(f"attention_backend={setup.attention_backend} is not supported "
+                              f"for DeepSeek V4.1 on ROCm by vLLM {setup.release}; use "
+                              f"{rel.v41_rocm_backend} or leave it unset.")
         return V41Choice(rel.v41_rocm_backend, True, FP8_DS_MLA, "ROCm: aiter, V4 record")
     if setup.platform != "cuda":
         raise LayoutError(
@@ -177,6 +187,14 @@ def v41_attention(setup: EngineSetup, fits: bool) -> V41Choice:
     return choice
 
 
+def _unknown_backend(setup: EngineSetup, rel: ReleaseRules) -> str | None:
+    """A V4.1 backend name this release's ``AttentionBackendEnum`` does not have."""
+    missing = {MEGA_V41: not rel.v41_mega,
+               "ROCM_FLASHMLA_SPARSE_DSV41": rel.v41_rocm_backend != "ROCM_FLASHMLA_SPARSE_DSV41"}
+    name = setup.attention_backend
+    return name if name and missing.get(name) else None
+
+
 def _cuda_v41_choice(setup: EngineSetup, rel: ReleaseRules, fits: bool) -> V41Choice:
     name = setup.attention_backend
     major = setup.capability[0] if setup.capability else None
@@ -189,9 +207,6 @@ def _cuda_v41_choice(setup: EngineSetup, rel: ReleaseRules, fits: bool) -> V41Ch
             return V41Choice(FLASHINFER_V41, True, FP8_DS_MLA, "SM12x FlashInfer, packed V4 record")
         return V41Choice(FLASHINFER_V41, False, "bfloat16", "FlashInfer DSv4.1: plain KV rows")
     if name == MEGA_V41:
-        if not rel.v41_mega:
-            raise LayoutError(f"attention_backend={name}: vLLM {setup.release} has no mega "
-                              "attention (first: 0.31); unset attention_backend.")
         if lora_off:
             return V41Choice(FLASHMLA_V41, True, FP8_DS_MLA,
                              f"LoRA: vLLM {setup.release} builds FlashMLA instead of mega")
@@ -202,9 +217,7 @@ def _cuda_v41_choice(setup: EngineSetup, rel: ReleaseRules, fits: bool) -> V41Ch
         return V41Choice(MEGA_V41, True, NVFP4_DS_MLA, "FlashMLA mega (vllm#56935)")
     if name in _FLASHMLA_V41_NAMES:
         return V41Choice(FLASHMLA_V41, True, FP8_DS_MLA, "FlashMLA sparse, packed record")
-    if name is not None:
-        raise LayoutError(f"attention_backend={name} is not a DeepSeek-V4.1 backend; "
-                          f"use one of {FLASHMLA_V41}, {FLASHINFER_V41}, {MEGA_V41} or unset it.")
+    # Any other name: vLLM's V4.1 CUDA selector does not read it and takes its default.
     if major == 12:
         return V41Choice(FLASHINFER_V41, True, FP8_DS_MLA, "SM12x default: FlashInfer, packed")
     if major == 10 and rel.v41_mega and not lora_off and fits:
@@ -267,8 +280,14 @@ def v41_node_record(setup: EngineSetup, fits: bool = True) -> KVRecord:
                           "run vLLM 0.30 or newer (the gpu-v41 extra).")
     choice = v41_attention(setup, fits)
     mxfp8 = setup.platform == "cuda" and bool(setup.capability) and setup.capability[0] == 10  # type: ignore[index]
-    dtype, torch_name = resolve_v41_kv_cache_dtype(choice.packed, setup.kv_cache_dtype,
-                                                   choice.preferred, mxfp8)
+    if release_rules(setup.release).v41_preferred_resolver:
+        dtype, torch_name = resolve_v41_kv_cache_dtype(choice.packed, setup.kv_cache_dtype,
+                                                       choice.preferred, mxfp8)
+    else:  # 0.30: V4's resolver (fp8* -> fp8_ds_mla; nvfp4_ds_mla refused)
+        decision = upstream_resolver_decision(choice.packed, setup.kv_cache_dtype or "auto")
+        if decision.error is not None:
+            raise KVCacheDtypeError(v41_refusal(setup.kv_cache_dtype))
+        dtype, torch_name = str(decision.cache_dtype_str), str(decision.torch_dtype)
     if setup.indexer_kv_dtype not in (None, "auto", "fp8", "mxfp4"):
         raise KVCacheDtypeError(f"indexer_kv_dtype={setup.indexer_kv_dtype!r} is not supported "
                                 "by the DeepSeek sparse indexer (expected fp8 or mxfp4).")
@@ -301,7 +320,9 @@ def build_v41(setup: EngineSetup, hf_config: Mapping[str, Any]) -> Built:
 
 def _v41_record(choice: V41Choice, dtype: str, torch_name: str, mxfp8: bool,
                 block: int) -> KVRecord:
-    if choice.packed:
+    # The specs size packed pages whenever the dtype is packed: 0.30's V4 resolver keeps
+    # fp8_ds_mla on a plain-row backend, and its spec then pads a packed page.
+    if choice.packed or dtype == FP8_DS_MLA:
         swa = V41_MXFP8_RECORD if mxfp8 else V4_RECORD
         compressed = NVFP4_RECORD if dtype == NVFP4_DS_MLA else swa
         align = V41_MXFP8_ALIGNMENT if mxfp8 else V4_ALIGNMENT
@@ -310,7 +331,8 @@ def _v41_record(choice: V41Choice, dtype: str, torch_name: str, mxfp8: bool,
         if dtype == NVFP4_DS_MLA:
             numerics += "; compressed cache NVFP4 e2m1 with e4m3 scales"
         return KVRecord(Family.V41, dtype, True, swa, compressed, align, align, block,
-                        choice.backend, numerics, choice.reason)
+                        choice.backend, numerics, choice.reason if choice.packed else
+                        f"{choice.reason}; vLLM sizes packed pages for {dtype}")
     row = 512 * (1 if torch_name == "float8_e4m3fn" else 2)
     numerics = "per-tensor fp8 e4m3 rows" if row == 512 else "bf16 rows"
     return KVRecord(Family.V41, dtype, False, row, row, ROW_ALIGNMENT, ROW_ALIGNMENT, block,

@@ -36,6 +36,9 @@ class ReleaseRules:
     default_block_size: int = 16
     # deepseek_v41/nvidia/flash_mla_mega_attn.py exists (FLASHMLA_MEGA_ATTN_DSV41).
     v41_mega: bool = False
+    # deepseek_v41/attention.py::_resolve_dsv4_kv_cache_dtype takes the layer's preferred
+    # packed dtype (4 arguments, *_ds_mla kept, fp8 aliases refused); 0.30: V4's resolver.
+    v41_preferred_resolver: bool = False
     # deepseek_v41/nvidia/model.py::_select_dsv4_attn_cls: LoRA turns mega off.
     v41_lora_disables_mega: bool = False
     # deepseek_v41/amd/rocm.py: DeepseekV41ROCMAiterMLASparseBackend.get_name().
@@ -52,12 +55,13 @@ _ROWS = (
     ReleaseRules((0, 28), nixl_connector_version=7),
     ReleaseRules((0, 29), nixl_connector_version=9),
     ReleaseRules((0, 30), nixl_connector_version=11),
-    ReleaseRules((0, 31), nixl_connector_version=13, v41_mega=True),
-    ReleaseRules((0, 32), nixl_connector_version=14, v41_mega=True),
-    ReleaseRules((0, 33), nixl_connector_version=15, v41_mega=True,
+    ReleaseRules((0, 31), nixl_connector_version=13, v41_mega=True, v41_preferred_resolver=True),
+    ReleaseRules((0, 32), nixl_connector_version=14, v41_mega=True, v41_preferred_resolver=True),
+    ReleaseRules((0, 33), nixl_connector_version=15, v41_mega=True, v41_preferred_resolver=True,
                  v41_rocm_backend="ROCM_FLASHMLA_SPARSE_DSV41"),
     ReleaseRules((0, 34), nixl_connector_version=16, extensible_kv_cache=True,
-                 default_block_size=64, v41_mega=True, v41_lora_disables_mega=True,
+                 default_block_size=64, v41_mega=True, v41_preferred_resolver=True,
+                 v41_lora_disables_mega=True,
                  v41_rocm_backend="ROCM_FLASHMLA_SPARSE_DSV41", v41_sm120_block=64),
 )
 

