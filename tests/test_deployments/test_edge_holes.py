@@ -259,3 +259,25 @@ def test_the_request_owner_is_the_keys_digest_never_the_key() -> None:
              headers={"authorization": f"Bearer {KEY}"}))
     run(call(app_for(guard(HTTPEdge())), "POST", "/v1/completions", b"{}"))
     assert owners == [hashlib.sha256(KEY.encode()).hexdigest(), None]
+
+
+@pytest.mark.parametrize(("event", "status"), [
+    ({"error": {"message": SECRET, "code": 500}}, 500),
+    ({"error": {"message": "bad", "code": 400}}, None),
+    ({"type": "error", "error": {"type": "internal_error", "message": SECRET}}, 500),
+    ({"type": "error", "error": {"type": "overloaded_error", "message": SECRET}}, 500),
+    ({"type": "error", "error": {"type": "invalid_request_error", "message": "bad"}}, None),
+    ({"type": "error", "code": "server_error", "message": SECRET, "sequence_number": 3}, 500),
+    ({"type": "error", "code": 400, "message": "bad"}, None),
+    ({"type": "response.output_text.delta", "delta": "error"}, None),
+])
+def test_server_errors_are_known_in_every_stream_format(event: dict[str, Any],
+                                                        status: int | None) -> None:
+    from deployments.http.scrub import scrubbed_event, server_error_status
+
+    assert server_error_status(event) == status
+    if status is not None:
+        protocol = "anthropic" if isinstance(event.get("error"), dict) and \
+            event.get("type") == "error" else "openai"
+        clean = json.dumps(scrubbed_event(event, status, "req-s", protocol))
+        assert "4242" not in clean and "req-s" in clean
