@@ -14,6 +14,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Literal
 
+from deployments.http import timing
 from deployments.logs import get_logger
 
 logger = get_logger("edge")
@@ -130,6 +131,7 @@ async def refuse(scope: Scope, send: Send, refusal: Refusal, in_stream: bool = F
     event (``error_event``).
     """
     mark_public_error(scope)
+    timing.note_refusal(scope, refusal.reason)  # counted by reason (observe.series.REFUSED)
     logger.debug("dsv4: refused %s (%s): %d", route_path(scope), refusal.reason,
                  refusal.status)
     if in_stream:

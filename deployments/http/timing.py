@@ -17,6 +17,8 @@ TTFT the replica delivers (``dsv4_serve_time_to_first_token_seconds``) exactly:
 is the edge's work on the later chunks (its share of the time per output token).
 Engine-internal queueing is vLLM's ``vllm:request_queue_time_seconds``. The series
 carry Serve's ``replica`` tag; ``dsv4_kv_replica_info`` gives the node type to join on.
+Ray's export estimates a histogram's ``_sum`` from bucket midpoints, so the exact
+seconds also go to counters (``..._seconds_total``): means and shares use those.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class StageSeries:
     def __init__(self) -> None:
         self.stage = series.make(series.STAGE)
         self.ttft = series.make(series.TTFT)
+        self.stage_total = series.make(series.STAGE_TOTAL)
+        self.ttft_total = series.make(series.TTFT_TOTAL)
         self.in_flight = series.make(series.IN_FLIGHT)
         self.refused = series.make(series.REFUSED)
         self._in_flight = 0
@@ -81,8 +85,11 @@ class StageSeries:
         self.in_flight.set(self._in_flight)
         for name, seconds in stages(clock, method).items():
             self.stage.observe(seconds, tags={"stage": name})
+            if seconds > 0:  # a Ray counter takes positive steps only
+                self.stage_total.inc(seconds, tags={"stage": name})
         if method in TIMED_METHODS and clock.first_out is not None:
             self.ttft.observe(clock.first_out - clock.arrived)
+            self.ttft_total.inc(max(clock.first_out - clock.arrived, 1e-9))
         reason = refusal_reason(clock)
         if reason is not None:
             self.refused.inc(tags={"reason": reason})

@@ -105,7 +105,9 @@ def _serving(scraped: dict[str, list[Sample]], out: dict[str, ReplicaFigures],
     def each(name: str) -> list[Sample]:
         return [(lb, v) for lb, v in scraped.get(name, []) if ours(lb) and "replica" in lb]
 
-    for labels, value in each(_name(series.STAGE, "_sum")):
+    # Exact seconds from the counters (Ray estimates a histogram's _sum), counts from
+    # the histograms.
+    for labels, value in each(_name(series.STAGE_TOTAL)):
         f = out.setdefault(labels["replica"], ReplicaFigures(labels["replica"]))
         total, count = f.stage_seconds.get(labels["stage"], (0.0, 0.0))
         f.stage_seconds[labels["stage"]] = (total + value, count)
@@ -113,7 +115,7 @@ def _serving(scraped: dict[str, list[Sample]], out: dict[str, ReplicaFigures],
         f = out.setdefault(labels["replica"], ReplicaFigures(labels["replica"]))
         total, count = f.stage_seconds.get(labels["stage"], (0.0, 0.0))
         f.stage_seconds[labels["stage"]] = (total, count + value)
-    for labels, value in each(_name(series.TTFT, "_sum")):
+    for labels, value in each(_name(series.TTFT_TOTAL)):
         f = out.setdefault(labels["replica"], ReplicaFigures(labels["replica"]))
         f.ttft = (f.ttft[0] + value, f.ttft[1])
     for labels, value in each(_name(series.TTFT, "_count")):

@@ -118,6 +118,14 @@ TTFT = Series("dsv4_serve_time_to_first_token_seconds", Kind.HISTOGRAM,
               "arrival at the replica to its first response chunk (edge + "
               "engine_first_token): the TTFT the serving path delivers",
               (), STAGE_BUCKETS, "replica")
+# Ray's export approximates a histogram's _sum from bucket midpoints (its OpenTelemetry
+# recorder): the exact seconds, which the split is checked with, are these counters.
+STAGE_TOTAL = Series("dsv4_serve_request_stage_seconds_total", Kind.COUNTER,
+                     "exact seconds spent per stage (the histogram's _sum is Ray's "
+                     "bucket-midpoint estimate)", ("stage",), (), "replica")
+TTFT_TOTAL = Series("dsv4_serve_time_to_first_token_seconds_total", Kind.COUNTER,
+                    "exact seconds of delivered TTFT, summed over requests", (), (),
+                    "replica")
 IN_FLIGHT = Series("dsv4_serve_requests_in_flight", Kind.GAUGE, "HTTP requests the "
                    "replica's serving path holds now (edge to last byte)", (), (), "replica")
 REFUSED = Series("dsv4_serve_requests_refused_total", Kind.COUNTER, "requests the edge "
@@ -127,7 +135,7 @@ REFUSED = Series("dsv4_serve_requests_refused_total", Kind.COUNTER, "requests th
 CONTROLLER_SERIES = (AGREE, RUNNING, ANSWERED, ODD, DRAINED, STALE, AGE, CHECKS,
                      REPLACEMENTS, REPLICA_INFO, AS_PREDICTED, PAGE_BYTES, BYTES_PER_TOKEN,
                      CAPACITY_TOKENS, ENGINE_CAPACITY_TOKENS, BUDGET_BYTES)
-REPLICA_SERIES = (STAGE, TTFT, IN_FLIGHT, REFUSED)
+REPLICA_SERIES = (STAGE, TTFT, STAGE_TOTAL, TTFT_TOTAL, IN_FLIGHT, REFUSED)
 ALL = CONTROLLER_SERIES + REPLICA_SERIES
 
 

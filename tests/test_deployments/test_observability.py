@@ -260,6 +260,27 @@ def test_refusals_are_counted_by_the_edges_reason() -> None:
     assert all(timing.stages(c, m) == {} for c, m in recorded.clocks)  # never reached vLLM
 
 
+def test_the_edges_refusal_is_counted_with_its_own_reason() -> None:
+    """The real route gate refuses vLLM's developer route; its reason reaches the clock."""
+    from deployments.http.route_gate import RouteMiddleware
+
+    recorded = Recorded()
+    app = timing.TimingMiddleware(RouteMiddleware(timing.PassedEdge(streaming_app)), recorded)
+    sent: list[Any] = []
+
+    async def receive() -> Any:
+        return {"type": "http.request", "body": b"{}", "more_body": False}
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    asyncio.run(app({"type": "http", "method": "POST", "path": "/collective_rpc",
+                     "headers": []}, receive, send))
+    assert sent[0]["status"] == 404
+    [(clock, _)] = recorded.clocks
+    assert timing.refusal_reason(clock) == "routes" and clock.passed_edge is None
+
+
 def test_gets_are_not_timed_by_stage() -> None:
     recorded = Recorded()
     asyncio.run(call(stack(streaming_app, slow_edge, recorded), method="GET"))

@@ -136,6 +136,14 @@ def missing(scraped: dict[str, list[tuple[dict[str, str], float]]], deployment: 
                   if not any(ours(n, lb, deployment) for lb, _ in scraped.get(n, [])))
 
 
+def split(f: Any) -> bool:
+    """The replica's stages add up to its delivered TTFT (exact seconds, same counts)."""
+    edge = f.stage_seconds.get("edge", (0.0, 0.0))
+    engine = f.stage_seconds.get("engine_first_token", (0.0, 0.0))
+    return edge[1] == engine[1] == f.ttft[1] and \
+        abs(edge[0] + engine[0] - f.ttft[0]) <= 1e-6 * max(f.ttft[0], 1.0)
+
+
 def test_every_dashboard_series_answers_after_traffic(serve_stack: Stack) -> None:
     from deployments.config import DEFAULT_CONFIG
     from deployments.local import ray_head
@@ -153,8 +161,7 @@ def test_every_dashboard_series_answers_after_traffic(serve_stack: Stack) -> Non
         scraped = scrape.samples(scrape.read(url))
         figures = scrape.per_replica(scraped, deployment)
         if not missing(scraped, deployment, names) and len(figures) >= 2 and all(
-                f.ttft[1] and f.ttft[1] == f.stage_seconds.get("edge", (0, 0))[1]
-                for f in figures.values() if f.ttft[1]):
+                split(f) for f in figures.values() if f.ttft[1]):
             break
         time.sleep(2)
     assert not missing(scraped, deployment, names), \
@@ -172,7 +179,7 @@ def test_every_dashboard_series_answers_after_traffic(serve_stack: Stack) -> Non
         assert edge[0] + engine[0] == pytest.approx(f.ttft[0], rel=1e-6, abs=1e-6), f
         assert 0 < edge[0] < f.ttft[0] and engine[0] > 0, f
     reasons = {r for f in figures.values() for r in f.refused}
-    assert reasons & {"routes", "status_404", "status_405"}, reasons
+    assert "routes" in reasons, reasons  # the edge's own reason (problem.refuse)
 
     # KV capacity: plan's figures for the same config, on every replica.
     [plan] = plan_config(DEFAULT_CONFIG).applications

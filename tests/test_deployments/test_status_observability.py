@@ -54,8 +54,10 @@ def exposition() -> str:
     info, = series.REPLICA_INFO.exported()
     cap, = series.CAPACITY_TOKENS.exported()
     bpt, = series.BYTES_PER_TOKEN.exported()
-    _, total, count = series.STAGE.exported()
-    _, ttft_sum, ttft_count = series.TTFT.exported()
+    _, _, count = series.STAGE.exported()
+    _, _, ttft_count = series.TTFT.exported()
+    total, = series.STAGE_TOTAL.exported()
+    ttft_sum, = series.TTFT_TOTAL.exported()
     refused, = series.REFUSED.exported()
     lines = []
     for rid, node, used in (("r1", "sm90", 0.5), ("r2", "sm100", 0.25)):
