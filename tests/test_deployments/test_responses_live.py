@@ -62,7 +62,9 @@ def test_ten_turn_chain_with_the_official_client(mixed_app: str) -> None:
     for turn in range(10):
         resp = client.responses.create(model=MODEL, input=f"turn {turn}", max_output_tokens=2,
                                        previous_response_id=previous)
-        assert resp.status == "completed" and resp.previous_response_id == previous
+        # 2 tokens end at the limit: "incomplete" (max_output_tokens), a finished response
+        assert resp.status in ("completed", "incomplete"), resp.status
+        assert resp.previous_response_id == previous
         ids.append(resp.id)
         previous = resp.id
     for rid in ids:
@@ -72,13 +74,12 @@ def test_ten_turn_chain_with_the_official_client(mixed_app: str) -> None:
 def test_background_status_and_cancel_from_any_replica(mixed_app: str) -> None:
     client = _client(mixed_app)
     run = client.responses.create(model=MODEL, input="count to a thousand", background=True,
-                                  max_output_tokens=2000, store=True)
+                                  max_output_tokens=1000, store=True)  # http.max_tokens 1024
     assert run.status in ("queued", "in_progress")
     statuses = {client.responses.retrieve(run.id).status for _ in range(4)}
-    assert statuses <= {"queued", "in_progress", "completed"}, statuses
+    assert statuses <= {"queued", "in_progress"}, statuses  # 1000 tokens take seconds
     cancelled = client.responses.cancel(run.id)
-    if cancelled.status != "cancelled":
-        pytest.skip(f"the run finished before the cancel ({cancelled.status})")
+    assert cancelled.status == "cancelled"
     time.sleep(3)  # the running replica polls the store (responses.cancel_poll_s = 1 s)
     for _ in range(4):
         assert client.responses.retrieve(run.id).status == "cancelled"
