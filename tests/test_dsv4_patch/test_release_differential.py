@@ -136,3 +136,35 @@ def test_mxfp4_block_is_32(version: str) -> None:
 def test_matrix_size() -> None:
     """The matrix covers what it says (a shrinking list would pass vacuously)."""
     assert len(CELLS) * len(diff.V41_RELEASES) * len(diff.GPUS) > 20000
+
+
+@pytest.mark.parametrize("version", rs.RELEASES)
+def test_v4_kernel_blocks_are_256(version: str) -> None:
+    """DeepSeek-V4's sparse-MLA backends take 256-token blocks only (executed from the
+    wheel): ``rules.build`` gives 256 and refuses a ``block_size`` that is no multiple."""
+    paths = ("vllm/models/deepseek_v4/sparse_mla.py",
+             "vllm/models/deepseek_v4/nvidia/flashinfer_sparse.py")
+    found = []
+    for path in paths:
+        if not rs.has_file(version, path):
+            continue
+        for node in ast.walk(ast.parse(rs.source(version, path))):
+            if isinstance(node, ast.FunctionDef) and \
+                    node.name == "get_supported_kernel_block_sizes":
+                fn = diff.function(node, {"MultipleOf": diff.MultipleOf,
+                                          "current_platform": None})
+                found.append(fn())
+    assert all(sizes == [256] for sizes in found), found
+    hf = {**json.loads((REPO / "configs/models/deepseek-ai/DeepSeek-V4-Flash/config.json")
+                       .read_text())}
+    assert rules.build(rules.EngineSetup(version, "cuda", (9, 0)), hf).block_size == 256
+    with pytest.raises(rules.LayoutError, match="block_size=128"):
+        rules.build(rules.EngineSetup(version, "cuda", (9, 0), block_size=128), hf)
+
+
+def test_kv_table_is_fresh() -> None:
+    """docs/kv-table.md is what tests/releases/kvtable.py renders today."""
+    from tests.releases import kvtable
+
+    assert (REPO / "docs" / "kv-table.md").read_text() == kvtable.render(), (
+        "docs/kv-table.md is stale. Fix: python -m tests.releases.kvtable docs/kv-table.md")
