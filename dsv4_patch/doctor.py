@@ -149,6 +149,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_ops": probe_cpu_ops(node),
     }
     out["v41"] = v41_status(out["vllm_version"], node)
+    out["release_rules"] = release_status(out["vllm_version"], node)
     if node.platform == "cpu":
         out["cpu_path"] = cpu_path()
     try:
@@ -182,11 +183,27 @@ def v41_status(version: str | None, node: NodeInfo) -> str:
                 "pip install 'dsv4-serve[gpu-v41]' (Ray Serve 2.60.0 + vLLM 0.33.0)")
     try:
         record = rules.v41_record(node.platform, node.capability, node.attention_backend,
-                                  "auto")
+                                  "auto", release=version)
     except (rules.LayoutError, rules.KVCacheDtypeError) as exc:
         return f"DeepSeek-V4.1: left alone by the plugin (vLLM {version} has it); here: {exc}"
     return (f"DeepSeek-V4.1: left alone by the plugin (vLLM {version}'s own resolver is right); "
             f"auto here -> {record.label()} via {record.backend}")
+
+
+def release_status(version: str | None, node: NodeInfo) -> str:
+    """Which release's rules judge this node, and what that release defaults to."""
+    if version is None:
+        return "release rules: vLLM version unknown; predictions are not made"
+    known = version.split("+")[0] in rules.KNOWN_RELEASES
+    rel = rules.release_rules(version)
+    text = (f"release rules: vLLM {version} "
+            + ("(read from its wheel)" if known else
+               f"(not a release read here; judged by the newest rules, {rules.NEWEST_RELEASE}'s "
+               "-- check docs/kv-table.md after upgrading)")
+            + f"; NIXL_CONNECTOR_VERSION {rel.nixl_connector_version}; "
+            f"gpu_memory_utilization default "
+            f"{rules.default_gpu_memory_utilization(version, node.platform):g}")
+    return text
 
 
 def render(data: dict[str, Any]) -> str:
@@ -226,6 +243,8 @@ def render(data: dict[str, Any]) -> str:
                      f"({data['cpu_path']['why']})")
     if "v41" in data:
         lines.append(data["v41"])
+    if "release_rules" in data:
+        lines.append(data["release_rules"])
     lines.extend(_render_cpu_ops(data.get("cpu_ops")))
     return "\n".join(lines)
 
