@@ -112,7 +112,8 @@ def serve_proxy_arm(port: int, edge: bool) -> None:
     import ray
     from ray import serve
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # address="local": a private cluster, never one another process started on this machine
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
 
     @serve.deployment(name="GpuRateReplica", max_ongoing_requests=1024)
