@@ -288,10 +288,28 @@ def v41_node_record(setup: EngineSetup, fits: bool = True) -> KVRecord:
         if decision.error is not None:
             raise KVCacheDtypeError(v41_refusal(setup.kv_cache_dtype))
         dtype, torch_name = str(decision.cache_dtype_str), str(decision.torch_dtype)
-    if setup.indexer_kv_dtype not in (None, "auto", "fp8", "mxfp4"):
-        raise KVCacheDtypeError(f"indexer_kv_dtype={setup.indexer_kv_dtype!r} is not supported "
-                                "by the DeepSeek sparse indexer (expected fp8 or mxfp4).")
+    _check_indexer_dtype(setup)
     return _v41_record(choice, dtype, torch_name, mxfp8, _v41_block(setup, choice.backend))
+
+
+def _check_indexer_dtype(setup: EngineSetup) -> None:
+    """``dsa_indexer_uses_fp4``: mxfp4 on SM10x, or ROCm CDNA4 (gfx950) from 0.32."""
+    value = setup.indexer_kv_dtype
+    if value in (None, "auto", "fp8"):
+        return
+    if value != "mxfp4":
+        raise KVCacheDtypeError(f"indexer_kv_dtype={value!r} is not supported by the DeepSeek "
+                                "sparse indexer (expected fp8 or mxfp4).")
+    major = setup.capability[0] if setup.capability else None
+    if setup.platform == "rocm" and release_rules(setup.release).v41_rocm_mxfp4_indexer:
+        if setup.capability != (9, 5):
+            raise KVCacheDtypeError("indexer_kv_dtype='mxfp4' on ROCm requires CDNA4 "
+                                    "(gfx950: MI350X/MI355X). Fix: unset indexer_kv_dtype.")
+        return
+    if setup.platform != "cuda" or major != 10:
+        raise KVCacheDtypeError(f"indexer_kv_dtype='mxfp4' needs SM10x (B200/GB200) on vLLM "
+                                f"{setup.release}; this node is {setup.platform} "
+                                f"{setup.capability}. Fix: unset indexer_kv_dtype.")
 
 
 def v41_record(platform: str, capability: tuple[int, int] | None, backend: str | None,

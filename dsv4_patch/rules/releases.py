@@ -43,6 +43,9 @@ class ReleaseRules:
     v41_lora_disables_mega: bool = False
     # deepseek_v41/amd/rocm.py: DeepseekV41ROCMAiterMLASparseBackend.get_name().
     v41_rocm_backend: str = "ROCM_FLASHMLA_SPARSE_DSV4"
+    # mla/indexer.py::dsa_indexer_uses_fp4: ROCm takes indexer_kv_dtype mxfp4 on CDNA4
+    # (gfx950) with aiter (0.32+); before, and on CUDA, SM10x only.
+    v41_rocm_mxfp4_indexer: bool = False
     # nvidia/flashinfer_sparse.py and mla/indexer.py on SM12x: [128] before vllm#59203.
     v41_sm120_block: int = 128
 
@@ -56,12 +59,14 @@ _ROWS = (
     ReleaseRules((0, 29), nixl_connector_version=9),
     ReleaseRules((0, 30), nixl_connector_version=11),
     ReleaseRules((0, 31), nixl_connector_version=13, v41_mega=True, v41_preferred_resolver=True),
-    ReleaseRules((0, 32), nixl_connector_version=14, v41_mega=True, v41_preferred_resolver=True),
+    ReleaseRules((0, 32), nixl_connector_version=14, v41_mega=True, v41_preferred_resolver=True,
+                 v41_rocm_mxfp4_indexer=True),
     ReleaseRules((0, 33), nixl_connector_version=15, v41_mega=True, v41_preferred_resolver=True,
+                 v41_rocm_mxfp4_indexer=True,
                  v41_rocm_backend="ROCM_FLASHMLA_SPARSE_DSV41"),
     ReleaseRules((0, 34), nixl_connector_version=16, extensible_kv_cache=True,
                  default_block_size=64, v41_mega=True, v41_preferred_resolver=True,
-                 v41_lora_disables_mega=True,
+                 v41_rocm_mxfp4_indexer=True, v41_lora_disables_mega=True,
                  v41_rocm_backend="ROCM_FLASHMLA_SPARSE_DSV41", v41_sm120_block=64),
 )
 

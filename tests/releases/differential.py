@@ -52,6 +52,7 @@ GPUS: dict[str, tuple[str, tuple[int, int]]] = {
     "gfx942": ("rocm", (9, 4)), "gfx950": ("rocm", (9, 5)),
 }
 ROOTS = ("vllm/models/deepseek_v41/", "vllm/v1/attention/backends/mla/indexer.py",
+         "vllm/v1/attention/backends/mla/rocm_paged_mxfp4_indexer.py",
          "vllm/v1/attention/backends/mla/sparse_swa.py", "vllm/v1/attention/backend.py")
 SKIP = ("/ops/", "/specialized_decode/", "/mono/")
 ATTN = "vllm/models/deepseek_v41/attention.py"
@@ -62,6 +63,7 @@ FUSED_LAYOUT = "vllm/models/deepseek_v41/common/ops/fused_layout.py"
 MEGA = "vllm/models/deepseek_v41/nvidia/flash_mla_mega_attn.py"
 DSPARK = "vllm/models/deepseek_v41/nvidia/dspark.py"
 KV_INTERFACE = "vllm/v1/kv_cache_interface.py"
+INDEXER = "vllm/v1/attention/backends/mla/indexer.py"
 
 
 class Refused(Exception):
@@ -337,14 +339,34 @@ class Release:
         if not main.supports_compute_capability(self.platform.cap):
             raise Refused(f"{main.get_name()} does not support {self.gpu}")
         layer = self._record(cls, cell.kv_cache_dtype)
+        rocm_mxfp4 = self._indexer_fp4(cell.indexer_mxfp4) and self.kind == "rocm"
         swa_ref = _class_ref(self.version, cls, "swa_backend_cls") or "DeepseekSparseSWABackend"
-        backends = [main, self.backend_named(swa_ref),
-                    self.backend_named("DeepseekV41IndexerBackend"),
+        indexer = ("DeepseekV41RocmMxfp4IndexerBackend" if rocm_mxfp4 else
+                   "DeepseekV41IndexerBackend")
+        backends = [main, self.backend_named(swa_ref), self.backend_named(indexer),
                     self.backend_named("CompressorBackend")]
         block = self._block(backends, cell.block_size)
         pages = self._pages(layer, block, hf, cell.indexer_mxfp4)
         return Outcome(main.get_name(), layer.kv_cache_dtype, block, tuple(sorted(pages.items())),
                        _per_token(pages, block, hf), self._drafts(hf))
+
+    def _indexer_fp4(self, requested: bool) -> bool:
+        """``dsa_indexer_uses_fp4`` of the wheel (its ROCm branch: CDNA 3 on gfx942, 4 on
+        gfx950 as ``platforms/rocm.py`` maps them; aiter enabled)."""
+        node = module_function(self.version, INDEXER, "dsa_indexer_uses_fp4")
+        ns = {"current_platform": self.platform,
+              "DSA_INDEXER_KV_DTYPES": module_constant(self.version, INDEXER,
+                                                       "DSA_INDEXER_KV_DTYPES")}
+        fn = function(node, ns)  # type: ignore[arg-type]
+        kv = "mxfp4" if requested else "fp8"
+        cfg = SimpleNamespace(
+            attention_config=SimpleNamespace(resolve_indexer_kv_dtype=lambda default: kv),
+            model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="deepseek_v41")))
+        cdna = {"gfx942": 3, "gfx950": 4}.get(self.gpu)
+        with _patched_import({
+                "vllm._aiter_ops": {"rocm_aiter_ops": SimpleNamespace(is_enabled=lambda: True)},
+                "vllm.platforms.rocm": {"get_cdna_version": lambda: cdna}}):
+            return bool(fn(cfg))
 
     def _init_checks(self, cls: str, hf: Mapping[str, Any], tp: int) -> None:
         """The topology refusals of the class's own ``__init__`` (mega: heads per group)."""

@@ -49,8 +49,9 @@ def cells() -> list[tuple[str, diff.Cell]]:
             out.append((model, diff.Cell(tp, block, dtype, lora)))
     for backend, dtype, lora, tp in itertools.product(EXPLICIT, DTYPES, (False, True), (1, 16)):
         out.append(("v41-flash", diff.Cell(tp, None, dtype, lora, backend)))
-    for gpu_dtype in ("auto", "fp8"):
-        out.append(("v41-flash", diff.Cell(kv_cache_dtype=gpu_dtype, indexer_mxfp4=True)))
+    for dtype, block, lora in itertools.product(("auto", "fp8", "bfloat16"), (None, 128, 256),
+                                                (False, True)):
+        out.append(("v41-flash", diff.Cell(1, block, dtype, lora, indexer_mxfp4=True)))
     return out
 
 
