@@ -367,12 +367,20 @@ def test_a_key_file_read_without_a_key_keeps_the_last_good_set_live(
     """``cat > keys`` empties the file first: that must not open the loopback app, nor
     must a half-written key count."""
     good = {"Authorization": f"Bearer {KEY}"}
+    url = f"{str(http.base_url).rstrip('/')}/models"
+
+    def statuses(headers: dict[str, str]) -> set[int]:
+        """Over fresh connections: the kernel spreads them over both replicas, and each
+        replica judges the file when a request (or its health check) looks at it."""
+        return {httpx.get(url, headers=headers).status_code for _ in range(12)}
+
     try:
         set_keys(serve_stack, KEY)
+        assert statuses(good) == {200}  # every replica has loaded the good set
         for raw in (b"", b"k\n", KEY[:10].encode()):
             set_keys(serve_stack, raw=raw)
-            assert http.get("/models").status_code == 401, raw
-            assert http.get("/models", headers=good).status_code == 200, raw
+            assert statuses({}) == {401}, raw
+            assert statuses(good) == {200}, raw
     finally:
         set_keys(serve_stack)
     assert http.get("/models").status_code == 200, "the loopback app did not reopen"
