@@ -57,7 +57,8 @@ def probe_patches() -> list[dict[str, str]]:
     (the plugin records ``error``); a probe's ``PatchError`` (a setting that stops the
     model) is ``needed=unknown`` with the error.
     """
-    rows, gates = [], {}
+    rows: list[dict[str, Any]] = []
+    gates: dict[str, Any] = {}
     for spec in registry.all_patches():
         row = {"name": spec.name, "target": spec.target, "affected": spec.affected}
         verdict = _verdict(spec, gates)
@@ -69,7 +70,7 @@ def probe_patches() -> list[dict[str, str]]:
 
 def probe_reads() -> list[dict[str, str | bool]]:
     """Every registry read of vLLM internals with its probe (``registry.all_reads``)."""
-    rows = []
+    rows: list[dict[str, str | bool]] = []
     for read in registry.all_reads():
         try:
             missing = read.probe()

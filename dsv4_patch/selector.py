@@ -71,7 +71,7 @@ def _import(module: str) -> Any:
         raise Unavailable(f"cannot import {module}: {exc}") from exc
 
 
-def cuda_class(capability: tuple[int, int] | None, backend: str | None) -> type:
+def cuda_class(capability: tuple[int, int] | None, backend: str | None) -> Any:
     """The class the installed ``_select_dsv4_attn_cls`` picks for this capability/backend."""
     select = getattr(_import(SELECTOR_MODULE), SELECTOR, None)
     if not isinstance(select, FunctionType):
@@ -95,7 +95,7 @@ def cuda_class(capability: tuple[int, int] | None, backend: str | None) -> type:
                                 f"refuses it: {exc}") from exc
 
 
-def platform_class(kind: str) -> type:
+def platform_class(kind: str) -> Any:
     module, name = PLATFORM_CLASS[kind]
     cls = getattr(_import(module), name, None)
     if cls is None:
@@ -124,7 +124,7 @@ def installed_layout(platform: str, capability: tuple[int, int] | None = None,
         return rules.detect_layout(kind, capability, backend)  # raises, naming the fix
     version = installed_version()
     try:
-        cls = cuda_class(capability, backend) if kind == "cuda" else platform_class(kind)
+        cls: Any = cuda_class(capability, backend) if kind == "cuda" else platform_class(kind)
         packed = is_packed(cls)
     except Unavailable as exc:
         decision = rules.detect_layout(kind, capability, backend, version)
@@ -141,7 +141,7 @@ def installed_layout(platform: str, capability: tuple[int, int] | None = None,
                                 f"stores {layout.value}")
 
 
-def _capability_problem(cls: type, capability: tuple[int, int] | None) -> str | None:
+def _capability_problem(cls: Any, capability: tuple[int, int] | None) -> str | None:
     if capability is None:
         return None
     if cls.backend_cls.supports_compute_capability(_device_capability(capability)):

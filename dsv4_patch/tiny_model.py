@@ -173,7 +173,8 @@ def tiny_config(vocab_size: int) -> dict[str, Any]:
 
 def read_corpus() -> str:
     """The tokenizer's training text, shipped as package data so wheels carry it."""
-    return resources.files("dsv4_patch").joinpath("data", CORPUS_RESOURCE).read_text("utf-8")
+    data = resources.files("dsv4_patch").joinpath("data")
+    return data.joinpath(CORPUS_RESOURCE).read_text("utf-8")
 
 
 def train_tokenizer(corpus: str, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> str:

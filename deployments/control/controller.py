@@ -91,7 +91,7 @@ def alive_replica_ids(app_name: str, deployment_name: str) -> set[str]:
 class KVSpecController:
     """One replica; its loop checks every ``controller_period_s`` seconds."""
 
-    async def __init__(self, server: DeploymentHandle | str, dsv4: dict[str, Any],
+    async def __init__(self, server: DeploymentHandle | str, dsv4: dict[str, Any],  # type: ignore[misc]  # Serve awaits an async __init__
                        kv_capacity: dict[str, Any] | None = None):
         """``kv_capacity``: ``plan``'s figures per node type (``observe.capacity``)."""
         self._settings = DSv4Section.model_validate(dsv4)
@@ -270,10 +270,13 @@ class KVSpecController:
         """Every replica's validated ``ReplicaSpec``; failures become named gaps."""
         answers, late, error = await self._ask_specs()
         gaps = [NoAnswer(None, error)] if error else []
-        specs = []
+        specs: list[ReplicaSpec] = []
         for answer in answers:
             parsed = parse_answer(answer, self._held)
-            (specs if isinstance(parsed, ReplicaSpec) else gaps).append(parsed)
+            if isinstance(parsed, ReplicaSpec):
+                specs.append(parsed)
+            else:
+                gaps.append(parsed)
         if late:
             gaps += await self._name_late(late, {s.replica_id for s in specs})
         # Hold what answered, and what is silent now but may answer again.

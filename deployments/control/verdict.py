@@ -138,7 +138,7 @@ def _expected(refs: Sequence[tuple[str | None, ReplicaSpec]], specs: Sequence[Re
         note = ((note + "; ") if note else "") + (
             f"{len(refs)} deployment configs are live (a rollout?): each replica was "
             "judged against its own config's prediction and its same-config peers")
-    main_ref = (predicted or [(None, unpredicted[0])])[0][1]
+    main_ref = predicted[0][1] if predicted else unpredicted[0]
     return Expected(layout=layout, fingerprint=main_ref.fingerprint,
                     reference="prediction" if predicted else "majority", note=note)
 

@@ -98,7 +98,7 @@ class AdmissionMiddleware(RefusingMiddleware):
             started = time.monotonic()
             await self.app(scope, replay(raw, receive), send)
             task = self._background(background_id)
-            if task is not None:
+            if task is not None and background_id is not None:  # a task has an id
                 held = False  # the watcher gives the slot back when the task ends
                 watcher = asyncio.ensure_future(self._hold(task, background_id, started))
                 self._watchers.add(watcher)

@@ -165,8 +165,10 @@ class ReplicaListener:
             server_header=False, timeout_keep_alive=self._limits.idle_timeout_s)
         server = uvicorn.Server(config)
         # Never take the replica's signals (uvicorn would on the main thread).
-        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
-        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        # (mypy: nullcontext is a class, not the method it replaces; install_signal_handlers
+        # is absent from the uvicorn stubs mypy reads.)
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
+        server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
         loop = asyncio.get_running_loop()
         task = loop.create_task(server.serve(sockets=[sock]))
         deadline = loop.time() + START_TIMEOUT_S

@@ -43,11 +43,12 @@ def limited_protocol(limits: ReplicaPortLimits) -> type[asyncio.Protocol]:
 
     base: Any = AutoHTTPProtocol
 
-    class LimitedProtocol(base):  # type: ignore[misc, valid-type]
+    class LimitedProtocol(base):
+        transport: Any  # uvicorn's; None once a refused connection is dropped
         _header_timer: asyncio.TimerHandle | None = None
         _header_bytes = 0
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.Transport) -> None:
             if len(self.server_state.connections) >= limits.max_connections:
                 # Not added to uvicorn's connections: nothing of it outlives this call.
                 transport.write(_BUSY)

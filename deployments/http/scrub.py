@@ -51,8 +51,8 @@ def server_error_status(event: Any) -> int | None:
             code = 500
         return code if code >= 500 else None
     if event.get("type") == "error":  # the Responses API's error event
-        code = event.get("code")
-        return None if isinstance(code, int) and 400 <= code < 500 else 500
+        status = event.get("code")
+        return None if isinstance(status, int) and 400 <= status < 500 else 500
     return None
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -175,7 +175,7 @@ def _source_problems(i: int, source: Mapping[str, Any]) -> list[str]:
     return []
 
 
-def security_problems(docs: list[Mapping[str, Any]]) -> list[str]:
+def security_problems(docs: Sequence[Mapping[str, Any]]) -> list[str]:
     """The rules of docs/security.md on a rendered RayService + NetworkPolicy pair."""
     [service] = [d for d in docs if d.get("kind") == "RayService"]
     policy = next((d for d in docs if d.get("kind") == "NetworkPolicy"), None)

@@ -155,7 +155,7 @@ def make(series: Series, serve_tags: bool = True) -> Any:
     if serve_tags:
         from ray.serve import metrics
     else:
-        from ray.util import metrics  # type: ignore[no-redef]
+        from ray.util import metrics
     tags = series.tags or None
     if series.kind is Kind.HISTOGRAM:
         return metrics.Histogram(series.name, series.help, boundaries=list(series.buckets),

@@ -75,7 +75,7 @@ async def _pool_controller(server: DeploymentHandle | str,
 class PDController:
     """One replica: the two pool controllers, the P/D verdict and the decode whitelists."""
 
-    async def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle | str,
+    async def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle | str,  # type: ignore[misc]  # Serve awaits an async __init__
                        dsv4_prefill: dict[str, Any], dsv4_decode: dict[str, Any]):
         """``decode`` may be the decode deployment's name: its replicas are the HTTP
         ingress and bind this controller (for ``/v1/kv-spec``), so they cannot be bound
@@ -136,7 +136,9 @@ class PDController:
         """The decode pool's report widened to both pools, with the P/D verdict."""
         reports = {name: c.current() for name, c in self._pools.items()}
         decode = reports["decode"]
-        rows, problems, odd = [], [], {}
+        rows: list[Any] = []
+        problems: list[Any] = []
+        odd: dict[str, Any] = {}
         for name in POOLS:
             r = reports[name]
             rows += [row.model_copy(update={"pool": name}) for row in r.replicas]
@@ -157,7 +159,7 @@ class PDController:
             "state": state, "agree": state is State.AGREE, "replicas": rows,
             "problems": problems, "odd_replicas": odd, "pd": pd,
             "answered": sum(r.answered for r in reports.values()),
-            "running_replicas": None if None in running else sum(running),  # type: ignore[arg-type]
+            "running_replicas": None if None in running else sum(running),
             "deployment": f"{reports['prefill'].deployment} + {decode.deployment}"})
 
     async def report(self, refresh: bool = False) -> dict[str, Any]:

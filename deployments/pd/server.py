@@ -104,7 +104,7 @@ class DSv4PDDecodeServer(PDTransferMixin, DSv4ServerMixin, PDDecodeServer):
 
     _pool = "decode"
 
-    async def __init__(self, llm_config: Any, *, dsv4: dict[str, Any],
+    async def __init__(self, llm_config: Any, *, dsv4: dict[str, Any],  # type: ignore[misc]  # Serve awaits an async __init__
                        prefill_server: DeploymentHandle, compat_check: bool = True,
                        **kwargs: Any):
         pd_route.ROUTE.check = compat_check

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 from deployments.config import AppArgs, Policy, checks
 from deployments.config.checks import Problem
@@ -77,8 +78,8 @@ def _capacity_problems(plan: ReplicaPlan, args: AppArgs) -> list[Problem]:
     if cap.kv_budget_per_gpu_bytes is not None and cap.kv_budget_per_gpu_bytes <= 0:
         found.append(Problem(
             "error", "weights-do-not-fit",
-            f"weights need {cap.weights_per_gpu_bytes / GIB:.1f} GiB per GPU, more than "
-            "gpu_memory_gib x gpu_memory_utilization leaves. Fix: more GPUs per replica "
+            f"weights need {cast(float, cap.weights_per_gpu_bytes) / GIB:.1f} GiB per GPU, "
+            "more than gpu_memory_gib x gpu_memory_utilization leaves. Fix: more GPUs per replica "
             "(tensor/pipeline/expert parallel) or larger GPUs."))
     tokens, limit = cap.kv_tokens_per_engine, plan.max_model_len
     if tokens is not None and limit and tokens < limit:
@@ -129,7 +130,8 @@ def _override_problems(plan: ReplicaPlan, args: AppArgs,
 
 def fleet_problems(plans: Sequence[ReplicaPlan]) -> list[Problem]:
     """Applications serving the same model with different page specs would disagree."""
-    found, by_model = [], {}
+    found: list[Problem] = []
+    by_model: dict[str, Any] = {}
     for plan in plans:
         by_model.setdefault(plan.model, []).append(plan)
     for model, group in by_model.items():

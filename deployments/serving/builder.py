@@ -156,7 +156,7 @@ def refuse_lora(llm_config: LLMConfig) -> None:
             "directly and route no LoRA adapters yet. Fix: remove lora_config.")
 
 
-def server_deployment_name(cls: type, llm_config: LLMConfig,
+def server_deployment_name(cls: Any, llm_config: LLMConfig,
                            name_prefix: str | None = None) -> str:
     """The name Ray Serve LLM's builder gives a server deployment (``<prefix><model>``;
     the prefix defaults to ``<class>:``)."""

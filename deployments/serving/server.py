@@ -89,7 +89,7 @@ class DSv4ServerMixin:
     replica) and its ``DPServer`` (DP attention: one replica per DP rank).
     """
 
-    async def __init__(self, llm_config: LLMConfig, *, dsv4: dict[str, Any],
+    async def __init__(self, llm_config: LLMConfig, *, dsv4: dict[str, Any],  # type: ignore[misc]  # Serve awaits an async __init__
                        http: dict[str, Any] | None = None, serving_replicas: int = 1,
                        kv_spec_controller: DeploymentHandle | None = None,
                        drain_timeout_s: float = 60.0,
@@ -135,7 +135,7 @@ class DSv4ServerMixin:
         self._kv: ReplicaKV | None = None
         boot.keep_telemetry_off_boot_path()
         started = time.monotonic()
-        await super().__init__(llm_config, **kwargs)  # type: ignore[misc]  # the server base
+        await super().__init__(llm_config, **kwargs)  # type: ignore[misc, call-arg]  # mixed in
         self._engine_start_s = round(time.monotonic() - started, 1)
         spec = ReplicaSpec.model_validate(await self.kv_page_spec())
         self._self_check(spec)

@@ -188,7 +188,8 @@ def inline_fp8_assert_line(function: Callable[..., Any]) -> int | None:
     first = inspect.getsourcelines(function)[1]
     for node in ast.walk(ast.parse(source)):
         test = node.test if isinstance(node, ast.Assert) else None
-        if (isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute)
+        if (isinstance(node, ast.Assert) and isinstance(test, ast.Call)
+                and isinstance(test.func, ast.Attribute)
                 and test.func.attr == "startswith" and test.args
                 and isinstance(test.args[0], ast.Constant) and test.args[0].value == "fp8"):
             return first + node.lineno - 1
