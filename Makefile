@@ -45,6 +45,7 @@ run: setup
 
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -v --durations=30
 
 # The quick loop: lint and the unit tests (no vLLM engine, no Ray cluster; ~5 min).
@@ -82,8 +83,11 @@ test-releases: setup
 	  $(BIN)/python -m tests.releases.table docs/versions.md && \
 	  $(BIN)/python -m tests.releases.kvtable docs/kv-table.md && exit $$status
 
+# ruff, then mypy ([tool.mypy] in pyproject.toml: strict on dsv4_patch/rules and
+# deployments/config). `make test` runs both before the suite.
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/python -m mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

@@ -14,7 +14,7 @@ import typing
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel
 
@@ -54,7 +54,7 @@ def _vllm_types(annotation: Any) -> Iterator[type]:
 def _own_fields(cls: type) -> dict[str, Any]:
     if issubclass(cls, BaseModel):
         return {n: f.annotation for n, f in cls.model_fields.items()}
-    return {f.name: f.type for f in dataclasses.fields(cls)}
+    return {f.name: f.type for f in dataclasses.fields(cast(Any, cls))}  # a vLLM dataclass
 
 
 def imported_paths(cls: type, prefix: str = "", depth: int = 0,
