@@ -16,5 +16,14 @@ and fixtures); may import ``deployments`` (the harnesses benchmarks share are
   PYTHONPATH); its hooks: ``legacy_resolver``, ``scaled_dummy``, ``spec_report``.
 - ``cpu_compat_cases``, ``native_compare``: scripts run in a fresh interpreter (our
   CPU fallbacks/ops against Triton's interpreter / vLLM's native kernels).
+- ``vllm_app``: vLLM's own OpenAI app without an engine (what the edge tests harden).
+- ``v41_pages``: V4.1-Flash's config and the page sizes vLLM's spec classes give it.
+- ``house``: the repository as files, for the checks in ``tests/test_house/``.
+- ``edge_app``: the edge's harness (a stand-in app hardened as a replica hardens vLLM's).
+- ``replica_port``: helpers for the replicas' own port (``deployments.http.listener``).
+- ``redis_server``: a real redis/valkey server on 127.0.0.1 for the session.
+- ``promql``: a small PromQL parser (dashboard queries name real metrics).
+- ``vllm_series``, ``vllm_fields``: vLLM's Prometheus series and request-model fields,
+  read from the installed vLLM.
 - ``data/``: recorded worker reports.
 """
