@@ -453,6 +453,30 @@ def test_v41_prediction_follows_the_replicas_node() -> None:
     assert cpu.layers is None and "no DeepSeek-V4.1 path" in (cpu.reason or "")
 
 
+def test_v41_prediction_reads_the_engine_config_and_release() -> None:
+    """block_size, TP and LoRA from engine_kwargs and the replica's own vLLM select what
+    is predicted (the same ``rules.build`` plan uses)."""
+    cfg = json.loads((MODELS / "DeepSeek-V4.1-Flash" / "config.json").read_text())
+    b200 = {"platform": "cuda", "compute_capability": "10.0", "attention_backend": None}
+    default = predict(cfg, FP8, "auto", "0.34.0", "v41", node=b200)
+    blocks = predict(cfg, FP8, "auto", "0.34.0", "v41", node=b200,
+                     engine={"block_size": "256"})  # lax mode: "256" is 256
+    assert {e.block_size for e in default.layers or []} == {128}
+    assert {e.block_size for e in blocks.layers or []} == {256}
+    lora = predict(cfg, FP8, "auto", "0.34.0", "v41", node=b200, engine={"enable_lora": True})
+    lora_033 = predict(cfg, FP8, "auto", "0.33.0", "v41", node=b200,
+                       engine={"enable_lora": True})
+    tp16 = predict(cfg, FP8, "auto", "0.34.0", "v41", node=b200,
+                   engine={"tensor_parallel_size": 16})
+    assert (lora.cache_dtype_str, lora_033.cache_dtype_str, tp16.cache_dtype_str) == \
+        ("fp8_ds_mla", "nvfp4_ds_mla", "fp8_ds_mla")
+    sm120 = {"platform": "cuda", "compute_capability": "12.0"}
+    assert {e.block_size for e in predict(cfg, FP8, "auto", "0.34.0", "v41",
+                                          node=sm120).layers or []} == {64}
+    rocm = predict(cfg, FP8, "auto", "0.33.0", "v41", node={"platform": "rocm"})
+    assert {e.block_size for e in rocm.layers or []} == {64}
+
+
 def test_expected_layouts_per_node_type() -> None:
     from deployments.config import DSv4Section
 

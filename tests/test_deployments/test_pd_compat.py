@@ -89,6 +89,20 @@ def test_vllm_version_and_unknown_identity_are_differences() -> None:
     assert [d.field for d in unknown.differences] == ["model_hash"]
 
 
+def test_pools_of_releases_with_other_nixl_versions_name_both() -> None:
+    """0.33 speaks NIXL_CONNECTOR_VERSION 15, 0.34 speaks 16 (their nixl/metadata.py): the
+    handshake hash differs, so such pools never transfer; the refusal names both."""
+    report = compat.judge([replica("p0", "prefill", vllm="0.33.0")],
+                          [replica("d0", "decode", vllm="0.34.0")], {})
+    [diff] = report.differences
+    text = compat.describe(diff)
+    assert "NIXL_CONNECTOR_VERSION 15" in text and "vLLM 0.34.0 speaks 16" in text
+    same = compat.describe(compat.judge([replica("p0", "prefill", vllm="0.31.0")],
+                                        [replica("d0", "decode", vllm="0.31.1")],
+                                        {}).differences[0])
+    assert "NIXL" not in same  # same connector version: the release differs, the hash not
+
+
 def test_roles_and_a_missing_transfer_spec_are_differences() -> None:
     report = compat.judge([replica("p0", "prefill", kv_role="kv_consumer")],
                              [replica("d0", "decode")], {})

@@ -376,3 +376,89 @@ def test_v41_node_type_contradicting_its_expectation_is_refused(tmp_path):
     [problem] = [q for q in p.problems if q.code == "layout-contradicts-expectation"]
     assert "sm100" in problem.message and "nvfp4_ds_mla" in problem.message
     assert "expected_layouts: {sm100: nvfp4_ds_mla}" in problem.message
+
+
+# ------------------------------------------------------- V4.1 per release, node, engine
+
+
+def _v41_variant(tmp_path, node=None, engine=None, version=None, model=None):
+    """v41-flash-b200 with one node / engine / release change, planned."""
+    raw = yaml.safe_load((CONFIGS / "v41-flash-b200.yaml").read_text())
+    args = raw["applications"][0]["args"]
+    args["dsv4"].pop("expected_layouts", None)
+    args["dsv4"].pop("expected_layout", None)
+    args["dsv4"]["node"].update(node or {})
+    ek = args["llm"]["engine_kwargs"]
+    ek.update(engine or {})
+    for key in [k for k, v in ek.items() if v is None]:
+        del ek[key]
+    if version:
+        args["dsv4"]["vllm_version"] = version
+    path = tmp_path / "v41.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    model_path = CONFIGS / "models" / "deepseek-ai" / "DeepSeek-V4.1-Flash" / "config.json"
+    if model is not None:
+        model_path = tmp_path / "config.json"
+        model_path.write_text(json.dumps(model))
+    return _only(preflight.plan_config(path, model_config=model_path))
+
+
+def test_the_shipped_v41_config_is_nested_and_plans_like_its_flat_form(tmp_path):
+    nested = _model_cfg("DeepSeek-V4.1-Flash")
+    assert "text_config" in nested and "vision_config" in nested
+    flat = {k: v for k, v in nested.items() if k not in ("text_config", "vision_config")}
+    flat.update({k: v for k, v in nested["text_config"].items() if k != "model_type"})
+    a, b = _v41_variant(tmp_path), _v41_variant(tmp_path, model=flat)
+    assert (a.cache_dtype_str, a.block_size, a.capacity.kv_bytes_per_token) == \
+        (b.cache_dtype_str, b.block_size, b.capacity.kv_bytes_per_token) == \
+        ("nvfp4_ds_mla", 128, 1056)
+
+
+@pytest.mark.parametrize(("node", "engine", "version", "want"), [
+    # ROCm: V4 record, block 64 (the indexer's family-9 size), vLLM's backend name.
+    ({"platform": "rocm", "compute_capability": None}, {}, "0.33.0",
+     ("ROCM_FLASHMLA_SPARSE_DSV41", "fp8_ds_mla", 64, 1827)),
+    ({"platform": "rocm", "compute_capability": None}, {}, "0.32.0",
+     ("ROCM_FLASHMLA_SPARSE_DSV4", "fp8_ds_mla", 64, 1827)),
+    # SM120: block 128 on 0.33, 64 on 0.34 (vllm#59203).
+    ({"compute_capability": "12.0"}, {}, "0.33.0",
+     ("FLASHINFER_MLA_SPARSE_DSV41", "fp8_ds_mla", 128, 1800)),
+    ({"compute_capability": "12.0"}, {}, "0.34.0",
+     ("FLASHINFER_MLA_SPARSE_DSV41", "fp8_ds_mla", 64, 1827)),
+    # TP16 leaves 4 heads per wo_a group: FlashMLA, 528 B compressed records.
+    ({}, {"tensor_parallel_size": 16, "data_parallel_size": 1}, "0.34.0",
+     ("FLASHMLA_SPARSE_DSV41", "fp8_ds_mla", 128, 1656)),
+    # LoRA turns mega off on 0.34 only.
+    ({}, {"enable_lora": True}, "0.34.0", ("FLASHMLA_SPARSE_DSV41", "fp8_ds_mla", 128, 1656)),
+    ({}, {"enable_lora": True}, "0.33.0",
+     ("FLASHMLA_MEGA_ATTN_DSV41", "nvfp4_ds_mla", 128, 1056)),
+    # vLLM 0.30 has no mega attention.
+    ({}, {}, "0.30.0", ("FLASHMLA_SPARSE_DSV41", "fp8_ds_mla", 128, 1656)),
+])
+def test_v41_plan_is_what_the_release_builds(tmp_path, node, engine, version, want):
+    p = _v41_variant(tmp_path, node, engine, version)
+    assert (p.backend, p.cache_dtype_str, p.block_size, p.capacity.kv_bytes_per_token) == want
+
+
+def test_v41_plan_with_other_head_groups_rules_mega_out(tmp_path):
+    model = _model_cfg("DeepSeek-V4.1-Flash")
+    model["text_config"]["o_groups"] = 16
+    p = _v41_variant(tmp_path, version="0.34.0", model=model)
+    assert (p.backend, p.cache_dtype_str) == ("FLASHMLA_SPARSE_DSV41", "fp8_ds_mla")
+
+
+def test_v41_block_size_no_backend_accepts_is_refused(tmp_path):
+    p = _v41_variant(tmp_path, engine={"block_size": 64}, version="0.34.0")
+    assert p.refused and "block_size=64" in " ".join(q.message for q in p.problems)
+
+
+def test_unset_gpu_memory_utilization_is_the_releases_default(tmp_path):
+    """0.34 sizes with 1.0 under the extensible KV cache (on by default on CUDA), earlier
+    releases with 0.92 (config/cache.py of each wheel)."""
+    budgets = {}
+    for version in ("0.33.0", "0.34.0"):
+        p = _v41_variant(tmp_path, engine={"gpu_memory_utilization": None}, version=version)
+        budgets[version] = p.capacity.kv_budget_per_gpu_bytes + p.capacity.weights_per_gpu_bytes
+    gib = 179.06 * 2**30
+    assert budgets["0.33.0"] == pytest.approx(gib * 0.92)
+    assert budgets["0.34.0"] == pytest.approx(gib * 1.0)

@@ -169,3 +169,29 @@ def test_kv_table_is_fresh() -> None:
 
     assert (REPO / "docs" / "kv-table.md").read_text() == kvtable.render(), (
         "docs/kv-table.md is stale. Fix: python -m tests.releases.kvtable docs/kv-table.md")
+
+
+NIXL_PATHS = ("vllm/distributed/kv_transfer/kv_connector/v1/nixl/metadata.py",
+              "vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py")
+
+
+@pytest.mark.parametrize("version", rs.RELEASES)
+def test_release_facts_are_the_wheels(version: str) -> None:
+    """NIXL's connector version, CacheConfig's block and memory defaults, per wheel."""
+    rel = rules.release_rules(version)
+    path = next(p for p in NIXL_PATHS if rs.has_file(version, p))
+    assert diff.module_constant(version, path, "NIXL_CONNECTOR_VERSION") == \
+        rel.nixl_connector_version
+    assert diff._cache_default_block(version) == rel.default_block_size
+    text = rs.source(version, diff.CACHE)
+    cls = rs._find(ast.parse(text), ast.ClassDef, "CacheConfig")
+    field = diff._member(cls, "gpu_memory_utilization")  # type: ignore[arg-type]
+    default = ast.literal_eval(field.value.keywords[0].value)  # type: ignore[union-attr]
+    if default is None:  # 0.34: resolved_gpu_memory_utilization
+        assert rel.extensible_kv_cache
+        assert "return 1.0" in text and "DEFAULT_GPU_MEMORY_UTILIZATION: ClassVar[float] = 0.92" \
+            in text
+        assert rules.default_gpu_memory_utilization(version, "cuda") == 1.0
+        assert rules.default_gpu_memory_utilization(version, "cpu") == 0.92
+    else:
+        assert default == rel.gpu_memory_utilization == 0.92
