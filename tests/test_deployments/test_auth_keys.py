@@ -42,7 +42,7 @@ def logged() -> Any:
     """The ERROR lines of ``dsv4_serve.auth`` (its family does not propagate to root)."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler(logging.ERROR)
-    handler.emit = records.append  # type: ignore[method-assign]
+    handler.emit = records.append  # type: ignore[method-assign, assignment]  # capture
     logger = logging.getLogger("dsv4_serve.auth")
     logger.addHandler(handler)
     yield records
@@ -167,7 +167,7 @@ def test_callers_never_see_the_key_file_or_its_fault(tmp_path: Path) -> None:
     def broken(_: str) -> bool:
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, f"in {path}")
 
-    g.keys.matches = broken  # type: ignore[method-assign]
+    g.keys.matches = broken  # type: ignore[method-assign, assignment]  # a failing store
     status, hdrs, data = post(app, {"prompt": "x"}, headers={"authorization": f"Bearer {GOOD}",
                                                              "x-request-id": "req-9"})
     assert status == 503 and "retry-after" in hdrs, data
@@ -179,7 +179,8 @@ class _Series:
     """Records what the replica's metrics were given."""
 
     def __init__(self, name: str, description: str = "", **_: Any) -> None:
-        self.name, self.values = name, []
+        self.name = name
+        self.values: list[Any] = []
         SERIES[name] = self
 
     def set(self, value: float) -> None:

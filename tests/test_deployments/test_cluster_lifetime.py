@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import IO, cast
 
 import pytest
 
@@ -32,7 +33,7 @@ def test_a_sigkilled_driver_takes_its_cluster_with_it() -> None:
     driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE,
                               text=True, cwd=os.getcwd())
     try:
-        session = int(driver.stdout.readline())
+        session = int(cast(IO[str], driver.stdout).readline())  # stdout=PIPE
         deadline = time.monotonic() + 60
         while len(session_pids(session)) < 3 and time.monotonic() < deadline:
             time.sleep(0.5)  # gcs_server, raylet, the reaper, ...: the head is up

@@ -38,7 +38,7 @@ def test_local_cpu_config_is_valid() -> None:
     assert app.route_prefix == "/"
     assert args.llm.engine_kwargs.kv_cache_dtype == "auto"
     assert args.dsv4.policy.value == "enforce"
-    assert args.llm.deployment_config.autoscaling_config.min_replicas == 2
+    assert args.llm.deployment_config.autoscaling_config.min_replicas == 2  # type: ignore[union-attr]  # set in that config
     llm = args.llm_config_dict("/models/tiny")
     assert llm["model_loading_config"]["model_source"] == "/models/tiny"
     assert llm["engine_kwargs"]["worker_extension_cls"] == WORKER_EXTENSION
@@ -171,6 +171,7 @@ def test_http_settings_reach_the_engine_and_contradictions_are_refused() -> None
     from deployments.config import checks
     from deployments.config.app_args import apply_http_to_engine
 
+    base: dict[str, Any]
     base = {"llm": {"model_loading_config": {"model_id": "m", "model_source": "dsv4-tiny"},
                     "deployment_config": {"autoscaling_config": {"min_replicas": 1,
                                                                   "max_replicas": 2}}},

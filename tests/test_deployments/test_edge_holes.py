@@ -11,7 +11,7 @@ import hashlib
 import json
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from fastapi import FastAPI, Request
@@ -277,7 +277,8 @@ def test_server_errors_are_known_in_every_stream_format(event: dict[str, Any],
 
     assert server_error_status(event) == status
     if status is not None:
-        protocol = "anthropic" if isinstance(event.get("error"), dict) and \
+        protocol: Literal["openai", "anthropic"] = "anthropic" if isinstance(
+            event.get("error"), dict) and \
             event.get("type") == "error" else "openai"
         clean = json.dumps(scrubbed_event(event, status, "req-s", protocol))
         assert "4242" not in clean and "req-s" in clean

@@ -386,8 +386,8 @@ def test_v41_standin_pages_are_vllms_spec_pages() -> None:
 
     topo = rules.V41Topology.from_hf_config(V41_FLASH)
     for name, node in V41_NODES.items():
-        cap = tuple(int(x) for x in node["compute_capability"].split("."))
-        record = rules.v41_record("cuda", cap, node["attention_backend"], "auto")
+        major, minor = (int(x) for x in node["compute_capability"].split("."))
+        record = rules.v41_record("cuda", (major, minor), node["attention_backend"], "auto")
         real = [real_spec(c, record, topo.head_dim) for c in rules.v41_caches(topo, record)]
         assert [r["page_size_bytes"] for r in v41_worker_specs(node)] == real, name
 

@@ -25,7 +25,7 @@ WEIGHTS = "/mnt/secret-models/dsv4-flash"
 def test_the_model_list_shows_the_id_not_the_path() -> None:
     app = vllm_app()
     app.state.openai_serving_models = OpenAIModelRegistry(
-        SimpleNamespace(max_model_len=4096), [BaseModelPath(MODEL_ID, WEIGHTS)])  # type: ignore[arg-type]
+        SimpleNamespace(max_model_len=4096), [BaseModelPath(MODEL_ID, WEIGHTS)])
     edge = Edge.start(HTTPEdge(), "127.0.0.1", environ={})
     resp = TestClient(harden(app, edge)).get("/v1/models")
     assert resp.status_code == 200, resp.text

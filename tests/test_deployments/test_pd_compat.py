@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
-from deployments.config import ConfigError, load_serve_config, parse_app_args
+from deployments.config import ConfigError, PDAppArgs, load_serve_config, parse_app_args
 from deployments.control.wire import PDVerdict, ReplicaSpec, State, TransferSpec
 from deployments.harness.standin import standin_spec
 from deployments.pd import compat
@@ -151,8 +151,9 @@ def pd_args(**pd: Any) -> dict[str, Any]:
 def test_the_cpu_pd_config_builds_two_pools() -> None:
     [(_, args)] = load_serve_config(PD_CONFIG).ours()
     assert type(args).__name__ == "PDAppArgs" and args.max_replicas_total == 2
-    prefill = args.pool_llm_config_dict("prefill", "/m")
-    decode = args.pool_llm_config_dict("decode", "/m")
+    pd = cast(PDAppArgs, args)  # asserted just above
+    prefill = pd.pool_llm_config_dict("prefill", "/m")
+    decode = pd.pool_llm_config_dict("decode", "/m")
     assert prefill["engine_kwargs"]["kv_transfer_config"]["kv_role"] == "kv_producer"
     assert decode["engine_kwargs"]["kv_transfer_config"]["kv_role"] == "kv_consumer"
     assert prefill["runtime_env"]["env_vars"]["UCX_TLS"] == "tcp,self,sm"

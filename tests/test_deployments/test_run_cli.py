@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,7 @@ def processes_named(pids: set[int], fragment: bytes) -> list[int]:
     return found
 
 
-def wait_for_agreement(url: str, replicas: int, replaced: set[str] = frozenset(),
+def wait_for_agreement(url: str, replicas: int, replaced: AbstractSet[str] = frozenset(),
                        timeout_s: float = 300) -> dict:
     """Until /v1/kv-spec agrees over ``replicas`` replicas, one of them not in ``replaced``
     when that is given (a replacement has joined)."""

@@ -19,7 +19,7 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import openai
@@ -399,7 +399,7 @@ def test_uploads_in_progress_hold_in_flight_slots_live(http: httpx.Client,
     stalled = []
     try:
         for _ in range(2 * edge_settings.max_in_flight):
-            sock = socket.create_connection((url.hostname, url.port), timeout=30)
+            sock = socket.create_connection((url.hostname, cast(int, url.port)), timeout=30)
             sock.sendall(head.encode())
             stalled.append(sock)
         time.sleep(1.0)

@@ -18,7 +18,7 @@ import json
 import socket
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import anthropic
@@ -248,7 +248,8 @@ def test_trickled_uploads_hold_no_slot_and_end_in_408(base: str, limits: Any) ->
     socks = []
     try:
         for _ in range(limits.max_in_flight + 8):
-            sock = socket.create_connection((host, port), timeout=limits.body_timeout_s + 30)
+            sock = socket.create_connection((host, cast(int, port)),
+                                            timeout=limits.body_timeout_s + 30)
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                          b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
                          b'{"model": ')

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import sys
 import types
+from typing import Any
 
 import pytest
 
@@ -90,7 +91,7 @@ def test_patch_rebinds_copies_imported_by_name(
     legacy_module: types.ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     copy = types.ModuleType("vllm.models.deepseek_v4.fake_importer")
-    copy._resolve_dsv4_kv_cache_dtype = legacy_resolver.legacy_resolve
+    copy._resolve_dsv4_kv_cache_dtype = legacy_resolver.legacy_resolve  # type: ignore[attr-defined]  # a stand-in module
     monkeypatch.setitem(sys.modules, copy.__name__, copy)
     result = RESOLVER_PATCH.apply(legacy_module)
     assert f"{copy.__name__}._resolve_dsv4_kv_cache_dtype" in result.reason
@@ -151,7 +152,7 @@ def test_post_import_hook_fires_on_import_and_immediately(tmp_path, monkeypatch)
     seen: list[int] = []
     assert import_hooks.when_imported("dsv4_hook_probe", lambda m: seen.append(m.VALUE)) is False
     assert "dsv4_hook_probe" in import_hooks.pending()
-    import dsv4_hook_probe  # noqa: F401
+    import dsv4_hook_probe  # type: ignore[import-not-found]  # noqa: F401  written to tmp_path above
 
     assert seen == [41] and "dsv4_hook_probe" not in import_hooks.pending()
     assert import_hooks.when_imported("dsv4_hook_probe", lambda m: seen.append(m.VALUE + 1))
@@ -177,7 +178,7 @@ def test_record_reports_pending_then_final(tmp_path, monkeypatch) -> None:
     )
     assert [r.status for r in patch.install(rec, (spec,))] == ["pending"]
     assert patch.install(rec, (spec,)) == [rec.result_of("test.probe")]  # hooked once
-    import dsv4_never_imported_module  # noqa: F401  fires the hook
+    import dsv4_never_imported_module  # type: ignore[import-not-found]  # noqa: F401  fires the hook
 
     assert rec.status_of("test.probe") == "applied"
     assert "test.probe=applied (X is 1; ok)" in rec.summary()
@@ -211,7 +212,7 @@ def test_a_probe_that_raises_leaves_the_symbol_alone() -> None:
     """No probe may crash an import: the failure is recorded as ``error`` instead."""
     module = types.ModuleType("vllm.models.deepseek_v4.attention")
     sentinel = object()
-    module._resolve_dsv4_kv_cache_dtype = sentinel  # not callable: the probe raises
+    module._resolve_dsv4_kv_cache_dtype = sentinel  # type: ignore[attr-defined]  # not callable: the probe raises
 
     result = RESOLVER_PATCH.apply(module)
     assert result.status == "error" and "left unchanged" in result.reason, result
@@ -238,7 +239,8 @@ def _layer_init_without_config(self, kv_cache_dtype="auto"):  # its source has t
 def test_register_is_idempotent_and_publishes_a_record() -> None:
     first = plugin.register()
     assert plugin.register() is first is record.current()
-    names = {r["name"] for r in first.as_dict()["patches"]}
+    patches: Any = first.as_dict()["patches"]
+    names = {r["name"] for r in patches}
     assert {p.name for p in registry.all_patches()} == names
     assert first.vllm_version == "0.32.0" and first.platform == "cpu"
 

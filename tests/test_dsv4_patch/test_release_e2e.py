@@ -26,6 +26,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -46,7 +47,7 @@ def _params() -> list[object]:
             for v in rv.E2E_RELEASES]
 
 
-def run_release(version: str, plugin: bool, tmp: Path) -> dict[str, object]:
+def run_release(version: str, plugin: bool, tmp: Path) -> dict[str, Any]:
     """One run of the tiny model on ``version``; the parsed report lines and stderr."""
     from dsv4_patch.tiny_model import ensure_tiny_model
 

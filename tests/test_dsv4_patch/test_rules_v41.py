@@ -98,6 +98,7 @@ def _real_resolver(version: str) -> Any:
     import ast
 
     node = rs._find(ast.parse(text), ast.FunctionDef, "_resolve_dsv4_kv_cache_dtype")
+    assert node is not None, "vLLM 0.33.0 has no _resolve_dsv4_kv_cache_dtype"
     body = rs.HEADER + "CacheConfig = object\n\n" + rs._segment(text, node)
     return rs._load("dsv4_release_v41_resolver_v0_33_0", body, 0)._resolve_dsv4_kv_cache_dtype
 

@@ -61,7 +61,7 @@ def test_the_installed_selector_agrees_with_its_release_table() -> None:
     for capability, backend in GRID:
         try:
             got = selector.installed_layout("cuda", capability, backend)
-            asked = (got.layout.value, got.backend)
+            asked: tuple[str | None, ...] = (got.layout.value, got.backend)
         except rules.LayoutError:
             asked = ("error",)
         assert asked == table(version, capability, backend), (capability, backend)
