@@ -270,13 +270,9 @@ class KVSpecController:
         """Every replica's validated ``ReplicaSpec``; failures become named gaps."""
         answers, late, error = await self._ask_specs()
         gaps = [NoAnswer(None, error)] if error else []
-        specs: list[ReplicaSpec] = []
-        for answer in answers:
-            parsed = parse_answer(answer, self._held)
-            if isinstance(parsed, ReplicaSpec):
-                specs.append(parsed)
-            else:
-                gaps.append(parsed)
+        parsed = [parse_answer(answer, self._held) for answer in answers]
+        specs = [p for p in parsed if isinstance(p, ReplicaSpec)]
+        gaps += [p for p in parsed if not isinstance(p, ReplicaSpec)]
         if late:
             gaps += await self._name_late(late, {s.replica_id for s in specs})
         # Hold what answered, and what is silent now but may answer again.
