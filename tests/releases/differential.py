@@ -145,7 +145,7 @@ def module_constant(version: str, path: str, name: str) -> Any:
         targets = stmt.targets if isinstance(stmt, ast.Assign) else (
             [stmt.target] if isinstance(stmt, ast.AnnAssign) else [])
         if any(ast.unparse(t) == name for t in targets):
-            return ast.literal_eval(stmt.value)  # type: ignore[union-attr,arg-type]
+            return ast.literal_eval(stmt.value)  # type: ignore[attr-defined]  # an (Ann)Assign
     raise LookupError(f"vLLM {version}: no {name} in {path}")
 
 
@@ -197,7 +197,7 @@ class Platform:
 def lookup_interface(version: str, name: str) -> ast.FunctionDef:
     tree = ast.parse(rs.source(version, INTERFACE))
     cls = rs._find(tree, ast.ClassDef, "Platform")
-    node = _member(cls, name)  # type: ignore[arg-type]
+    node = _member(cls, name)
     assert isinstance(node, ast.FunctionDef), (version, name)
     return node
 
@@ -267,12 +267,13 @@ class Release:
             _cache_default_block(version)
         ns: dict[str, Any] = {"current_platform": self.platform, "torch": _torch(),
                               "logger": _Logger(), "CacheConfig": object}
-        self.resolver = function(module_function(version, ATTN, "_resolve_dsv4_kv_cache_dtype"),
-                                 ns)  # type: ignore[arg-type]
+        # (mypy: module_function may return None; these exist in every V4.1 release.)
+        self.resolver = function(module_function(  # type: ignore[arg-type]
+            version, ATTN, "_resolve_dsv4_kv_cache_dtype"), ns)
         self.mxfp8 = function(module_function(version, ATTN, "_use_v41_mxfp8_kv_record"), ns)  # type: ignore[arg-type]
         mxfp4_block = 32  # MXFP4_BLOCK_SIZE (pinned by the differential test)
-        self.indexer_head = function(module_function(version, ATTN, "_indexer_k_cache_head_dim"),
-                                     {"MXFP4_BLOCK_SIZE": mxfp4_block})  # type: ignore[arg-type]
+        self.indexer_head = function(module_function(  # type: ignore[arg-type]
+            version, ATTN, "_indexer_k_cache_head_dim"), {"MXFP4_BLOCK_SIZE": mxfp4_block})
         self._backends: dict[str, Backend] = {}
         self.select = self._selector()
 
@@ -483,14 +484,14 @@ def _torch() -> Any:
 def _cache_default_block(version: str) -> int:
     tree = ast.parse(rs.source(version, CACHE))
     cls = rs._find(tree, ast.ClassDef, "CacheConfig")
-    stmt = _member(cls, "DEFAULT_BLOCK_SIZE")  # type: ignore[arg-type]
+    stmt = _member(cls, "DEFAULT_BLOCK_SIZE")
     return int(ast.literal_eval(stmt.value))  # type: ignore[union-attr]
 
 
 @cache
 def lookup_interface_opt(version: str, name: str) -> ast.FunctionDef | None:
     cls = rs._find(ast.parse(rs.source(version, INTERFACE)), ast.ClassDef, "Platform")
-    node = _member(cls, name)  # type: ignore[arg-type]
+    node = _member(cls, name)
     return node if isinstance(node, ast.FunctionDef) else None
 
 
@@ -521,7 +522,7 @@ REGISTRY = "vllm/v1/attention/backends/registry.py"
 def registry_names(version: str) -> tuple[str, ...]:
     """The members of the release's ``AttentionBackendEnum`` (what a config may name)."""
     cls = rs._find(ast.parse(rs.source(version, REGISTRY)), ast.ClassDef, "AttentionBackendEnum")
-    return tuple(ast.unparse(s.targets[0]) for s in cls.body  # type: ignore[union-attr]
+    return tuple(ast.unparse(s.targets[0]) for s in cls.body
                  if isinstance(s, ast.Assign) and len(s.targets) == 1)
 
 
@@ -531,7 +532,7 @@ def dspark_code(version: str) -> Any:
     if not rs.has_file(version, DSPARK):
         return None
     cls = rs._find(ast.parse(rs.source(version, DSPARK)), ast.ClassDef, "DSparkDeepseekV4Model")
-    stmt = next(s for s in ast.walk(cls) if isinstance(s, ast.Assign)  # type: ignore[arg-type]
+    stmt = next(s for s in ast.walk(cls) if isinstance(s, ast.Assign)
                 and ast.unparse(s.targets[0]) == "self.num_dspark_layers")
     return compile(ast.Module(body=[stmt], type_ignores=[]), "<dspark>", "exec")
 
@@ -543,7 +544,7 @@ def init_checks(version: str, cls: str) -> Any:
     init = _member(node, "__init__") if node is not None else None
     if init is None:
         return None
-    checks = [s for s in init.body if isinstance(s, ast.If)  # type: ignore[attr-defined]
+    checks: list[ast.stmt] = [s for s in init.body if isinstance(s, ast.If)  # type: ignore[attr-defined]
               and "n_local_heads" in ast.unparse(s.test)
               and any(isinstance(n, ast.Raise) for n in ast.walk(s))]
     return compile(ast.Module(body=checks, type_ignores=[]), "<init>", "exec") if checks else None
@@ -560,7 +561,7 @@ def record_statements(version: str) -> list[ast.stmt]:
     """``DeepseekV4Attention.__init__``: the resolver call through the record/alignment
     (and the nvfp4 refusal right after, where the release has it)."""
     cls = rs._find(ast.parse(rs.source(version, ATTN)), ast.ClassDef, "DeepseekV4Attention")
-    init = _member(cls, "__init__")  # type: ignore[arg-type]
+    init = _member(cls, "__init__")
     body = init.body  # type: ignore[union-attr]
     start = next(i for i, s in enumerate(body) if "_resolve_dsv4_kv_cache_dtype" in ast.unparse(s)
                  and isinstance(s, ast.Assign))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from dsv4_patch import rules
@@ -28,7 +29,7 @@ def _config(name: str) -> dict:
     return rules.flatten_config(json.loads((MODELS / name / "config.json").read_text()))
 
 
-def _grouped(rows: list[tuple[str, str, tuple[str, ...]]]) -> list[str]:
+def _grouped(rows: Sequence[tuple[str, str, tuple[str, ...]]]) -> list[str]:
     """One line per GPU and run of consecutive releases with the same answer."""
     out: list[str] = []
     by_gpu: dict[str, list[tuple[str, tuple[str, ...]]]] = {}

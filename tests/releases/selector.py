@@ -131,15 +131,17 @@ def selection(version: str) -> Callable[[tuple[int, int] | None, str | None], Ou
         return None
     names = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
              and ast.unparse(n.value) == "AttentionBackendEnum"}
-    backends = enum.Enum("AttentionBackendEnum",
-                         sorted(names | {b for b in BACKENDS if b}))  # type: ignore[misc]
+    # (mypy: a functional Enum with computed members)
+    backends = enum.Enum("AttentionBackendEnum",  # type: ignore[misc]
+                         sorted(names | {b for b in BACKENDS if b}))
     returned = {ast.unparse(n.value) for n in ast.walk(node)
                 if isinstance(n, ast.Return) and n.value is not None}
     stand_ins = {name: SimpleNamespace(name=name, packed=layout_flag(version, name),
                                        backend=backend_of(version, name))
                  for name in returned}
     platform = _Platform()
-    namespace = {"AttentionBackendEnum": backends, "current_platform": platform, **stand_ins}
+    namespace: dict[str, Any] = {"AttentionBackendEnum": backends, "current_platform": platform,
+                                 **stand_ins}
     exec(compile("from __future__ import annotations\n" + ast.unparse(node), "<selector>",
                  "exec"), namespace)
     select = namespace[node.name]

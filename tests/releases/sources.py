@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 from dsv4_patch.patches.kv_dtype import LAYER_PATCH, RESOLVER_PATCH
 from dsv4_patch.record import PatchResult
@@ -103,11 +103,13 @@ def attention_path(version: str) -> str:
     return ATTENTION if has_file(version, ATTENTION) else LEGACY_ATTENTION
 
 
-def _find(tree: ast.AST, kind: type, name: str) -> ast.AST | None:
-    return next((n for n in ast.walk(tree) if isinstance(n, kind) and n.name == name), None)
+def _find(tree: ast.AST, kind: type, name: str) -> Any:
+    """The first ``kind`` node named ``name`` (a def or class: Any, its kind is the caller's)."""
+    return next((n for n in ast.walk(tree)
+                 if isinstance(n, kind) and cast(Any, n).name == name), None)
 
 
-def _segment(text: str, node: ast.AST) -> str:
+def _segment(text: str, node: Any) -> str:
     """The node's source, verbatim, decorators included."""
     lines = text.splitlines(keepends=True)
     start = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
