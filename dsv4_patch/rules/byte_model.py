@@ -17,7 +17,7 @@ UE8M0_GROUP = 64  # one UE8M0 scale byte per 64 NoPE values
 INDEXER_SCALE_BYTES = 4  # one fp32 scale per indexer key
 # The fp8_ds_mla record of one token (DeepSeek-V4 invariants: head_dim 512 = 448 NoPE
 # + 64 RoPE): 448 B fp8-e4m3 NoPE + 128 B bf16 RoPE, then 7 UE8M0 scales + 1 pad byte.
-# dsv4_patch/patches/cpu/ops.py and benchmarks/ read the geometry from here.
+# dsv4_patch/patches/cpu/formats.py and benchmarks/ read the geometry from here.
 NOPE_DIM = 448
 ROPE_DIM = 64
 HEAD_DIM = NOPE_DIM + ROPE_DIM
