@@ -185,7 +185,7 @@ def test_release_facts_are_the_wheels(version: str) -> None:
     assert diff._cache_default_block(version) == rel.default_block_size
     text = rs.source(version, diff.CACHE)
     cls = rs._find(ast.parse(text), ast.ClassDef, "CacheConfig")
-    field = diff._member(cls, "gpu_memory_utilization")  # type: ignore[arg-type]
+    field = diff._member(cls, "gpu_memory_utilization")
     default = ast.literal_eval(field.value.keywords[0].value)  # type: ignore[union-attr]
     if default is None:  # 0.34: resolved_gpu_memory_utilization
         assert rel.extensible_kv_cache
@@ -222,14 +222,9 @@ def v4_differences(version: str) -> list[str]:
     found = []
     for (model, hf), cap, backend, dtype, block in itertools.product(
             V4_MODELS.items(), V4_CAPS, V4_BACKENDS, DTYPES, (None, 128, 256)):
-        if select is None:  # 0.20-0.22: FlashMLA only, whatever the backend says
-            chosen = ("fp8_ds_mla", rules.FLASHMLA_DSV4)
-        else:
-            chosen = select(cap, backend)
+        chosen: tuple[str, ...] = ("fp8_ds_mla", rules.FLASHMLA_DSV4) if select is None \
+            else select(cap, backend)  # 0.20-0.22: FlashMLA only, whatever the backend says
         theirs: tuple = ("refused",)
-        if chosen != ("error",):
-            if chosen[0] == "plain_rows" and select is None:
-                chosen = ("error",)
         if chosen != ("error",) and (block is None or block % 256 == 0):
             outcome = call_resolver(resolver, chosen[0] == "fp8_ds_mla", dtype)
             if outcome.error is None:
