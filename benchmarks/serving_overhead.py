@@ -51,204 +51,35 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from benchmarks.overhead_arms import (
+    ARMS,
+    DIRECT_KEY,
+    KEYED_ARMS,
+    MODEL_ID,
+    PHASE,
+    REPO,
+    SERVE_ARMS,
+    app_args,
+    arm_env,
+    client_env,
+    client_port,
+    engine_env,
+    serve_arm,
+)
+from benchmarks.overhead_table import aggregate, by_load, merge, tables
 from deployments.harness import load as bench_load
-
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "local-cpu.yaml"
-SERVE_ARMS = ("ours", "ours-proxy", "stock", "ours-quiet", "ours-tput", "ours-direct",
-              "ours-haproxy", "ours-raydefaults")
-ARMS = ("ours", "ours-proxy", "vllm", *SERVE_ARMS[2:])
-# Arms whose replicas listen themselves: the edge requires a key even on loopback.
-KEYED_ARMS = ("ours-direct", "ours-haproxy")
-# ours-direct: the key the arm's replicas require and its client sends.
-DIRECT_KEY = "bench-direct-ingress-key"
-
-
-def client_port(arm: str, port: int) -> int:
-    """Where the load goes: Serve's proxy (``port``), or the replica itself under
-    direct ingress (the next port, the only one Serve's port range then holds)."""
-    return port + 1 if arm == "ours-direct" else port
-
-
-def arm_env(arm: str, port: int) -> dict[str, str]:
-    """Environment of an arm's server process (Ray's processes inherit it)."""
-    from deployments import serve_env
-
-    if arm == "ours-raydefaults":  # Serve's own values: a set value wins over ours
-        return {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1",
-                "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "100"}
-    if arm == "ours-haproxy":
-        return {"RAY_SERVE_ENABLE_HA_PROXY": "1", **serve_env.direct_env(port + 1),
-                "RAY_SERVE_HAPROXY_STATS_PORT": str(port + 2),
-                "RAY_SERVE_HAPROXY_METRICS_PORT": str(port + 3),
-                "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(port + 4),
-                "DSV4_API_KEYS": DIRECT_KEY}
-    if arm != "ours-direct":
-        return {}
-
-    return {**serve_env.direct_env(port + 1), "DSV4_API_KEYS": DIRECT_KEY}
-
-
-def client_env(arm: str) -> dict[str, str]:
-    """What the load client needs (``vllm bench serve`` reads ``OPENAI_API_KEY``)."""
-    return {"OPENAI_API_KEY": DIRECT_KEY} if arm in KEYED_ARMS else {}
-# The OpenAiIngress replica stock build_openai_app adds asks for Serve's default 1 CPU;
-# ours has no ingress replica (the servers are the ingress), so our sizing has no room.
-STOCK_INGRESS_CPUS = 1.0
-# Ablation arm: ours with the KV-spec controller's periodic check pushed out to its
-# maximum period, so it runs once at start; isolates what the periodic check costs.
-QUIET_PERIOD_S = 3600.0
-MODEL_ID = "dsv4-tiny"
-# Arms whose requests enter through one of Serve's own doors (its proxy, direct ingress,
-# HAProxy), not the replicas' shared port; and where the others put Serve's proxy.
-SERVE_DOOR_ARMS = ("ours-proxy", "stock", "ours-tput", "ours-direct", "ours-haproxy")
-PROXY_OFFSET = 5
-READY = "DSV4-ARM-READY"
-
-
-def raw_config(replicas: int, port: int, arm: str = "ours") -> dict[str, Any]:
-    """``configs/local-cpu.yaml`` with ``replicas`` engines and the benchmark port.
-
-    Every arm's engine gets this config's ``runtime_env.env_vars`` (the Serve arms
-    through Ray, the plain-vLLM arm in its process environment), so the engines run
-    with the same threading: ``OMP_NUM_THREADS`` left unset would give the Serve
-    arms 1 thread (Ray's default for a 1-CPU actor) and plain vLLM 2 (torch's).
-    """
-    raw = yaml.safe_load(CONFIG.read_text())
-    args = raw["applications"][0]["args"]
-    if arm in SERVE_DOOR_ARMS:  # Serve's own ingress paths: the load goes to Serve's port
-        raw["http_options"]["port"] = port
-        args["http"].pop("replica_port", None)
-    else:  # the replicas' own port, Serve's proxy beside it
-        raw["http_options"]["port"] = port + PROXY_OFFSET
-        args["http"]["replica_port"] = port
-    auto = args["llm"]["deployment_config"]["autoscaling_config"]
-    auto["min_replicas"] = auto["max_replicas"] = replicas
-    if arm == "ours-quiet":
-        args["dsv4"]["controller_period_s"] = QUIET_PERIOD_S
-    return raw
-
-
-def engine_env() -> dict[str, str]:
-    """The environment every arm's engine runs with (recorded with the results)."""
-    return dict(app_args(1)["llm"]["runtime_env"]["env_vars"])
-
-
-def app_args(replicas: int) -> dict[str, Any]:
-    """``build_app`` args of the local CPU config, scaled to ``replicas``."""
-    return copy.deepcopy(raw_config(replicas, 0)["applications"][0]["args"])
-
-
-def stock_app(replicas: int) -> Any:
-    """Stock Ray Serve LLM: ``build_openai_app`` with the same engine and placement."""
-    from ray.serve.llm import LLMConfig, build_openai_app
-
-    from dsv4_patch.tiny_model import ensure_tiny_model
-
-    llm = app_args(replicas)["llm"]
-    config = LLMConfig(
-        model_loading_config={"model_id": MODEL_ID, "model_source": str(ensure_tiny_model())},
-        engine_kwargs=llm["engine_kwargs"],
-        deployment_config=llm["deployment_config"],
-        placement_group_config=llm["placement_group_config"],
-        runtime_env=llm["runtime_env"],
-    )
-    return build_openai_app({"llm_configs": [config]})
-
-
-def serve_arm(arm: str, port: int, replicas: int) -> int:
-    """Run one Serve arm in this process until SIGTERM (the arm's server process).
-
-    Every Serve arm starts Ray the way ``dsv4-serve run`` does (``ray_head.start_cluster``:
-    a private cluster with the logical CPUs the replicas reserve, Ray Serve's default
-    environment but for ours-tput). The application is ours (``deploy.deploy`` ->
-    ``build_app``) or stock.
-    """
-    from ray import serve
-
-    from deployments import serve_env
-    from deployments.config import ServeConfig
-    from deployments.local import deploy, ray_head
-
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    config = ServeConfig.model_validate(raw_config(replicas, port, arm))
-    phase("imports done")
-    if arm != "stock":
-        deploy.preload_app_module()  # what `dsv4-serve run` does
-    try:
-        cpus = None
-        if arm == "stock":
-            cpus = max(float(os.cpu_count() or 1),
-                       ray_head.logical_cpus_needed(config) + STOCK_INGRESS_CPUS)
-        if arm == "ours-tput":  # before Ray starts its processes: they inherit the flags
-            for line in serve_env.apply():
-                print(line, flush=True)
-        if arm in KEYED_ARMS:  # arm_env set the flags in this process's environment
-            print("dsv4: Ray Serve env " + ", ".join(
-                f"{k}={v}" for k, v in os.environ.items()
-                if k.startswith("RAY_SERVE_")), flush=True)
-        ray_head.start_cluster(config, cpus, on_ray_up=lambda: phase("Ray up"))
-        phase("Ray + Serve started")
-        if arm != "stock":
-            deploy.deploy(config)
-        else:
-            serve.run(stock_app(replicas), name="dsv4", route_prefix="/")
-        phase("app RUNNING")
-        process_phases()
-        print(READY, flush=True)
-        stop.wait()
-    finally:
-        ray_head.shutdown()
-    return 0
-
-
-PHASE = "DSV4-PHASE"
-
-
-def process_phases() -> None:
-    """Boot milestones read off the processes of this arm (it leads its session): when
-    Serve's controller and proxy, the server replica, the engine core and its worker
-    were created, from their start times."""
-    import psutil
-
-    from benchmarks.arm_procs import role_of, session_processes
-
-    t0 = float(os.environ.get("DSV4_ARM_T0", time.time()))
-    first: dict[str, float] = {}
-    for proc in session_processes(os.getpid()):
-        try:
-            role, created = role_of(proc), proc.create_time()
-        except psutil.NoSuchProcess:
-            continue
-        if role in ("serve-controller", "proxy", "server", "controller", "engine",
-                    "engine-worker"):
-            first[role] = min(first.get(role, created), created)
-    for role, created in sorted(first.items(), key=lambda kv: kv[1]):
-        print(f"{PHASE} {created - t0:.2f} {role} process started", flush=True)
-
-
-def phase(name: str) -> None:
-    """Print a boot milestone: seconds since the benchmark started this process."""
-    t0 = float(os.environ.get("DSV4_ARM_T0", time.time()))
-    print(f"{PHASE} {time.time() - t0:.2f} {name}", flush=True)
 
 
 def phases(log: Path) -> dict[str, float]:
@@ -426,19 +257,6 @@ def measure(arms: list[str], rounds: int, repeats: int, loads: list[bench_load.L
     return runs
 
 
-METRICS = (  # (key, label, higher is better)
-    ("request_throughput", "req/s", True),
-    ("output_throughput", "out tok/s", True),
-    ("median_ttft_ms", "TTFT p50 ms", False),
-    ("p99_ttft_ms", "TTFT p99 ms", False),
-    ("median_tpot_ms", "TPOT p50 ms", False),
-    ("p99_tpot_ms", "TPOT p99 ms", False),
-)
-
-
-KEYS = (*(k for k, _, _ in METRICS), "boot_s", "arm_busy_at_rest_pct")
-
-
 @contextlib.contextmanager
 def _environ(extra: dict[str, str]) -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in extra}
@@ -451,102 +269,6 @@ def _environ(extra: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def by_load(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """The runs split per load (runs from before ``--loads`` have no label: one load)."""
-    out: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for arm, rs in runs.items():
-        for r in rs:
-            out.setdefault(r.get("load", "load"), {}).setdefault(arm, []).append(r)
-    return out
-
-
-def tables(runs: dict[str, list[dict[str, Any]]]) -> str:
-    """One markdown table per load."""
-    return "\n\n".join(f"**{label}**\n\n{table(aggregate(rs))}"
-                        for label, rs in by_load(runs).items())
-
-
-def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
-    """Per arm and metric: median, min and max over the runs; failed requests summed."""
-    out: dict[str, dict[str, Any]] = {}
-    for arm, rs in runs.items():
-        if not rs:
-            continue
-        stats: dict[str, Any] = {k: {"median": statistics.median(r[k] for r in rs),
-                                     "min": min(r[k] for r in rs), "max": max(r[k] for r in rs)}
-                                 for k in KEYS if all(k in r for r in rs)}
-        out[arm] = stats | {"failed": sum(r["failed"] for r in rs), "runs": len(rs),
-                            "by_round": by_round(rs)}
-    return out
-
-
-def by_round(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """An arm's runs keyed "round.n" (the n-th run of that round; a JSON key): what
-    pairs it with the other arms' runs of the same round (alternating order, the same
-    box state)."""
-    seen: dict[int, int] = {}
-    out = {}
-    for r in runs:
-        rnd = r.get("round", 0)
-        seen[rnd] = seen.get(rnd, -1) + 1
-        out[f"{rnd}.{seen[rnd]}"] = r
-    return out
-
-
-def paired_ratio(agg: dict[str, dict[str, Any]], key: str, other: str,
-                 arm: str = "ours") -> float | None:
-    """The median over rounds of arm/other within each round. Rounds alternate the
-    arms' order and a busy box slows every arm of its round alike, so the per-round
-    ratio is the steadier estimate; None when no round has both."""
-    mine, theirs = agg[arm]["by_round"], agg[other]["by_round"]
-    ratios = [mine[k][key] / theirs[k][key] for k in mine.keys() & theirs.keys()
-              if key in mine[k] and key in theirs[k] and theirs[k][key]]
-    return statistics.median(ratios) if ratios else None
-
-
-def ratio(agg: dict[str, dict[str, Any]], key: str, other: str,
-          arm: str = "ours") -> tuple[float, bool]:
-    """arm/other of the medians, and whether it is noise: the two arms' min-max
-    spreads overlap, so the runs cannot tell them apart."""
-    mine, theirs = agg[arm][key], agg[other][key]
-    noise = mine["min"] <= theirs["max"] and theirs["min"] <= mine["max"]
-    return mine["median"] / theirs["median"], noise
-
-
-def table(agg: dict[str, dict[str, Any]]) -> str:
-    """Markdown: median (min-max) per arm, ours/other ratios of the medians (``~`` =
-    inside the spread) and, over several rounds, ``[median of the per-round ratios]``."""
-    arms = [a for a in ARMS if a in agg]
-    pairs = [("ours", a) for a in arms if a != "ours"] if "ours" in agg else []
-    if "vllm" in agg:  # every other arm against plain vLLM too
-        pairs += [(a, "vllm") for a in arms if a not in ("ours", "vllm")]
-    lines = ["| metric | " + " | ".join(arms) + "".join(f" | {a}/{o}" for a, o in pairs) + " |",
-             "|---" * (1 + len(arms) + len(pairs)) + "|"]
-    rows = (*((k, lab) for k, lab, _ in METRICS), ("boot_s", "boot s"),
-            ("arm_busy_at_rest_pct", "arm's CPU at rest, % of box"))
-    for key, label in (r for r in rows if all(r[0] in agg[a] for a in arms)):
-        cells = [f"{agg[a][key]['median']:.2f} ({agg[a][key]['min']:.2f}-"
-                 f"{agg[a][key]['max']:.2f})" for a in arms]
-        for a, o in pairs:
-            value, noise = ratio(agg, key, o, a)
-            paired = paired_ratio(agg, key, o, a) if agg[a]["runs"] > 1 else None
-            cells.append(f"{value:.3f}" + (" ~" if noise else "")
-                         + (f" [{paired:.3f}]" if paired is not None else ""))
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines.append("| failed requests | " + " | ".join(str(agg[a]["failed"]) for a in arms)
-                 + " |" * (len(pairs) + 1))
-    return "\n".join(lines)
-
-
-def merge(paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
-    """The runs of several result files (one locked job per round), by arm."""
-    runs: dict[str, list[dict[str, Any]]] = {}
-    for path in paths:
-        for arm, rs in json.loads(path.read_text())["runs"].items():
-            runs.setdefault(arm, []).extend(rs)
-    return runs
 
 
 def main() -> int:
