@@ -258,3 +258,30 @@ def test_the_checker_catches_drift(tmp_path: Path) -> None:
     doc.write_text("# Two doors: here\n")
     assert not link_problem(doc, "#two-doors-here")
     assert link_problem(doc, "#three-doors")
+
+
+_SECTION = re.compile(r"(docs/[\w-]+\.md) §(\d+[a-z]?)(?:[–-](\d+[a-z]?))?")
+
+
+def section_labels(doc: Path) -> frozenset[str]:
+    """The ``N.`` / ``Na.`` labels a doc's headings start with."""
+    return frozenset(m.group(1) for line in doc.read_text().splitlines()
+                     if (m := re.match(r"^#{2,6}\s+(\d+[a-z]?)\.\s", line)))
+
+
+def test_every_section_reference_names_a_section() -> None:
+    """``docs/benchmarks.md §2f`` in code or docs names a heading that exists."""
+    wrong = []
+    for rel in repo_files():
+        if not rel.endswith((".py", ".md")):
+            continue
+        for number, line in enumerate((REPO / rel).read_text().splitlines(), 1):
+            for m in _SECTION.finditer(line):
+                doc = REPO / m.group(1)
+                labels = section_labels(doc) if doc.is_file() else frozenset()
+                missing = [s for s in m.group(2, 3) if s and s not in labels]
+                if missing:
+                    wrong.append(f"{rel}:{number} `{m.group(0)}`: {m.group(1)} has no "
+                                 f"section {', '.join(missing)}")
+    assert not wrong, "\n".join(wrong)
+    assert {"2a", "2g", "8"} <= section_labels(REPO / "docs" / "benchmarks.md")
