@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.slow
 NODES = 3
 IDLE_TIMEOUT_S = 5.0
 MODEL = "dsv4-tiny"
-STATE: dict[str, object] = {}
+STATE: dict[str, Any] = {}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,8 @@ def test_load_scales_to_two_replicas_on_two_nodes(run: mn.Run) -> None:
         scaled_s = time.monotonic() - started
         traffic.wait_for(6)
         _peak_memory(run)
+        # under load (2 replicas stay): some made on the node lost next
+        STATE["responses"] = _chain(6)
     nodes = set(mn.replica_nodes(rep).values())
     assert set(mn.replica_nodes(before).values()) < nodes, "the first replica moved"
     assert nodes <= set(mn.worker_nodes(run))
@@ -81,6 +84,33 @@ def test_load_scales_to_two_replicas_on_two_nodes(run: mn.Run) -> None:
           f"{len(traffic.outcomes)} requests, {len(failed)} failed")
     assert not failed, [o.error for o in failed[:3]]
     STATE["two"] = rep
+
+
+def _chain(turns: int, previous: str | None = None) -> list[str]:
+    """A ``previous_response_id`` chain of stored responses through Serve's proxy."""
+    import openai
+
+    client = openai.OpenAI(base_url=mn.URL, api_key="unused", timeout=120, max_retries=0)
+    ids = []
+    for turn in range(turns):
+        resp = client.responses.create(model=MODEL, input=f"turn {turn}",
+                                       max_output_tokens=2, previous_response_id=previous)
+        ids.append(previous := resp.id)
+    return ids
+
+
+def _responses_still_served(step: str) -> None:
+    """Every stored response is retrieved and continued after ``step`` (the store
+    outlives the replicas and nodes that made them)."""
+    import openai
+
+    ids = STATE["responses"]
+    assert isinstance(ids, list)
+    client = openai.OpenAI(base_url=mn.URL, api_key="unused", timeout=120, max_retries=0)
+    for rid in ids:
+        assert client.responses.retrieve(rid).id == rid, (step, rid)
+    ids += _chain(2, previous=ids[-1])
+    print(f"{step}: {len(ids)} stored responses retrieved and continued")
 
 
 def test_node_loss_under_traffic_is_confined_and_replaced_on_a_new_node(run: mn.Run) -> None:
@@ -113,6 +143,7 @@ def test_node_loss_under_traffic_is_confined_and_replaced_on_a_new_node(run: mn.
     assert len(failed) <= 8, [o.error for o in failed]
     assert sum(o.ok for o in outcomes if o.started > killed_at) >= 4
     STATE["after_loss"] = rep
+    _responses_still_served("after the node loss")
 
 
 def test_load_stops_scale_down_and_the_idle_node_is_removed(run: mn.Run) -> None:
@@ -127,6 +158,7 @@ def test_load_stops_scale_down_and_the_idle_node_is_removed(run: mn.Run) -> None
     assert set(mn.worker_nodes(run)) == {node}, mn.worker_nodes(run)
     print(f"load stopped: 1 replica agreeing after {down_s:.1f} s, idle node removed after "
           f"{removed_s:.1f} s (node idle timeout {IDLE_TIMEOUT_S} s)")
+    _responses_still_served("after the scale-down")
 
 
 def test_sigterm_after_node_loss_leaves_nothing_and_exits_0(run: mn.Run) -> None:
