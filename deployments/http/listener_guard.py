@@ -42,11 +42,18 @@ def limited_protocol(limits: ReplicaPortLimits) -> type[asyncio.Protocol]:
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     base: Any = AutoHTTPProtocol
+    # httptools reports where a message's headers end; h11 (the fallback) bounds
+    # incomplete headers itself (``max_incomplete_event_size``, 16 KiB).
+    _COUNTS_HEADERS = hasattr(base, "on_headers_complete")
 
     class LimitedProtocol(base):
         transport: Any  # uvicorn's; None once a refused connection is dropped
         _header_timer: asyncio.TimerHandle | None = None
         _header_bytes = 0
+        # A request's headers are in and its body is still arriving. After an early
+        # answer (a 413 before the body is read) that body keeps coming on a cycle
+        # whose response is complete: its bytes are not the next request's headers.
+        _in_body = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             if len(self.server_state.connections) >= limits.max_connections:
@@ -58,18 +65,31 @@ def limited_protocol(limits: ReplicaPortLimits) -> type[asyncio.Protocol]:
             super().connection_made(transport)
             self._arm()
 
+        def on_headers_complete(self) -> None:
+            self._in_body = True
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._in_body = False
+            super().on_message_complete()
+
         def data_received(self, data: bytes) -> None:
             if self.transport is None:
                 return
             if self._header_timer is None and self._between_requests():
-                self._arm()  # the first byte of a next request on a kept-alive connection
-            self._header_bytes += len(data)
+                # The first byte of a next request on a kept-alive connection, or the
+                # rest of a body after an early answer: either must arrive in time.
+                self._arm()
+            counted = _COUNTS_HEADERS and not self._in_body
+            if counted:
+                self._header_bytes += len(data)
             super().data_received(data)
             if self._header_timer is None:
                 return
             if not self._between_requests():
                 self._disarm()  # the headers are in: the edge's body deadline takes over
-            elif self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
+            elif (counted and not self._in_body and self._header_bytes > MAX_HEADER_BYTES
+                  and not self.transport.is_closing()):
                 self.transport.write(_HEADERS_TOO_LARGE)
                 self.transport.close()
 

@@ -296,3 +296,39 @@ def test_a_drained_replica_keeps_the_port_when_it_is_the_last_on_its_node() -> N
         await b.stop(1.0)
 
     asyncio.run(scenario())
+
+
+def test_a_body_after_an_early_answer_is_not_counted_as_headers() -> None:
+    """The edge answers 413 before it reads a too-large body; the body still arriving on
+    that connection is body, not the next request's headers (no 431 on top)."""
+
+    async def early(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"too large"})
+
+    async def scenario() -> None:
+        port = free_port()
+        listener = ReplicaListener(early, "127.0.0.1", port, QUICK)
+        await listener.start()
+        body = b"x" * (3 << 20)
+
+        def post() -> bytes:
+            with connect(port) as sock:
+                sock.settimeout(5.0)
+                sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\n"
+                             + f"Content-Length: {len(body)}\r\n\r\n".encode())
+                sock.sendall(body)
+                sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                answers = b""
+                while chunk := sock.recv(65536):
+                    answers += chunk
+                return answers
+
+        answers = await in_thread(post)
+        assert b" 431 " not in answers, answers
+        # Both the upload and the next request on the connection got the app's answer.
+        assert answers.count(b"HTTP/1.1 413") == 2, answers
+        await listener.stop(1.0)
+
+    asyncio.run(scenario())
