@@ -138,7 +138,7 @@ def test_every_patch_is_documented() -> None:
 def test_every_read_is_documented_and_present() -> None:
     """The vLLM internals dsv4_patch only reads: the same fields, a probe that holds here."""
     reads = registry.all_reads()
-    assert [r.name for r in reads] == ["layout.selector", "pd.connector_facts"]
+    assert [r.name for r in reads] == ["layout.selector", "pd.connector_facts", "responses.store"]
     for read in reads:
         for field in ("module", "target", "why", "how", "upstream", "affected", "remove_when"):
             assert getattr(read, field).strip(), f"{read.name}.{field} is empty"
