@@ -32,7 +32,7 @@ def _prompts(model_dir: Path, count: int) -> list[dict[str, list[int]]]:
     """``count`` distinct 32-token prompts (BOS + corpus tokens) from the tiny tokenizer."""
     from tokenizers import Tokenizer
 
-    from dsv4_patch.tiny_model import read_corpus
+    from dsv4_patch.tiny_tokenizer import read_corpus
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     ids = tok.encode(read_corpus(), add_special_tokens=False).ids

@@ -23,7 +23,8 @@ def find_model_config(args: AppArgs, config_path: Path,
         return _read_json(override)
     loading = args.llm.model_loading_config
     if loading.is_tiny:
-        from dsv4_patch.tiny_model import TOKENIZER_VOCAB_SIZE, tiny_config
+        from dsv4_patch.tiny_model import tiny_config
+        from dsv4_patch.tiny_tokenizer import TOKENIZER_VOCAB_SIZE
 
         return tiny_config(TOKENIZER_VOCAB_SIZE)
     source = loading.model_source or loading.model_id

@@ -5,6 +5,7 @@ answer plan, the controller's prediction, the replica's self-check, doctor and t
 ask; the modules under it, one per question:
 
 - ``engine``       the build: attention class, dtype, block, pages, bytes per token;
+- ``engine_setup`` what vLLM reads for the build, coerced as vLLM coerces it;
 - ``releases``     what each vLLM release decides (keyed by release);
 - ``model_config`` one reader of a config's shape (nested V4.1 or flat), capabilities;
 - ``layouts``/``dtypes``/``byte_model``/``prediction``  DeepSeek-V4's layout, resolver, bytes;
@@ -42,7 +43,6 @@ from dsv4_patch.rules.dtypes import (
 from dsv4_patch.rules.engine import (
     DEFAULT_V41_RELEASE,
     Built,
-    EngineSetup,
     build,
     mega_fits,
     refusal,
@@ -50,6 +50,7 @@ from dsv4_patch.rules.engine import (
     v41_node_record,
     v41_record,
 )
+from dsv4_patch.rules.engine_setup import EngineSetup
 from dsv4_patch.rules.family import (
     FIRST_V41_VLLM,
     PACKED_DTYPES,

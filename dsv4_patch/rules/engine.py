@@ -22,6 +22,7 @@ from typing import Any
 
 from dsv4_patch.rules.byte_model import ModelShape, kv_bytes_per_token, page_breakdown
 from dsv4_patch.rules.dtypes import resolve_kv_cache_dtype, upstream_resolver_decision
+from dsv4_patch.rules.engine_setup import EngineSetup
 from dsv4_patch.rules.family import (
     FIRST_V41_VLLM,
     FLASHINFER_V41,
@@ -62,58 +63,6 @@ _FLASHINFER_V41_NAMES = ("FLASHINFER_MLA_SPARSE_DSV4", FLASHINFER_V41)
 _FLASHMLA_V41_NAMES = ("FLASHMLA_SPARSE", "FLASHMLA_SPARSE_DSV4", FLASHMLA_V41)
 # supports_compute_capability of each V4.1 CUDA backend (majors).
 _V41_MAJORS = {FLASHMLA_V41: (9, 10), MEGA_V41: (10,), FLASHINFER_V41: (10, 12)}
-
-
-@dataclass(frozen=True)
-class EngineSetup:
-    """What vLLM reads to build DeepSeek's KV cache: the node, the release, the engine config."""
-
-    release: str
-    platform: str = "cuda"
-    capability: tuple[int, int] | None = None
-    tp: int = 1
-    block_size: int | None = None
-    kv_cache_dtype: str | None = None
-    attention_backend: str | None = None
-    indexer_kv_dtype: str | None = None  # attention_config.indexer_kv_dtype: fp8 | mxfp4
-    lora: bool = False
-    speculative_method: str | None = None  # speculative_config.method (dspark, mtp, ...)
-    num_speculative_tokens: int = 0
-
-    @classmethod
-    def from_engine_kwargs(cls, release: str, platform: str,
-                           capability: tuple[int, int] | None, node_backend: str | None,
-                           engine_kwargs: Mapping[str, Any]) -> EngineSetup:
-        """Read what vLLM reads, coerced as vLLM's lax pydantic does ("256" -> 256)."""
-        ek = dict(engine_kwargs)
-        attn = ek.get("attention_config") or {}
-        spec = ek.get("speculative_config") or {}
-        backend = ek.get("attention_backend") or attn.get("backend") or node_backend
-        return cls(
-            release=release, platform=platform, capability=capability,
-            tp=_as_int(ek.get("tensor_parallel_size"), "tensor_parallel_size") or 1,
-            block_size=_as_int(ek.get("block_size"), "block_size"),
-            kv_cache_dtype=_lower(ek.get("kv_cache_dtype")),
-            attention_backend=str(backend).upper() if backend else None,
-            indexer_kv_dtype=_lower(attn.get("indexer_kv_dtype")),
-            lora=bool(ek.get("enable_lora")),
-            speculative_method=_lower(spec.get("method")),
-            num_speculative_tokens=_as_int(spec.get("num_speculative_tokens"),
-                                           "speculative_config.num_speculative_tokens") or 0,
-        )
-
-
-def _as_int(value: Any, name: str) -> int | None:
-    if value is None:
-        return None
-    try:
-        return int(str(value).strip())
-    except ValueError:
-        raise ValueError(f"{name}={value!r}: expected an integer.") from None
-
-
-def _lower(value: Any) -> str | None:
-    return None if value is None else str(value).strip().lower()
 
 
 @dataclass(frozen=True)

@@ -182,7 +182,7 @@ class CompareOps:
 def run(prompt_lengths: tuple[int, ...] = (2, 40, 300, 2300), max_tokens: int = 4,
         ) -> tuple[dict[str, int], dict[str, OpStats]]:
     """Boot the tiny model in this process under ``CompareOps``; generate; return stats."""
-    from dsv4_patch import tiny_model
+    from dsv4_patch import tiny_model, tiny_tokenizer
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     for key, value in tiny_model.CPU_ENGINE_ENV.items():
@@ -196,7 +196,7 @@ def run(prompt_lengths: tuple[int, ...] = (2, 40, 300, 2300), max_tokens: int = 
 
     model_dir = tiny_model.ensure_tiny_model()
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    ids = tok.encode(tiny_model.read_corpus(), add_special_tokens=False).ids
+    ids = tok.encode(tiny_tokenizer.read_corpus(), add_special_tokens=False).ids
     prompts = [{"prompt_token_ids": [0, *[ids[(7 * n + i) % len(ids)] for i in range(n - 1)]]}
                for n in prompt_lengths]
     mode = CompareOps()

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from dsv4_patch import tiny_model
+from dsv4_patch import tiny_model, tiny_tokenizer
 from dsv4_patch.patches.cpu import ops
 from dsv4_patch.patches.cpu.fallbacks import FALLBACKS, TILE_SCHEDULER
 
@@ -58,7 +58,7 @@ def corpus_ids(model_dir: Path) -> list[int]:
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    return tok.encode(tiny_model.read_corpus(), add_special_tokens=False).ids
+    return tok.encode(tiny_tokenizer.read_corpus(), add_special_tokens=False).ids
 
 
 def _amx_host() -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_patch import rules, tiny_model
+from dsv4_patch import rules, tiny_model, tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 FLASH_CONFIG = REPO / "configs/models/deepseek-ai/DeepSeek-V4-Flash/config.json"
@@ -137,7 +137,7 @@ def test_layer_pattern_has_swa_c4_c128_and_hash_layers(config: dict) -> None:
 
 def test_vocab_size_matches_tokenizer(config: dict, hf_tokenizer) -> None:
     # Random weights may sample any id: every id must exist in the tokenizer.
-    assert len(hf_tokenizer) == config["vocab_size"] == tiny_model.TOKENIZER_VOCAB_SIZE
+    assert len(hf_tokenizer) == config["vocab_size"] == tiny_tokenizer.TOKENIZER_VOCAB_SIZE
 
 
 def test_tokenizer_round_trips_text(hf_tokenizer) -> None:
@@ -149,14 +149,14 @@ def test_tokenizer_round_trips_text(hf_tokenizer) -> None:
 
 
 def test_special_tokens_are_single_ids(hf_tokenizer) -> None:
-    for token, special in tiny_model.MARKER_TOKENS:
+    for token, special in tiny_tokenizer.MARKER_TOKENS:
         ids = hf_tokenizer.encode(token, add_special_tokens=False)
         assert len(ids) == 1, f"{token!r} splits into {ids}"
         decoded = hf_tokenizer.decode(ids, skip_special_tokens=True)
         assert decoded == ("" if special else token), token
     assert hf_tokenizer.bos_token_id == 0 and hf_tokenizer.eos_token_id == 1
     assert hf_tokenizer.convert_ids_to_tokens([0, 1]) == [
-        tiny_model.BOS_TOKEN, tiny_model.EOS_TOKEN,
+        tiny_tokenizer.BOS_TOKEN, tiny_tokenizer.EOS_TOKEN,
     ]
 
 
@@ -180,7 +180,7 @@ def test_chat_template_matches_deepseek_v4_chat_encoding(hf_tokenizer, messages)
         messages, tokenize=False, add_generation_prompt=True
     )
     assert rendered == encode_messages(messages, thinking_mode="chat")
-    assert rendered.endswith(tiny_model.ASSISTANT_TOKEN + tiny_model.THINK_END_TOKEN)
+    assert rendered.endswith(tiny_tokenizer.ASSISTANT_TOKEN + tiny_tokenizer.THINK_END_TOKEN)
 
 
 def test_vllm_deepseek_v4_tokenizer_encodes_chat(model_dir: Path) -> None:
@@ -190,11 +190,13 @@ def test_vllm_deepseek_v4_tokenizer_encodes_chat(model_dir: Path) -> None:
     tok = DeepseekV4Tokenizer.from_pretrained(str(model_dir))
     ids = tok.apply_chat_template([{"role": "user", "content": "Hello"}])
     vocab = tok.get_vocab()
-    assert ids[0] == vocab[tiny_model.BOS_TOKEN]
-    assert ids[-1] == vocab[tiny_model.THINK_START_TOKEN]  # thinking mode is the default
-    assert vocab[tiny_model.USER_TOKEN] in ids and vocab[tiny_model.ASSISTANT_TOKEN] in ids
+    assert ids[0] == vocab[tiny_tokenizer.BOS_TOKEN]
+    assert ids[-1] == vocab[tiny_tokenizer.THINK_START_TOKEN]  # thinking mode is the default
+    assert vocab[tiny_tokenizer.USER_TOKEN] in ids and vocab[tiny_tokenizer.ASSISTANT_TOKEN] in ids
     chat_ids = tok.apply_chat_template(
         [{"role": "user", "content": "Hello"}], enable_thinking=False
     )
-    assert chat_ids[-2:] == [vocab[tiny_model.ASSISTANT_TOKEN], vocab[tiny_model.THINK_END_TOKEN]]
+    assert chat_ids[-2:] == [
+        vocab[tiny_tokenizer.ASSISTANT_TOKEN], vocab[tiny_tokenizer.THINK_END_TOKEN]
+    ]
 
