@@ -30,6 +30,7 @@ from deployments.config.app_args import AppArgs
 from deployments.config.base import _Strict
 from deployments.config.dsv4 import NodeSpec, ReplicaOverride
 from deployments.config.llm import DeploymentConfig
+from deployments.logs import get_logger
 
 # Connectors that declare support for vLLM's hybrid KV cache manager: vLLM turns HMA
 # off for the others, and DeepSeek-V4 then dies at start (ExampleConnector:
@@ -37,6 +38,8 @@ from deployments.config.llm import DeploymentConfig
 HMA_CONNECTORS = ("NixlConnector",)
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 POOLS = ("prefill", "decode")
+
+logger = get_logger("config")
 
 
 class PoolSection(_Strict):
@@ -51,6 +54,9 @@ class PoolSection(_Strict):
     node: NodeSpec | None = Field(default=None, description="this pool's node (platform, "
                                   "compute_capability, attention_backend) when it differs "
                                   "from dsv4.node: P/D across GPU types")
+    vllm_version: str | None = Field(default=None, pattern=r"^\d+\.\d+\.\d+",
+                                     description="the vLLM this pool's image runs when it "
+                                     "differs from dsv4.vllm_version (unset: the app's)")
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -201,7 +207,19 @@ class PDAppArgs(AppArgs):
         data["replica_overrides"] = [o.model_dump(mode="json")
                                      for o in self.pd.pool(pool).replica_overrides]
         data["node"] = self.pool_node(pool).model_dump(mode="json")
+        data["vllm_version"] = self.pool_vllm_version(pool)
         return data
+
+    def pool_vllm_version(self, pool: str, app_version: str | None = None) -> str | None:
+        """The vLLM one pool runs: its own ``vllm_version``, else ``app_version`` (what
+        the app predicts with), else ``dsv4.vllm_version``; the fallback is logged."""
+        own = self.pd.pool(pool).vllm_version
+        if own is not None:
+            return own
+        resolved = app_version or self.dsv4.vllm_version
+        logger.info("pd.%s.vllm_version unset: the %s pool runs the app's vLLM %s",
+                    pool, pool, resolved or "(platform default)")
+        return resolved
 
     def pool_node(self, pool: str) -> NodeSpec:
         """The node one pool's replicas run on: its own ``node``, else ``dsv4.node``."""

@@ -88,7 +88,7 @@ def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
                                        reserve_gib, as_tp, release=version)
     if hasattr(args, "pd"):  # a PDAppArgs
         plan.pd = pd_plan.summary(args, cap.kv_bytes_per_token, block,
-                                  cap.kv_tokens_per_replica, plan.max_model_len)
+                                  cap.kv_tokens_per_replica, plan.max_model_len, version)
     plan.node_capacities = [
         NodeCapacity(key, spec.model_dump(mode="json"), plan.layout,
                      args.dsv4.expected_for(spec.model_dump(mode="json")), plan.backend,

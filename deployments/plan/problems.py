@@ -7,6 +7,7 @@ from typing import Any, cast
 
 from deployments.config import AppArgs, Policy, checks
 from deployments.config.checks import Problem
+from deployments.plan import pd as pd_plan
 from deployments.plan.capacity import GIB
 from deployments.plan.report import ReplicaPlan, capability_text
 from dsv4_patch import rules
@@ -23,6 +24,7 @@ def find_problems(plan: ReplicaPlan, args: AppArgs, shape: rules.ModelShape) -> 
         *_stock_crash(plan),
         *_capacity_problems(plan, args),
         *_override_problems(plan, args, shape),
+        *pd_plan.problems(plan.pd),
     ]
     return sorted(found, key=lambda p: p.severity != "error")
 

@@ -94,12 +94,14 @@ def plan_v41_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any],
             plan.tp_alternative = None
     if hasattr(args, "pd"):  # a PDAppArgs
         plan.pd = pd_plan.summary(args, main.capacity.kv_bytes_per_token, main.block_size,
-                                  main.capacity.kv_tokens_per_replica, plan.max_model_len)
+                                  main.capacity.kv_tokens_per_replica, plan.max_model_len,
+                                  version)
     shape = rules.ModelShape.from_hf_config(rules.flatten_config(model_cfg))
     policy = [p for p in checks.check(args)
               if p.code not in checks.UNPLANNABLE | {"layout-contradicts-expectation"}]
     found = [*policy, *_v41_layout_problems(nodes), *_capacity_problems(plan, args),
-             *_override_problems(plan, args, shape), *v41_problems(args, model_cfg, version)]
+             *_override_problems(plan, args, shape), *v41_problems(args, model_cfg, version),
+             *pd_plan.problems(plan.pd)]
     plan.problems = sorted(found, key=lambda p: p.severity != "error")
     return plan
 

@@ -216,10 +216,12 @@ def test_status_and_plan_show_the_pools_and_the_verdict() -> None:
     text = describe(report)
     assert "P/D: partial" in text and "decode d0 takes KV from prefill ['p0']" in text
     [(_, args)] = load_serve_config(PD_CONFIG).ours()
-    summary = pd_plan.summary(args, 3915.0, 256, 1000, 2048)
+    summary = pd_plan.summary(args, 3915.0, 256, 1000, 2048, "0.29.0")
     assert summary["bytes_moved_per_request"] == {"1024": 1024 * 3915, "2048": 2048 * 3915}
     rows = dict(pd_plan.rows(summary))
     assert "NixlConnector" in rows["P/D connector"] and "prefill 1 x 1,000" in rows["P/D pools"]
+    assert rows["P/D vLLM"] == ("prefill 0.29.0 (NIXL connector 9, from the app), "
+                                "decode 0.29.0 (NIXL connector 9, from the app)")
 
 
 # ------------------------------------------------ P/D across GPU types (DeepSeek-V4.1)
