@@ -123,7 +123,7 @@ def serve_proxy_arm(port: int, edge: bool) -> None:
         pass
 
     # serve.deployment makes the class a Deployment; mypy reads Ray as Any, so sees the class.
-    serve.run(GpuRateReplica.bind(), name="sim", route_prefix="/")  # type: ignore[attr-defined]
+    serve.run(GpuRateReplica.bind(), name="sim", route_prefix="/")  # type: ignore[attr-defined]  # serve.deployment makes the class a Deployment
     print("ready", flush=True)
     signal.sigwait({signal.SIGTERM})
     serve.shutdown()

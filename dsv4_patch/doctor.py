@@ -133,7 +133,7 @@ def _node(args: argparse.Namespace) -> NodeInfo:
     node = probe_node(args.attention_backend)
     if args.platform or args.capability:
         cap = tuple(int(x) for x in args.capability.split(".")) if args.capability else None
-        node = NodeInfo(args.platform or node.platform, cap, node.attention_backend, "declared")  # type: ignore[arg-type]
+        node = NodeInfo(args.platform or node.platform, cap, node.attention_backend, "declared")  # type: ignore[arg-type]  # the parsed capability is tuple[int, ...]; NodeInfo wants a pair
     return node
 
 

@@ -78,7 +78,7 @@ class DSv4WorkerExtension:
 
     def dsv4_kv_specs(self) -> dict[str, Any]:
         """This rank's KV specs, its rank/pid, and this process's patch record."""
-        specs = self.get_kv_cache_spec()  # type: ignore[attr-defined]
+        specs = self.get_kv_cache_spec()  # type: ignore[attr-defined]  # mixed into vLLM's worker, which defines it
         rec = record.current()
         return {
             "rank": int(getattr(self, "rank", 0)),

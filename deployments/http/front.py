@@ -219,7 +219,7 @@ def harden(app: FastAPI, edge: Edge, kv_spec: KVSpecSource | None = None) -> Fas
     app.middleware_stack = None
     _close_cors(app, settings)
     # Starlette types handlers for Exception; FastAPI dispatches by the class given.
-    app.add_exception_handler(RequestValidationError, openai_validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, openai_validation_error)  # type: ignore[arg-type]  # Starlette types handlers for Exception; FastAPI dispatches by class
     # Starlette's (body parsing: "There was an error parsing the body") and FastAPI's
     # (vLLM registers its own for that one; ours names the fix and the error type).
     app.add_exception_handler(StarletteHTTPException, openai_http_error)

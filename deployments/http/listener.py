@@ -167,8 +167,8 @@ class ReplicaListener:
         # Never take the replica's signals (uvicorn would on the main thread).
         # (mypy: nullcontext is a class, not the method it replaces; install_signal_handlers
         # is absent from the uvicorn stubs mypy reads.)
-        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]
-        server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign, assignment]  # nullcontext is a class, not the method it replaces
+        server.install_signal_handlers = lambda: None  # type: ignore[attr-defined]  # absent from the uvicorn stubs mypy reads
         loop = asyncio.get_running_loop()
         task = loop.create_task(server.serve(sockets=[sock]))
         deadline = loop.time() + START_TIMEOUT_S

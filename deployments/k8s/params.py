@@ -211,7 +211,7 @@ def scaling(args: AppArgs) -> tuple[int, int, int]:
     try:
         return tuple(sizing.nodes_for([(counts[i], gpus) for counts, gpus in per_pool],
                                       int(node.gpus_per_node or 0))
-                     for i in range(3))  # type: ignore[return-value]
+                     for i in range(3))  # type: ignore[return-value]  # a 3-tuple built by a generator; mypy types it tuple[int, ...]
     except ValueError as exc:
         raise ConfigError(f"P/D preset: {exc}. Fix: TP sizes per pool that pack the "
                           f"{node.gpus_per_node}-GPU nodes.") from exc

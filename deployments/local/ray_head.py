@@ -133,7 +133,7 @@ def quiet_head(log_to_driver: bool) -> Iterator[None]:
     real_api_server = node.Node.start_api_server
     skipped: list[str] = []
 
-    class QuietHeadParams(real):  # type: ignore[misc, valid-type]
+    class QuietHeadParams(real):  # type: ignore[misc, valid-type]  # subclassing Ray's RayParams, read as Any at runtime
         def __init__(self, *args: object, **kwargs: object) -> None:
             super().__init__(*args, **kwargs)
             self.no_monitor = True

@@ -81,9 +81,9 @@ class PDTransferMixin:
 
     async def _transfer_spec(self) -> TransferSpec | None:
         if self._transfer is None:
-            workers = await self.collective_rpc(  # type: ignore[attr-defined]
+            workers = await self.collective_rpc(  # type: ignore[attr-defined]  # a mixin: Ray Serve LLM's LLMServer provides it
                 KV_TRANSFER_METHOD, timeout=60.0)
-            source = str(self._llm_config.model_loading_config.model_source)  # type: ignore[attr-defined]
+            source = str(self._llm_config.model_loading_config.model_source)  # type: ignore[attr-defined]  # a mixin: Ray Serve LLM's LLMServer sets it
             self._transfer = transfer_spec(self._pool, list(workers), source)
             logger.info("dsv4: %s replica connector %s v%s (%s, %s), model %s, regions %s",
                         self._pool, self._transfer.connector,

@@ -97,7 +97,7 @@ def source_mentions(module: str, path: str, text: str) -> Probe:
         if missing:
             return missing
         try:
-            source = inspect.getsource(obj)  # type: ignore[arg-type]
+            source = inspect.getsource(obj)  # type: ignore[arg-type]  # resolve() gives object | None; not None here, and getsource raises TypeError on a non-source object
         except (OSError, TypeError) as exc:
             return f"cannot read the source of {module}.{path}: {exc}"
         return None if text in source else f"{module}.{path} no longer does {text!r}"
@@ -110,7 +110,7 @@ def parameter(module: str, path: str, param: str) -> Probe:
         obj, missing = resolve(module, path)
         if missing:
             return missing
-        func = inspect.unwrap(obj)  # type: ignore[arg-type]
+        func = inspect.unwrap(obj)  # type: ignore[arg-type]  # resolve() gives object | None; not None here, and the target is a callable
         if param in inspect.signature(func).parameters:
             return None
         return None if f'"{param}"' in inspect.getsource(func) else \

@@ -201,7 +201,7 @@ class DSv4ServerMixin:
 
     async def __serve_build_asgi_app__(self) -> Any:
         """Serve's late-bound ingress hook: vLLM's OpenAI app, hardened (``front.harden``)."""
-        app = await super().__serve_build_asgi_app__()  # type: ignore[misc]
+        app = await super().__serve_build_asgi_app__()  # type: ignore[misc]  # a mixin: the superclass that defines it is Ray Serve LLM's LLMServer
         if self._edge is None:  # no http args (a P/D prefill replica): no HTTP door
             self._asgi_app = front.closed_app
             return self._asgi_app
@@ -251,7 +251,7 @@ class DSv4ServerMixin:
         ``ReplicaSpecBrief`` when the controller already holds this spec.
         """
         if self._kv is None:
-            workers = await self.collective_rpc(  # type: ignore[attr-defined]
+            workers = await self.collective_rpc(  # type: ignore[attr-defined]  # a mixin: Ray Serve LLM's LLMServer provides it
                 KV_SPECS_METHOD, timeout=60.0)
             self._kv = summarize_workers(workers)
         spec = ReplicaSpec(
@@ -298,7 +298,7 @@ class DSv4ServerMixin:
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve LLM's routing stats plus whether the KV-spec router must skip us."""
-        stats = await super().record_routing_stats() or {}  # type: ignore[misc]
+        stats = await super().record_routing_stats() or {}  # type: ignore[misc]  # a mixin: the superclass that defines it is Ray Serve LLM's LLMServer
         held = {HTTP_IN_FLIGHT_STAT: self._edge.in_flight} if self._edge is not None else {}
         return dict(stats) | drain_stats(self._verdict) | held
 
@@ -312,7 +312,7 @@ class DSv4ServerMixin:
         if self._edge is not None:
             self._edge.keys.refresh()
         try:
-            await super().check_health()  # type: ignore[misc]
+            await super().check_health()  # type: ignore[misc]  # a mixin: the superclass that defines it is Ray Serve LLM's LLMServer
         except Exception:
             if self._listener is not None:  # a dead engine takes no new connections
                 self._listener.engine_dead()
@@ -371,7 +371,7 @@ def listening_ingress(cls: type) -> type:
     """
     wrapped = serve.ingress()(cls)
 
-    class ListeningIngress(wrapped):  # type: ignore[misc, valid-type]
+    class ListeningIngress(wrapped):  # type: ignore[misc, valid-type]  # subclassing a class serve.ingress builds at runtime
         async def __del__(self) -> None:
             await self.dsv4_close_listener()
             await super().__del__()

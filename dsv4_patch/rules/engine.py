@@ -125,13 +125,13 @@ def v41_attention(setup: EngineSetup, fits: bool) -> V41Choice:
             "models/deepseek_v41/cpu; the nvidia classes need CUDA streams). Fix: serve "
             "V4.1 on CUDA (SM90/SM100/SM120) or ROCm nodes, or serve DeepSeek-V4 on CPU.")
     choice = _cuda_v41_choice(setup, rel, fits)
-    major = setup.capability[0] if setup.capability else None
+    cap = setup.capability
     majors = _V41_MAJORS[choice.backend]
-    if major is not None and major not in majors:
+    if cap and cap[0] not in majors:
         raise LayoutError(
             f"attention backend {choice.backend} supports compute capability "
             f"{' and '.join(f'{m}.x' for m in majors)} only, got "
-            f"{setup.capability[0]}.{setup.capability[1]}; "  # type: ignore[index]
+            f"{cap[0]}.{cap[1]}; "
             "unset attention_backend (or pick one this GPU runs).")
     return choice
 
@@ -228,7 +228,8 @@ def v41_node_record(setup: EngineSetup, fits: bool = True) -> KVRecord:
         raise LayoutError(f"vLLM {setup.release} has no DeepSeek-V4.1 (first: 0.30). Fix: "
                           "run vLLM 0.30 or newer (the gpu-v41 extra).")
     choice = v41_attention(setup, fits)
-    mxfp8 = setup.platform == "cuda" and bool(setup.capability) and setup.capability[0] == 10  # type: ignore[index]
+    cap = setup.capability
+    mxfp8 = setup.platform == "cuda" and cap is not None and cap[0] == 10
     if release_rules(setup.release).v41_preferred_resolver:
         dtype, torch_name = resolve_v41_kv_cache_dtype(choice.packed, setup.kv_cache_dtype,
                                                        choice.preferred, mxfp8)

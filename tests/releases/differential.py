@@ -152,7 +152,7 @@ def module_constant(version: str, path: str, name: str) -> Any:
 def class_constant(version: str, cls: str, name: str) -> Any:
     stmt = lookup(version, cls, name)
     assert stmt is not None, (version, cls, name)
-    return ast.literal_eval(stmt.value)  # type: ignore[attr-defined]
+    return ast.literal_eval(stmt.value)  # type: ignore[attr-defined]  # lookup returns ast.AST; this member is an assignment
 
 
 class MultipleOf:
@@ -222,12 +222,12 @@ class Backend:
         ns = {"current_platform": platform, "MultipleOf": MultipleOf}
         sizes = lookup(version, name, "get_supported_kernel_block_sizes")
         self._sizes = function(sizes, dict(ns)) if sizes is not None else (lambda *a: [])
-        self._name = function(lookup(version, name, "get_name"), dict(ns))  # type: ignore[arg-type]
+        self._name = function(lookup(version, name, "get_name"), dict(ns))  # type: ignore[arg-type]  # lookup may return None; get_name exists on every backend
         check = lookup(version, name, "supports_compute_capability")
         self._cap = function(check, dict(ns)) if check is not None else None
-        self._supports = function(lookup(version, name, "supports_block_size"),  # type: ignore[arg-type]
+        self._supports = function(lookup(version, name, "supports_block_size"),  # type: ignore[arg-type]  # lookup may return None; exists on every backend
                                   dict(ns))
-        self._preferred = function(lookup(version, name, "get_preferred_block_size"),  # type: ignore[arg-type]
+        self._preferred = function(lookup(version, name, "get_preferred_block_size"),  # type: ignore[arg-type]  # lookup may return None; exists on every backend
                                    dict(ns))
 
     def get_supported_kernel_block_sizes(self, kv_cache_spec: Any = None) -> list[Any]:
@@ -250,7 +250,7 @@ def _class_ref(version: str, cls: str, name: str) -> str | None:
     stmt = lookup(version, cls, name)
     if stmt is None or getattr(stmt, "value", None) is None:
         return None
-    text = ast.unparse(stmt.value)  # type: ignore[attr-defined]
+    text = ast.unparse(stmt.value)  # type: ignore[attr-defined]  # checked above: stmt has a value
     return None if text == "None" else text
 
 
@@ -268,11 +268,11 @@ class Release:
         ns: dict[str, Any] = {"current_platform": self.platform, "torch": _torch(),
                               "logger": _Logger(), "CacheConfig": object}
         # (mypy: module_function may return None; these exist in every V4.1 release.)
-        self.resolver = function(module_function(  # type: ignore[arg-type]
+        self.resolver = function(module_function(  # type: ignore[arg-type]  # may return None; exists in every V4.1 release
             version, ATTN, "_resolve_dsv4_kv_cache_dtype"), ns)
-        self.mxfp8 = function(module_function(version, ATTN, "_use_v41_mxfp8_kv_record"), ns)  # type: ignore[arg-type]
+        self.mxfp8 = function(module_function(version, ATTN, "_use_v41_mxfp8_kv_record"), ns)  # type: ignore[arg-type]  # may return None; exists in every V4.1 release
         mxfp4_block = 32  # MXFP4_BLOCK_SIZE (pinned by the differential test)
-        self.indexer_head = function(module_function(  # type: ignore[arg-type]
+        self.indexer_head = function(module_function(  # type: ignore[arg-type]  # may return None; exists in every V4.1 release
             version, ATTN, "_indexer_k_cache_head_dim"), {"MXFP4_BLOCK_SIZE": mxfp4_block})
         self._backends: dict[str, Backend] = {}
         self.select = self._selector()
@@ -283,7 +283,7 @@ class Release:
                 else "vllm/models/deepseek_v41/nvidia/model.py")
         node = module_function(self.version, path, "_select_dsv4_attn_cls")
         assert node is not None, (self.version, path)
-        self.enum = enum.Enum("AttentionBackendEnum", registry_names(self.version))  # type: ignore[misc]
+        self.enum = enum.Enum("AttentionBackendEnum", registry_names(self.version))  # type: ignore[misc]  # a functional Enum with computed members
         returned = {ast.unparse(n.value) for n in ast.walk(node)
                     if isinstance(n, ast.Return) and n.value is not None}
         ns: dict[str, Any] = {"AttentionBackendEnum": self.enum,
@@ -303,7 +303,7 @@ class Release:
                               "is_flashmla_sparse_supported": lambda: (True, None),
                               "WV_GROUP_SIZE": module_constant(self.version, FUSED_LAYOUT,
                                                                "WV_GROUP_SIZE")}
-        ns["is_flashmla_mega_attn_supported"] = function(supported, ns)  # type: ignore[arg-type]
+        ns["is_flashmla_mega_attn_supported"] = function(supported, ns)  # type: ignore[arg-type]  # may be None; present where mega attention exists
         check = function(node, ns)
         return lambda cfg: bool(check(None, cfg))
 
@@ -358,7 +358,7 @@ class Release:
         ns = {"current_platform": self.platform,
               "DSA_INDEXER_KV_DTYPES": module_constant(self.version, INDEXER,
                                                        "DSA_INDEXER_KV_DTYPES")}
-        fn = function(node, ns)  # type: ignore[arg-type]
+        fn = function(node, ns)  # type: ignore[arg-type]  # may be None; present in every V4.1 release
         kv = "mxfp4" if requested else "fp8"
         cfg = SimpleNamespace(
             attention_config=SimpleNamespace(resolve_indexer_kv_dtype=lambda default: kv),
@@ -383,7 +383,7 @@ class Release:
     def _record(self, cls: str, requested: str) -> SimpleNamespace:
         """The wheel's ``__init__`` statements from the resolver call to the record."""
         flag = lookup(self.version, cls, "use_fp8_ds_mla_layout")
-        packed = bool(ast.literal_eval(flag.value)) if flag is not None else True  # type: ignore[attr-defined]
+        packed = bool(ast.literal_eval(flag.value)) if flag is not None else True  # type: ignore[attr-defined]  # lookup returns ast.AST; the flag is an assignment
         pref = lookup(self.version, cls, "packed_kv_cache_dtype")
         preferred = function(pref, {})(None) if pref is not None else "fp8_ds_mla"
         layer = SimpleNamespace(_uses_fp8_ds_mla_layout=lambda: packed,
@@ -471,7 +471,7 @@ def _no_config(cfg: Any) -> Any:
 @cache
 def _preferred_function(version: str) -> Callable[..., Any]:
     node = lookup_interface_opt(version, "_preferred_block_size_for_backends")
-    return function(node, {"math": math, "itertools": itertools})  # type: ignore[arg-type]
+    return function(node, {"math": math, "itertools": itertools})  # type: ignore[arg-type]  # may be None; called only for releases that have it
 
 
 @cache
@@ -485,7 +485,7 @@ def _cache_default_block(version: str) -> int:
     tree = ast.parse(rs.source(version, CACHE))
     cls = rs._find(tree, ast.ClassDef, "CacheConfig")
     stmt = _member(cls, "DEFAULT_BLOCK_SIZE")
-    return int(ast.literal_eval(stmt.value))  # type: ignore[union-attr]
+    return int(ast.literal_eval(stmt.value))  # type: ignore[union-attr]  # _member may return None; every release defines it
 
 
 @cache
@@ -544,7 +544,7 @@ def init_checks(version: str, cls: str) -> Any:
     init = _member(node, "__init__") if node is not None else None
     if init is None:
         return None
-    checks: list[ast.stmt] = [s for s in init.body if isinstance(s, ast.If)  # type: ignore[attr-defined]
+    checks: list[ast.stmt] = [s for s in init.body if isinstance(s, ast.If)  # type: ignore[attr-defined]  # _member returns ast.AST; __init__ is a FunctionDef
               and "n_local_heads" in ast.unparse(s.test)
               and any(isinstance(n, ast.Raise) for n in ast.walk(s))]
     return compile(ast.Module(body=checks, type_ignores=[]), "<init>", "exec") if checks else None
@@ -562,7 +562,7 @@ def record_statements(version: str) -> list[ast.stmt]:
     (and the nvfp4 refusal right after, where the release has it)."""
     cls = rs._find(ast.parse(rs.source(version, ATTN)), ast.ClassDef, "DeepseekV4Attention")
     init = _member(cls, "__init__")
-    body = init.body  # type: ignore[union-attr]
+    body = init.body  # type: ignore[union-attr]  # _member may return None; every release defines __init__
     start = next(i for i, s in enumerate(body) if "_resolve_dsv4_kv_cache_dtype" in ast.unparse(s)
                  and isinstance(s, ast.Assign))
     stop = next(i for i, s in enumerate(body) if isinstance(s, ast.Assign)
@@ -577,7 +577,7 @@ def record_statements(version: str) -> list[ast.stmt]:
 def _spec_function(version: str, cls: str) -> tuple[Callable[..., Any], dict[str, Any]]:
     ns: dict[str, Any] = {"MLAAttentionSpec": dict, "torch": _torch(), "math": math,
                           "get_kv_quant_mode": lambda dtype: None}
-    return function(lookup(version, cls, "get_kv_cache_spec"), ns), ns  # type: ignore[arg-type]
+    return function(lookup(version, cls, "get_kv_cache_spec"), ns), ns  # type: ignore[arg-type]  # lookup may return None; every spec class defines it
 
 
 def _spec_call(version: str, cls: str, layer: Any, cache_dtype: str, block: int,

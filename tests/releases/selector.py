@@ -91,7 +91,7 @@ def layout_flag(version: str, cls_name: str) -> bool:
     for flag in FLAGS:
         stmt = lookup(version, cls_name, flag)
         if stmt is not None:
-            return bool(ast.literal_eval(stmt.value))  # type: ignore[attr-defined]
+            return bool(ast.literal_eval(stmt.value))  # type: ignore[attr-defined]  # lookup returns ast.AST; this member is an assignment
     raise AssertionError(f"vLLM {version}: {cls_name} has none of {FLAGS}")
 
 
@@ -107,12 +107,12 @@ def _function(node: ast.FunctionDef) -> Callable[..., Any]:
 def backend_of(version: str, cls_name: str) -> tuple[str, Callable[[tuple[int, int]], bool]]:
     """(get_name(), supports(capability)) of the class's ``backend_cls``."""
     stmt = lookup(version, cls_name, "backend_cls")
-    backend = ast.unparse(stmt.value)  # type: ignore[union-attr]
-    name = _function(lookup(version, backend, "get_name"))()  # type: ignore[arg-type]
+    backend = ast.unparse(stmt.value)  # type: ignore[union-attr]  # lookup may return None; backend_cls exists in every release
+    name = _function(lookup(version, backend, "get_name"))()  # type: ignore[arg-type]  # lookup returns ast.AST | None; get_name is a FunctionDef
     check = lookup(version, backend, "supports_compute_capability")
     if check is None:  # AttentionBackend's default
         return name, lambda capability: True
-    run = _function(check)  # type: ignore[arg-type]
+    run = _function(check)  # type: ignore[arg-type]  # lookup returns ast.AST; the check is a FunctionDef
     return name, lambda capability: bool(run(None, SimpleNamespace(
         major=capability[0], minor=capability[1])))
 
@@ -132,7 +132,7 @@ def selection(version: str) -> Callable[[tuple[int, int] | None, str | None], Ou
     names = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
              and ast.unparse(n.value) == "AttentionBackendEnum"}
     # (mypy: a functional Enum with computed members)
-    backends = enum.Enum("AttentionBackendEnum",  # type: ignore[misc]
+    backends = enum.Enum("AttentionBackendEnum",  # type: ignore[misc]  # a functional Enum with computed members
                          sorted(names | {b for b in BACKENDS if b}))
     returned = {ast.unparse(n.value) for n in ast.walk(node)
                 if isinstance(n, ast.Return) and n.value is not None}

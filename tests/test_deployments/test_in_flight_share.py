@@ -29,7 +29,7 @@ def test_flash_h200_admits_its_configured_8192_in_flight() -> None:
     assert args.max_serving_replicas == 32
     share, note = in_flight_share(args.http, args.max_serving_replicas)
     # max_num_seqs is one of the engine kwargs EngineKwargs passes through as extras.
-    assert share.max_in_flight == 256 == args.llm.engine_kwargs.max_num_seqs  # type: ignore[attr-defined]
+    assert share.max_in_flight == 256 == args.llm.engine_kwargs.max_num_seqs  # type: ignore[attr-defined]  # an extra field EngineKwargs passes through
     assert share.max_in_flight * args.max_serving_replicas == args.http.max_in_flight == 8192
     assert "over at most 32 replicas" in note
 

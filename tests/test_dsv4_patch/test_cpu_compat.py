@@ -191,7 +191,7 @@ def _launcher(*names: str, kw: tuple[str, ...] = ()) -> Any:
     def launcher(*args: Any, **kwargs: Any) -> None:
         """Never called: only its signature is probed."""
 
-    launcher.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    launcher.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # functions take __signature__ at runtime; mypy does not know it
     return launcher
 
 

@@ -186,7 +186,7 @@ def test_release_facts_are_the_wheels(version: str) -> None:
     text = rs.source(version, diff.CACHE)
     cls = rs._find(ast.parse(text), ast.ClassDef, "CacheConfig")
     field = diff._member(cls, "gpu_memory_utilization")
-    default = ast.literal_eval(field.value.keywords[0].value)  # type: ignore[union-attr]
+    default = ast.literal_eval(field.value.keywords[0].value)  # type: ignore[union-attr]  # ast.AST | None; the release's field has a Call value
     if default is None:  # 0.34: resolved_gpu_memory_utilization
         assert rel.extensible_kv_cache
         assert "return 1.0" in text and "DEFAULT_GPU_MEMORY_UTILIZATION: ClassVar[float] = 0.92" \
