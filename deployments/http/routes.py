@@ -13,7 +13,6 @@ This module is data plus lookups: no I/O, no Ray, no vLLM import.
 from __future__ import annotations
 
 import re
-import uuid
 from dataclasses import dataclass, field
 
 # Route paths other modules answer or call: owned here.
@@ -180,21 +179,3 @@ def response_id(path: str) -> str | None:
         if match:
             return match.group(1)
     return None
-
-
-# Stored responses name their holder (``deployments.serving.relay``): resp_<replica>-<hex>.
-# Serve's replica ids are lower-case letters and digits; vLLM's own ids are resp_<hex>.
-_TAGGED_ID = re.compile(r"^resp_([a-z0-9]{1,64})-[0-9a-f]{32}$")
-# Marks a request relayed from another replica: it is never relayed again.
-RELAYED_HEADER = b"x-dsv4-relayed"
-
-
-def tagged_response_id(replica_id: str) -> str:
-    """A new response id naming ``replica_id`` as the replica that stores it."""
-    return f"resp_{replica_id}-{uuid.uuid4().hex}"
-
-
-def holder_of(response_id: str) -> str | None:
-    """The replica id a tagged response id names, else None (not one of ours)."""
-    match = _TAGGED_ID.match(response_id)
-    return match.group(1) if match else None

@@ -7,7 +7,7 @@ prefix-aware and KV-aware routers): a ``ray.serve.request_router.RequestRouter``
 set in the server deployment's ``request_router_config``. No proxy of our own.
 
 How a router learns who is drained: each replica's ``record_routing_stats()``
-(``deployments.serving.server.drain_stats``) returns ``dsv4_kv_drain``; Serve's
+(``deployments.control.enforcement.drain_stats``) returns ``dsv4_kv_drain``; Serve's
 controller polls it every ``request_routing_stats_period_s`` and ships it to
 every router with the replica set (``RunningReplica.routing_stats``).
 
