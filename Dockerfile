@@ -20,11 +20,13 @@ FROM rayproject/ray-llm:2.60.0-py312-cu130
 ARG RAY_VERSION=2.60.0
 ARG VLLM_VERSION=0.29.0
 # DeepSeek-V4.1 needs vLLM 0.30+ (pyproject.toml [gpu-v41]: Ray Serve 2.60.0 over vLLM
-# 0.33.0; ray[llm] itself pins 0.29.0, so vLLM is replaced here, with its own deps):
-#   docker build --build-arg DSV4_EXTRA=gpu-v41 --build-arg VLLM_VERSION=0.33.0 .
+# 0.34.0; ray[llm] itself pins 0.29.0, so vLLM is replaced here, with its own deps;
+# vLLM 0.33+'s NIXL worker refuses nixl < 1.5.0 (check_nixl_version), nixl 1.5.2 is
+# unresolvable on PyPI (nixl-cu12 1.5.2 missing), so 1.5.1):
+#   docker build --build-arg DSV4_EXTRA=gpu-v41 --build-arg VLLM_VERSION=0.34.0 .
 ARG DSV4_EXTRA=gpu
 RUN if [ "${DSV4_EXTRA}" = "gpu-v41" ]; then \
-      pip install --no-cache-dir "vllm==${VLLM_VERSION}" "nixl==1.3.2"; fi
+      pip install --no-cache-dir "vllm==${VLLM_VERSION}" "nixl==1.5.1"; fi
 
 # COPY --chown also creates the directory as ray: setuptools writes build metadata
 # next to the sources, which a root-owned WORKDIR would refuse.

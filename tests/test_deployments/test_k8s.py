@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from deployments.cli.k8s import add_arguments, main
-from deployments.config import ConfigError, ServeConfig, parse_app_args
+from deployments.config import ConfigError, ServeConfig, load_serve_config, parse_app_args
 from deployments.config.pd import POOLS, PDAppArgs
 from deployments.k8s.lint import security_problems, semantic_problems, stale_files
 from deployments.k8s.params import (
@@ -405,11 +405,29 @@ def test_v41_presets_run_the_v41_stack_image_on_every_pod():
         params["image"] + "@")
 
 
+def test_the_v41_stack_is_one_release_everywhere():
+    """pyproject's gpu-v41 extra, the Dockerfile, k8s/params.yaml and the presets name
+    one vLLM and one nixl: 0.33 and 0.34 pools never transfer (NIXL connector 15 vs 16),
+    and vLLM 0.33+'s NIXL worker refuses nixl < 1.5.0 (check_nixl_version)."""
+    # Read as text: tomllib is 3.11+, and the project supports 3.10.
+    block = re.search(r"^gpu-v41 = \[(.*?)^\]", (REPO / "pyproject.toml").read_text(),
+                      re.M | re.S)
+    assert block is not None
+    pins = dict(re.findall(r'"([\w\-]+)==([\d.]+)"', block.group(1)))
+    stack = load_params()["stacks"]["gpu-v41"]
+    assert pins["vllm"] == stack["vllm_version"]
+    for name in ("v41-flash-h200", "v41-flash-b200", "v41-flash-mixed"):
+        (_, args), = load_serve_config(REPO / "configs" / f"{name}.yaml").ours()
+        assert args.dsv4.vllm_version == pins["vllm"], name
+    assert tuple(int(x) for x in pins["nixl"].split(".")) >= (1, 5, 0)
+    assert f'"nixl=={pins["nixl"]}"' in (REPO / "Dockerfile").read_text()
+
+
 def test_v41_preset_on_the_default_stack_is_not_rendered():
-    """dsv4.vllm_version 0.33.0 on the 0.29 image: plan's prediction would not be what runs."""
+    """dsv4.vllm_version 0.34.0 on the 0.29 image: plan's prediction would not be what runs."""
     params = load_params()
     [preset] = [p for p in presets(params, DEFAULT_PARAMS) if p.name == "v41-flash-h200"]
-    with pytest.raises(ConfigError, match=r"vllm_version='0.33.0'.*vLLM 0.29.0.*Fix:"):
+    with pytest.raises(ConfigError, match=r"vllm_version='0.34.0'.*vLLM 0.29.0.*Fix:"):
         render_documents(Preset(preset.name, preset.config_path, preset.worker), params)
 
 

@@ -298,11 +298,11 @@ V41_WEIGHTS_PER_GPU = 29_397_137_280
 
 @pytest.mark.parametrize("name", V41_PRESETS)
 def test_v41_presets_plan_cleanly_on_their_declared_stack(name, capsys):
-    """dsv4.vllm_version 0.33.0: no --vllm-version needed, no warning left behind."""
+    """dsv4.vllm_version 0.34.0: no --vllm-version needed, no warning left behind."""
     report = _plan(name)
     assert not report.refused and report.problems == []
     p = _only(report)
-    assert (p.family, p.vllm_version) == ("deepseek_v41", "0.33.0")
+    assert (p.family, p.vllm_version) == ("deepseek_v41", "0.34.0")
     assert p.problems == []  # the old v41-capacity warning is gone: the numbers are V4.1's
     assert plan_cli.main(_cli(f"{name}.yaml")) == 0
     assert "verdict: ok" in capsys.readouterr().out

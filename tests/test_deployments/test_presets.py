@@ -168,7 +168,7 @@ def test_ray_accepts_the_presets(name):
 def test_v41_presets_declare_the_v41_stack_and_offer_dspark(name):
     """vLLM 0.30+ only (plan refuses 0.29); DSpark opt-in as a commented block."""
     (_, args), = load_serve_config(CONFIGS / f"{name}.yaml").ours()
-    assert args.dsv4.vllm_version == "0.33.0"
+    assert args.dsv4.vllm_version == "0.34.0"
     assert args.llm.model_loading_config.model_id == "deepseek-ai/DeepSeek-V4.1-Flash"
     assert "speculative_config" not in _engine(name)  # opt-in: not on by default
     text = (CONFIGS / f"{name}.yaml").read_text()
