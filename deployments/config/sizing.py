@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from dsv4_patch.rules import DSV4_BLOCK_SIZE
+from dsv4_patch.rules.prediction import DSV4_BLOCK_SIZE
 
 # Ray Serve's default ``ray_actor_options.num_cpus`` of a replica actor.
 REPLICA_ACTOR_CPUS = 1.0

@@ -12,18 +12,12 @@ ask; the modules under it, one per question:
 - ``family``       V4 vs V4.1: records, V4.1's resolver, caches from the topology;
 - ``versions``     release numbers; ``plugin_env`` whether vLLM loads our plugin.
 
-This face hands on the names callers use; the modules import one another directly.
+This face hands on the names the rest of the package uses; the modules import one
+another directly, and a test of one module's internals imports that module.
 """
 
 from dsv4_patch.rules.byte_model import (
-    FP8_DS_MLA_SCALE_BYTES,
-    FP8_DS_MLA_TOKEN_DATA_BYTES,
-    HEAD_DIM,
-    INDEX_HEAD_DIM,
     INDEXER_SCALE_BYTES,
-    NOPE_DIM,
-    ROPE_DIM,
-    UE8M0_GROUP,
     ModelShape,
     kv_bytes_per_token,
     padded_page_bytes,
@@ -35,33 +29,19 @@ from dsv4_patch.rules.dtypes import (
     PROBE_DTYPES,
     Resolution,
     UpstreamDecision,
-    engine_resolver_result,
     resolve_kv_cache_dtype,
     stock_vllm_crashes_on,
     upstream_resolver_decision,
 )
-from dsv4_patch.rules.engine import (
-    DEFAULT_V41_RELEASE,
-    Built,
-    build,
-    mega_fits,
-    refusal,
-    v41_attention,
-    v41_node_record,
-    v41_record,
-)
+from dsv4_patch.rules.engine import DEFAULT_V41_RELEASE, build, v41_record
 from dsv4_patch.rules.engine_setup import EngineSetup
 from dsv4_patch.rules.family import (
     FIRST_V41_VLLM,
     PACKED_DTYPES,
     Family,
-    KVRecord,
     V41Cache,
     V41Topology,
-    default_block_size,
     family_of,
-    is_mxfp8_node,
-    resolve_v41_kv_cache_dtype,
     v41_bytes_per_token,
     v41_caches,
 )
@@ -76,18 +56,11 @@ from dsv4_patch.rules.layouts import (
     LayoutDecision,
     LayoutError,
     Storage,
-    cuda_selector,
     detect_layout,
 )
-from dsv4_patch.rules.model_config import flatten_config, is_nested, parse_capability
+from dsv4_patch.rules.model_config import flatten_config, parse_capability
 from dsv4_patch.rules.plugin_env import PLUGIN_NAME, plugin_allowed
-from dsv4_patch.rules.prediction import (
-    DSV4_BLOCK_SIZE,
-    INDEXER,
-    MAIN,
-    predict_layers,
-    predictable,
-)
+from dsv4_patch.rules.prediction import DSV4_BLOCK_SIZE, INDEXER, MAIN, predict_layers, predictable
 from dsv4_patch.rules.releases import (
     KNOWN_RELEASES,
     NEWEST_RELEASE,
@@ -99,18 +72,14 @@ from dsv4_patch.rules.versions import parse_version
 
 __all__ = [
     "AUTO_VALUES", "DEFAULT_V41_RELEASE", "DEFAULT_VLLM", "DSV4_BLOCK_SIZE", "FIRST_V41_VLLM",
-    "FLASHINFER_DSV4", "FLASHMLA_DSV4", "FP8_DS_MLA_SCALE_BYTES", "FP8_DS_MLA_TOKEN_DATA_BYTES",
-    "HEAD_DIM", "INDEXER", "INDEXER_SCALE_BYTES", "INDEX_HEAD_DIM", "KNOWN_RELEASES", "MAIN",
-    "NEWEST_RELEASE", "NOPE_DIM", "PACKED_DTYPES", "PLATFORMS", "PLUGIN_NAME", "PROBE_DTYPES",
-    "ROPE_DIM", "UE8M0_GROUP", "Built", "EngineSetup", "Family", "KVCacheDtypeError",
-    "KVRecord", "Layout", "LayoutDecision", "LayoutError", "ModelShape", "Resolution",
-    "Storage", "UpstreamDecision", "V41Cache", "V41Topology", "build", "cuda_selector",
-    "default_block_size", "default_gpu_memory_utilization", "detect_layout",
-    "engine_resolver_result", "family_of", "flatten_config", "is_mxfp8_node", "is_nested",
-    "kv_bytes_per_token", "mega_fits", "nixl_mismatch", "padded_page_bytes", "page_alignment",
+    "FLASHINFER_DSV4", "FLASHMLA_DSV4", "INDEXER", "INDEXER_SCALE_BYTES", "KNOWN_RELEASES",
+    "MAIN", "NEWEST_RELEASE", "PACKED_DTYPES", "PLATFORMS", "PLUGIN_NAME", "PROBE_DTYPES",
+    "EngineSetup", "Family", "KVCacheDtypeError", "Layout", "LayoutDecision", "LayoutError",
+    "ModelShape", "Resolution", "Storage", "UpstreamDecision", "V41Cache", "V41Topology",
+    "build", "default_gpu_memory_utilization", "detect_layout", "family_of", "flatten_config",
+    "kv_bytes_per_token", "nixl_mismatch", "padded_page_bytes", "page_alignment",
     "page_breakdown", "parse_capability", "parse_version", "plugin_allowed", "predict_layers",
-    "predictable", "refusal", "release_rules", "resolve_kv_cache_dtype",
-    "resolve_v41_kv_cache_dtype", "state_bytes", "stock_vllm_crashes_on",
-    "upstream_resolver_decision", "v41_attention", "v41_bytes_per_token", "v41_caches",
-    "v41_node_record", "v41_record",
+    "predictable", "release_rules", "resolve_kv_cache_dtype", "state_bytes",
+    "stock_vllm_crashes_on", "upstream_resolver_decision", "v41_bytes_per_token", "v41_caches",
+    "v41_record",
 ]

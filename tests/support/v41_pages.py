@@ -11,13 +11,14 @@ import json
 from pathlib import Path
 
 from dsv4_patch import rules
+from dsv4_patch.rules.family import KVRecord
 
 REPO = Path(__file__).resolve().parents[2]
 V41_FLASH = json.loads((REPO / "configs" / "models" / "deepseek-ai" / "DeepSeek-V4.1-Flash" /
                         "config.json").read_text())
 
 
-def real_spec(cache: rules.V41Cache, record: rules.KVRecord, head_dim: int) -> int:
+def real_spec(cache: rules.V41Cache, record: KVRecord, head_dim: int) -> int:
     """The page size vLLM's own spec class gives the same cache (attention.py, compressor.py)."""
     import torch
     from vllm.v1.kv_cache_interface import (

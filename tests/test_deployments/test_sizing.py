@@ -9,6 +9,13 @@ import pytest
 from deployments.config import checks, load_serve_config, parse_app_args, sizing
 from deployments.local.ray_head import logical_cpus_needed
 from dsv4_patch import rules
+from dsv4_patch.rules.byte_model import (
+    FP8_DS_MLA_SCALE_BYTES,
+    FP8_DS_MLA_TOKEN_DATA_BYTES,
+    HEAD_DIM,
+    INDEX_HEAD_DIM,
+    ROPE_DIM,
+)
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -42,8 +49,8 @@ def test_block_size_is_the_rules_constant():
 
 
 def test_rules_hold_the_fp8_ds_mla_geometry():
-    shape = rules.ModelShape(1, (4,), rules.HEAD_DIM, rules.ROPE_DIM, rules.INDEX_HEAD_DIM)
-    record = rules.FP8_DS_MLA_TOKEN_DATA_BYTES + rules.FP8_DS_MLA_SCALE_BYTES
+    shape = rules.ModelShape(1, (4,), HEAD_DIM, ROPE_DIM, INDEX_HEAD_DIM)
+    record = FP8_DS_MLA_TOKEN_DATA_BYTES + FP8_DS_MLA_SCALE_BYTES
     assert record == rules.state_bytes(shape, rules.Storage.FP8_DS_MLA) == 584
 
 

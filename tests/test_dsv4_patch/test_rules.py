@@ -10,6 +10,7 @@ import pytest
 
 from dsv4_patch import rules
 from dsv4_patch.rules import KVCacheDtypeError, Layout, LayoutError, Storage
+from dsv4_patch.rules.dtypes import engine_resolver_result
 
 # The published configs, vendored in configs/models/ (copies of ../shared/reference/models).
 MODELS = Path(__file__).resolve().parents[2] / "configs" / "models" / "deepseek-ai"
@@ -127,9 +128,9 @@ def test_stock_vllm_crash_versions(version: str, requested: str | None, crashes:
 
 
 def test_engine_resolver_contract() -> None:
-    assert rules.engine_resolver_result(True, "auto") == ("fp8_ds_mla", "uint8")
-    assert rules.engine_resolver_result(False, "fp8") == ("fp8", "float8_e4m3fn")
-    assert rules.engine_resolver_result(False, "auto") == ("auto", "bfloat16")
+    assert engine_resolver_result(True, "auto") == ("fp8_ds_mla", "uint8")
+    assert engine_resolver_result(False, "fp8") == ("fp8", "float8_e4m3fn")
+    assert engine_resolver_result(False, "auto") == ("auto", "bfloat16")
 
 
 def _shape(model: str) -> rules.ModelShape:

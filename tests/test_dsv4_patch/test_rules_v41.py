@@ -18,6 +18,9 @@ from typing import Any
 import pytest
 
 from dsv4_patch import rules
+from dsv4_patch.rules.engine import v41_attention
+from dsv4_patch.rules.family import default_block_size, is_mxfp8_node, resolve_v41_kv_cache_dtype
+from dsv4_patch.rules.model_config import is_nested
 from tests.support.v41_pages import V41_FLASH, real_spec
 
 ATTN = "vllm/models/deepseek_v41/attention.py"
@@ -116,7 +119,7 @@ def test_v41_resolver_matches_vllm(version: str, packed: bool, preferred: str) -
             want = ValueError
         try:
             # mxfp8=True: the nvfp4-on-SM90 refusal is the layer's, not the resolver's
-            got: Any = rules.resolve_v41_kv_cache_dtype(packed, dtype, preferred, True)
+            got: Any = resolve_v41_kv_cache_dtype(packed, dtype, preferred, True)
         except rules.KVCacheDtypeError:
             got = ValueError
         assert got == want, (version, packed, preferred, dtype)
@@ -163,8 +166,8 @@ def test_record_choice_and_block_size_are_vllms(platform: Any, cap: tuple[int, i
     from vllm.v1.attention.backends.mla.indexer import DeepseekV41IndexerBackend
 
     platform(cap)
-    assert _use_v41_mxfp8_kv_record() is rules.is_mxfp8_node("cuda", cap)
-    block = rules.default_block_size(rules.Family.V41, "cuda", cap)
+    assert _use_v41_mxfp8_kv_record() is is_mxfp8_node("cuda", cap)
+    block = default_block_size(rules.Family.V41, "cuda", cap)
     assert DeepseekV4FlashMLABackend.get_supported_kernel_block_sizes() == [block]
     assert DeepseekV41IndexerBackend.get_supported_kernel_block_sizes() == [block]
     assert _indexer_k_cache_head_dim(128, False) == rules.family.INDEXER_FP8_ROW
@@ -190,7 +193,7 @@ def test_attention_choice_is_vllms_selector(platform: Any, monkeypatch: pytest.M
             backend=AttentionBackendEnum[backend] if backend else None),
         parallel_config=SimpleNamespace(prefill_context_parallel_size=1))
     cls = model._select_dsv4_attn_cls(cfg)
-    ours = rules.v41_attention(rules.EngineSetup("0.32.0", "cuda", cap, attention_backend=backend),
+    ours = v41_attention(rules.EngineSetup("0.32.0", "cuda", cap, attention_backend=backend),
                                fits=mega)
     packed = cls.use_fp8_ds_mla_layout
     preferred = cls.packed_kv_cache_dtype.fget(None)
@@ -252,7 +255,7 @@ def test_family_of_configs() -> None:
     assert rules.family_of({"architectures": ["DeepseekV4ForCausalLM"]}) is rules.Family.V4
     assert rules.family_of({"architectures": ["LlamaForCausalLM"]}) is None
     # The shipped copy is in the published nested layout; its flat form plans the same.
-    assert rules.is_nested(V41_FLASH)
+    assert is_nested(V41_FLASH)
     flat = rules.flatten_config(V41_FLASH)
-    assert not rules.is_nested(flat) and "vision_config" not in flat
+    assert not is_nested(flat) and "vision_config" not in flat
     assert rules.V41Topology.from_hf_config(flat) == rules.V41Topology.from_hf_config(V41_FLASH)

@@ -16,6 +16,7 @@ import itertools
 import pytest
 
 from dsv4_patch import rules, selector
+from dsv4_patch.rules.layouts import cuda_selector
 from tests.releases import selector as sel
 from tests.releases import sources as rs
 
@@ -34,7 +35,7 @@ def table(version: str, capability: tuple[int, int] | None, backend: str | None)
 def test_the_table_is_what_the_release_selects(version: str) -> None:
     release = sel.selection(version)
     if release is None:  # 0.20-0.22: no selector, FlashMLA sparse only
-        assert rules.cuda_selector(version).flashinfer is False
+        assert cuda_selector(version).flashinfer is False
         assert not any("FlashInfer" in name for name in sel.classes(version)), version
         for capability, backend in GRID:
             want = ("error",) if backend == rules.FLASHINFER_DSV4 else (

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_patch.rules import (
+from dsv4_patch.rules.byte_model import (
     FP8_DS_MLA_SCALE_BYTES,
     FP8_DS_MLA_TOKEN_DATA_BYTES,
     INDEX_HEAD_DIM,
     NOPE_DIM,
     UE8M0_GROUP,
 )
-from dsv4_patch.rules import INDEXER_SCALE_BYTES as INDEX_SCALE_BYTES
+from dsv4_patch.rules.byte_model import INDEXER_SCALE_BYTES as INDEX_SCALE_BYTES
 
 # fp8_ds_mla record and indexer K cache geometry: one place, dsv4_patch.rules.
 QUANT_BLOCK = UE8M0_GROUP

@@ -54,7 +54,7 @@ from dsv4_patch.patches.cpu.formats import (
     read_mla_records,
     write_mla_records,
 )
-from dsv4_patch.rules import HEAD_DIM, INDEX_HEAD_DIM, NOPE_DIM
+from dsv4_patch.rules.byte_model import HEAD_DIM, INDEX_HEAD_DIM, NOPE_DIM
 
 # Sparse indexer top-k width (DeepSeek-V4-Flash/Pro index_topk).
 TOPK_512 = 512
