@@ -9,7 +9,7 @@ from deployments.config import AppArgs, NodeSpec, checks
 from deployments.config.checks import Problem
 from deployments.config.dsv4 import node_type_key
 from deployments.config.sizing import Parallel
-from deployments.control.prediction import pool_node_differences
+from deployments.control.prediction import node_record_fields
 from deployments.plan import pd as pd_plan
 from deployments.plan.capacity import engine_extra, v41_capacity
 from deployments.plan.problems import _capacity_problems, _override_problems
@@ -171,20 +171,25 @@ def plan_model(args: AppArgs) -> str:
 
 
 def _pd_node_problems(args: Any, model_cfg: Mapping[str, Any], version: str) -> list[Problem]:
+    """Each pool's record on its own node under its own vLLM (``pd.<pool>.vllm_version``)."""
     prefill, decode = args.pool_node("prefill"), args.pool_node("decode")
-    diffs = pool_node_differences(model_cfg, prefill.model_dump(mode="json"),
-                                  decode.model_dump(mode="json"),
-                                  args.llm.engine_kwargs.kv_cache_dtype, version)
+    requested = args.llm.engine_kwargs.kv_cache_dtype
+    releases = [args.pool_vllm_version(pool, version) or version
+                for pool in ("prefill", "decode")]
+    mine, theirs = (node_record_fields(model_cfg, node.model_dump(mode="json"), requested,
+                                       release)
+                    for node, release in zip((prefill, decode), releases, strict=True))
+    diffs = [(f, mine[f], theirs[f]) for f in mine if mine[f] != theirs[f]]
     if not diffs:
         return []
     named = "; ".join(f"{f}: prefill {p!r}, decode {d!r}" for f, p, d in diffs)
     return [Problem("error", "pd-node-record", (
-        f"P/D pools on other GPU types write other KV bytes (prefill node "
-        f"{prefill.platform} {prefill.compute_capability}, decode node {decode.platform} "
-        f"{decode.compute_capability}): {named}. NIXL's handshake compares dtype and "
-        "backend names only, so pages would be copied and decoded as garbage. Fix: put "
-        "both pools on one GPU type (V4.1's record is per GPU: no default setting makes "
-        "SM90 and SM100 write the same bytes), or serve each GPU type as its own "
-        "aggregated app."))]
+        f"P/D pools write other KV bytes (prefill node {prefill.platform} "
+        f"{prefill.compute_capability} on vLLM {releases[0]}, decode node "
+        f"{decode.platform} {decode.compute_capability} on vLLM {releases[1]}): {named}. "
+        "NIXL's handshake compares dtype and backend names only, so pages would be copied "
+        "and decoded as garbage. Fix: put both pools on one GPU type and one vLLM release "
+        "(V4.1's record is per GPU: no default setting makes SM90 and SM100 write the "
+        "same bytes), or serve each GPU type as its own aggregated app."))]
 
 

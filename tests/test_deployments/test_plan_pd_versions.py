@@ -134,3 +134,18 @@ def test_v41_pools_of_0_33_and_0_34_are_refused(tmp_path):
     assert plan.family == "deepseek_v41"
     problem = _problem(plan, "pd-nixl-version")
     assert problem is not None and problem.severity == "error"
+
+
+def test_v41_pools_are_predicted_by_their_own_release(tmp_path):
+    """SM120 pools: vLLM 0.33 builds V4.1 with 128-token blocks, 0.34 with 64 (vllm#59203)."""
+    path = _pd_config(tmp_path, "0.33.0", "0.34.0", base="v41-flash-b200")
+    raw = yaml.safe_load(path.read_text())
+    node = raw["applications"][0]["args"]["dsv4"]["node"]
+    node.update(compute_capability="12.0", gpu_memory_gib=95.0)
+    raw["applications"][0]["args"]["dsv4"].pop("expected_layout", None)
+    raw["applications"][0]["args"]["dsv4"].pop("expected_layouts", None)
+    path.write_text(yaml.safe_dump(raw))
+    problem = _problem(_plan(path), "pd-node-record")
+    assert problem is not None and problem.severity == "error", problem
+    assert "on vLLM 0.33.0" in problem.message and "on vLLM 0.34.0" in problem.message
+    assert "block_size: prefill 128, decode 64" in problem.message
