@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from deployments.config import AppArgs
+from deployments.config.pd import POOLS, PDAppArgs
 from deployments.control.wire import KVCapacityPlan, NodeKVCapacity
 from deployments.logs import get_logger
 from deployments.plan.model_configs import find_model_config
@@ -44,3 +45,28 @@ def plan_capacity(name: str, args: AppArgs, config_path: Path | None = None) -> 
                        kv_tokens_per_engine=n.capacity.kv_tokens_per_engine,
                        kv_tokens_per_replica=n.capacity.kv_tokens_per_replica)
         for n in plan.node_capacities])
+
+
+def pool_args(args: PDAppArgs, pool: str) -> AppArgs:
+    """One P/D pool seen as a one-pool app: its node, engine changes, model and replicas.
+
+    ``plan`` then sizes the pool with the same code as a one-pool app, so a pool whose
+    own ``node`` or ``tensor_parallel_size`` differs gets its own capacity figures.
+    """
+    data = args.model_dump(mode="json", exclude={"pd"}, exclude_none=True)
+    section = args.pd.pool(pool)
+    data["llm"]["engine_kwargs"] |= {k: v for k, v in section.engine_kwargs.items()
+                                     if k != "kv_transfer_config"}
+    if section.model_source:
+        data["llm"]["model_loading_config"]["model_source"] = section.model_source
+    data["llm"]["deployment_config"] = args.pool_deployment_config(pool).model_dump(
+        mode="json", exclude_none=True)
+    data["dsv4"] = args.pool_dsv4(pool)
+    return AppArgs.model_validate(data)
+
+
+def plan_pool_capacities(name: str, args: PDAppArgs,
+                         config_path: Path | None = None) -> dict[str, KVCapacityPlan]:
+    """``plan_capacity`` of each P/D pool (``pool_args``), keyed by pool name."""
+    return {pool: plan_capacity(f"{name} ({pool} pool)", pool_args(args, pool), config_path)
+            for pool in POOLS}

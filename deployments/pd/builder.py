@@ -25,6 +25,7 @@ from ray.serve.llm import LLMConfig, build_llm_deployment
 
 from deployments.config.pd import PDAppArgs
 from deployments.logs import get_logger
+from deployments.observe.capacity import plan_pool_capacities
 from deployments.pd import route
 from deployments.pd.controller import PDController
 from deployments.pd.server import DSv4PDDecodeServer, DSv4PDPrefillServer
@@ -85,7 +86,9 @@ def build_pd_app(parsed: PDAppArgs) -> Application:
     controller = controller_deployment(PDController, parsed).bind(
         prefill=prefill,
         decode=server_deployment_name(DSv4PDDecodeServer, decode_config, DECODE_PREFIX),
-        dsv4_prefill=parsed.pool_dsv4("prefill"), dsv4_decode=parsed.pool_dsv4("decode"))
+        dsv4_prefill=parsed.pool_dsv4("prefill"), dsv4_decode=parsed.pool_dsv4("decode"),
+        kv_capacity={pool: plan.model_dump(mode="json") for pool, plan in plan_pool_capacities(
+            parsed.llm.model_loading_config.model_id, parsed).items()})
     decode_replicas = parsed.pool_deployment_config("decode").max_replicas
     decode = build_llm_deployment(
         decode_config, name_prefix=DECODE_PREFIX,

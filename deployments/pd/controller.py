@@ -64,11 +64,11 @@ class _PDMetrics:
         self.stranded.set(sum(not v for v in pd.allowed.values()))
 
 
-async def _pool_controller(server: DeploymentHandle | str,
-                           dsv4: dict[str, Any]) -> KVSpecController:
+async def _pool_controller(server: DeploymentHandle | str, dsv4: dict[str, Any],
+                           kv_capacity: dict[str, Any] | None) -> KVSpecController:
     """A one-pool controller living inside this actor (its own loop and metrics)."""
     pool = KVSpecController.__new__(KVSpecController)
-    await pool.__init__(server, dsv4)  # type: ignore[misc]  # an async constructor
+    await pool.__init__(server, dsv4, kv_capacity)  # type: ignore[misc]  # an async constructor
     return pool
 
 
@@ -76,12 +76,17 @@ class PDController:
     """One replica: the two pool controllers, the P/D verdict and the decode whitelists."""
 
     async def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle | str,  # type: ignore[misc]  # Serve awaits an async __init__
-                       dsv4_prefill: dict[str, Any], dsv4_decode: dict[str, Any]):
+                       dsv4_prefill: dict[str, Any], dsv4_decode: dict[str, Any],
+                       kv_capacity: dict[str, dict[str, Any]] | None = None):
         """``decode`` may be the decode deployment's name: its replicas are the HTTP
         ingress and bind this controller (for ``/v1/kv-spec``), so they cannot be bound
-        here too (``deployments.pd.builder``)."""
-        self._pools = {"prefill": await _pool_controller(prefill, dsv4_prefill),
-                       "decode": await _pool_controller(decode, dsv4_decode)}
+        here too (``deployments.pd.builder``). ``kv_capacity``: ``plan``'s figures per
+        pool (``observe.capacity.plan_pool_capacities``), so each pool exports its own."""
+        capacity = kv_capacity or {}
+        self._pools = {"prefill": await _pool_controller(prefill, dsv4_prefill,
+                                                         capacity.get("prefill")),
+                       "decode": await _pool_controller(decode, dsv4_decode,
+                                                        capacity.get("decode"))}
         self._decode = self._pools["decode"]
         self._period = self._decode._settings.controller_period_s
         self._pd = PDReport(verdict=PDVerdict.NOT_CHECKED, message="no P/D check yet")

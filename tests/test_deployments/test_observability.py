@@ -170,6 +170,31 @@ def test_capacity_figures_are_plans_for_the_same_config() -> None:
     assert node.kv_bytes_per_token == plan.capacity.kv_bytes_per_token_per_gpu
 
 
+def test_each_pd_pool_gets_plans_capacity_for_its_own_engine() -> None:
+    from deployments.config import load_serve_config
+    from deployments.config.pd import PDAppArgs
+    from deployments.observe.capacity import plan_pool_capacities
+    from deployments.plan.preflight import plan_config
+    from deployments.resources import configs_dir
+
+    path = configs_dir() / "flash-h200-pd.yaml"
+    [(app, args)] = load_serve_config(path).ours()
+    assert isinstance(args, PDAppArgs)
+    [plan] = plan_config(path).applications
+    pools = plan_pool_capacities(app.name, args, path)
+    assert set(pools) == {"prefill", "decode"}
+    for pool in pools.values():
+        [node] = pool.nodes
+        assert node.kv_tokens_per_replica == plan.capacity.kv_tokens_per_replica
+        assert node.kv_bytes_per_token == plan.capacity.kv_bytes_per_token_per_gpu
+    # A pool with its own tensor parallelism is sized as its own engine, not as llm's.
+    args.pd.pool("prefill").engine_kwargs["tensor_parallel_size"] = 8
+    wider = plan_pool_capacities(app.name, args, path)
+    assert (wider["prefill"].nodes[0].kv_tokens_per_replica or 0) > (
+        pools["prefill"].nodes[0].kv_tokens_per_replica or 0)
+    assert wider["decode"] == pools["decode"]
+
+
 # ------------------------------------------------------------------ the timing layers
 
 
