@@ -329,6 +329,23 @@ def test_cli_check_passes_then_fails_on_a_stale_copy(tmp_path, capsys):
     assert "old.rayservice.yaml: not rendered" in err
 
 
+def test_cli_render_writes_each_presets_pod_monitor_beside_it(tmp_path):
+    from deployments.k8s.monitoring import render_monitors
+
+    assert main(_cli("render", "--out", str(tmp_path))) == 0
+    monitors = render_monitors()
+    assert monitors
+    for name, text in monitors.items():
+        assert (tmp_path / "monitoring" / name).read_text() == text
+        assert (tmp_path / name.replace(".podmonitor.yaml", ".rayservice.yaml")).is_file()
+    (tmp_path / "monitoring" / next(iter(monitors))).write_text("kind: PodMonitor\n")
+    assert main(_cli("check", "--out", str(tmp_path))) == 1
+    assert main(_cli("check", "--no-monitors", "--out", str(tmp_path))) == 0
+    bare = tmp_path / "bare"
+    assert main(_cli("render", "--no-monitors", "--out", str(bare))) == 0
+    assert not (bare / "monitoring").exists()
+
+
 # ------------------------------------------------------------------ Dockerfile
 
 
