@@ -44,7 +44,7 @@ class Series:
     help: str
     tags: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
-    where: str = "controller"  # controller | replica (the serving replica's process)
+    where: str = "controller"  # controller | replica (the serving replica's process) | ray_serve
 
     def exported(self) -> tuple[str, ...]:
         """The sample names Prometheus scrapes from Ray's metrics agent."""
@@ -138,10 +138,23 @@ CONTROLLER_SERIES = (AGREE, RUNNING, ANSWERED, ODD, DRAINED, STALE, AGE, CHECKS,
 REPLICA_SERIES = (STAGE, TTFT, STAGE_TOTAL, TTFT_TOTAL, IN_FLIGHT, REFUSED)
 ALL = CONTROLLER_SERIES + REPLICA_SERIES
 
+# Ray Serve's own series the dashboard reads (Serve creates them; ``make`` never does).
+# The queueing/routing stage: how long a request waited in a Serve router (Serve's proxy
+# on 8000/8500, or a DeploymentHandle) before a replica was picked, per deployment.
+# Ray 2.60: ray/serve/_private/request_router/request_router.py
+# (``queue_wait_time_ms_histogram``, observed in ``_record_queue_wait_time``). Serve's
+# name, so milliseconds; a replica's own port has no router, so no sample there.
+ROUTER_QUEUE_WAIT = Series("serve_request_router_fulfillment_time_ms", Kind.HISTOGRAM,
+                           "ms a request waited in a Serve router before a replica was "
+                           "assigned", ("deployment", "application", "actor_id",
+                                        "handle_source"), where="ray_serve")
+SERVE_SERIES = (ROUTER_QUEUE_WAIT,)
+
 
 def exported_names() -> set[str]:
-    """Every sample name of the series above, as scraped from Ray's metrics agent."""
-    return {name for s in ALL for name in s.exported()}
+    """Every sample name of the series above (ours and Serve's the dashboard reads), as
+    scraped from Ray's metrics agent."""
+    return {name for s in ALL + SERVE_SERIES for name in s.exported()}
 
 
 def make(series: Series, serve_tags: bool = True) -> Any:

@@ -13,6 +13,7 @@ import asyncio
 import json
 import re
 import time
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -155,6 +156,18 @@ def test_page_bytes_group_by_role_and_ratio() -> None:
     assert page_bytes([_layer(0, "main", 4, 10), _layer(1, "main", 4, 12),
                        _layer(2, "main", 128, 7), _layer(3, "swa", 0, 5)]) == {
         "main/c4": 12, "main/c128": 7, "swa/c1": 5}
+
+
+def test_serve_series_the_dashboard_reads_are_created_by_ray() -> None:
+    """Serve's series in the catalogue, as the installed Ray creates them (name, kind)."""
+    import ray
+
+    root = Path(ray.__file__).parent
+    for s in series.SERVE_SERIES:
+        found = [p for p in (root / "serve" / "_private").rglob("*.py")
+                 if re.search(rf'metrics\.{s.kind.value.capitalize()}\(\s*"{s.name}"',
+                              p.read_text())]
+        assert found, f"{s.name}: no metrics.{s.kind.value.capitalize()} in Ray {ray.__version__}"
 
 
 def test_capacity_figures_are_plans_for_the_same_config() -> None:
