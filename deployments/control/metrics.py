@@ -99,11 +99,12 @@ def replica_values(spec: ReplicaSpec, status: str, action: str,
 
 
 class ReplicaMetrics:
-    """Per-replica KV series, set only when a value changes (128 replicas: a few sets).
+    """Per-replica KV series, re-set every round (Ray evicts a gauge not re-reported).
 
     A replica that stops answering keeps its last values until it is gone from Serve;
-    a gone replica's series are set to 0 (Ray keeps a series once set), so sums over
-    replicas and the ``dsv4_kv_replica_info == 1`` filter count only live ones.
+    a gone replica's series are set to 0 once and then no longer reported (Ray evicts
+    them), so sums over replicas and the ``dsv4_kv_replica_info == 1`` filter count only
+    live ones.
     """
 
     def __init__(self, deployment: str, capacity: KVCapacityPlan):
@@ -149,6 +150,8 @@ class ReplicaMetrics:
             elif value != 0.0:
                 self._metrics[key[0]].set(0.0, tags=dict(key[1]))
         for key, value in now.items():
-            if self._last.get(key) != value:
-                self._metrics[key[0]].set(value, tags=dict(key[1]))
+            # Every round, changed or not: Ray's metrics agent drops a gauge that was
+            # not re-reported within two export intervals (``_gauge_metric_ttl_s`` in
+            # ray/_private/telemetry/open_telemetry_metric_recorder.py).
+            self._metrics[key[0]].set(value, tags=dict(key[1]))
         self._last = now

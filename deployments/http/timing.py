@@ -23,6 +23,7 @@ seconds also go to counters (``..._seconds_total``): means and shares use those.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
@@ -64,6 +65,10 @@ def note_refusal(scope: Scope, reason: str) -> None:
         clock.refused = reason
 
 
+# Under Ray's default export interval (10 s), whose two intervals are the gauge TTL.
+REPORT_EVERY_S = 5.0
+
+
 class StageSeries:
     """The Ray metrics of the serving path (``observe.series``), one set per process."""
 
@@ -75,10 +80,22 @@ class StageSeries:
         self.in_flight = series.make(series.IN_FLIGHT)
         self.refused = series.make(series.REFUSED)
         self._in_flight = 0
+        self._reporter: asyncio.Task[None] | None = None
 
     def started(self) -> None:
         self._in_flight += 1
         self.in_flight.set(self._in_flight)
+        if self._reporter is None or self._reporter.done():
+            self._reporter = asyncio.get_running_loop().create_task(self._keep_reported())
+
+    async def _keep_reported(self) -> None:
+        """Re-set the in-flight gauge while the replica lives: Ray's metrics agent evicts
+        a gauge not re-reported within two export intervals (``_gauge_metric_ttl_s`` in
+        ray/_private/telemetry/open_telemetry_metric_recorder.py), and an idle replica
+        would otherwise drop out of the in-flight panel."""
+        while True:
+            await asyncio.sleep(REPORT_EVERY_S)
+            self.in_flight.set(self._in_flight)
 
     def finished(self, clock: RequestClock, method: str) -> None:
         self._in_flight -= 1

@@ -393,3 +393,22 @@ def test_gone_replicas_series_go_to_zero_and_silent_ones_keep_theirs() -> None:
     assert live("r2")["dsv4_kv_replica_info"] == 1.0
     metrics.record(report, [one])  # r2 is gone
     assert set(live("r2").values()) == {0.0} and live("r1")["dsv4_kv_replica_info"] == 1.0
+
+
+def test_every_round_re_reports_unchanged_series() -> None:
+    """Ray's metrics agent evicts a gauge not re-reported within two export intervals:
+    an unchanged replica's series are set again on every round."""
+    from deployments.control.metrics import ReplicaMetrics
+    from deployments.control.wire import Expected, FleetReport, State
+
+    gauges = Gauges()
+    metrics = ReplicaMetrics("dep", KVCapacityPlan())
+    metrics._metrics = {name: gauges.gauge(name) for name in metrics._metrics}
+    report = FleetReport(state=State.AGREE, agree=True, policy="warn",
+                         expected=Expected(layout="fp8_ds_mla", reference="prediction"))
+    one = spec((1000, 200), (1000, 200))
+    metrics.record(report, [one])
+    first = dict(gauges.values)
+    gauges.values.clear()
+    metrics.record(report, [one])
+    assert gauges.values == first
