@@ -123,6 +123,15 @@ def send_traffic(url: str, model: str) -> None:
         assert refused.status_code in (404, 405), refused.text[:300]
 
 
+def keep_busy(url: str, model: str, times: int = 2) -> None:
+    """Short completions, each on its own connection (the shared port spreads
+    connections, not requests, across the replicas)."""
+    for i in range(times):
+        body = {"model": model, "prompt": f"busy {i}", "max_tokens": 4}
+        resp = httpx.post(f"{url}/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text[:300]
+
+
 def ours(name: str, labels: dict[str, str], deployment: str) -> bool:
     """A sample of this app: by the deployment label the series carries."""
     if name.startswith("ray_vllm_"):
@@ -158,6 +167,13 @@ def test_every_dashboard_series_answers_after_traffic(serve_stack: Stack) -> Non
     deadline = time.monotonic() + SCRAPE_TIMEOUT_S
     scraped: dict[str, Any] = {}
     while time.monotonic() < deadline:
+        # vLLM sets its gauges only while its engine steps, and Ray's agent evicts a
+        # gauge not re-reported within two export intervals: scrape a replica at work.
+        keep_busy(serve_stack.url, serve_stack.model)
+        # ... and once through Serve's proxy (the second door), whose router wait is
+        # the dashboard's queueing/routing stage.
+        proxy = f"http://127.0.0.1:{serve_stack.config.http_options.port}/v1"
+        keep_busy(proxy, serve_stack.model, times=1)
         scraped = scrape.samples(scrape.read(url))
         figures = scrape.per_replica(scraped, deployment)
         if not missing(scraped, deployment, names) and len(figures) >= 2 and all(
