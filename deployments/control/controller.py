@@ -93,7 +93,7 @@ class KVSpecController:
 
     async def __init__(self, server: DeploymentHandle | str, dsv4: dict[str, Any],  # type: ignore[misc]  # Serve awaits an async __init__
                        kv_capacity: dict[str, Any] | None = None):
-        """``kv_capacity``: ``plan``'s figures per node type (``observe.capacity``)."""
+        """``kv_capacity``: ``plan``'s figures per node type (``plan.kv_figures``)."""
         self._settings = DSv4Section.model_validate(dsv4)
         if isinstance(server, str):  # by name when the servers bind us (a graph has no cycles)
             server = serve.get_deployment_handle(

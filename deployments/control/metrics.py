@@ -5,7 +5,7 @@ Ray's metrics agent (``ray.util.metrics``; scrape each node's agent, ``dsv4-serv
 prints where). The fleet series carry Serve's tags of the controller plus
 ``llm_deployment``; the per-replica ones name the *served* replica in ``replica`` (Serve's
 ``ReplicaID.unique_id``, as vLLM's ``ReplicaId``) and its ``node_type``, and carry the
-KV capacity ``dsv4-serve plan`` computes for that node type (``observe.capacity``).
+KV capacity ``dsv4-serve plan`` computes for that node type (``plan.kv_figures``).
 """
 
 from __future__ import annotations

@@ -209,7 +209,7 @@ class Expected(_Wire):
 
 
 class NodeKVCapacity(_Wire):
-    """One node type's KV figures, as ``dsv4-serve plan`` computes them (``observe.capacity``)."""
+    """One node type's KV figures, as ``dsv4-serve plan`` computes them (``plan.kv_figures``)."""
 
     node_type: str = Field(description="the expected_layouts key: cpu, sm90, sm100...")
     storage: str

@@ -25,10 +25,10 @@ from ray.serve.llm import LLMConfig, build_llm_deployment
 
 from deployments.config.pd import PDAppArgs
 from deployments.logs import get_logger
-from deployments.observe.capacity import plan_pool_capacities
 from deployments.pd import route
 from deployments.pd.controller import PDController
 from deployments.pd.server import DSv4PDDecodeServer, DSv4PDPrefillServer
+from deployments.plan.kv_figures import plan_pool_capacities
 from deployments.serving.builder import (
     controller_deployment,
     ingress_bind_kwargs,

@@ -81,7 +81,7 @@ class PDController:
         """``decode`` may be the decode deployment's name: its replicas are the HTTP
         ingress and bind this controller (for ``/v1/kv-spec``), so they cannot be bound
         here too (``deployments.pd.builder``). ``kv_capacity``: ``plan``'s figures per
-        pool (``observe.capacity.plan_pool_capacities``), so each pool exports its own."""
+        pool (``plan.kv_figures.plan_pool_capacities``), so each pool exports its own."""
         capacity = kv_capacity or {}
         self._pools = {"prefill": await _pool_controller(prefill, dsv4_prefill,
                                                          capacity.get("prefill")),

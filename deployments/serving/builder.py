@@ -24,7 +24,7 @@ from deployments.config.app_args import apply_http_to_engine
 from deployments.config.responses import ResponsesStore
 from deployments.control.controller import KVSpecController
 from deployments.logs import get_logger
-from deployments.observe.capacity import plan_capacity
+from deployments.plan.kv_figures import plan_capacity
 from deployments.serving.boot import LocalModelCallback
 from deployments.serving.names import CONTROLLER_DRAIN_S, CONTROLLER_NAME
 from deployments.serving.router import with_kv_router

@@ -172,7 +172,7 @@ def test_serve_series_the_dashboard_reads_are_created_by_ray() -> None:
 
 def test_capacity_figures_are_plans_for_the_same_config() -> None:
     from deployments.config import DEFAULT_CONFIG, load_serve_config
-    from deployments.observe.capacity import plan_capacity
+    from deployments.plan.kv_figures import plan_capacity
     from deployments.plan.preflight import plan_config
 
     [(app, args)] = load_serve_config(DEFAULT_CONFIG).ours()
@@ -186,7 +186,7 @@ def test_capacity_figures_are_plans_for_the_same_config() -> None:
 def test_each_pd_pool_gets_plans_capacity_for_its_own_engine() -> None:
     from deployments.config import load_serve_config
     from deployments.config.pd import PDAppArgs
-    from deployments.observe.capacity import plan_pool_capacities
+    from deployments.plan.kv_figures import plan_pool_capacities
     from deployments.plan.preflight import plan_config
     from deployments.resources import configs_dir
 
