@@ -45,6 +45,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tests.releases import sources as rs
+from tests.releases.selector import find_member, member
 
 V41_RELEASES = ("0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0")
 GPUS: dict[str, tuple[str, tuple[int, int]]] = {
@@ -94,31 +95,10 @@ def classes(version: str) -> dict[str, ast.ClassDef]:
     return found
 
 
-def _member(cls: ast.ClassDef, name: str) -> ast.AST | None:
-    for stmt in cls.body:
-        if isinstance(stmt, ast.FunctionDef) and stmt.name == name:
-            return stmt
-        targets = stmt.targets if isinstance(stmt, ast.Assign) else (
-            [stmt.target] if isinstance(stmt, ast.AnnAssign) else [])
-        if any(ast.unparse(t) == name for t in targets):
-            return stmt
-    return None
-
-
 @cache
 def lookup(version: str, cls_name: str, name: str) -> ast.AST | None:
     """``name`` on class ``cls_name`` or its bases (the release's own classes)."""
-    cls = classes(version).get(cls_name)
-    if cls is None:
-        return None
-    own = _member(cls, name)
-    if own is not None:
-        return own
-    for base in cls.bases:
-        found = lookup(version, ast.unparse(base).split(".")[-1], name)
-        if found is not None:
-            return found
-    return None
+    return find_member(classes(version), cls_name, name)
 
 
 def function(node: ast.AST, namespace: dict[str, Any]) -> Callable[..., Any]:
@@ -197,7 +177,7 @@ class Platform:
 def lookup_interface(version: str, name: str) -> ast.FunctionDef:
     tree = ast.parse(rs.source(version, INTERFACE))
     cls = rs._find(tree, ast.ClassDef, "Platform")
-    node = _member(cls, name)
+    node = member(cls, name)
     assert isinstance(node, ast.FunctionDef), (version, name)
     return node
 
@@ -484,14 +464,14 @@ def _torch() -> Any:
 def _cache_default_block(version: str) -> int:
     tree = ast.parse(rs.source(version, CACHE))
     cls = rs._find(tree, ast.ClassDef, "CacheConfig")
-    stmt = _member(cls, "DEFAULT_BLOCK_SIZE")
+    stmt = member(cls, "DEFAULT_BLOCK_SIZE")
     return int(ast.literal_eval(stmt.value))  # type: ignore[union-attr]  # _member may return None; every release defines it
 
 
 @cache
 def lookup_interface_opt(version: str, name: str) -> ast.FunctionDef | None:
     cls = rs._find(ast.parse(rs.source(version, INTERFACE)), ast.ClassDef, "Platform")
-    node = _member(cls, name)
+    node = member(cls, name)
     return node if isinstance(node, ast.FunctionDef) else None
 
 
@@ -541,7 +521,7 @@ def dspark_code(version: str) -> Any:
 def init_checks(version: str, cls: str) -> Any:
     """The ``if self.n_local_heads ...: raise`` statements of the class's own ``__init__``."""
     node = classes(version).get(cls)
-    init = _member(node, "__init__") if node is not None else None
+    init = member(node, "__init__") if node is not None else None
     if init is None:
         return None
     checks: list[ast.stmt] = [s for s in init.body if isinstance(s, ast.If)  # type: ignore[attr-defined]  # _member returns ast.AST; __init__ is a FunctionDef
@@ -561,7 +541,7 @@ def record_statements(version: str) -> list[ast.stmt]:
     """``DeepseekV4Attention.__init__``: the resolver call through the record/alignment
     (and the nvfp4 refusal right after, where the release has it)."""
     cls = rs._find(ast.parse(rs.source(version, ATTN)), ast.ClassDef, "DeepseekV4Attention")
-    init = _member(cls, "__init__")
+    init = member(cls, "__init__")
     body = init.body  # type: ignore[union-attr]  # _member may return None; every release defines __init__
     start = next(i for i, s in enumerate(body) if "_resolve_dsv4_kv_cache_dtype" in ast.unparse(s)
                  and isinstance(s, ast.Assign))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import ast
 import enum
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cache
 from types import SimpleNamespace
 from typing import Any
@@ -61,7 +61,8 @@ def selector_source(version: str) -> ast.FunctionDef | None:
     return node if isinstance(node, ast.FunctionDef) else None
 
 
-def _member(cls: ast.ClassDef, name: str) -> ast.AST | None:
+def member(cls: ast.ClassDef, name: str) -> ast.AST | None:
+    """The method or class attribute ``name`` defined in ``cls``'s own body."""
     for stmt in cls.body:
         if isinstance(stmt, ast.FunctionDef) and stmt.name == name:
             return stmt
@@ -72,19 +73,25 @@ def _member(cls: ast.ClassDef, name: str) -> ast.AST | None:
     return None
 
 
-def lookup(version: str, cls_name: str, name: str) -> ast.AST | None:
-    """``name`` on class ``cls_name`` or its bases (the release's classes only)."""
-    cls = classes(version).get(cls_name)
+def find_member(table: Mapping[str, ast.ClassDef], cls_name: str,
+                name: str) -> ast.AST | None:
+    """``name`` on class ``cls_name`` or its bases, among the classes of ``table``."""
+    cls = table.get(cls_name)
     if cls is None:
         return None
-    own = _member(cls, name)
+    own = member(cls, name)
     if own is not None:
         return own
     for base in cls.bases:
-        found = lookup(version, ast.unparse(base).split(".")[-1], name)
+        found = find_member(table, ast.unparse(base).split(".")[-1], name)
         if found is not None:
             return found
     return None
+
+
+def lookup(version: str, cls_name: str, name: str) -> ast.AST | None:
+    """``name`` on class ``cls_name`` or its bases (the release's classes only)."""
+    return find_member(classes(version), cls_name, name)
 
 
 def layout_flag(version: str, cls_name: str) -> bool:

@@ -185,7 +185,7 @@ def test_release_facts_are_the_wheels(version: str) -> None:
     assert diff._cache_default_block(version) == rel.default_block_size
     text = rs.source(version, diff.CACHE)
     cls = rs._find(ast.parse(text), ast.ClassDef, "CacheConfig")
-    field = diff._member(cls, "gpu_memory_utilization")
+    field = diff.member(cls, "gpu_memory_utilization")
     default = ast.literal_eval(field.value.keywords[0].value)  # type: ignore[union-attr]  # ast.AST | None; the release's field has a Call value
     if default is None:  # 0.34: resolved_gpu_memory_utilization
         assert rel.extensible_kv_cache
