@@ -112,7 +112,8 @@ def test_wheel_cli_doctor_plan_and_k8s_check(installed: Path, tmp_path: Path) ->
                                    tmp_path).stdout))
     plan = _run([cli, "plan", str(configs / "flash-h200.yaml")], tmp_path)
     assert plan.returncode == 0 and "verdict: ok" in plan.stdout
-    assert _run([cli, "k8s", "check"], tmp_path).returncode == 0  # shipped = rendered
+    check = _run([cli, "k8s", "check"], tmp_path)  # shipped = rendered, monitors included
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 def test_wheel_error_fix_names_a_path_that_exists(installed: Path, tmp_path: Path) -> None:
