@@ -78,7 +78,8 @@ def describe_metrics(url: str | None, report: FleetReport) -> list[str]:
     except (urllib.error.URLError, OSError) as exc:
         return [f"  metrics: cannot read {url}: {exc}. Fix: pass Ray's metrics agent "
                 "address (`dsv4-serve run` prints it; on Kubernetes a node's :8080)."]
-    return scrape.describe(scrape.per_replica(scrape.samples(text), report.deployment))
+    return scrape.describe(scrape.per_replica(scrape.samples(text), report.deployment,
+                                                   report.application))
 
 
 def describe_ingress(report: Any) -> list[str]:

@@ -117,7 +117,8 @@ class KVSpecController:
         self._capacity = KVCapacityPlan.model_validate(kv_capacity or {"reason": (
             "the controller was given no KV capacity figures (an app built without them)")})
         self._report = self._not_checked()  # reads _capacity
-        self._replica_metrics = ReplicaMetrics(server.deployment_name, self._capacity)
+        self._replica_metrics = ReplicaMetrics(server.deployment_name, self._capacity,
+                                               server.app_name)
         self._per_replica = ray_touches.present("serve.broadcast_per_replica_results")
         if not self._per_replica:
             logger.warning("dsv4: this Ray has no per-replica broadcast results; one hung "

@@ -75,7 +75,8 @@ def replica_values(spec: ReplicaSpec, status: str, action: str,
                    capacity: KVCapacityPlan) -> list[tuple[S.Series, dict[str, str], float]]:
     """(series, tags, value) of one answered replica."""
     node_type = node_type_key(spec.node)
-    tags = {"llm_deployment": "", "replica": spec.replica_id, "node_type": node_type}
+    tags = {"application": "", "llm_deployment": "", "replica": spec.replica_id,
+            "node_type": node_type}
     prediction = spec.own_prediction or spec.prediction
     info = {"status": status, "action": action, "cache_dtype": ",".join(spec.cache_dtypes),
             "fingerprint": spec.fingerprint[:19],
@@ -107,8 +108,9 @@ class ReplicaMetrics:
     live ones.
     """
 
-    def __init__(self, deployment: str, capacity: KVCapacityPlan):
+    def __init__(self, deployment: str, capacity: KVCapacityPlan, application: str = ""):
         self._deployment = deployment
+        self._application = application
         self.capacity = capacity
         self._metrics = {s.name: S.make(s, serve_tags=False) for s in _PER_REPLICA}
         self._last: dict[Key, float] = {}
@@ -121,7 +123,8 @@ class ReplicaMetrics:
             if len(self._cache) > 4096:
                 self._cache.clear()
             self._cache[key] = {
-                (series.name, tuple(sorted((tags | {"llm_deployment": self._deployment})
+                (series.name, tuple(sorted((tags | {"llm_deployment": self._deployment,
+                                                   "application": self._application})
                                            .items()))): value
                 for series, tags, value in replica_values(spec, status, action, self.capacity)}
         return self._cache[key]

@@ -63,17 +63,19 @@ def _name(s: series.Series, suffix: str = "") -> str:
     return next(n for n in s.exported() if n.endswith(suffix))
 
 
-def per_replica(scraped: dict[str, list[Sample]], deployment: str | None = None
-                ) -> dict[str, ReplicaFigures]:
+def per_replica(scraped: dict[str, list[Sample]], deployment: str | None = None,
+                application: str | None = None) -> dict[str, ReplicaFigures]:
     """Figures per live serving replica (``dsv4_kv_replica_info == 1``, or timed requests).
 
     ``deployment``: the server deployment's name (``llm_deployment`` / Serve's
-    ``deployment`` tag); None = every deployment.
+    ``deployment`` tag); ``application``: Serve's app name (two apps built from one
+    config share the deployment name). None = every one.
     """
     out: dict[str, ReplicaFigures] = {}
 
     def ours(labels: dict[str, str], tag: str) -> bool:
-        return deployment is None or labels.get(tag) == deployment
+        return ((deployment is None or labels.get(tag) == deployment)
+                and (application is None or labels.get("application") == application))
 
     def fig(replica: str) -> ReplicaFigures:
         return out.setdefault(replica, ReplicaFigures(replica))

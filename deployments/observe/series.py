@@ -30,8 +30,9 @@ STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
                  2.5, 5.0, 10.0, 30.0, 60.0)
 
 # The per-replica labels. ``replica`` is Serve's replica id (``ReplicaID.unique_id``),
-# the value Serve puts in its own ``replica`` tag and vLLM in ``ReplicaId``.
-KV_TAGS = ("llm_deployment", "replica", "node_type")
+# the value Serve puts in its own ``replica`` tag and vLLM in ``ReplicaId``;
+# ``application`` is Serve's app name: two apps of one config share a deployment name.
+KV_TAGS = ("application", "llm_deployment", "replica", "node_type")
 FLEET_TAGS = ("llm_deployment",)
 
 

@@ -140,15 +140,15 @@ def test_replica_series_carry_pages_layout_and_plans_capacity() -> None:
         by_name.setdefault(name, []).append((dict(tags), v))
     assert {t["node_type"] for rows in by_name.values() for t, _ in rows} == {"cpu"}
     assert by_name["dsv4_kv_layout_as_predicted"] == [
-        ({"llm_deployment": "", "replica": "r1", "node_type": "cpu"}, 1.0)]
+        ({"application": "", "llm_deployment": "", "replica": "r1", "node_type": "cpu"}, 1.0)]
     assert by_name["dsv4_kv_capacity_tokens"][0][1] == 2927721
     assert by_name["dsv4_kv_bytes_per_token"][0][1] == 366.75
     pages = {(t["cache_group"], t["source"]): v for t, v in by_name["dsv4_kv_page_bytes"]}
     assert pages == {("main/c4", "reported"): 1000, ("indexer/c4", "reported"): 200,
                      ("main/c4", "predicted"): 1000, ("indexer/c4", "predicted"): 200}
     odd = values(spec((1000, 264), (1000, 200)), KVCapacityPlan())
-    assert odd[("dsv4_kv_layout_as_predicted", (("llm_deployment", ""), ("node_type", "cpu"),
-                                                ("replica", "r1")))] == 0.0
+    assert odd[("dsv4_kv_layout_as_predicted", (("application", ""), ("llm_deployment", ""),
+                                                ("node_type", "cpu"), ("replica", "r1")))] == 0.0
     assert not any(n == "dsv4_kv_capacity_tokens" for n, _ in odd)  # no figures: no series
 
 
@@ -393,6 +393,22 @@ def test_gone_replicas_series_go_to_zero_and_silent_ones_keep_theirs() -> None:
     assert live("r2")["dsv4_kv_replica_info"] == 1.0
     metrics.record(report, [one])  # r2 is gone
     assert set(live("r2").values()) == {0.0} and live("r1")["dsv4_kv_replica_info"] == 1.0
+
+
+def test_replica_series_name_their_application() -> None:
+    """Two apps built from one config share the deployment name; ``application`` (Serve's
+    tag name) tells their replicas apart on the dashboard and in ``status --metrics``."""
+    from deployments.control.metrics import ReplicaMetrics
+    from deployments.control.wire import Expected, FleetReport, State
+
+    gauges = Gauges()
+    metrics = ReplicaMetrics("dep", KVCapacityPlan(), "app-a")
+    metrics._metrics = {name: gauges.gauge(name) for name in metrics._metrics}
+    report = FleetReport(state=State.AGREE, agree=True, policy="warn",
+                         expected=Expected(layout="fp8_ds_mla", reference="prediction"))
+    metrics.record(report, [spec((1000, 200), (1000, 200))])
+    assert gauges.values and {dict(k[1])["application"] for k in gauges.values} == {"app-a"}
+    assert {dict(k[1])["llm_deployment"] for k in gauges.values} == {"dep"}
 
 
 def test_every_round_re_reports_unchanged_series() -> None:

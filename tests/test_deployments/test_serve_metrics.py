@@ -133,10 +133,13 @@ def keep_busy(url: str, model: str, times: int = 2) -> None:
 
 
 def ours(name: str, labels: dict[str, str], deployment: str) -> bool:
-    """A sample of this app: by the deployment label the series carries."""
+    """A sample of this app: by the deployment and application labels the series carries
+    (the dashboard's ``$deployment`` and ``$application``; the session's second app,
+    ``conftest.mixed_app``, has the same deployment name)."""
     if name.startswith("ray_vllm_"):
         return True  # tagged ReplicaId only; joined to the app through dsv4_kv_replica_info
-    return deployment in (labels.get("llm_deployment"), labels.get("deployment"))
+    return (deployment in (labels.get("llm_deployment"), labels.get("deployment"))
+            and labels.get("application") == APP)
 
 
 def missing(scraped: dict[str, list[tuple[dict[str, str], float]]], deployment: str,
@@ -175,7 +178,7 @@ def test_every_dashboard_series_answers_after_traffic(serve_stack: Stack) -> Non
         proxy = f"http://127.0.0.1:{serve_stack.config.http_options.port}/v1"
         keep_busy(proxy, serve_stack.model, times=1)
         scraped = scrape.samples(scrape.read(url))
-        figures = scrape.per_replica(scraped, deployment)
+        figures = scrape.per_replica(scraped, deployment, APP)
         if not missing(scraped, deployment, names) and len(figures) >= 2 and all(
                 split(f) for f in figures.values() if f.ttft[1]):
             break
@@ -183,7 +186,7 @@ def test_every_dashboard_series_answers_after_traffic(serve_stack: Stack) -> Non
     assert not missing(scraped, deployment, names), \
         f"dashboard series without a sample for {deployment}: " \
         f"{missing(scraped, deployment, names)}"
-    figures = scrape.per_replica(scraped, deployment)
+    figures = scrape.per_replica(scraped, deployment, APP)
     print("\n".join(scrape.describe(figures)))
 
     # The serving path's part + the engine's part = the TTFT the replica delivered.
@@ -200,7 +203,7 @@ def test_every_dashboard_series_answers_after_traffic(serve_stack: Stack) -> Non
     # KV capacity: plan's figures for the same config, on every replica.
     [plan] = plan_config(DEFAULT_CONFIG).applications
     live = [f for f in figures.values() if f.node_type is not None]
-    assert len(live) == 2, figures
+    assert {f.replica for f in live} == {r["id"] for r in report["replicas"]}, figures
     for f in live:
         assert f.node_type == "cpu" and f.status == "ok", f
         assert f.kv_capacity_tokens == plan.capacity.kv_tokens_per_replica, f

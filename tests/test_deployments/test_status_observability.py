@@ -16,6 +16,7 @@ from deployments.control.wire import (
 from deployments.observe import scrape, series
 
 DEPLOYMENT = "DSv4Server:dsv4-tiny"
+APP = "dsv4"
 
 
 def fleet(capacity: KVCapacityPlan | None) -> FleetReport:
@@ -60,9 +61,12 @@ def exposition() -> str:
     ttft_sum, = series.TTFT_TOTAL.exported()
     refused, = series.REFUSED.exported()
     lines = []
-    for rid, node, used in (("r1", "sm90", 0.5), ("r2", "sm100", 0.25)):
-        kv = f'llm_deployment="{DEPLOYMENT}",replica="{rid}",node_type="{node}"'
-        serve = f'deployment="{DEPLOYMENT}",replica="{rid}"'
+    # r3: a second app built from the same config (same deployment name, another app).
+    for rid, node, used, app in (("r1", "sm90", 0.5, APP), ("r2", "sm100", 0.25, APP),
+                                 ("r3", "sm90", 0.75, "other-app")):
+        kv = f'application="{app}",llm_deployment="{DEPLOYMENT}",replica="{rid}",' \
+             f'node_type="{node}"'
+        serve = f'application="{app}",deployment="{DEPLOYMENT}",replica="{rid}"'
         lines += [
             f'{info}{{{kv},status="ok",action="serve"}} 1.0',
             f'{cap}{{{kv}}} 1000.0', f'{bpt}{{{kv}}} 366.75',
@@ -81,8 +85,10 @@ def exposition() -> str:
 
 
 def test_scrape_gives_each_replicas_figures_and_the_ttft_split() -> None:
-    figures = scrape.per_replica(scrape.samples(exposition()), DEPLOYMENT)
+    figures = scrape.per_replica(scrape.samples(exposition()), DEPLOYMENT, APP)
     assert set(figures) == {"r1", "r2"}  # not another app's, not a gone replica
+    assert set(scrape.per_replica(scrape.samples(exposition()), DEPLOYMENT)) == \
+        {"r1", "r2", "r3"}  # no application named: every app of that deployment
     r1 = figures["r1"]
     assert (r1.node_type, r1.kv_capacity_tokens, r1.kv_usage) == ("sm90", 1000.0, 0.5)
     assert r1.ttft_mean == 0.1 and r1.mean("edge") == 0.005
