@@ -18,6 +18,9 @@ import re
 import psutil
 
 ROLES = (  # (role, pattern on the process command line / title), first match wins
+    # Serve's HAProxy ingress: the haproxy binary, and the actor that manages it.
+    ("haproxy", re.compile(r"(^|/)haproxy( |$)")),
+    ("haproxy-manager", re.compile(r"HAProxyManager")),
     ("proxy", re.compile(r"ProxyActor")),
     ("controller", re.compile(r"KVSpecController")),
     ("standin", re.compile(r"StandInReplica")),  # deployments.harness.standin
@@ -40,7 +43,8 @@ ROLES = (  # (role, pattern on the process command line / title), first match wi
     ("ray-idle-worker", re.compile(r"ray::IDLE|default_worker")),
     # The arm's own server process: the Ray driver (serving_overhead --serve-arm, or
     # dsv4-serve run); multiprocessing's resource tracker (vLLM's engine start).
-    ("driver", re.compile(r"--serve-arm|dsv4-serve run|deployments\.cli.* run")),
+    ("driver", re.compile(r"--serve-arm|dsv4-serve run|deployments\.cli.* run|"
+                          r"benchmarks\.multinode_arms run")),
     ("mp-resource-tracker", re.compile(r"multiprocessing\.resource_tracker")),
     ("ray-system", re.compile(r"gcs_server|raylet|dashboard|log_monitor|monitor\.py|"
                               r"runtime_env|ray::IDLE|default_worker")),

@@ -63,10 +63,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from benchmarks.arm_procs import cpu_by_role, role_of, session_processes
+from benchmarks.multinode_arms import (
+    cluster_session,
+    cpu_per_work,
+    listeners,
+    mn_command,
+    wait_serving,
+)
 from benchmarks.overhead_arms import (
     ARMS,
     DIRECT_KEY,
     KEYED_ARMS,
+    MN_ARMS,
     MODEL_ID,
     PHASE,
     REPO,
@@ -120,6 +131,8 @@ def arm_server(arm: str, port: int, replicas: int, log: Path,
     """
     if arm == "vllm":
         cmd, env_vars = vllm_command(port)
+    elif arm in MN_ARMS:
+        cmd, env_vars = mn_command(arm, port, log.parent / "mn-configs")
     else:
         cmd = [sys.executable, "-m", "benchmarks.serving_overhead", "--serve-arm", arm,
                "--port", str(port), "--replicas", str(replicas)]
@@ -133,12 +146,26 @@ def arm_server(arm: str, port: int, replicas: int, log: Path,
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         try:
+            if arm in MN_ARMS:  # both replicas RUNNING, not just the first to answer
+                wait_serving(log, lambda: proc.poll() is None, boot_timeout_s)
             wait_ready(f"http://127.0.0.1:{client_port(arm, port)}", proc, log, boot_timeout_s,
                        headers={"Authorization": f"Bearer {DIRECT_KEY}"}
                        if arm in KEYED_ARMS else {})
             yield time.monotonic() - started, proc.pid
         finally:
-            stop_group(proc)
+            stop_group(proc, grace_s=150.0 if arm in MN_ARMS else 60.0)
+            if arm in MN_ARMS:
+                stop_cluster(cluster_session(log))
+
+
+def stop_cluster(session: int | None) -> None:
+    """SIGKILL what is left of the local cluster an arm's ``dsv4-serve run`` started (its
+    own session; ``run`` stops it on SIGTERM, this only catches a run cut short)."""
+    from deployments.local.cluster import session_pids
+
+    for pid in session_pids(session) if session else []:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def stop_group(proc: subprocess.Popen[Any], grace_s: float = 60.0) -> None:
@@ -206,10 +233,6 @@ def settle(seconds: float, root: int | None = None) -> tuple[float, float]:
     that residue (in a first run, TTFT p99 1.84 s for ours and stock vs 0.48 s for an
     arm that happened to boot faster), not the request path.
     """
-    import psutil
-
-    from benchmarks.arm_procs import cpu_by_role, session_processes
-
     window = min(5.0, seconds)
     time.sleep(seconds - window)
     if window <= 0:
@@ -218,6 +241,11 @@ def settle(seconds: float, root: int | None = None) -> tuple[float, float]:
     box = float(psutil.cpu_percent(interval=window))
     after = sum(cpu_by_role(session_processes(root)).values()) if root else 0.0
     return box, 100 * (after - before) / (window * (psutil.cpu_count() or 1))
+
+
+def procs_of(roots: list[int]) -> list[psutil.Process]:
+    """Every live process of the sessions ``roots`` lead (an arm, and its local cluster)."""
+    return [p for r in roots for p in session_processes(r)]
 
 
 def load_label(load: bench_load.Load) -> str:
@@ -239,12 +267,19 @@ def measure(arms: list[str], rounds: int, repeats: int, loads: list[bench_load.L
             log = REPO / "results" / "logs" / f"serving_overhead-{arm}-{r}.log"
             with arm_server(arm, port, replicas, log, boot_timeout_s=600) as (boot_s, root):
                 busy, arm_busy = settle(settle_s, root)
+                roots = [root, *([s] if (s := cluster_session(log)) else [])]
+                heard = listeners(procs_of(roots), role_of)
                 for load, _ in ((ld, i) for ld in loads for i in range(repeats)):
+                    before = cpu_by_role(procs_of(roots))
                     with _environ(client_env(arm)):
                         res = bench_load.summary(bench_load.run(
                             load, f"http://127.0.0.1:{client_port(arm, port)}", MODEL_ID,
                             tokenizer))
-                    res |= {"round": r, "boot_s": round(boot_s, 1), "phases": phases(log),
+                    tokens = round(res["output_throughput"] * res["duration"])
+                    res["cpu"] = cpu_per_work(before, cpu_by_role(procs_of(roots)),
+                                              res["completed"], tokens)
+                    res |= {"listeners": heard, "round": r, "boot_s": round(boot_s, 1),
+                            "phases": phases(log),
                             "busy_before_load_pct": busy, "arm_busy_at_rest_pct": arm_busy,
                             "load": load_label(load)}
                     runs[arm].append(res)

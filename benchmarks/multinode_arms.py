@@ -1,0 +1,198 @@
+"""The 2-node arms of ``benchmarks.serving_overhead``: every door to a replica on the
+shape users deploy, ``dsv4-serve run --nodes 2`` (standing in for KubeRay).
+
+Each arm is ``dsv4-serve run <config> --nodes 2`` itself (the code path of
+``deployments.harness.multinode_scenario``): a private head with no CPUs, the
+autoscaler adding one worker node (a raylet of its own) per replica, one replica per
+node, ``configs/local-cpu.yaml``'s engine. Autoscaling is on and pinned at
+min = initial = max = 2 (``--nodes 2`` caps max at 2, and both replicas must be up when
+the load starts), so Serve's autoscaler runs and collects its metrics the whole time.
+
+* ``mn-proxy`` -- through Serve's Python proxy on ``--port`` (head node only:
+  ``proxy_location: HeadOnly``): what an autoscaled or multi-node app uses today;
+* ``mn-haproxy-nodrain`` -- Ray 2.60's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``, which
+  forces direct ingress on): HAProxy on ``--port`` forwards to each replica's own
+  direct-ingress port (a 2-port range, ``--port`` + 10.., one per replica); stats
+  ``--port`` + 2, Prometheus ``--port`` + 3, Serve's fallback proxy ``--port`` + 4;
+  with an API key (the edge demands one whenever replicas listen themselves). Ray 2.60
+  refuses a custom ``request_router_class`` on the ingress deployment under HAProxy
+  (``serve._private.build_app``: HAProxy picks the replica itself unless the app attaches
+  an ``ingress_request_router``), and ours sets ``KVSpecRouter`` (drain); so this arm's
+  ``dsv4-serve run`` builds the app without it (``run_without_kv_router``): a measurement
+  of the door, not a shippable configuration (a drained replica still gets requests);
+* ``mn-replica-port`` -- ``http.replica_port`` = ``--port`` (both replicas share it by
+  ``SO_REUSEPORT``, possible only because both "nodes" are this one machine and
+  min = max), Serve's proxy on ``--port`` + 5.
+
+``RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING`` is not an arm: in Ray 2.60 it is read only by
+``ray.serve.llm``'s builders (``build_openai_app``, the P/D and data-parallel builders),
+which then deploy ``LLMServer`` itself as the ingress with ``LLMRouter`` as its request
+router. ``deployments.app.build_app`` uses none of them: its ``DSv4Server`` replicas are
+already the ingress, so the flag would change nothing on our path.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+from benchmarks.overhead_arms import CONFIG, DIRECT_KEY, MN_ARMS, PROXY_OFFSET
+
+NODES = 2
+# Direct-ingress ports: one per replica; Serve's allocator skips a port another replica
+# on the same machine already holds (blocks it and takes the next).
+DIRECT_OFFSET = 10
+SERVING_LINE = "Serving; Ctrl-C to stop."
+_SESSION = re.compile(r"local cluster head at \S+ \(session (\d+)")
+# The engine's own processes: what the serving path is compared without.
+ENGINE_ROLES = ("engine", "engine-worker")
+
+
+def mn_config(arm: str, port: int) -> dict[str, Any]:
+    """``configs/local-cpu.yaml`` for one 2-node arm: the door on ``port``, autoscaling
+    pinned at two replicas (one per node)."""
+    if arm not in MN_ARMS:
+        raise ValueError(f"arm={arm!r}: expected one of {MN_ARMS}")
+    raw = copy.deepcopy(yaml.safe_load(CONFIG.read_text()))
+    args = raw["applications"][0]["args"]
+    args["llm"]["deployment_config"]["autoscaling_config"] = {
+        "min_replicas": NODES, "initial_replicas": NODES, "max_replicas": NODES,
+        "target_ongoing_requests": 4,
+    }
+    if arm == "mn-replica-port":
+        raw["http_options"]["port"] = port + PROXY_OFFSET
+        args["http"]["replica_port"] = port
+    else:
+        raw["http_options"]["port"] = port
+        args["http"].pop("replica_port", None)
+    return raw
+
+
+def mn_env(arm: str, port: int) -> dict[str, str]:
+    """The Ray Serve flags of an arm's ``dsv4-serve run`` (every Ray process inherits them)."""
+    if arm != "mn-haproxy-nodrain":
+        return {}
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port + DIRECT_OFFSET),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + DIRECT_OFFSET + NODES),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(port + 2),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(port + 3),
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(port + 4),
+            "DSV4_API_KEYS": DIRECT_KEY}
+
+
+def mn_command(arm: str, port: int, workdir: Path) -> tuple[list[str], dict[str, str]]:
+    """``dsv4-serve run`` of the arm's config (written to ``workdir``) on 2 nodes."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = workdir / f"{arm}.yaml"
+    config.write_text(yaml.safe_dump(mn_config(arm, port)))
+    exe = ([sys.executable, "-m", "benchmarks.multinode_arms"] if arm == "mn-haproxy-nodrain"
+           else [str(Path(sys.executable).with_name("dsv4-serve"))])
+    cmd = [*exe, "run", str(config), "--nodes", str(NODES), "--no-smoke",
+           "--node-idle-timeout-s", "600"]
+    return cmd, mn_env(arm, port)
+
+
+def _no_router(deployment_config: dict[str, Any]) -> dict[str, Any]:
+    return deployment_config
+
+
+def run_without_kv_router(argv: list[str]) -> int:
+    """``dsv4-serve`` with ``argv``, the server deployment built without ``KVSpecRouter``
+    (the app is built in this driver process, so patching the builder here suffices)."""
+    from deployments.cli import main as cli
+    from deployments.serving import builder
+
+    builder.with_kv_router = _no_router
+    return cli.main(argv)
+
+
+def cluster_session(log: Path) -> int | None:
+    """The session of the arm's local cluster (head, autoscaler, worker nodes), from
+    ``dsv4-serve run``'s output; None before it printed it."""
+    match = _SESSION.search(log.read_text(errors="replace")) if log.exists() else None
+    return int(match.group(1)) if match else None
+
+
+def wait_serving(log: Path, alive: Any, timeout_s: float) -> None:
+    """Until ``dsv4-serve run`` says it serves: both replicas RUNNING, the verdict in."""
+    end = time.monotonic() + timeout_s
+    while SERVING_LINE not in log.read_text(errors="replace"):
+        if not alive():
+            raise RuntimeError(f"dsv4-serve run exited; log {log}:\n"
+                               + log.read_text(errors="replace")[-4000:])
+        if time.monotonic() > end:
+            raise TimeoutError(f"dsv4-serve run not serving in {timeout_s}s; log {log}")
+        time.sleep(2)
+
+
+def listeners(procs: list[psutil.Process], role_of: Any) -> list[str]:
+    """"role addr:port" of every TCP socket the arm's processes listen on."""
+    out = set()
+    for proc in procs:
+        try:
+            conns = proc.net_connections(kind="inet")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for conn in conns:
+            if conn.status == psutil.CONN_LISTEN:
+                out.add(f"{role_of(proc)} {conn.laddr.ip}:{conn.laddr.port}")
+    return sorted(out)
+
+
+def cpu_per_work(before: dict[str, float], after: dict[str, float], requests: int,
+                 tokens: int) -> dict[str, dict[str, float]]:
+    """Per role: CPU-ms per request and per output token over one load."""
+    out = {}
+    for role in sorted(before.keys() | after.keys()):
+        ms = 1000 * (after.get(role, 0.0) - before.get(role, 0.0))
+        out[role] = {"ms_per_req": ms / max(requests, 1), "ms_per_tok": ms / max(tokens, 1)}
+    return out
+
+
+def path_total(cpu: dict[str, dict[str, float]], key: str) -> float:
+    """The serving path's CPU (every process but the engine core and its worker)."""
+    return sum(v[key] for role, v in cpu.items() if role not in ENGINE_ROLES)
+
+
+def cpu_rows(runs: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """Per role, the median over an arm's runs of ``key``; "path" and "all" totals."""
+    with_cpu = [r["cpu"] for r in runs if "cpu" in r]
+    roles = sorted({role for cpu in with_cpu for role in cpu})
+    rows = {role: statistics.median(cpu.get(role, {}).get(key, 0.0) for cpu in with_cpu)
+            for role in roles}
+    if with_cpu:
+        rows["path"] = statistics.median(path_total(cpu, key) for cpu in with_cpu)
+        rows["all"] = statistics.median(sum(v[key] for v in cpu.values()) for cpu in with_cpu)
+    return rows
+
+
+def cpu_table(arm_runs: dict[str, list[dict[str, Any]]], order: tuple[str, ...]) -> str:
+    """Markdown: CPU-ms per output token (per request) by role, median over the runs;
+    "path" = every process but the engine core and its worker."""
+    arms = [a for a in order if any("cpu" in r for r in arm_runs.get(a, []))]
+    if not arms:
+        return ""
+    tok = {a: cpu_rows(arm_runs[a], "ms_per_tok") for a in arms}
+    req = {a: cpu_rows(arm_runs[a], "ms_per_req") for a in arms}
+    roles = sorted({role for a in arms for role in tok[a]} - {"path", "all"})
+    lines = ["| CPU-ms per out token (per request) | " + " | ".join(arms) + " |",
+             "|---" * (1 + len(arms)) + "|"]
+    for role in (*roles, "path", "all"):
+        if all(tok[a].get(role, 0.0) < 0.005 for a in arms):
+            continue
+        cells = [f"{tok[a].get(role, 0.0):.2f} ({req[a].get(role, 0.0):.1f})" for a in arms]
+        lines.append(f"| {role} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(run_without_kv_router(sys.argv[1:]))
