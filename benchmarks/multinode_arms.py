@@ -107,11 +107,21 @@ def _no_router(deployment_config: dict[str, Any]) -> dict[str, Any]:
 
 def run_without_kv_router(argv: list[str]) -> int:
     """``dsv4-serve`` with ``argv``, the server deployment built without ``KVSpecRouter``
-    (the app is built in this driver process, so patching the builder here suffices)."""
+    (the app is built in this driver process, so patching the builder suffices). The
+    builder imports Ray, and ``run --nodes`` must start its cluster before anything does:
+    the patch goes in when ``run`` deploys."""
     from deployments.cli import main as cli
-    from deployments.serving import builder
+    from deployments.cli import run
 
-    builder.with_kv_router = _no_router
+    deploy = run.deploy
+
+    def deploy_without_router(*args: Any, **kwargs: Any) -> Any:
+        from deployments.serving import builder
+
+        builder.with_kv_router = _no_router
+        return deploy(*args, **kwargs)
+
+    run.deploy = deploy_without_router
     return cli.main(argv)
 
 

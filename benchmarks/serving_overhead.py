@@ -34,6 +34,13 @@ settings of ``configs/local-cpu.yaml``), the same ``vllm bench serve`` load
 * ``ours-quiet`` (ablation) -- ours with
   ``controller_period_s`` at its maximum, so the controller checks once at start:
   ours minus ours-quiet is what the periodic KV-spec check costs.
+* ``mn-proxy``, ``mn-haproxy-nodrain``, ``mn-replica-port`` -- ``dsv4-serve run --nodes 2``
+  (two replicas, one per node, autoscaling pinned at 2) through each door
+  (``benchmarks.multinode_arms``); ``--replicas`` does not apply to them.
+
+Every load run also records each process's CPU (``benchmarks.arm_procs`` roles, the
+arm's local cluster included) per request and per output token, and what the arm's
+processes listen on.
 
 Arms run one at a time (2 cores: a second idle engine would steal cycles), in
 alternating order over ``--rounds`` so drift hits every arm alike. Reported:
