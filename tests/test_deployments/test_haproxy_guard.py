@@ -1,0 +1,106 @@
+"""``dsv4-haproxy`` on the config Ray 2.60 itself renders: the stats page and the
+Prometheus exporter bind 127.0.0.1, the admin socket is mode 600, HAProxy accepts the
+result, and a config without those lines is refused rather than started open."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from deployments.http import haproxy
+
+
+def ray_rendered_config(tmp_path: Path, stats_port: int = 8404,
+                        metrics_port: int = 9101) -> str:
+    """The config Ray's HAProxy manager writes for an empty route table (its real
+    template and config class, not a copy)."""
+    from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig
+
+    cfg = HAProxyConfig(stats_port=stats_port, metrics_port=metrics_port,
+                        socket_path=str(tmp_path / "admin.sock"),
+                        server_state_base=str(tmp_path),
+                        server_state_file=str(tmp_path / "server-state"),
+                        metrics_enabled=False)
+    path = tmp_path / "haproxy.cfg"
+    HAProxyApi(cfg, {}, config_file_path=str(path))._generate_config_file_internal()
+    return path.read_text()
+
+
+def test_ray_template_binds_every_interface_and_we_close_it(tmp_path: Path) -> None:
+    text = ray_rendered_config(tmp_path)
+    assert "bind *:8404" in text and "bind :9101" in text and "mode 666" in text
+    out = haproxy.harden(text)
+    assert "bind 127.0.0.1:8404" in out.text and "bind 127.0.0.1:9101" in out.text
+    assert "bind *:" not in out.text and "bind :" not in out.text
+    assert "mode 600 level admin" in out.text and "mode 666" not in out.text
+    assert len(out.changes) == 3
+    # The API frontend keeps http_options.host: only the side doors move.
+    assert "bind 127.0.0.1:8000" in out.text
+
+
+def test_haproxy_accepts_the_hardened_config(tmp_path: Path) -> None:
+    target = tmp_path / "hardened.cfg"
+    target.write_text(haproxy.harden(ray_rendered_config(tmp_path)).text)
+    (tmp_path / "500.http").write_text("HTTP/1.0 500 Internal Server Error\r\n\r\n")
+    real = haproxy.real_binary()
+    check = subprocess.run([real, "-c", "-f", str(target)], capture_output=True, text=True,
+                           timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("drop", ["listen stats", "frontend prometheus", "stats socket"])
+def test_a_changed_template_is_refused_by_name(tmp_path: Path, drop: str) -> None:
+    lines = ray_rendered_config(tmp_path).splitlines()
+    if drop == "stats socket":
+        kept = [ln for ln in lines if "stats socket" not in ln]
+    else:  # the section's bind line changes shape (e.g. a host Ray now takes)
+        start = lines.index(drop)
+        kept = lines[:start + 1] + [ln.replace("bind", "bind-process") if "bind" in ln
+                                     else ln for ln in lines[start + 1:start + 3]] \
+            + lines[start + 3:]
+    with pytest.raises(haproxy.HAProxyConfigError, match=drop):
+        haproxy.harden("\n".join(kept))
+
+
+def test_wrapper_needs_a_config_argument() -> None:
+    assert haproxy.main(["-db"]) == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_wrapper_execs_haproxy_with_loopback_side_doors(tmp_path: Path) -> None:
+    """The real wrapper, the real binary: what it listens on, read from the kernel."""
+    stats, metrics = _free_port(), _free_port()
+    text = ray_rendered_config(tmp_path, stats, metrics).replace(
+        "bind 127.0.0.1:8000", f"bind 127.0.0.1:{_free_port()}")
+    (tmp_path / "500.http").write_text("HTTP/1.0 500 Internal Server Error\r\n\r\n")
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(text)
+    exe = Path(__import__("sys").executable).with_name("dsv4-haproxy")
+    assert exe.exists(), "pip install -e . provides the dsv4-haproxy entry point"
+    proc = subprocess.Popen([str(exe), "-db", "-f", str(cfg)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        want = {stats, metrics}
+        seen: dict[int, str] = {}
+        end = time.monotonic() + 20
+        while time.monotonic() < end and set(seen) != want and proc.poll() is None:
+            for conn in psutil.Process(proc.pid).net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN and conn.laddr.port in want:
+                    seen[conn.laddr.port] = conn.laddr.ip
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate(timeout=5)
+        assert seen == {stats: "127.0.0.1", metrics: "127.0.0.1"}
+        assert oct((tmp_path / "admin.sock").stat().st_mode & 0o777) == "0o600"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
