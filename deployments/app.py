@@ -13,8 +13,8 @@ from typing import Any
 
 from ray.serve.deployment import Application
 
-from deployments import ray_touches
-from deployments.config import AppArgs, PDAppArgs, parse_app_args
+from deployments import ray_touches, serve_env
+from deployments.config import AppArgs, ConfigError, PDAppArgs, parse_app_args
 from deployments.pd.builder import build_pd_app
 from deployments.serving.builder import build_one_pool_app
 
@@ -31,6 +31,9 @@ def build_parsed_app(parsed: AppArgs) -> Application:
     """Build the application from args the loader already validated (``dsv4-serve run``)."""
     pd = isinstance(parsed, PDAppArgs)  # prefill/decode pools
     ray_touches.require(pd=pd)  # the Ray internals we build on (deployments/ray_touches/)
+    problem = serve_env.ingress_problem(parsed.http.ingress)  # this process has Ray's env
+    if problem:
+        raise ConfigError(problem)
     if isinstance(parsed, PDAppArgs):
         return build_pd_app(parsed)
     return build_one_pool_app(parsed)

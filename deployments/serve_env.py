@@ -109,3 +109,81 @@ def replicas_listen() -> bool:
     from ray.serve._private import constants
 
     return bool(getattr(constants, "RAY_SERVE_ENABLE_DIRECT_INGRESS", False))
+
+
+# ``http.ingress: haproxy`` (issue 34): Ray 2.60's HAProxy ingress on http_options.port,
+# forwarding to each ingress replica's direct-ingress port, HAProxy itself run through
+# ``dsv4-haproxy`` (deployments/http/haproxy.py: its stats page and Prometheus exporter
+# on 127.0.0.1, the admin socket mode 600). Serve's proxy stays up on
+# RAY_SERVE_FALLBACK_PROXY_HTTP_PORT (8500) as HAProxy's backup server.
+HAPROXY_FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
+HAPROXY_BINARY_FLAG = "RAY_SERVE_HAPROXY_BINARY_PATH"
+HAPROXY_WRAPPER = "dsv4-haproxy"
+
+
+def haproxy_binary() -> str:
+    """The absolute path of ``dsv4-haproxy`` beside this Python (Ray wants an absolute
+    path), else the one on PATH; ValueError when neither exists."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    beside = Path(sys.executable).with_name(HAPROXY_WRAPPER)
+    found = str(beside) if beside.exists() else shutil.which(HAPROXY_WRAPPER)
+    if not found:
+        raise ValueError(f"{HAPROXY_WRAPPER} is not installed beside {sys.executable} nor on "
+                         "PATH. Fix: pip install dsv4-serve in this environment.")
+    return str(Path(found).absolute())
+
+
+def haproxy_env(binary: str) -> dict[str, str]:
+    """The flags every Ray process needs for ``http.ingress: haproxy``."""
+    return {HAPROXY_FLAG: "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+            HAPROXY_BINARY_FLAG: binary}
+
+
+def apply_ingress(ingress: str, environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """Before our own local Ray starts: the flags ``ingress`` needs (none for Serve's
+    proxy); one line per flag set or kept."""
+    if ingress != "haproxy":
+        return []
+    return _set_missing(haproxy_env(haproxy_binary()), "http.ingress: haproxy",
+                        "http.ingress: haproxy needs", environ)
+
+
+def ingress_problem(ingress: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """Whether the Ray this app is built in runs the door the config asks for, read from
+    the building process's environment (every Ray process has the cluster's): None, or
+    what differs and the fix. Never silently: a config saying one door while the cluster
+    runs the other would leave drain or the side-door hardening off."""
+    env = os.environ if environ is None else environ
+    on = env.get(HAPROXY_FLAG) == "1"
+    if ingress == "haproxy" and not on:
+        return (f"http.ingress=haproxy but this Ray cluster runs without {HAPROXY_FLAG}=1. "
+                f"Fix: set {HAPROXY_FLAG}=1, RAY_SERVE_ENABLE_DIRECT_INGRESS=1 and "
+                f"{HAPROXY_BINARY_FLAG}=<abs path of {HAPROXY_WRAPPER}> in every Ray "
+                "process's environment (`dsv4-serve run` and `dsv4-serve k8s render` do), "
+                "or set http.ingress: serve_proxy.")
+    if ingress != "haproxy" and on:
+        return (f"http.ingress={ingress} but this Ray cluster runs {HAPROXY_FLAG}=1: HAProxy "
+                "would be the door, without the KV-spec drain of Serve's router. Fix: set "
+                "http.ingress: haproxy, or unset the flag.")
+    if on and not env.get(HAPROXY_BINARY_FLAG, "").endswith(HAPROXY_WRAPPER):
+        return (f"http.ingress=haproxy but {HAPROXY_BINARY_FLAG}="
+                f"{env.get(HAPROXY_BINARY_FLAG, '')!r}: HAProxy's stats page and Prometheus "
+                f"exporter would answer on every interface. Fix: point it at "
+                f"{HAPROXY_WRAPPER} (absolute path).")
+    return None
+
+
+# The ports HAProxy's cluster opens beside http_options.port (Ray 2.60's defaults).
+HAPROXY_SIDE_PORTS = {"RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 8500,
+                      "RAY_SERVE_HAPROXY_STATS_PORT": 8404,
+                      "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
+
+
+def haproxy_side_ports(environ: Mapping[str, str] | None = None) -> list[tuple[str, int]]:
+    """(flag, port) of Serve's fallback proxy and HAProxy's stats and Prometheus
+    frontends, as this environment sets them."""
+    env = os.environ if environ is None else environ
+    return [(name, int(env.get(name, default))) for name, default in HAPROXY_SIDE_PORTS.items()]

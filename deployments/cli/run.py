@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from deployments import serve_env
 from deployments.config import DEFAULT_CONFIG, ConfigError, ServeConfig, load_serve_config
 from deployments.control.report import describe
 from deployments.control.wire import FleetReport
@@ -85,11 +86,13 @@ def main(args: argparse.Namespace) -> int:
     timings = Timings()
     try:
         config = load_serve_config(config_path(args))
+        for line in serve_env.apply_ingress(config.ingress()):  # before Ray starts
+            logger.info(line)
         from deployments.http.auth import preflight
 
         preflight(config)  # refuses a reachable bind without an API key, before Ray starts
         refuse_busy_ports(config)  # a private cluster: every port it listens on is ours
-    except ConfigError as exc:
+    except (ConfigError, ValueError) as exc:
         print(f"dsv4-serve run: {exc}", file=sys.stderr)
         return 2
     stop = StopSignal().install()

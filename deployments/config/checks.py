@@ -50,7 +50,7 @@ def check(args: AppArgs) -> list[Problem]:
     """Every policy problem of one application's args, errors first."""
     found = [*_parallel_problems(args), *_layout_problems(args), *_shape_problems(args),
              *_override_problems(args), *_http_engine_problems(args),
-             *_replica_port_problems(args)]
+             *_replica_port_problems(args), *_ingress_problems(args)]
     return sorted(found, key=lambda p: not p.is_error)
 
 
@@ -106,6 +106,27 @@ def _replica_port_problems(args: AppArgs) -> list[Problem]:
         f"{scaling.min_replicas} and {scaling.max_replicas} replicas: requests on the "
         "replicas' own port are invisible to Serve's autoscaler. Fix: set min_replicas = "
         "max_replicas, or remove http.replica_port (Serve's proxy then routes every request).")]
+
+
+def _ingress_problems(args: AppArgs) -> list[Problem]:
+    """``http.ingress: haproxy``: one door per app, and not yet the P/D app (its decode
+    pool routes remote prefill through Serve's router, which HAProxy would bypass)."""
+    if args.http.ingress != "haproxy":
+        return []
+    if args.http.replica_port is not None:
+        return [_error(
+            "ingress-two-doors",
+            f"http.ingress=haproxy with http.replica_port={args.http.replica_port}: two "
+            "doors that each bypass the other's routing. Fix: remove http.replica_port "
+            "(HAProxy already forwards to each replica's own port), or set "
+            "http.ingress: serve_proxy.")]
+    if getattr(args, "pd", None) is not None:
+        return [_error(
+            "ingress-haproxy-pd",
+            "http.ingress=haproxy on a P/D app: not supported (the decode pool's request "
+            "router picks the prefill hand-off; Ray 2.60 refuses a custom router under "
+            "HAProxy). Fix: set http.ingress: serve_proxy for the P/D app.")]
+    return []
 
 
 def _parallel_problems(args: AppArgs) -> list[Problem]:

@@ -100,6 +100,13 @@ class HTTPEdge(_Strict):
     # machine (the local run); None = Serve's proxy is the only door.
     replica_port: int | None = Field(default=None, ge=1, le=65535)
     replica_port_limits: ReplicaPortLimits = Field(default_factory=ReplicaPortLimits)
+    # The door on http_options.port when Serve routes (autoscaled, multi-node, KubeRay):
+    # "serve_proxy" = Serve's Python proxy; "haproxy" = Ray's HAProxy ingress forwarding
+    # to each replica's own direct-ingress port (docs/serving.md "Doors"). HAProxy is a
+    # cluster-wide Ray setting (RAY_SERVE_ENABLE_HA_PROXY in every Ray process): `dsv4-serve
+    # run` sets it for its own cluster, the KubeRay manifests in the pods' env, and
+    # build_app refuses a config that says otherwise than the cluster it runs on.
+    ingress: Literal["serve_proxy", "haproxy"] = "serve_proxy"
 
     @field_validator("cors_allow_origins")
     @classmethod

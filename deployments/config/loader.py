@@ -44,6 +44,7 @@ def load_serve_config(path: str | Path, *, refuse: bool = True) -> ServeConfig:
             app.parse(refuse=refuse, label=str(path))
     try:
         config.check_replica_ports()
+        config.ingress()
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from exc
     return config

@@ -104,6 +104,17 @@ class ServeConfig(_Open):
                                  "/ or remove http.replica_port.")
             seen[port] = app.name
 
+    def ingress(self) -> str:
+        """The one door of the cluster (``http.ingress``): HAProxy is a cluster-wide Ray
+        setting, so every application of one config must ask for the same."""
+        doors = {a.name: p.http.ingress for a, p in self.ours()}
+        if len(set(doors.values())) > 1:
+            listed = ", ".join(f"{name}: {door}" for name, door in doors.items())
+            raise ValueError(f"applications ask for different http.ingress ({listed}): Ray's "
+                             "HAProxy is on or off for the whole cluster. Fix: one value "
+                             "in every application.")
+        return next(iter(doors.values()), "serve_proxy")
+
     def ours(self) -> list[tuple[ServeApplication, AppArgs]]:
         """Our applications with their validated args (parsed once, kept)."""
         return [(a, a.parsed) for a in self.applications if a.is_ours]

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from deployments import serve_env
 from deployments.config import ConfigError, ServeConfig
 
 
@@ -33,6 +34,8 @@ def refuse_busy_ports(config: ServeConfig, timeout_s: float = 0.5) -> None:
     probe = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     ports = [("http_options.port", config.http_options.port)]
     ports += [(f"{app.where}.http.replica_port", port) for app, port in config.replica_ports()]
+    if config.ingress() == "haproxy":
+        ports += serve_env.haproxy_side_ports()
     for field, port in ports:
         try:
             with socket.create_connection((probe, port), timeout=timeout_s):

@@ -116,3 +116,17 @@ def parameter(module: str, path: str, param: str) -> Probe:
         return None if f'"{param}"' in inspect.getsource(func) else \
             f"{module}.{path} does not take {param}"
     return probe
+
+
+def text_mentions(module: str, attr: str, *texts: str) -> Probe:
+    """A probe: the string constant ``module.attr`` (a template) contains every one of
+    ``texts``."""
+    def probe() -> str | None:
+        obj, missing = resolve(module, attr)
+        if missing:
+            return missing
+        if not isinstance(obj, str):
+            return f"{module}.{attr} is not a string"
+        absent = [t for t in texts if t not in obj]
+        return f"{module}.{attr} no longer has {absent!r}" if absent else None
+    return probe

@@ -9,6 +9,7 @@ from deployments.ray_touches.probes import (
     every,
     source_mentions,
     symbols,
+    text_mentions,
 )
 
 _LLM = "ray.llm._internal.serve"
@@ -240,6 +241,63 @@ TOUCHES: tuple[RayTouch, ...] = (
                     source_mentions("ray.serve._private.replica", "ReplicaActor.__init__",
                                     "self._replica_impl"),
                     attr_chain("ray._private.worker", "global_worker.actors")),
+        required=False,
+    ),
+    RayTouch(
+        name="serve.dataplane_health",
+        target="ray.serve._private.replica:Replica._dataplane_health_check (the answer of "
+               "/-/healthz on the replica's direct-ingress port) via "
+               "global_worker.actors[actor_id]._replica_impl",
+        used_in=("deployments.serving.dataplane:install",
+                 "deployments.serving.stopping:this_replica",
+                 "deployments.serving.server:DSv4ServerMixin._follow_drain"),
+        why="under http.ingress: haproxy Ray 2.60 refuses our KVSpecRouter and HAProxy picks "
+            "the replica among those whose /-/healthz answers 200: a replica the KV-spec "
+            "check drains must fail it to leave the rotation (issue 34)",
+        how="an instance-level wrapper: Serve's own answer first (shutdown, engine health), "
+            "then (False, 'DRAINED ...') while the verdict drains this replica and another "
+            "serves; absent = drained replicas keep HAProxy traffic (logged)",
+        upstream="no public drain hook for direct ingress in Ray 2.60; an "
+                 "ingress_request_router (private _with_ingress_request_router) would route "
+                 "in Python again",
+        removal="when Serve lets a replica take itself out of the data plane, or takes a "
+                "custom request router under HAProxy",
+        probe=every(source_mentions("ray.serve._private.replica",
+                                    "Replica._direct_ingress_asgi",
+                                    "await self._dataplane_health_check()"),
+                    attr_chain("ray.serve._private.replica",
+                               "Replica._dataplane_health_check"),
+                    source_mentions("ray.serve._private.replica", "ReplicaActor.__init__",
+                                    "self._replica_impl")),
+        required=False,
+    ),
+    RayTouch(
+        name="serve.haproxy_binary",
+        target="ray.serve._private.constants:RAY_SERVE_HAPROXY_BINARY_PATH, run by "
+               "ray.serve._private.haproxy:HAProxyApi._start_and_wait_for_haproxy as "
+               "`BINARY -db -f CONFIG ...`; the template's stats, prometheus and admin "
+               "socket lines (haproxy_templates.HAPROXY_CONFIG_TEMPLATE)",
+        used_in=("deployments.http.haproxy:main", "deployments.serve_env:haproxy_env",
+                 "deployments.serve_env:ingress_problem"),
+        why="Ray's HAProxy binds its stats page and Prometheus exporter on every interface "
+            "without auth and makes its admin socket mode 666; Ray takes no host or mode "
+            "for them, only the binary",
+        how="the binary is dsv4-haproxy: it rewrites those three lines of the config it is "
+            "given (loopback, mode 600) into a copy and execs Ray's bundled HAProxy on it; "
+            "a config without them is refused (HAProxy does not start)",
+        upstream="no bind host for HAProxy's stats/metrics frontends in Ray 2.60",
+        removal="when Ray binds them to a configurable host (or drops them) and takes the "
+                "admin socket's mode",
+        probe=every(symbols("ray.serve._private.constants", "RAY_SERVE_HAPROXY_BINARY_PATH",
+                            "RAY_SERVE_ENABLE_HA_PROXY"),
+                    source_mentions("ray.serve._private.haproxy",
+                                    "HAProxyApi._start_and_wait_for_haproxy",
+                                    '"-f", self.config_file_path'),
+                    text_mentions("ray.serve._private.haproxy_templates",
+                                  "HAPROXY_CONFIG_TEMPLATE",
+                                  "listen stats\n  bind *:{{ config.stats_port }}",
+                                  "frontend prometheus\n    bind :{{ config.metrics_port }}",
+                                  "stats socket {{ config.socket_path }} mode 666")),
         required=False,
     ),
 )

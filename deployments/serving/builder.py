@@ -69,8 +69,14 @@ def build_one_pool_app(parsed: AppArgs) -> Application:
     KV-spec controller that watches them."""
     config_dict = with_http_engine_settings(
         parsed.llm_config_dict(resolve_model_source(parsed)), parsed.http)
-    # The KV-spec router keeps requests off replicas the controller drains.
-    config_dict["deployment_config"] = with_kv_router(config_dict["deployment_config"])
+    if parsed.http.ingress == "haproxy":
+        # Ray 2.60 refuses a custom request router on an ingress deployment under HAProxy
+        # (serve._private.build_app): a drained replica fails the health check HAProxy
+        # polls instead (deployments.serving.dataplane).
+        logger.info("dsv4: http.ingress=haproxy: HAProxy picks the replica; a drained or "
+                    "engine-dead replica fails its /-/healthz and leaves HAProxy's rotation")
+    else:  # the KV-spec router keeps requests off replicas the controller drains
+        config_dict["deployment_config"] = with_kv_router(config_dict["deployment_config"])
     dp = parsed.llm.engine_kwargs.data_parallel_size > 1
     server_cls = DSv4DPServer if dp else DSv4Server
     # The class that runs: on the DP path build_dp_deployment's deployment_cls wins.

@@ -63,7 +63,7 @@ from deployments.http.listener import ReplicaListener
 from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
 from deployments.responses.replica import ReplicaStore, bind_store
-from deployments.serving import boot
+from deployments.serving import boot, dataplane
 from deployments.serving.resolve import (
     apply_override,
     canonicalize,
@@ -107,6 +107,8 @@ class DSv4ServerMixin:
         self._replica_id = ctx.replica_id.unique_id
         self._asgi_app: Any = None
         self._listener: ReplicaListener | None = None
+        self._dataplane = (dataplane.install() if http is not None
+                           and self._http.ingress == "haproxy" else None)
         self._drain_timeout_s = drain_timeout_s
         self._responses = StoreSettings.model_validate(responses or {})
         self._store: ReplicaStore | None = None
@@ -281,11 +283,15 @@ class DSv4ServerMixin:
                 "action": self._verdict.action.value}
 
     async def _follow_drain(self, message: dict[str, Any]) -> None:
-        """A drained replica takes no new connections on its own port either, unless
-        no other replica would be left to take them (fail open, like the router)."""
+        """A drained replica takes no new connections on its own port (or from HAProxy)
+        either, unless no other replica would be left to take them (fail open, like the
+        router)."""
+        drained = bool(drain_stats(self._verdict)[DRAIN_STAT])
+        if self._dataplane is not None:
+            self._dataplane.follow(drained and others_serving(
+                message, self._replica_id, self._settings.policy.value))
         if self._listener is None:
             return
-        drained = bool(drain_stats(self._verdict)[DRAIN_STAT])
         if drained and others_serving(message, self._replica_id, self._settings.policy.value) \
                 and self._listener.others_listening():  # the last one on this node stays
             self._listener.pause()

@@ -15,6 +15,7 @@ closes at ``__del__``, as before, and the replica says so.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from deployments import ray_touches
 from deployments.logs import get_logger
@@ -31,12 +32,17 @@ def serve_stopping() -> Callable[[], bool] | None:
         logger.warning("dsv4: ray touch %s is missing in this Ray: the replica's own port "
                        "closes only at __del__, after Serve's drain", TOUCH)
         return None
+    replica = this_replica()
+    if replica is None or not hasattr(replica, "_shutting_down"):
+        logger.warning("dsv4: this process is not a Serve replica actor: the replica's own "
+                       "port closes only at __del__")
+        return None
+    return lambda: bool(replica._shutting_down)
+
+
+def this_replica() -> Any | None:
+    """Serve's ``Replica`` instance running in this actor process, or None."""
     from ray._private.worker import global_worker
 
     actor = global_worker.actors.get(global_worker.actor_id)
-    replica = getattr(actor, "_replica_impl", None)
-    if replica is None or not hasattr(replica, "_shutting_down"):
-        logger.warning("dsv4: this process is not a Serve replica actor (%s): the "
-                       "replica's own port closes only at __del__", type(actor).__name__)
-        return None
-    return lambda: bool(replica._shutting_down)
+    return getattr(actor, "_replica_impl", None)

@@ -1,0 +1,113 @@
+"""``http.ingress: haproxy``: the config rules, the env a cluster needs, the build-time
+check that the cluster runs the door the config says, and the drain gate on
+``/-/healthz``."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deployments import serve_env
+from deployments.config import DEFAULT_CONFIG, ConfigError, load_serve_config, parse_app_args
+from deployments.config.checks import check
+from deployments.serving.dataplane import DRAINED_MESSAGE, DataplaneGate
+
+
+def haproxy_args(**http: Any) -> dict[str, Any]:
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    args = copy.deepcopy(raw["applications"][0]["args"])
+    args["http"].pop("replica_port", None)
+    args["http"].update({"ingress": "haproxy", **http})
+    return dict(args)
+
+
+def test_haproxy_is_a_valid_door() -> None:
+    assert parse_app_args(haproxy_args()).http.ingress == "haproxy"
+    assert parse_app_args(haproxy_args(ingress="serve_proxy")).http.ingress == "serve_proxy"
+
+
+def test_an_unknown_door_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"http\.ingress"):
+        parse_app_args(haproxy_args(ingress="nginx"))
+
+
+def test_haproxy_beside_the_replica_port_is_refused() -> None:
+    problems = check(parse_app_args(haproxy_args(), refuse=False))
+    assert not problems or all(p.code != "ingress-two-doors" for p in problems)
+    args = parse_app_args(haproxy_args(replica_port=8100), refuse=False)
+    [problem] = [p for p in check(args) if p.code == "ingress-two-doors"]
+    assert problem.is_error and "http.replica_port=8100" in problem.message
+    assert "Fix" in problem.message
+
+
+def test_apps_of_one_config_must_agree_on_the_door(tmp_path: Path) -> None:
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    first = raw["applications"][0]
+    first["args"] = haproxy_args()
+    second = copy.deepcopy(first)
+    second.update(name="other", route_prefix="/other")
+    second["args"]["http"]["ingress"] = "serve_proxy"
+    raw["applications"].append(second)
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"different http\.ingress"):
+        load_serve_config(path)
+
+
+def test_apply_ingress_sets_the_cluster_flags_and_keeps_a_users() -> None:
+    env = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+    lines = serve_env.apply_ingress("haproxy", env)
+    assert env[serve_env.HAPROXY_FLAG] == "1"
+    assert env[serve_env.HAPROXY_BINARY_FLAG].endswith("/dsv4-haproxy")
+    assert Path(env[serve_env.HAPROXY_BINARY_FLAG]).is_absolute()
+    assert len(lines) == 2
+    untouched: dict[str, str] = {}
+    assert serve_env.apply_ingress("serve_proxy", untouched) == []
+    assert untouched == {}
+
+
+@pytest.mark.parametrize("ingress, env, fragment", [
+    ("serve_proxy", {}, None),
+    ("haproxy", {"RAY_SERVE_ENABLE_HA_PROXY": "1",
+                 "RAY_SERVE_HAPROXY_BINARY_PATH": "/venv/bin/dsv4-haproxy"}, None),
+    ("haproxy", {}, "runs without RAY_SERVE_ENABLE_HA_PROXY=1"),
+    ("serve_proxy", {"RAY_SERVE_ENABLE_HA_PROXY": "1"}, "without the KV-spec drain"),
+    ("haproxy", {"RAY_SERVE_ENABLE_HA_PROXY": "1"}, "every interface"),
+    ("haproxy", {"RAY_SERVE_ENABLE_HA_PROXY": "1",
+                 "RAY_SERVE_HAPROXY_BINARY_PATH": "/usr/sbin/haproxy"}, "every interface"),
+])
+def test_the_build_refuses_a_cluster_running_another_door(
+        ingress: str, env: dict[str, str], fragment: str | None) -> None:
+    problem = serve_env.ingress_problem(ingress, env)
+    if fragment is None:
+        assert problem is None
+    else:
+        assert problem is not None and fragment in problem and "Fix" in problem
+
+
+def test_haproxy_side_ports_follow_the_environment() -> None:
+    ports = dict(serve_env.haproxy_side_ports({"RAY_SERVE_HAPROXY_STATS_PORT": "9404"}))
+    assert ports == {"RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 8500,
+                     "RAY_SERVE_HAPROXY_STATS_PORT": 9404,
+                     "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
+
+
+def test_the_gate_fails_healthz_only_while_drained_and_keeps_serves_own_answer() -> None:
+    answers = [(True, "success"), (True, "success"), (False, "DRAINING"), (True, "success")]
+
+    async def serve_check() -> tuple[bool, str]:
+        return answers.pop(0)
+
+    gate = DataplaneGate()
+    check_ = gate.wrap(serve_check)
+    assert asyncio.run(check_()) == (True, "success")
+    gate.follow(True)
+    assert asyncio.run(check_()) == (False, DRAINED_MESSAGE)
+    assert asyncio.run(check_()) == (False, "DRAINING")  # Serve's shutdown wins
+    gate.follow(False)
+    assert asyncio.run(check_()) == (True, "success")
