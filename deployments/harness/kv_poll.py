@@ -22,10 +22,11 @@ class NotAReport(Exception):
 TRANSIENT = (httpx.HTTPError, NotAReport)
 
 
-def kv_report(url: str, refresh: bool = True, timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
+def kv_report(url: str, refresh: bool = True, timeout: float = 120.0,
+              headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     """(status, report) from ``{url}/kv-spec``; ``NotAReport`` for a non-JSON body."""
     resp = httpx.get(f"{url}/kv-spec", params={"refresh": str(refresh).lower()},
-                     timeout=timeout)
+                     timeout=timeout, headers=headers)
     try:
         body = resp.json()
     except ValueError:

@@ -76,13 +76,14 @@ class Run:
         return {self.proc.pid} | descendants(self.proc.pid) | set(session_pids(self.session))
 
 
-def start_run(config: Path, nodes: int, idle_timeout_s: float) -> Run:
+def start_run(config: Path, nodes: int, idle_timeout_s: float,
+              env: dict[str, str] | None = None) -> Run:
     exe = Path(sys.executable).with_name("dsv4-serve")
     proc = subprocess.Popen(
         [str(exe), "run", str(config), "--nodes", str(nodes), "--no-smoke",
          "--node-idle-timeout-s", str(idle_timeout_s)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        start_new_session=True, env=os.environ | {"PYTHONUNBUFFERED": "1"} | (env or {}))
     try:
         out = read_until_serving(proc, BOOT_TIMEOUT_S)
         assert SERVING_LINE in out, out[-4000:]

