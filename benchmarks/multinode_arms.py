@@ -10,16 +10,13 @@ the load starts), so Serve's autoscaler runs and collects its metrics the whole 
 
 * ``mn-proxy`` -- through Serve's Python proxy on ``--port`` (head node only:
   ``proxy_location: HeadOnly``): what an autoscaled or multi-node app uses today;
-* ``mn-haproxy-nodrain`` -- Ray 2.60's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``, which
-  forces direct ingress on): HAProxy on ``--port`` forwards to each replica's own
-  direct-ingress port (a 2-port range, ``--port`` + 10.., one per replica); stats
-  ``--port`` + 2, Prometheus ``--port`` + 3, Serve's fallback proxy ``--port`` + 4;
-  with an API key (the edge demands one whenever replicas listen themselves). Ray 2.60
-  refuses a custom ``request_router_class`` on the ingress deployment under HAProxy
-  (``serve._private.build_app``: HAProxy picks the replica itself unless the app attaches
-  an ``ingress_request_router``), and ours sets ``KVSpecRouter`` (drain); so this arm's
-  ``dsv4-serve run`` builds the app without it (``run_without_kv_router``): a measurement
-  of the door, not a shippable configuration (a drained replica still gets requests);
+* ``mn-haproxy`` -- ``http.ingress: haproxy``, what the KubeRay presets ship: Ray 2.60's
+  HAProxy ingress on ``--port`` forwarding to each replica's own direct-ingress port (a
+  2-port range, ``--port`` + 10.., one per replica), HAProxy run as ``dsv4-haproxy`` (stats
+  ``--port`` + 2 and Prometheus ``--port`` + 3 on loopback), Serve's fallback proxy
+  ``--port`` + 4; with an API key (the edge demands one whenever replicas listen
+  themselves); drain by ``/-/healthz`` (``deployments.serving.dataplane``), no
+  ``KVSpecRouter`` (Ray refuses one under HAProxy);
 * ``mn-replica-port`` -- ``http.replica_port`` = ``--port`` (both replicas share it by
   ``SO_REUSEPORT``, possible only because both "nodes" are this one machine and
   min = max), Serve's proxy on ``--port`` + 5.
@@ -71,6 +68,8 @@ def mn_config(arm: str, port: int) -> dict[str, Any]:
         raw["http_options"]["port"] = port + PROXY_OFFSET
         args["http"]["replica_port"] = port
     else:
+        if arm == "mn-haproxy":
+            args["http"]["ingress"] = "haproxy"
         raw["http_options"]["port"] = port
         args["http"].pop("replica_port", None)
     return raw
@@ -78,10 +77,9 @@ def mn_config(arm: str, port: int) -> dict[str, Any]:
 
 def mn_env(arm: str, port: int) -> dict[str, str]:
     """The Ray Serve flags of an arm's ``dsv4-serve run`` (every Ray process inherits them)."""
-    if arm != "mn-haproxy-nodrain":
+    if arm != "mn-haproxy":
         return {}
-    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
-            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port + DIRECT_OFFSET),
+    return {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port + DIRECT_OFFSET),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + DIRECT_OFFSET + NODES),
             "RAY_SERVE_HAPROXY_STATS_PORT": str(port + 2),
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(port + 3),
@@ -94,35 +92,10 @@ def mn_command(arm: str, port: int, workdir: Path) -> tuple[list[str], dict[str,
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / f"{arm}.yaml"
     config.write_text(yaml.safe_dump(mn_config(arm, port)))
-    exe = ([sys.executable, "-m", "benchmarks.multinode_arms"] if arm == "mn-haproxy-nodrain"
-           else [str(Path(sys.executable).with_name("dsv4-serve"))])
-    cmd = [*exe, "run", str(config), "--nodes", str(NODES), "--no-smoke",
+    exe = str(Path(sys.executable).with_name("dsv4-serve"))
+    cmd = [exe, "run", str(config), "--nodes", str(NODES), "--no-smoke",
            "--node-idle-timeout-s", "600"]
     return cmd, mn_env(arm, port)
-
-
-def _no_router(deployment_config: dict[str, Any]) -> dict[str, Any]:
-    return deployment_config
-
-
-def run_without_kv_router(argv: list[str]) -> int:
-    """``dsv4-serve`` with ``argv``, the server deployment built without ``KVSpecRouter``
-    (the app is built in this driver process, so patching the builder suffices). The
-    builder imports Ray, and ``run --nodes`` must start its cluster before anything does:
-    the patch goes in when ``run`` deploys."""
-    from deployments.cli import main as cli
-    from deployments.cli import run
-
-    deploy = run.deploy
-
-    def deploy_without_router(*args: Any, **kwargs: Any) -> Any:
-        from deployments.serving import builder
-
-        builder.with_kv_router = _no_router
-        return deploy(*args, **kwargs)
-
-    run.deploy = deploy_without_router
-    return cli.main(argv)
 
 
 def cluster_session(log: Path) -> int | None:
@@ -203,6 +176,3 @@ def cpu_table(arm_runs: dict[str, list[dict[str, Any]]], order: tuple[str, ...])
         lines.append(f"| {role} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    sys.exit(run_without_kv_router(sys.argv[1:]))

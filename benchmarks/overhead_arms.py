@@ -22,10 +22,10 @@ CONFIG = REPO / "configs" / "local-cpu.yaml"
 SERVE_ARMS = ("ours", "ours-proxy", "stock", "ours-quiet", "ours-tput", "ours-direct",
               "ours-haproxy", "ours-raydefaults")
 # The 2-node arms (``benchmarks.multinode_arms``): ``dsv4-serve run --nodes 2``, each door.
-MN_ARMS = ("mn-proxy", "mn-haproxy-nodrain", "mn-replica-port")
+MN_ARMS = ("mn-proxy", "mn-haproxy", "mn-replica-port")
 ARMS = ("ours", "ours-proxy", "vllm", *SERVE_ARMS[2:], *MN_ARMS)
 # Arms whose replicas listen themselves: the edge requires a key even on loopback.
-KEYED_ARMS = ("ours-direct", "ours-haproxy", "mn-haproxy-nodrain")
+KEYED_ARMS = ("ours-direct", "ours-haproxy", "mn-haproxy")
 # ours-direct: the key the arm's replicas require and its client sends.
 DIRECT_KEY = "bench-direct-ingress-key"
 

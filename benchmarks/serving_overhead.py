@@ -34,7 +34,7 @@ settings of ``configs/local-cpu.yaml``), the same ``vllm bench serve`` load
 * ``ours-quiet`` (ablation) -- ours with
   ``controller_period_s`` at its maximum, so the controller checks once at start:
   ours minus ours-quiet is what the periodic KV-spec check costs.
-* ``mn-proxy``, ``mn-haproxy-nodrain``, ``mn-replica-port`` -- ``dsv4-serve run --nodes 2``
+* ``mn-proxy``, ``mn-haproxy``, ``mn-replica-port`` -- ``dsv4-serve run --nodes 2``
   (two replicas, one per node, autoscaling pinned at 2) through each door
   (``benchmarks.multinode_arms``); ``--replicas`` does not apply to them.
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from deployments import serve_env
 from deployments.config import (
     AppArgs,
     ConfigError,
@@ -56,6 +57,7 @@ def semantic_problems(manifest: Mapping[str, Any]) -> list[str]:
     if not cluster.get("enableInTreeAutoscaling"):
         found.append("rayClusterConfig.enableInTreeAutoscaling is off: Serve autoscaling "
                      "would never get nodes")
+    found += _ingress_env_problems(cluster, ours)
     head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
     if "nvidia.com/gpu" in head.get("resources", {}).get("limits", {}):
         found.append("head group requests GPUs")
@@ -64,6 +66,27 @@ def semantic_problems(manifest: Mapping[str, Any]) -> list[str]:
         return found + _fleet_group_problems(groups, ours[0])
     for group, args in zip(groups, ours, strict=False):
         found.extend(_group_problems(group, args))
+    return found
+
+
+def _ingress_env_problems(cluster: Mapping[str, Any], ours: list[AppArgs]) -> list[str]:
+    """Every pod runs the door the preset asks for: Ray's HAProxy flag is read by each
+    Ray process from its own environment, and HAProxy must run as dsv4-haproxy."""
+    doors = {args.http.ingress for args in ours}
+    found = []
+    for where, template in _pods(cluster):
+        for container in template["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            wanted = "1" if "haproxy" in doors else None
+            if env.get(serve_env.HAPROXY_FLAG) != wanted:
+                found.append(f"{where}: env {serve_env.HAPROXY_FLAG}="
+                             f"{env.get(serve_env.HAPROXY_FLAG)!r} but serveConfigV2's "
+                             f"http.ingress is {sorted(doors)}: expected {wanted!r}")
+            binary = env.get(serve_env.HAPROXY_BINARY_FLAG) or ""
+            if wanted and not binary.endswith(f"/{serve_env.HAPROXY_WRAPPER}"):
+                found.append(f"{where}: env {serve_env.HAPROXY_BINARY_FLAG}={binary!r}: "
+                             f"expected the absolute path of {serve_env.HAPROXY_WRAPPER} "
+                             "(HAProxy's stats/metrics would bind every interface)")
     return found
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from deployments import resources
+from deployments import resources, serve_env
 from deployments.config import (
     AppArgs,
     ConfigError,
@@ -243,3 +243,20 @@ def store_problems(args: AppArgs, config_path: Path) -> list[str]:
                 "responses.backend: redis and responses.url to a Redis/Valkey service "
                 "(docs/deploy-kuberay.md), or turn http.responses_store off."]
     return []
+
+
+# The serving image's Python (rayproject/ray-llm: Ray's anaconda); the Dockerfile asserts
+# dsv4-haproxy is installed there.
+IMAGE_BIN_DIR = "/home/ray/anaconda3/bin"
+
+
+def ingress_env(args: AppArgs) -> list[dict[str, Any]]:
+    """Pod env for ``http.ingress: haproxy``: Ray's HAProxy on, run through dsv4-haproxy.
+
+    A Ray-wide setting, read by every Ray process at import, so every pod gets it (the
+    replica's build refuses a cluster that says otherwise than the preset).
+    """
+    if args.http.ingress != "haproxy":
+        return []
+    env = serve_env.haproxy_env(f"{IMAGE_BIN_DIR}/{serve_env.HAPROXY_WRAPPER}")
+    return [{"name": name, "value": value} for name, value in env.items()]

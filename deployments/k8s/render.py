@@ -29,6 +29,7 @@ from deployments.k8s.params import (
     WRITABLE_DIRS,
     Preset,
     gpu_args,
+    ingress_env,
     load_params,
     presets,
     scaling,
@@ -267,9 +268,9 @@ def render_manifest(preset: Preset, params: Mapping[str, Any]) -> dict[str, Any]
     security = container_security_context()
     head, workers = head_group(params, name, image_ref(params, preset)), \
         worker_groups(preset, args, params)
-    for group in (head, *workers):  # any pod may hold a replica that reads the store
+    for group in (head, *workers):  # any pod may hold a replica (the store) or Ray's proxy
         for container in group["template"]["spec"]["containers"]:
-            container["env"] += store_env(args, params)
+            container["env"] += store_env(args, params) + ingress_env(args)
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",

@@ -111,3 +111,41 @@ def test_the_gate_fails_healthz_only_while_drained_and_keeps_serves_own_answer()
     assert asyncio.run(check_()) == (False, "DRAINING")  # Serve's shutdown wins
     gate.follow(False)
     assert asyncio.run(check_()) == (True, "success")
+
+
+def _pod_envs(manifest: dict[str, Any]) -> list[dict[str, str]]:
+    cluster = manifest["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"]] + [
+        g["template"] for g in cluster["workerGroupSpecs"]]
+    return [{e["name"]: e.get("value") for e in c.get("env", [])}
+            for t in templates for c in t["spec"]["containers"]]
+
+
+def test_kuberay_presets_run_haproxy_on_every_pod_and_the_lint_holds_them_to_it() -> None:
+    from deployments.k8s.lint import semantic_problems
+    from deployments.k8s.params import DEFAULT_PARAMS, IMAGE_BIN_DIR, load_params, presets
+    from deployments.k8s.render import render_manifest
+
+    params = load_params()
+    doors = {}
+    for preset in presets(params, DEFAULT_PARAMS):
+        manifest = render_manifest(preset, params)
+        serve = yaml.safe_load(manifest["spec"]["serveConfigV2"])
+        door = serve["applications"][0]["args"]["http"].get("ingress", "serve_proxy")
+        doors[preset.name] = door
+        for env in _pod_envs(manifest):
+            assert (env.get("RAY_SERVE_ENABLE_HA_PROXY") == "1") is (door == "haproxy")
+            if door == "haproxy":
+                assert env["RAY_SERVE_HAPROXY_BINARY_PATH"] == f"{IMAGE_BIN_DIR}/dsv4-haproxy"
+        if door == "haproxy":  # one pod without the flag: the lint names it
+            head = manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]
+            head["spec"]["containers"][0]["env"] = [
+                e for e in head["spec"]["containers"][0]["env"]
+                if e["name"] != "RAY_SERVE_ENABLE_HA_PROXY"]
+            assert any(p.startswith("head: env RAY_SERVE_ENABLE_HA_PROXY=None")
+                       for p in semantic_problems(manifest)), preset.name
+    # Every autoscaled multi-node preset uses HAProxy; P/D stays on Serve's proxy
+    # (its decode router picks the prefill hand-off).
+    assert {n for n, d in doors.items() if d != "haproxy"} == {"flash-h200-pd"}, doors
+    dockerfile = (Path(__file__).parents[2] / "Dockerfile").read_text()
+    assert f"= {IMAGE_BIN_DIR}/dsv4-haproxy" in dockerfile
