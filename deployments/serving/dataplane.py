@@ -18,7 +18,8 @@ so and keeps serving under HAProxy while drained (logged at every drain).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from deployments import ray_touches
 from deployments.logs import get_logger
@@ -28,7 +29,7 @@ logger = get_logger("server")
 
 TOUCH = "serve.dataplane_health"
 DRAINED_MESSAGE = "DRAINED by the dsv4 KV-spec check"
-HealthCheck = Callable[[], Awaitable[tuple[bool, str]]]
+HealthCheck = Callable[[], Coroutine[Any, Any, tuple[bool, str]]]
 
 
 class DataplaneGate:
