@@ -247,7 +247,7 @@ def replica_on(listener: ReplicaListener, check_health: Any = None) -> Any:
 
     replica: Any = object.__new__(Replica)
     replica._listener, replica._edge, replica._verdict = listener, None, ReplicaVerdict()
-    replica._replica_id = "r0"
+    replica._replica_id, replica._dataplane = "r0", None  # the replica port, not HAProxy
     replica._settings = DSv4Section.model_validate({"policy": "drain"})
     return replica
 
