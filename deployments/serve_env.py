@@ -2,7 +2,9 @@
 
 Serve reads these when each of its processes imports it, so they live in the
 environment of every process Ray starts (``ray start``, a pod's env); dsv4-serve sets
-none of them (Ray's defaults). Two things depend on them:
+them only for the door a config asks for (``http.ingress: haproxy``: ``apply_ingress``
+before its own local Ray starts, ``k8s.params.ingress_env`` on KubeRay pods) and for
+a quiet local head (``apply_local_quiet``). Two things depend on them:
 
 * **Who can connect.** ``RAY_SERVE_ENABLE_DIRECT_INGRESS=1`` or
   ``RAY_SERVE_ENABLE_HA_PROXY=1`` (and ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``, which

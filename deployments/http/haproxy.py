@@ -24,10 +24,12 @@ import re
 import sys
 from dataclasses import dataclass
 
+from deployments import serve_env
+
 LOOPBACK = "127.0.0.1"
 ENV_REAL_BINARY = "DSV4_HAPROXY_REAL_BINARY"  # optional: the HAProxy to exec
-BINARY_FLAG = "RAY_SERVE_HAPROXY_BINARY_PATH"  # Ray's: names this wrapper
-WRAPPER = "dsv4-haproxy"
+BINARY_FLAG = serve_env.HAPROXY_BINARY_FLAG  # Ray's: names this wrapper
+WRAPPER = serve_env.HAPROXY_WRAPPER
 
 # Each rule: (what it closes, pattern on one line of the rendered config, replacement).
 _STATS_BIND = re.compile(r"^(?P<indent>\s*)bind\s+\*?:(?P<port>\d+)\s*$")
