@@ -162,6 +162,15 @@ def stop_run(run: Run, timeout_s: float = 120) -> tuple[int, str, float]:
     return run.proc.returncode, rest, time.monotonic() - started
 
 
+def kill_leftovers(run: Run) -> None:
+    """SIGKILL what a run left: its process group if it still runs, its cluster's
+    session processes (a test that failed midway)."""
+    if run.proc.poll() is None:
+        os.killpg(run.proc.pid, signal.SIGKILL)
+    for pid in session_pids(run.session):
+        os.kill(pid, signal.SIGKILL)
+
+
 def worker_nodes(run: Run) -> dict[str, int]:
     """Ray node id -> raylet pid of the live worker nodes of the run's cluster."""
     return worker_raylets(run.session)

@@ -249,7 +249,7 @@ TOUCHES: tuple[RayTouch, ...] = (
                "/-/healthz on the replica's direct-ingress port) via "
                "global_worker.actors[actor_id]._replica_impl",
         used_in=("deployments.serving.dataplane:install",
-                 "deployments.serving.stopping:this_replica",
+                 "deployments.serving.stopping:touched_replica",
                  "deployments.serving.server:DSv4ServerMixin._follow_drain"),
         why="under http.ingress: haproxy Ray 2.60 refuses our KVSpecRouter and HAProxy picks "
             "the replica among those whose /-/healthz answers 200: a replica the KV-spec "

@@ -21,9 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from deployments import ray_touches
 from deployments.logs import get_logger
-from deployments.serving.stopping import this_replica
+from deployments.serving.stopping import touched_replica
 
 logger = get_logger("server")
 
@@ -59,14 +58,9 @@ class DataplaneGate:
 def install() -> DataplaneGate | None:
     """A gate on this replica's data-plane health check, or None (logged) when this Ray
     or process does not let us reach it."""
-    if not ray_touches.present(TOUCH):
-        logger.warning("dsv4: ray touch %s is missing in this Ray: under HAProxy a drained "
-                       "replica keeps receiving requests", TOUCH)
-        return None
-    replica = this_replica()
-    if replica is None or not hasattr(replica, "_dataplane_health_check"):
-        logger.warning("dsv4: no Serve replica health check in this process: under HAProxy "
-                       "a drained replica keeps receiving requests")
+    replica = touched_replica(TOUCH, "_dataplane_health_check", "under HAProxy a drained "
+                              "replica keeps receiving requests")
+    if replica is None:
         return None
     gate = DataplaneGate()
     replica._dataplane_health_check = gate.wrap(replica._dataplane_health_check)

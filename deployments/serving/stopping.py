@@ -28,16 +28,22 @@ TOUCH = "serve.replica_shutting_down"
 def serve_stopping() -> Callable[[], bool] | None:
     """A cheap check of "Serve is stopping this replica", or None (logged) when the
     installed Ray does not let us see it."""
-    if not ray_touches.present(TOUCH):
-        logger.warning("dsv4: ray touch %s is missing in this Ray: the replica's own port "
-                       "closes only at __del__, after Serve's drain", TOUCH)
+    replica = touched_replica(TOUCH, "_shutting_down", "the replica's own port closes "
+                              "only at __del__, after Serve's drain")
+    return None if replica is None else lambda: bool(replica._shutting_down)
+
+
+def touched_replica(touch: str, attr: str, without: str) -> Any | None:
+    """Serve's ``Replica`` in this process, when ray touch ``touch`` is present and the
+    replica has ``attr``; else None, logged with what is lost (``without``)."""
+    if not ray_touches.present(touch):
+        logger.warning("dsv4: ray touch %s is missing in this Ray: %s", touch, without)
         return None
     replica = this_replica()
-    if replica is None or not hasattr(replica, "_shutting_down"):
-        logger.warning("dsv4: this process is not a Serve replica actor: the replica's own "
-                       "port closes only at __del__")
+    if replica is None or not hasattr(replica, attr):
+        logger.warning("dsv4: no Serve replica with %s in this process: %s", attr, without)
         return None
-    return lambda: bool(replica._shutting_down)
+    return replica
 
 
 def this_replica() -> Any | None:

@@ -44,10 +44,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[mn.Run]:
     try:
         yield the_run
     finally:
-        if the_run.proc.poll() is None:
-            os.killpg(the_run.proc.pid, signal.SIGKILL)
-        for pid in mn.session_pids(the_run.session):  # only if a step failed midway
-            os.kill(pid, signal.SIGKILL)
+        mn.kill_leftovers(the_run)  # only if a step failed midway
 
 
 def _peak_memory(run: mn.Run) -> None:
