@@ -20,7 +20,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local-cpu.yaml"
 SERVE_ARMS = ("ours", "ours-proxy", "stock", "ours-quiet", "ours-tput", "ours-direct",
-              "ours-haproxy", "ours-raydefaults")
+              "ours-haproxy", "ours-raydefaults", "ours-si8")
 # The 2-node arms (``benchmarks.multinode_arms``): ``dsv4-serve run --nodes 2``, each door.
 MN_ARMS = ("mn-proxy", "mn-haproxy", "mn-replica-port")
 ARMS = ("ours", "ours-proxy", "vllm", *SERVE_ARMS[2:], *MN_ARMS)
@@ -65,6 +65,9 @@ STOCK_INGRESS_CPUS = 1.0
 # Ablation arm: ours with the KV-spec controller's periodic check pushed out to its
 # maximum period, so it runs once at start; isolates what the periodic check costs.
 QUIET_PERIOD_S = 3600.0
+# Ablation arm ours-si8 (issue 34): vLLM's engine arg stream_interval (0.20+; the first
+# token is always sent at once), the chunk coalescing the GPU-rate simulation measures.
+STREAM_INTERVAL = 8
 MODEL_ID = "dsv4-tiny"
 # Arms whose requests enter through one of Serve's own doors (its proxy, direct ingress,
 # HAProxy), not the replicas' shared port; and where the others put Serve's proxy.
@@ -95,6 +98,8 @@ def raw_config(replicas: int, port: int, arm: str = "ours") -> dict[str, Any]:
         args["dsv4"]["controller_period_s"] = QUIET_PERIOD_S
     if arm == "ours-haproxy":
         args["http"]["ingress"] = "haproxy"
+    if arm == "ours-si8":  # vLLM's stream_interval: one chunk per 8 tokens, first at once
+        args["llm"]["engine_kwargs"]["stream_interval"] = STREAM_INTERVAL
     return raw
 
 

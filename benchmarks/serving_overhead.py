@@ -30,6 +30,8 @@ settings of ``configs/local-cpu.yaml``), the same ``vllm bench serve`` load
 * ``ours-raydefaults`` (ablation, issue 25) -- ours with Serve's own control-loop and
   metrics-flush intervals instead of the local run's quieter ones
   (``deployments.serve_env.LOCAL_QUIET_ENV``);
+* ``ours-si8`` (ablation, issue 34) -- ours with vLLM's ``stream_interval`` 8 (a chunk
+  per 8 tokens after the first): what coalescing saves per token and costs at c=1;
 * ``ours-quiet`` (ablation) -- ours with
   ``controller_period_s`` at its maximum, so the controller checks once at start:
   ours minus ours-quiet is what the periodic KV-spec check costs.
