@@ -54,13 +54,19 @@ def healthy(serve_stack: Stack) -> Iterator[dict[str, Any]]:
 # ------------------------------------------------------------------- load
 
 
-def test_load_concurrency_16_all_requests_complete(serve_stack: Stack,
+def test_load_concurrency_12_all_requests_complete(serve_stack: Stack,
                                                    healthy: dict[str, Any]) -> None:
-    """``vllm bench serve``: 64 random prompts at concurrency 16, every one complete."""
+    """``vllm bench serve``: 64 random prompts at concurrency 12, every one complete.
+
+    Below each replica's in-flight share (max_in_flight 32 / 2 = 16) with room: the kernel
+    may put every connection on one replica (SO_REUSEPORT hashes them), and a client
+    sends its next request as soon as it reads the last chunk, a moment before the
+    replica frees that slot; at concurrency 16 that is a 17th request on a full replica,
+    a correct 503 (seen once in CI)."""
     from deployments.harness import load as bench_load
     from dsv4_patch.tiny_model import ensure_tiny_model
 
-    load = bench_load.Load(num_prompts=64, concurrency=16, input_len=32, output_len=16)
+    load = bench_load.Load(num_prompts=64, concurrency=12, input_len=32, output_len=16)
     result = bench_load.run(load, serve_stack.url.removesuffix("/v1"), serve_stack.model,
                             str(ensure_tiny_model()))
     print(f"load: {result['completed']} completed, {result['failed']} failed, "
