@@ -70,23 +70,20 @@ def semantic_problems(manifest: Mapping[str, Any]) -> list[str]:
 
 
 def _ingress_env_problems(cluster: Mapping[str, Any], ours: list[AppArgs]) -> list[str]:
-    """Every pod runs the door the preset asks for: Ray's HAProxy flag is read by each
-    Ray process from its own environment, and HAProxy must run as dsv4-haproxy."""
-    doors = {args.http.ingress for args in ours}
+    """Every pod runs the door the preset asks for (``serve_env.ingress_problem``, the
+    rule the app's build applies to the Ray it runs on): Ray's HAProxy flag is read by
+    each Ray process from its own environment, and HAProxy must run as dsv4-haproxy."""
+    doors = sorted({args.http.ingress for args in ours}) or ["serve_proxy"]
+    if len(doors) > 1:
+        return [f"serveConfigV2: applications ask for different http.ingress {doors}"]
     found = []
     for where, template in _pods(cluster):
         for container in template["spec"]["containers"]:
-            env = {e["name"]: e.get("value") for e in container.get("env", [])}
-            wanted = "1" if "haproxy" in doors else None
-            if env.get(serve_env.HAPROXY_FLAG) != wanted:
-                found.append(f"{where}: env {serve_env.HAPROXY_FLAG}="
-                             f"{env.get(serve_env.HAPROXY_FLAG)!r} but serveConfigV2's "
-                             f"http.ingress is {sorted(doors)}: expected {wanted!r}")
-            binary = env.get(serve_env.HAPROXY_BINARY_FLAG) or ""
-            if wanted and not binary.endswith(f"/{serve_env.HAPROXY_WRAPPER}"):
-                found.append(f"{where}: env {serve_env.HAPROXY_BINARY_FLAG}={binary!r}: "
-                             f"expected the absolute path of {serve_env.HAPROXY_WRAPPER} "
-                             "(HAProxy's stats/metrics would bind every interface)")
+            env = {e["name"]: e.get("value") or "" for e in container.get("env", [])}
+            problem = serve_env.ingress_problem(doors[0], env)
+            if problem:
+                flag = env.get(serve_env.HAPROXY_FLAG)
+                found.append(f"{where}: env {serve_env.HAPROXY_FLAG}={flag!r}: {problem}")
     return found
 
 
