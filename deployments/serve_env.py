@@ -74,7 +74,8 @@ def _set_missing(flags: Mapping[str, str], why: str, ours: str,
 
 # A local run idles quietly (issue 25, docs/benchmarks.md §2f): Serve's settings that
 # only cost CPU at rest on one machine, slowed for the private local Ray that
-# ``deployments.local.ray_head.start_cluster`` starts (never for a cluster someone else
+# ``deployments.local.ray_head.start_cluster`` and the local multi-node cluster of
+# ``--nodes`` (``deployments.local.cluster``) start (never for a cluster someone else
 # started, nor the KubeRay presets). Measured idle, per process, on 2 cores:
 # * the Serve controller's control loop runs every 0.1 s (``CONTROL_LOOP_INTERVAL_S``):
 #   4.3 % of a core at rest; at 0.5 s a deployment change or an autoscaling decision is
@@ -182,6 +183,16 @@ def ingress_problem(ingress: str, environ: Mapping[str, str] | None = None) -> s
 HAPROXY_SIDE_PORTS = {"RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 8500,
                       "RAY_SERVE_HAPROXY_STATS_PORT": 8404,
                       "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
+
+
+def haproxy_ports_beside(door: int, replicas: int) -> dict[str, str]:
+    """The HAProxy cluster's other ports next to its ``door``, so several clusters share
+    one machine (tests, benchmarks): the fallback proxy, stats and Prometheus frontends
+    at door+1..3, and ``replicas`` direct-ingress ports from door+10."""
+    side = dict(zip(HAPROXY_SIDE_PORTS, (door + 1, door + 2, door + 3), strict=True))
+    side |= {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": door + 10,
+             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": door + 10 + replicas}
+    return {name: str(port) for name, port in side.items()}
 
 
 def haproxy_side_ports(environ: Mapping[str, str] | None = None) -> list[tuple[str, int]]:

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import csv
 import io
-import itertools
 import os
-import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -28,6 +26,7 @@ import psutil
 import pytest
 import yaml
 
+from deployments import serve_env
 from deployments.config import DEFAULT_CONFIG
 from deployments.harness import multinode_scenario as mn
 from deployments.harness.kv_poll import TRANSIENT, kv_report
@@ -40,11 +39,7 @@ PORT = 8040
 URL = f"http://127.0.0.1:{PORT}/v1"
 KEY = "haproxy-door-test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-SIDE_ENV = {"RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(PORT + 1),
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(PORT + 2),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(PORT + 3),
-            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(PORT + 10),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(PORT + 13)}
+SIDE_ENV = serve_env.haproxy_ports_beside(PORT, replicas=3)
 MODEL = "dsv4-tiny"
 
 
@@ -65,25 +60,9 @@ def haproxy_config(tmp: Path) -> Path:
     return path
 
 
-def haproxy_configs() -> dict[int, Path]:
-    """pid -> hardened config of every HAProxy running as dsv4-haproxy left it (Ray
-    2.60 keeps one config per node: /tmp/haproxy-serve/<node id>/haproxy.cfg)."""
-    found = {}
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info["cmdline"] or []
-        for flag, value in itertools.pairwise(cmd):
-            if flag == "-f" and value.endswith(".dsv4.cfg") and "haproxy-serve" in value:
-                found[proc.pid] = Path(value)
-    return found
-
-
-def haproxy_pids() -> set[int]:
-    return set(haproxy_configs())
-
-
-def admin_socket() -> str:
+def admin_socket(run: mn.Run) -> str:
     """The admin socket of the run's HAProxy, from its own config."""
-    [config] = set(haproxy_configs().values())
+    [config] = run.haproxy_configs
     [line] = [ln for ln in config.read_text().splitlines() if "stats socket" in ln]
     return line.split()[2]
 
@@ -96,16 +75,14 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[mn.Run]:
         yield the_run
     finally:
         mn.kill_leftovers(the_run)  # only if a step failed midway
-        for pid in haproxy_pids():
-            os.kill(pid, signal.SIGKILL)
 
 
-def server_rows() -> list[dict[str, str]]:
+def server_rows(run: mn.Run) -> list[dict[str, str]]:
     """HAProxy's own view of the app's replica servers (``show stat`` on the admin
     socket; the fallback proxy, a backup server, left out)."""
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(5)
-        sock.connect(admin_socket())
+        sock.connect(admin_socket(run))
         sock.sendall(b"show stat\n")
         data = b""
         while chunk := sock.recv(65536):
@@ -132,8 +109,8 @@ def test_the_door_demands_the_key_and_serves_with_it(run: mn.Run) -> None:
 
 
 def test_every_socket_of_the_cluster_is_loopback(run: mn.Run) -> None:
-    pids = run.all_pids() | haproxy_pids()
-    assert haproxy_pids(), "no HAProxy process of the run"
+    pids = run.all_pids()
+    assert run.haproxy_pids(), "no HAProxy process of the run"
     listening = {}
     for pid in pids:
         try:
@@ -149,7 +126,7 @@ def test_every_socket_of_the_cluster_is_loopback(run: mn.Run) -> None:
             if addr[0] not in ("127.0.0.1", "::1")
             and addr[1] in {PORT, PORT + 1, PORT + 2, PORT + 3} | set(range(PORT + 10, PORT + 14))}
     assert not wide, f"beyond loopback: {wide}"
-    assert oct(os.stat(admin_socket()).st_mode & 0o777) == "0o600"
+    assert oct(os.stat(admin_socket(run)).st_mode & 0o777) == "0o600"
 
 
 def _report() -> dict[str, Any]:
@@ -165,7 +142,7 @@ def test_a_drained_replica_leaves_haproxys_rotation(run: mn.Run) -> None:
             actions = {r["id"]: r["action"] for r in _report().get("replicas", [])}
         except TRANSIENT:
             actions = {}
-        rows = server_rows()
+        rows = server_rows(run)
         if sorted(actions.values()) == ["drain", "serve"] and \
                 sorted(r["status"].split()[0] for r in rows) == ["DOWN", "UP"]:
             break
@@ -180,13 +157,13 @@ def test_a_drained_replica_leaves_haproxys_rotation(run: mn.Run) -> None:
     before = {r["svname"]: int(r["stot"]) for r in rows}
     for _ in range(6):
         assert chat(2).status_code == 200
-    after = {r["svname"]: int(r["stot"]) for r in server_rows()}
+    after = {r["svname"]: int(r["stot"]) for r in server_rows(run)}
     assert after[down["svname"]] == before[down["svname"]], (before, after)
     assert sum(after.values()) - sum(before.values()) >= 6, (before, after)
 
 
 def test_sigterm_stops_everything_haproxy_included(run: mn.Run) -> None:
-    pids = run.all_pids() | haproxy_pids()
+    pids = run.all_pids()
     code, rest, seconds = mn.stop_run(run)
     print(f"stopped in {seconds:.1f} s")
     assert code == 0, rest[-4000:]

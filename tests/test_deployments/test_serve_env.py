@@ -103,3 +103,20 @@ def test_the_local_head_starts_no_dashboard_head_while_usage_stats_are_off(
         node.Node.start_api_server(object(), include_dashboard=True, raise_on_failure=True)
     assert node.Node.start_api_server is recorder  # restored
     assert calls == ([False, True] if usage_stats == "1" else [True])
+
+
+def test_haproxy_ports_beside_a_door_are_distinct_and_each_a_flag_ray_reads() -> None:
+    """Several HAProxy clusters on one machine (tests, benchmarks) must not collide, and
+    every flag must be one Ray 2.60 reads (a renamed flag would leave Ray's default)."""
+    import inspect
+
+    from ray.serve._private import constants
+
+    env = serve_env.haproxy_ports_beside(8040, replicas=3)
+    direct = range(int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]),
+                   int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]))
+    side = [int(env[name]) for name in serve_env.HAPROXY_SIDE_PORTS]
+    assert len(direct) == 3
+    assert len({8040, *side, *direct}) == 1 + len(side) + len(direct)
+    source = inspect.getsource(constants)
+    assert [name for name in env if f'"{name}"' not in source] == []
