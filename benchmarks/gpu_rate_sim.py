@@ -12,6 +12,9 @@ Arms, each its own session of processes (``benchmarks.arm_procs``):
   uvicorn with the port's bounds and held-request tracking), one process.
 * ``proxy``: the same app as a Serve deployment (``serve.ingress``) behind Serve's HTTP
   proxy on a private local Ray: client -> proxy actor -> replica actor.
+* ``haproxy``: the same deployment behind the door the KubeRay presets ship
+  (``http.ingress: haproxy``): Ray's HAProxy, run as ``dsv4-haproxy``, forwarding to the
+  replica's direct-ingress port: client -> HAProxy -> replica actor.
 * ``port-edge``: the ``port`` arm with the stand-in behind our real edge
   (``front.harden``: keys, bounds, routes, stream limits, scrub), as the replicas serve
   vLLM's app. (A ``proxy-edge`` arm needs the app built in the replica through
@@ -49,7 +52,7 @@ from fastapi.responses import StreamingResponse
 
 from benchmarks.arm_procs import role_of, session_processes
 
-ARMS = ("port", "port-edge", "proxy")
+ARMS = ("port", "port-edge", "proxy", "haproxy")
 
 
 def standin_app(edge: bool = False) -> Any:
@@ -108,8 +111,14 @@ def serve_port_arm(port: int, edge: bool) -> None:
     asyncio.run(run())
 
 
-def serve_proxy_arm(port: int, edge: bool) -> None:
-    """The ``proxy`` arm: Ray + Serve's HTTP proxy + one replica of the app, until SIGTERM."""
+def serve_proxy_arm(port: int, edge: bool, haproxy: bool = False) -> None:
+    """The ``proxy`` arm: Ray + Serve's HTTP proxy + one replica of the app, until SIGTERM;
+    with ``haproxy``, Ray's HAProxy is the door (its side ports next to ``port``)."""
+    if haproxy:  # before Ray starts: every Ray process reads the flags at import
+        from deployments import serve_env
+
+        serve_env.apply_ingress("haproxy")
+        os.environ.update(serve_env.haproxy_ports_beside(port, replicas=2))
     import ray
     from ray import serve
 
@@ -263,14 +272,22 @@ def run_arm(arm: str, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown, one row per arm and cell; "÷ port" = the arm's path over the ``port``
+    arm's in the same cell: one uvicorn process, what vLLM's own API server is around
+    its per-token work. That work (detokenizing, its pydantic chunks) is the same in
+    every path, so a real path's ratio to vLLM's API server is at most this one."""
+    port = {(r["streams"], r["chunk"]): r["path_cpu_ms_per_token"] for r in rows
+            if r["arm"] == "port"}
     lines = ["| arm | streams | tok/chunk | target tok/s | achieved tok/s | CPU-ms/token by "
-             "process | path CPU-ms/token | cores for the node's rate |",
-             "|---|---|---|---|---|---|---|---|"]
+             "process | path CPU-ms/token | ÷ port | cores for the node's rate |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         procs = ", ".join(f"{k} {v}" for k, v in sorted(r["cpu_ms_per_token"].items()))
+        base = port.get((r["streams"], r["chunk"]))
+        versus = f"{r['path_cpu_ms_per_token'] / base:.2f}" if base else "-"
         lines.append(f"| {r['arm']} | {r['streams']} | {r['chunk']} | {r['target_tok_s']:.0f} "
                      f"| {r['achieved_tok_s']} | {procs} | {r['path_cpu_ms_per_token']} | "
-                     f"{r['cores_per_node']} |")
+                     f"{versus} | {r['cores_per_node']} |")
     return "\n".join(lines)
 
 
@@ -287,8 +304,11 @@ def main() -> int:
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_arm:
-        serve = serve_port_arm if args.serve_arm.startswith("port") else serve_proxy_arm
-        serve(args.port, args.serve_arm.endswith("-edge"))
+        edge = args.serve_arm.endswith("-edge")
+        if args.serve_arm.startswith("port"):
+            serve_port_arm(args.port, edge)
+        else:
+            serve_proxy_arm(args.port, edge, haproxy=args.serve_arm == "haproxy")
         return 0
     rows = [row for arm in args.arms for row in run_arm(arm, args)]
     if args.json:

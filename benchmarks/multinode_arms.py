@@ -12,11 +12,14 @@ the load starts), so Serve's autoscaler runs and collects its metrics the whole 
   ``proxy_location: HeadOnly``): what an autoscaled or multi-node app uses today;
 * ``mn-haproxy`` -- ``http.ingress: haproxy``, what the KubeRay presets ship: Ray 2.60's
   HAProxy ingress on ``--port`` forwarding to each replica's own direct-ingress port (a
-  2-port range, ``--port`` + 10.., one per replica), HAProxy run as ``dsv4-haproxy`` (stats
+  port range from ``--port`` + 10, one per replica), HAProxy run as ``dsv4-haproxy`` (stats
   ``--port`` + 2 and Prometheus ``--port`` + 3 on loopback), Serve's fallback proxy
-  ``--port`` + 4; with an API key (the edge demands one whenever replicas listen
+  ``--port`` + 1; with an API key (the edge demands one whenever replicas listen
   themselves); drain by ``/-/healthz`` (``deployments.serving.dataplane``), no
   ``KVSpecRouter`` (Ray refuses one under HAProxy);
+* ``mn-haproxy-1`` -- the same door with one replica on one worker node
+  (``--nodes 1``): as many engines as plain vLLM, so c=1 and c=6 compare doors, not
+  engine counts;
 * ``mn-replica-port`` -- ``http.replica_port`` = ``--port`` (both replicas share it by
   ``SO_REUSEPORT``, possible only because both "nodes" are this one machine and
   min = max), Serve's proxy on ``--port`` + 5.
@@ -42,11 +45,9 @@ import psutil
 import yaml
 
 from benchmarks.overhead_arms import CONFIG, DIRECT_KEY, MN_ARMS, PROXY_OFFSET
+from deployments import serve_env
 
 NODES = 2
-# Direct-ingress ports: one per replica; Serve's allocator skips a port another replica
-# on the same machine already holds (blocks it and takes the next).
-DIRECT_OFFSET = 10
 SERVING_LINE = "Serving; Ctrl-C to stop."
 _SESSION = re.compile(r"local cluster head at \S+ \(session (\d+)")
 # The engine's own processes: what the serving path is compared without.
@@ -60,15 +61,16 @@ def mn_config(arm: str, port: int) -> dict[str, Any]:
         raise ValueError(f"arm={arm!r}: expected one of {MN_ARMS}")
     raw = copy.deepcopy(yaml.safe_load(CONFIG.read_text()))
     args = raw["applications"][0]["args"]
+    nodes = mn_nodes(arm)
     args["llm"]["deployment_config"]["autoscaling_config"] = {
-        "min_replicas": NODES, "initial_replicas": NODES, "max_replicas": NODES,
+        "min_replicas": nodes, "initial_replicas": nodes, "max_replicas": nodes,
         "target_ongoing_requests": 4,
     }
     if arm == "mn-replica-port":
         raw["http_options"]["port"] = port + PROXY_OFFSET
         args["http"]["replica_port"] = port
     else:
-        if arm == "mn-haproxy":
+        if arm.startswith("mn-haproxy"):
             args["http"]["ingress"] = "haproxy"
         raw["http_options"]["port"] = port
         args["http"].pop("replica_port", None)
@@ -77,14 +79,14 @@ def mn_config(arm: str, port: int) -> dict[str, Any]:
 
 def mn_env(arm: str, port: int) -> dict[str, str]:
     """The Ray Serve flags of an arm's ``dsv4-serve run`` (every Ray process inherits them)."""
-    if arm != "mn-haproxy":
+    if not arm.startswith("mn-haproxy"):
         return {}
-    return {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port + DIRECT_OFFSET),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + DIRECT_OFFSET + NODES),
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(port + 2),
-            "RAY_SERVE_HAPROXY_METRICS_PORT": str(port + 3),
-            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(port + 4),
-            "DSV4_API_KEYS": DIRECT_KEY}
+    return serve_env.haproxy_ports_beside(port, mn_nodes(arm)) | {"DSV4_API_KEYS": DIRECT_KEY}
+
+
+def mn_nodes(arm: str) -> int:
+    """Worker nodes (one replica each) of a 2-node arm: ``-1`` arms run one."""
+    return 1 if arm.endswith("-1") else NODES
 
 
 def mn_command(arm: str, port: int, workdir: Path) -> tuple[list[str], dict[str, str]]:
@@ -93,7 +95,7 @@ def mn_command(arm: str, port: int, workdir: Path) -> tuple[list[str], dict[str,
     config = workdir / f"{arm}.yaml"
     config.write_text(yaml.safe_dump(mn_config(arm, port)))
     exe = str(Path(sys.executable).with_name("dsv4-serve"))
-    cmd = [exe, "run", str(config), "--nodes", str(NODES), "--no-smoke",
+    cmd = [exe, "run", str(config), "--nodes", str(mn_nodes(arm)), "--no-smoke",
            "--node-idle-timeout-s", "600"]
     return cmd, mn_env(arm, port)
 
@@ -132,18 +134,27 @@ def listeners(procs: list[psutil.Process], role_of: Any) -> list[str]:
 
 
 def cpu_per_work(before: dict[str, float], after: dict[str, float], requests: int,
-                 tokens: int) -> dict[str, dict[str, float]]:
-    """Per role: CPU-ms per request and per output token over one load."""
+                 tokens: int, idle_cores: dict[str, float] | None = None,
+                 wall_s: float = 0.0) -> dict[str, dict[str, float]]:
+    """Per role: CPU-ms per request and per output token over one load; with the role's
+    CPU at rest (``idle_cores``, measured before the load) also the marginal CPU-ms per
+    token: what the load added over the ``wall_s`` seconds it ran. The rest is
+    time-based (loops that run whether tokens flow or not): on a GPU node it is spread
+    over ~1,000x the tokens, the marginal part is not."""
     out = {}
     for role in sorted(before.keys() | after.keys()):
         ms = 1000 * (after.get(role, 0.0) - before.get(role, 0.0))
         out[role] = {"ms_per_req": ms / max(requests, 1), "ms_per_tok": ms / max(tokens, 1)}
+        if idle_cores is not None:
+            extra = ms - 1000 * idle_cores.get(role, 0.0) * wall_s
+            out[role]["marginal_ms_per_tok"] = extra / max(tokens, 1)
+            out[role]["idle_cores"] = idle_cores.get(role, 0.0)
     return out
 
 
 def path_total(cpu: dict[str, dict[str, float]], key: str) -> float:
     """The serving path's CPU (every process but the engine core and its worker)."""
-    return sum(v[key] for role, v in cpu.items() if role not in ENGINE_ROLES)
+    return sum(v.get(key, 0.0) for role, v in cpu.items() if role not in ENGINE_ROLES)
 
 
 def cpu_rows(runs: list[dict[str, Any]], key: str) -> dict[str, float]:
@@ -154,25 +165,38 @@ def cpu_rows(runs: list[dict[str, Any]], key: str) -> dict[str, float]:
             for role in roles}
     if with_cpu:
         rows["path"] = statistics.median(path_total(cpu, key) for cpu in with_cpu)
-        rows["all"] = statistics.median(sum(v[key] for v in cpu.values()) for cpu in with_cpu)
+        rows["all"] = statistics.median(sum(v.get(key, 0.0) for v in cpu.values())
+                                        for cpu in with_cpu)
     return rows
 
 
-def cpu_table(arm_runs: dict[str, list[dict[str, Any]]], order: tuple[str, ...]) -> str:
-    """Markdown: CPU-ms per output token (per request) by role, median over the runs;
-    "path" = every process but the engine core and its worker."""
-    arms = [a for a in order if any("cpu" in r for r in arm_runs.get(a, []))]
+CPU_VIEWS = (  # (key, what a cell is)
+    ("ms_per_tok", "CPU-ms per out token (per request)"),
+    ("marginal_ms_per_tok", "marginal CPU-ms per out token (over the role's CPU at rest)"),
+    ("idle_cores", "cores at rest (before the load)"),
+)
+
+
+def cpu_table(arm_runs: dict[str, list[dict[str, Any]]], order: tuple[str, ...],
+              key: str = "ms_per_tok") -> str:
+    """Markdown: one of ``CPU_VIEWS`` by role, median over the runs (all-in figures with
+    the CPU-ms per request beside them); "path" = every process but the engine core and
+    its worker."""
+    arms = [a for a in order if any(key in v for r in arm_runs.get(a, [])
+                                    for v in r.get("cpu", {}).values())]
     if not arms:
         return ""
-    tok = {a: cpu_rows(arm_runs[a], "ms_per_tok") for a in arms}
+    cells_of = {a: cpu_rows(arm_runs[a], key) for a in arms}
     req = {a: cpu_rows(arm_runs[a], "ms_per_req") for a in arms}
-    roles = sorted({role for a in arms for role in tok[a]} - {"path", "all"})
-    lines = ["| CPU-ms per out token (per request) | " + " | ".join(arms) + " |",
-             "|---" * (1 + len(arms)) + "|"]
+    roles = sorted({role for a in arms for role in cells_of[a]} - {"path", "all"})
+    label = dict(CPU_VIEWS)[key]
+    lines = [f"| {label} | " + " | ".join(arms) + " |", "|---" * (1 + len(arms)) + "|"]
     for role in (*roles, "path", "all"):
-        if all(tok[a].get(role, 0.0) < 0.005 for a in arms):
+        if all(abs(cells_of[a].get(role, 0.0)) < 0.005 for a in arms):
             continue
-        cells = [f"{tok[a].get(role, 0.0):.2f} ({req[a].get(role, 0.0):.1f})" for a in arms]
+        cells = [f"{cells_of[a].get(role, 0.0):.3f}" if key == "idle_cores" else
+                 f"{cells_of[a].get(role, 0.0):.2f}" + (
+                     f" ({req[a].get(role, 0.0):.1f})" if key == "ms_per_tok" else "")
+                 for a in arms]
         lines.append(f"| {role} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
-

@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.multinode_arms import cpu_table
+from benchmarks.multinode_arms import CPU_VIEWS, cpu_table
 from benchmarks.overhead_arms import ARMS
 
 METRICS = (  # (key, label, higher is better)
@@ -34,8 +34,10 @@ def by_load(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, list[d
 
 def tables(runs: dict[str, list[dict[str, Any]]]) -> str:
     """One markdown table per load, and the CPU by process of the runs that recorded it."""
-    return "\n\n".join(f"**{label}**\n\n{table(aggregate(rs))}\n\n{cpu_table(rs, ARMS)}"
-                        for label, rs in by_load(runs).items())
+    return "\n\n".join(
+        f"**{label}**\n\n{table(aggregate(rs))}\n\n" + "\n\n".join(
+            t for key, _ in CPU_VIEWS if (t := cpu_table(rs, ARMS, key)))
+        for label, rs in by_load(runs).items())
 
 
 def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -67,7 +68,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -231,24 +232,26 @@ def wait_ready(base: str, proc: subprocess.Popen[Any], log: Path, timeout_s: flo
         time.sleep(2)
 
 
-def settle(seconds: float, root: int | None = None) -> tuple[float, float]:
-    """Wait ``seconds`` after an arm answered; return the machine's CPU busy % over the
-    last part of the wait, and the share of the box the arm's own processes used then
-    (the box's includes whatever else runs on it), recorded with the run.
+def settle(seconds: float, idle_s: float, procs: Callable[[], list[psutil.Process]]
+           ) -> tuple[float, float, dict[str, float]]:
+    """Wait ``seconds`` after an arm answered, then watch it at rest for ``idle_s``:
+    the machine's CPU busy % then, the share of the box the arm's own processes used,
+    and each role's cores at rest (CPU-s per s), recorded with the run. The roles' rest
+    is what ``cpu_per_work`` takes off a load's CPU to leave what the tokens cost.
 
     The first 200 is not the end of boot: Ray still starts its pre-started worker
     processes, Serve and vLLM finish background work. A load started at once measures
     that residue (in a first run, TTFT p99 1.84 s for ours and stock vs 0.48 s for an
-    arm that happened to boot faster), not the request path.
+    arm that happened to boot faster), not the request path. ``idle_s`` should span
+    Ray's 10 s metrics export, the slowest loop that runs at rest.
     """
-    window = min(5.0, seconds)
-    time.sleep(seconds - window)
-    if window <= 0:
-        return float("nan"), float("nan")
-    before = sum(cpu_by_role(session_processes(root)).values()) if root else 0.0
-    box = float(psutil.cpu_percent(interval=window))
-    after = sum(cpu_by_role(session_processes(root)).values()) if root else 0.0
-    return box, 100 * (after - before) / (window * (psutil.cpu_count() or 1))
+    time.sleep(seconds)
+    before = cpu_by_role(procs())
+    box = float(psutil.cpu_percent(interval=idle_s))
+    after = cpu_by_role(procs())
+    idle = {role: max(0.0, after.get(role, 0.0) - before.get(role, 0.0)) / idle_s
+            for role in after}
+    return box, 100 * sum(idle.values()) / (psutil.cpu_count() or 1), idle
 
 
 def procs_of(roots: list[int]) -> list[psutil.Process]:
@@ -263,7 +266,8 @@ def load_label(load: bench_load.Load) -> str:
 
 def measure(arms: list[str], rounds: int, repeats: int, loads: list[bench_load.Load],
             replicas: int, port: int, first_round: int = 0,
-            partial: Path | None = None, settle_s: float = 15.0) -> dict[str, list[dict[str, Any]]]:
+            partial: Path | None = None, settle_s: float = 10.0,
+            idle_s: float = 20.0) -> dict[str, list[dict[str, Any]]]:
     """Every arm once per round; even rounds in the given order, odd rounds reversed
     (``first_round`` numbers the rounds, so runs split over several jobs alternate too)."""
     from dsv4_patch.tiny_model import ensure_tiny_model
@@ -274,18 +278,20 @@ def measure(arms: list[str], rounds: int, repeats: int, loads: list[bench_load.L
         for arm in (arms if r % 2 == 0 else list(reversed(arms))):
             log = REPO / "results" / "logs" / f"serving_overhead-{arm}-{r}.log"
             with arm_server(arm, port, replicas, log, boot_timeout_s=600) as (boot_s, root):
-                busy, arm_busy = settle(settle_s, root)
                 roots = [root, *([s] if (s := cluster_session(log)) else [])]
+                busy, arm_busy, idle = settle(settle_s, idle_s, functools.partial(procs_of, roots))
                 heard = listeners(procs_of(roots), role_of)
                 for load, _ in ((ld, i) for ld in loads for i in range(repeats)):
                     before = cpu_by_role(procs_of(roots))
+                    started = time.monotonic()
                     with _environ(client_env(arm)):
                         res = bench_load.summary(bench_load.run(
                             load, f"http://127.0.0.1:{client_port(arm, port)}", MODEL_ID,
                             tokenizer))
                     tokens = round(res["output_throughput"] * res["duration"])
                     res["cpu"] = cpu_per_work(before, cpu_by_role(procs_of(roots)),
-                                              res["completed"], tokens)
+                                              res["completed"], tokens, idle,
+                                              time.monotonic() - started)
                     res |= {"listeners": heard, "round": r, "boot_s": round(boot_s, 1),
                             "phases": phases(log),
                             "busy_before_load_pct": busy, "arm_busy_at_rest_pct": arm_busy,
@@ -334,8 +340,11 @@ def main() -> int:
                         help="several loads per boot, comma-separated CONCURRENCY:PROMPTS:IN:OUT "
                              "(issue 25: 1:16:96:32,6:48:96:48); overrides the four above")
     parser.add_argument("--port", type=int, default=8017)
-    parser.add_argument("--settle-s", type=float, default=15.0,
-                        help="seconds between an arm's first 200 and its load (every arm)")
+    parser.add_argument("--settle-s", type=float, default=10.0,
+                        help="seconds after an arm's first 200 before it is watched at rest")
+    parser.add_argument("--idle-s", type=float, default=20.0,
+                        help="seconds each arm is watched at rest before its load: every "
+                             "role's CPU at rest, taken off its load's CPU (marginal)")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "serving_overhead.json")
     args = parser.parse_args()
     if args.serve_arm:
@@ -360,7 +369,7 @@ def main() -> int:
                                  input_len=args.input_len, output_len=args.output_len)]
     runs = measure(arms, args.rounds, args.repeats, loads, args.replicas, args.port,
                    args.first_round, partial=args.out.with_suffix(".partial.json"),
-                   settle_s=args.settle_s)
+                   settle_s=args.settle_s, idle_s=args.idle_s)
     agg = {label: aggregate(rs) for label, rs in by_load(runs).items()}
     result = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
