@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deployments import serve_env
+
 logger = logging.getLogger("dsv4_serve.cluster")
 
 NODE_RESOURCE = "dsv4_node"  # one per worker node: the stand-in for "a GPU node"
@@ -202,6 +204,8 @@ class LocalCluster:
         started = time.monotonic()
         fd, config = tempfile.mkstemp(prefix="dsv4-autoscaler-", suffix=".json")
         os.environ.update(auth_env(Path(config).with_suffix(".token")))
+        for line in serve_env.apply_local_quiet():  # every node's processes inherit it
+            logger.info(line)
         port = free_port()
         address = f"{node_ip()}:{port}"
         with os.fdopen(fd, "w") as out:

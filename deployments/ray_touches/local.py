@@ -120,7 +120,8 @@ TOUCHES: tuple[RayTouch, ...] = (
                "(RAY_SERVE_CONTROL_LOOP_INTERVAL_S), RAY_SERVE_METRICS_EXPORT_INTERVAL_MS",
         used_in=("deployments.serve_env:LOCAL_QUIET_ENV",
                  "deployments.serve_env:apply_local_quiet",
-                 "deployments.local.ray_head:start_cluster"),
+                 "deployments.local.ray_head:start_cluster",
+                 "deployments.local.cluster:LocalCluster.start"),
         why="a local run idles quietly: Serve's 10 Hz control loop and 10 Hz metrics flush "
             "are most of what the app costs at rest on a small box (docs/benchmarks.md §2f)",
         how="process environment before the local Ray starts; a value the user set wins",
