@@ -12,6 +12,7 @@ real processes of the cluster's session, found through ``/proc``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import signal
@@ -24,13 +25,25 @@ from typing import Any
 
 import yaml
 
+from deployments import serve_env
 from deployments.config import DEFAULT_CONFIG
 from deployments.harness.kv_poll import TRANSIENT, kv_report
 from deployments.harness.run_process import SERVING_LINE, descendants, read_until_serving
-from deployments.local.cluster import FAKE_HEAD_NODE_ID, session_pids, worker_raylets
+from deployments.local.cluster import (
+    FAKE_HEAD_NODE_ID,
+    cmdline,
+    session_pids,
+    worker_raylets,
+)
 
 PORT = 8020
 URL = f"http://127.0.0.1:{PORT}/v1"
+# The story runs behind the door the KubeRay presets ship (HAProxy), which makes every
+# replica's own port answer too: so the edge demands a key, loopback included.
+KEY = "multinode-scenario-key-0123456789"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+# Enough direct-ingress ports for max_replicas plus replacements whose old port is held
+STORY_ENV = {"DSV4_API_KEYS": KEY} | serve_env.haproxy_ports_beside(PORT, replicas=4)
 BOOT_TIMEOUT_S = 420
 STEP_TIMEOUT_S = 300
 PERIOD_S = 3  # the KV-spec controller's period: the verdict follows within it
@@ -50,9 +63,11 @@ def autoscaling_config_file(tmp: Path, max_replicas: int = 2) -> Path:
         "metrics_interval_s": 1, "look_back_period_s": 3,
     }
     args["dsv4"]["controller_period_s"] = PERIOD_S
-    # Autoscaled: Serve's proxy routes every request, so Serve's autoscaler sees them
-    # (requests on the replicas' own port would be invisible to it; the config refuses).
+    # Autoscaled, so no shared replica port (its requests are invisible to Serve's
+    # autoscaler; the config refuses): Ray's HAProxy, where each replica reports its own
+    # ongoing requests to the autoscaler, as on KubeRay.
     args["http"].pop("replica_port", None)
+    args["http"]["ingress"] = "haproxy"
     # Stored responses in the fleet's store (SQLite: every node of a local run is on this
     # machine), so a node lost or scaled down takes none of them along.
     args["http"]["responses_store"] = True
@@ -70,15 +85,22 @@ class Run:
     boot_output: str
     session: int
     marks: dict[str, float] = field(default_factory=dict)
+    # HAProxy configs that appeared with this run: its HAProxy, whatever pid a reload gives
+    haproxy_configs: set[Path] = field(default_factory=set)
 
     def all_pids(self) -> set[int]:
-        """Every live process of the run: its own tree plus the cluster's session."""
-        return {self.proc.pid} | descendants(self.proc.pid) | set(session_pids(self.session))
+        """Every live process of the run: its own tree, the cluster's session, HAProxy."""
+        return ({self.proc.pid} | descendants(self.proc.pid) | set(session_pids(self.session))
+                | self.haproxy_pids())
+
+    def haproxy_pids(self) -> set[int]:
+        return {pid for pid, cfg in haproxy_configs().items() if cfg in self.haproxy_configs}
 
 
 def start_run(config: Path, nodes: int, idle_timeout_s: float,
               env: dict[str, str] | None = None) -> Run:
     exe = Path(sys.executable).with_name("dsv4-serve")
+    haproxy_before = set(haproxy_configs().values())
     proc = subprocess.Popen(
         [str(exe), "run", str(config), "--nodes", str(nodes), "--no-smoke",
          "--node-idle-timeout-s", str(idle_timeout_s)],
@@ -89,14 +111,15 @@ def start_run(config: Path, nodes: int, idle_timeout_s: float,
         assert SERVING_LINE in out, out[-4000:]
         session = re.search(r"local cluster head at \S+ \(session (\d+)", out)
         assert session, out[-4000:]
-        return Run(proc, out, int(session.group(1)))
+        return Run(proc, out, int(session.group(1)),
+                   haproxy_configs=set(haproxy_configs().values()) - haproxy_before)
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
 
 
 def report() -> dict[str, Any]:
-    status, body = kv_report(URL)
+    status, body = kv_report(URL, headers=AUTH)
     return body | {"http_status": status}
 
 
@@ -162,12 +185,26 @@ def stop_run(run: Run, timeout_s: float = 120) -> tuple[int, str, float]:
     return run.proc.returncode, rest, time.monotonic() - started
 
 
+def haproxy_configs() -> dict[int, Path]:
+    """pid -> config of every HAProxy running as ``dsv4-haproxy`` left it (Ray 2.60
+    keeps one config per node, /tmp/haproxy-serve/<node id>/haproxy.cfg, and reloads
+    HAProxy as a new process on each change: the config names it across reloads)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            args = cmdline(int(entry.name)).decode(errors="replace").split("\0")
+            for flag, value in itertools.pairwise(args):
+                if flag == "-f" and value.endswith(".dsv4.cfg") and "haproxy-serve" in value:
+                    found[int(entry.name)] = Path(value)
+    return found
+
+
 def kill_leftovers(run: Run) -> None:
     """SIGKILL what a run left: its process group if it still runs, its cluster's
-    session processes (a test that failed midway)."""
+    session processes, HAProxy among them (a test that failed midway)."""
     if run.proc.poll() is None:
         os.killpg(run.proc.pid, signal.SIGKILL)
-    for pid in session_pids(run.session):
+    for pid in set(session_pids(run.session)) | run.haproxy_pids():
         os.kill(pid, signal.SIGKILL)
 
 

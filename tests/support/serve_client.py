@@ -65,6 +65,7 @@ class Traffic:
     url: str
     model: str
     threads: int = 4
+    headers: dict[str, str] = field(default_factory=dict)  # the API key, where one is asked
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -73,7 +74,7 @@ class Traffic:
     def _loop(self) -> None:
         body = {"model": self.model, "prompt": "Reliability", "max_tokens": 8,
                 "temperature": 0.0}
-        with httpx.Client(timeout=REQUEST_TIMEOUT_S) as http:
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S, headers=self.headers) as http:
             while not self._stop.is_set():
                 t0 = time.monotonic()
                 try:
