@@ -20,14 +20,15 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local-cpu.yaml"
 SERVE_ARMS = ("ours", "ours-proxy", "stock", "ours-quiet", "ours-tput", "ours-direct",
-              "ours-haproxy", "ours-raydefaults", "ours-si8")
+              "ours-haproxy", "ours-raydefaults", "ours-si8", "ours-haproxy-inline")
 # The 2-node arms (``benchmarks.multinode_arms``): ``dsv4-serve run --nodes 2``, each door.
 # mn-haproxy-1: the same door with one replica on one worker node, so its engine count
 # is plain vLLM's (the 2-replica arms run two engines on the same 2 cores).
 MN_ARMS = ("mn-proxy", "mn-haproxy", "mn-replica-port", "mn-haproxy-1")
 ARMS = ("ours", "ours-proxy", "vllm", *SERVE_ARMS[2:], *MN_ARMS)
 # Arms whose replicas listen themselves: the edge requires a key even on loopback.
-KEYED_ARMS = ("ours-direct", "ours-haproxy", "mn-haproxy", "mn-haproxy-1")
+KEYED_ARMS = ("ours-direct", "ours-haproxy", "ours-haproxy-inline", "mn-haproxy",
+              "mn-haproxy-1")
 # ours-direct: the key the arm's replicas require and its client sends.
 DIRECT_KEY = "bench-direct-ingress-key"
 
@@ -45,6 +46,8 @@ def arm_env(arm: str, port: int) -> dict[str, str]:
     if arm == "ours-raydefaults":  # Serve's own values: a set value wins over ours
         return {"RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.1",
                 "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "100"}
+    if arm == "ours-haproxy-inline":  # the same, the replica's user code on Serve's own loop
+        return arm_env("ours-haproxy", port) | {USER_THREAD_FLAG: "0"}
     if arm == "ours-haproxy":  # http.ingress: haproxy (raw_config), as run would set it
         return {**serve_env.haproxy_env(serve_env.haproxy_binary()),
                 **serve_env.direct_env(port + 1),
@@ -73,8 +76,13 @@ STREAM_INTERVAL = 8
 MODEL_ID = "dsv4-tiny"
 # Arms whose requests enter through one of Serve's own doors (its proxy, direct ingress,
 # HAProxy), not the replicas' shared port; and where the others put Serve's proxy.
-SERVE_DOOR_ARMS = ("ours-proxy", "stock", "ours-tput", "ours-direct", "ours-haproxy")
+SERVE_DOOR_ARMS = ("ours-proxy", "stock", "ours-tput", "ours-direct", "ours-haproxy",
+                   "ours-haproxy-inline")
 PROXY_OFFSET = 5
+# Ablation arm ours-haproxy-inline (issue 34): Serve runs a replica's user code on a
+# thread of its own by default, so every ASGI message of a stream crosses threads
+# (call_soon_threadsafe) to reach the direct-ingress server on Serve's loop.
+USER_THREAD_FLAG = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
 READY = "DSV4-ARM-READY"
 
 
@@ -98,7 +106,7 @@ def raw_config(replicas: int, port: int, arm: str = "ours") -> dict[str, Any]:
     auto["min_replicas"] = auto["max_replicas"] = replicas
     if arm == "ours-quiet":
         args["dsv4"]["controller_period_s"] = QUIET_PERIOD_S
-    if arm == "ours-haproxy":
+    if arm.startswith("ours-haproxy"):
         args["http"]["ingress"] = "haproxy"
     if arm == "ours-si8":  # vLLM's stream_interval: one chunk per 8 tokens, first at once
         args["llm"]["engine_kwargs"]["stream_interval"] = STREAM_INTERVAL

@@ -27,6 +27,9 @@ settings of ``configs/local-cpu.yaml``), the same ``vllm bench serve`` load
   ``dsv4-haproxy``) listens on ``--port`` and forwards to the replica's own port;
   Serve's Python proxy becomes its fallback (``--port`` + 4); stats (``--port`` + 2) and
   Prometheus (``--port`` + 3) on loopback; with a key;
+* ``ours-haproxy-inline`` (ablation, issue 34) -- ``ours-haproxy`` with the replica's
+  user code on Serve's own event loop (``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0``):
+  what the thread hop of every streamed ASGI message costs;
 * ``ours-raydefaults`` (ablation, issue 25) -- ours with Serve's own control-loop and
   metrics-flush intervals instead of the local run's quieter ones
   (``deployments.serve_env.LOCAL_QUIET_ENV``);
