@@ -2,9 +2,10 @@
 
 Floors, bottom to top (a module imports only from its own floor or below):
 
-1. ``logs``, ``resources``, ``serve_env``, ``ray_touches``: light shared names, the
-   packaged data, Ray Serve's process flags, and the registry of every Ray internal we
-   touch (probed; shown by ``dsv4-serve doctor``).
+1. ``logs``, ``resources``, ``serve_env``, ``lifetime``, ``ray_touches``: light shared
+   names, the packaged data, Ray Serve's process flags, children that end with their
+   parent, and the registry of every Ray internal we touch (probed; shown by
+   ``dsv4-serve doctor``).
 2. ``config/``: every config model, validated before Ray starts.
 3. ``control/`` (the KV-spec controller and its typed wire), ``http/`` (the edge in
    front of vLLM's OpenAI app), ``plan/`` (preflight without GPUs), ``k8s/`` (KubeRay

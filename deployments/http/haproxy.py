@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 from dataclasses import dataclass
 
-from deployments import serve_env
+from deployments import lifetime, serve_env
 
 LOOPBACK = "127.0.0.1"
 ENV_REAL_BINARY = "DSV4_HAPROXY_REAL_BINARY"  # optional: the HAProxy to exec
@@ -146,5 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for change in result.changes:
         print(f"dsv4-haproxy: {change}", file=sys.stderr)
+    # HAProxy ends with the HAProxy manager actor that started it (kept across exec):
+    # Ray stops it only on a graceful shutdown, so a run killed hard (or its node's
+    # worker lost) would leave HAProxy holding the door's port for the next run.
+    lifetime.die_with_parent(os.getppid(), signal.SIGTERM)
     os.execv(binary, [binary, *args])
     return 0  # not reached: execv replaces this process

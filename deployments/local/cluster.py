@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deployments import serve_env
+from deployments import lifetime, serve_env
 
 logger = logging.getLogger("dsv4_serve.cluster")
 
@@ -293,9 +293,6 @@ class LocalCluster:
         return stubborn
 
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
 def _die_with_parent(parent: int) -> Any:
     """A ``preexec_fn``: the head (``ray start --block``) is SIGKILLed when we die.
 
@@ -305,23 +302,10 @@ def _die_with_parent(parent: int) -> Any:
     whose stdin pipe it held) SIGTERMs the session's process group -- raylets,
     the autoscaler, the worker nodes it started, replicas -- and SIGKILLs it 1 s
     later; engine processes end with their replica (``dsv4_patch.patches.lifetime``).
-    Linux only (prctl); the signal follows the thread that started the head, so
-    ``LocalCluster.start`` must run on a thread that lives as long as the cluster
-    (the CLI's main thread).
+    The signal follows the thread that started the head, so ``LocalCluster.start``
+    must run on a thread that lives as long as the cluster (the CLI's main thread).
     """
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    def preexec() -> None:
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-        if os.getppid() != parent:  # the driver died before prctl took effect
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
+    return lifetime.preexec_die_with_parent(parent)
 
 
 def _signal_all(pids: list[int], signum: int) -> None:

@@ -283,8 +283,9 @@ TOUCHES: tuple[RayTouch, ...] = (
             "without auth and makes its admin socket mode 666; Ray takes no host or mode "
             "for them, only the binary",
         how="the binary is dsv4-haproxy: it rewrites those three lines of the config it is "
-            "given (loopback, mode 600) into a copy and execs Ray's bundled HAProxy on it; "
-            "a config without them is refused (HAProxy does not start)",
+            "given (loopback, mode 600) into a copy and execs Ray's bundled HAProxy on it, "
+            "set to end with the manager that started it; a config without the lines is "
+            "refused (HAProxy does not start)",
         upstream="no bind host for HAProxy's stats/metrics frontends in Ray 2.60",
         removal="when Ray binds them to a configurable host (or drops them) and takes the "
                 "admin socket's mode",

@@ -120,3 +120,39 @@ def test_wrapper_execs_haproxy_with_loopback_side_doors(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_haproxy_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """Ray's HAProxy manager stops HAProxy only on a graceful shutdown; killed hard, it
+    used to leave HAProxy holding the door's port (seen: a benchmark's next arm could
+    not bind it). Under dsv4-haproxy HAProxy gets SIGTERM when its parent dies."""
+    import signal
+    import sys
+
+    text = ray_rendered_config(tmp_path, _free_port(), _free_port()).replace(
+        "bind 127.0.0.1:8000", f"bind 127.0.0.1:{_free_port()}")
+    (tmp_path / "500.http").write_text("HTTP/1.0 500 Internal Server Error\r\n\r\n")
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(text)
+    exe = Path(sys.executable).with_name("dsv4-haproxy")
+    # The parent, as Ray's manager is: it starts the wrapper and stays until killed.
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time\n"
+         f"p = subprocess.Popen([{str(exe)!r}, '-db', '-f', {str(cfg)!r}])\n"
+         "print(p.pid, flush=True)\ntime.sleep(600)"],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+        env=os.environ | {haproxy.BINARY_FLAG: str(exe)})
+    assert parent.stdout is not None
+    child = psutil.Process(int(parent.stdout.readline()))
+    try:
+        end = time.monotonic() + 20  # until the wrapper has exec'd HAProxy
+        while time.monotonic() < end and Path(child.cmdline()[0]).name != "haproxy":
+            time.sleep(0.2)
+        assert Path(child.cmdline()[0]).name == "haproxy", child.cmdline()
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        gone, _ = psutil.wait_procs([child], timeout=10)
+        assert gone, f"HAProxy {child.pid} outlived the process that started it"
+    finally:
+        if child.is_running():
+            child.kill()
