@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from deployments import serve_env
 from deployments.harness import multinode_scenario as mn
 from deployments.local.cluster import cmdline
 from tests.support.procs import alive
@@ -48,7 +49,11 @@ LOST_WINDOW_S = 25
 def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[mn.Run]:
     config = mn.autoscaling_config_file(tmp_path_factory.mktemp("multinode"))
     started = time.monotonic()
-    the_run = mn.start_run(config, NODES, IDLE_TIMEOUT_S, env=mn.STORY_ENV)
+    with pytest.MonkeyPatch.context() as env:
+        # as from a fresh shell: the session stack's in-process Ray set these here
+        for name in serve_env.LOCAL_QUIET_ENV:
+            env.delenv(name, raising=False)
+        the_run = mn.start_run(config, NODES, IDLE_TIMEOUT_S, env=mn.STORY_ENV)
     the_run.marks["boot"] = time.monotonic() - started
     try:
         yield the_run
