@@ -85,22 +85,20 @@ class Run:
     boot_output: str
     session: int
     marks: dict[str, float] = field(default_factory=dict)
-    # HAProxy configs that appeared with this run: its HAProxy, whatever pid a reload gives
-    haproxy_configs: set[Path] = field(default_factory=set)
 
     def all_pids(self) -> set[int]:
-        """Every live process of the run: its own tree, the cluster's session, HAProxy."""
-        return ({self.proc.pid} | descendants(self.proc.pid) | set(session_pids(self.session))
-                | self.haproxy_pids())
+        """Every live process of the run: its own tree plus the cluster's session
+        (HAProxy included: Ray's HAProxy manager starts it in the session)."""
+        return {self.proc.pid} | descendants(self.proc.pid) | set(session_pids(self.session))
 
-    def haproxy_pids(self) -> set[int]:
-        return {pid for pid, cfg in haproxy_configs().items() if cfg in self.haproxy_configs}
+    def haproxy_configs(self) -> dict[int, Path]:
+        """pid -> config of the run's HAProxy processes."""
+        return haproxy_configs(session_pids(self.session))
 
 
 def start_run(config: Path, nodes: int, idle_timeout_s: float,
               env: dict[str, str] | None = None) -> Run:
     exe = Path(sys.executable).with_name("dsv4-serve")
-    haproxy_before = set(haproxy_configs().values())
     proc = subprocess.Popen(
         [str(exe), "run", str(config), "--nodes", str(nodes), "--no-smoke",
          "--node-idle-timeout-s", str(idle_timeout_s)],
@@ -111,8 +109,7 @@ def start_run(config: Path, nodes: int, idle_timeout_s: float,
         assert SERVING_LINE in out, out[-4000:]
         session = re.search(r"local cluster head at \S+ \(session (\d+)", out)
         assert session, out[-4000:]
-        return Run(proc, out, int(session.group(1)),
-                   haproxy_configs=set(haproxy_configs().values()) - haproxy_before)
+        return Run(proc, out, int(session.group(1)))
     except BaseException:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
@@ -185,17 +182,16 @@ def stop_run(run: Run, timeout_s: float = 120) -> tuple[int, str, float]:
     return run.proc.returncode, rest, time.monotonic() - started
 
 
-def haproxy_configs() -> dict[int, Path]:
-    """pid -> config of every HAProxy running as ``dsv4-haproxy`` left it (Ray 2.60
-    keeps one config per node, /tmp/haproxy-serve/<node id>/haproxy.cfg, and reloads
-    HAProxy as a new process on each change: the config names it across reloads)."""
+def haproxy_configs(pids: list[int]) -> dict[int, Path]:
+    """pid -> config, for those of ``pids`` that are HAProxy as ``dsv4-haproxy`` left it
+    (Ray 2.60 keeps one config per node, /tmp/haproxy-serve/<node id>/haproxy.cfg, and
+    reloads HAProxy as a new process on each change)."""
     found = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            args = cmdline(int(entry.name)).decode(errors="replace").split("\0")
-            for flag, value in itertools.pairwise(args):
-                if flag == "-f" and value.endswith(".dsv4.cfg") and "haproxy-serve" in value:
-                    found[int(entry.name)] = Path(value)
+    for pid in pids:
+        args = cmdline(pid).decode(errors="replace").split("\0")
+        for flag, value in itertools.pairwise(args):
+            if flag == "-f" and value.endswith(".dsv4.cfg") and "haproxy-serve" in value:
+                found[pid] = Path(value)
     return found
 
 
@@ -204,7 +200,7 @@ def kill_leftovers(run: Run) -> None:
     session processes, HAProxy among them (a test that failed midway)."""
     if run.proc.poll() is None:
         os.killpg(run.proc.pid, signal.SIGKILL)
-    for pid in set(session_pids(run.session)) | run.haproxy_pids():
+    for pid in session_pids(run.session):
         os.kill(pid, signal.SIGKILL)
 
 

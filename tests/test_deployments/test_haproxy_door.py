@@ -62,7 +62,7 @@ def haproxy_config(tmp: Path) -> Path:
 
 def admin_socket(run: mn.Run) -> str:
     """The admin socket of the run's HAProxy, from its own config."""
-    [config] = run.haproxy_configs
+    [config] = set(run.haproxy_configs().values())
     [line] = [ln for ln in config.read_text().splitlines() if "stats socket" in ln]
     return line.split()[2]
 
@@ -110,7 +110,7 @@ def test_the_door_demands_the_key_and_serves_with_it(run: mn.Run) -> None:
 
 def test_every_socket_of_the_cluster_is_loopback(run: mn.Run) -> None:
     pids = run.all_pids()
-    assert run.haproxy_pids(), "no HAProxy process of the run"
+    assert run.haproxy_configs(), "no HAProxy process of the run"
     listening = {}
     for pid in pids:
         try:
