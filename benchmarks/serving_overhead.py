@@ -249,6 +249,8 @@ def settle(seconds: float, idle_s: float, procs: Callable[[], list[psutil.Proces
     Ray's 10 s metrics export, the slowest loop that runs at rest.
     """
     time.sleep(seconds)
+    if idle_s <= 0:  # not watched at rest (a boot-only run): nothing to take off
+        return float(psutil.cpu_percent(interval=0.1)), 0.0, {}
     before = cpu_by_role(procs())
     box = float(psutil.cpu_percent(interval=idle_s))
     after = cpu_by_role(procs())

@@ -12,7 +12,8 @@ express with ``{GPU: 8}`` per node. So: one replica per node, never on the head.
 Two traps of Ray 2.60, avoided here (measured): the wheel lacks
 ``autoscaler/_private/fake_multi_node/example.yaml``, which provider type
 ``fake_multinode`` reads for its defaults (the monitor dies, no node is ever
-added), so the provider is declared ``type: external`` with the same class; and
+added), so the provider is declared ``type: external`` with a subclass
+(``deployments.local.node_provider``: one log monitor for the host, not one per node); and
 ``ray.cluster_utils.AutoscalingCluster.start()/shutdown()`` run ``ray stop
 --force``, which kills every Ray cluster on the machine. This module starts its
 own head (``ray start --head --block``) in a new session and stops exactly the
@@ -44,7 +45,10 @@ NODE_RESOURCE = "dsv4_node"  # one per worker node: the stand-in for "a GPU node
 NODE_TYPE = "dsv4.node"
 HEAD_TYPE = "ray.head.default"  # the fake provider's name for the head node type
 FAKE_HEAD_NODE_ID = "fffffffffffffffffffffffffffffffffffffffffffffffffff00000"
-FAKE_PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
+# Ray's FakeMultiNodeProvider, its worker nodes without a log monitor of their own
+# (RAY_FAKE_PROVIDER itself where the touch does not hold).
+FAKE_PROVIDER = "deployments.local.node_provider.OneLogMonitorProvider"
+RAY_FAKE_PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
 OBJECT_STORE_BYTES = 200 * 1024 * 1024  # per node; the tiny model moves little data
 STOP_GRACE_S = 20.0
 
@@ -59,7 +63,8 @@ class ClusterSpec:
     idle_timeout_s: float = 60.0
     object_store_bytes: int = OBJECT_STORE_BYTES
 
-    def autoscaling_config(self, gcs_address: str) -> dict[str, Any]:
+    def autoscaling_config(self, gcs_address: str,
+                           provider: str = FAKE_PROVIDER) -> dict[str, Any]:
         """The autoscaler's cluster config (the YAML ``ray up`` takes), for one host."""
         store = {"object_store_memory": self.object_store_bytes}
         return {
@@ -69,7 +74,7 @@ class ClusterSpec:
             "idle_timeout_minutes": self.idle_timeout_s / 60.0,
             "provider": {
                 "type": "external",
-                "module": FAKE_PROVIDER,
+                "module": provider,
                 "gcs_address": gcs_address,
                 "head_node_id": FAKE_HEAD_NODE_ID,
                 "launch_multiple": True,
@@ -209,7 +214,7 @@ class LocalCluster:
         port = free_port()
         address = f"{node_ip()}:{port}"
         with os.fdopen(fd, "w") as out:
-            json.dump(spec.autoscaling_config(address), out)
+            json.dump(spec.autoscaling_config(address, provider_module()), out)
         log_path = Path(config).with_suffix(".log")
         env = os.environ | {
             "RAY_FAKE_CLUSTER": "1",
@@ -222,7 +227,7 @@ class LocalCluster:
                f"--port={port}", f"--num-cpus={spec.head_cpus:g}",
                f"--object-store-memory={spec.object_store_bytes}",
                f"--autoscaling-config={config}", "--include-dashboard=false",
-               "--disable-usage-stats"]
+               "--disable-usage-stats", *head_log_monitor_flags()]
         with open(log_path, "wb") as log:
             head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True, stdin=subprocess.DEVNULL,
@@ -291,6 +296,29 @@ class LocalCluster:
         if not stubborn:  # kept otherwise: the head's output tells why
             self.log_path.unlink(missing_ok=True)
         return stubborn
+
+
+def provider_module() -> str:
+    """Our provider where its Ray touch holds; else Ray's own, said in a warning."""
+    from deployments import ray_touches
+
+    if ray_touches.present("ray.fake_nodes_one_log_monitor"):
+        return FAKE_PROVIDER
+    logger.warning("dsv4: this Ray lacks ray.fake_nodes_one_log_monitor (deployments/"
+                   "ray_touches/): every local worker node starts a log monitor of its own "
+                   "(more CPU at rest, duplicated forwarded logs)")
+    return RAY_FAKE_PROVIDER
+
+
+def head_log_monitor_flags() -> list[str]:
+    """``ray start`` flags for the head's log monitor: off unless a driver reads it.
+
+    The log monitor only forwards worker logs to drivers that ask (``log_to_driver``);
+    ``dsv4-serve run`` asks only with ``DSV4_LOG_TO_DRIVER=1`` (as the one-node head,
+    ``ray_head.quiet_head``). Off, it costs nothing at rest; the logs stay in the
+    session directory either way. Worker nodes never start one (``node_provider``).
+    """
+    return [] if os.environ.get("DSV4_LOG_TO_DRIVER") == "1" else ["--include-log-monitor=false"]
 
 
 def _die_with_parent(parent: int) -> Any:

@@ -150,7 +150,7 @@ TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="autoscaler.fake_multinode",
         target="ray.autoscaler._private.fake_multi_node.node_provider:FakeMultiNodeProvider",
-        used_in=("deployments.local.cluster:FAKE_PROVIDER",
+        used_in=("deployments.local.node_provider:OneLogMonitorProvider",
                  "deployments.local.cluster:ClusterSpec.autoscaling_config"),
         why="Ray's real autoscaler adding and removing local raylets stands in for GPU nodes",
         how="declared as an external provider module (Ray's wheel lacks the example.yaml "
@@ -159,6 +159,33 @@ TOUCHES: tuple[RayTouch, ...] = (
         removal="when Ray ships a public local multi-node cluster",
         probe=symbols("ray.autoscaler._private.fake_multi_node.node_provider",
                       "FakeMultiNodeProvider"),
+        required=False,
+    ),
+    RayTouch(
+        name="ray.fake_nodes_one_log_monitor",
+        target="ray.autoscaler._private.fake_multi_node.node_provider:"
+               "FakeMultiNodeProvider._create_node_with_resources_and_labels, "
+               "ray._private.parameter:RayParams (include_log_monitor)",
+        used_in=("deployments.local.node_provider:OneLogMonitorProvider",
+                 "deployments.local.node_provider:worker_nodes_without_log_monitor"),
+        why="the fake provider starts each worker node with Ray's defaults, a log monitor "
+            "included; its nodes share this host and the head's session directory, so "
+            "each extra monitor tails the same files again (Ray: one per physical host) "
+            "and polls at rest on the cores the engines use (docs/benchmarks.md §2h)",
+        how="a provider subclass whose node creation runs with RayParams replaced by a "
+            "subclass setting include_log_monitor=False, restored afterwards",
+        upstream="test utility; its RayParams take no per-node options from the config",
+        removal="when the fake provider takes node start options, or Ray ships a public "
+                "local multi-node cluster",
+        probe=every(symbols("ray._private.parameter", "RayParams"),
+                    parameter("ray._private.parameter", "RayParams.__init__",
+                              "include_log_monitor"),
+                    source_mentions("ray.autoscaler._private.fake_multi_node.node_provider",
+                                    "FakeMultiNodeProvider."
+                                    "_create_node_with_resources_and_labels",
+                                    "ray._private.parameter.RayParams("),
+                    source_mentions("ray._private.node", "Node.start_ray_processes",
+                                    "self._ray_params.include_log_monitor")),
         required=False,
     ),
 )

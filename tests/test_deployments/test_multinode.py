@@ -74,6 +74,9 @@ def test_one_replica_per_node_none_on_the_head(run: mn.Run) -> None:
     head_env = Path(f"/proc/{run.session}/environ").read_bytes().split(b"\0")
     assert b"RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5" in head_env
     assert "RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5 (local run, quiet at rest)" in run.boot_output
+    # no log monitor on any node (no driver reads one; the nodes share this host's logs)
+    monitors = [p for p in run.all_pids() if b"log_monitor.py" in cmdline(p)]
+    assert not monitors, {p: cmdline(p)[:120] for p in monitors}
     print(f"boot with --nodes {NODES}: serving on 1 worker node after "
           f"{run.marks['boot']:.1f} s")
     STATE["first"] = rep
