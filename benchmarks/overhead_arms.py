@@ -158,8 +158,9 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     config = ServeConfig.model_validate(raw_config(replicas, port, arm))
     phase("imports done")
+    preload = None
     if arm != "stock":
-        deploy.preload_app_module()  # what `dsv4-serve run` does
+        preload = deploy.preload_app_module()  # what `dsv4-serve run` does
     try:
         cpus = None
         if arm == "stock":
@@ -174,6 +175,9 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
                 if k.startswith("RAY_SERVE_")), flush=True)
         ray_head.start_cluster(config, cpus, on_ray_up=lambda: phase("Ray up"))
         phase("Ray + Serve started")
+        if preload is not None:  # deploy needs the app's classes: the import is on the path
+            preload.join()
+            phase("app module imported")
         if arm != "stock":
             deploy.deploy(config)
         else:

@@ -221,8 +221,7 @@ class LocalCluster:
             "RAY_enable_autoscaler_v2": "1",
             "RAY_CLOUD_INSTANCE_ID": FAKE_HEAD_NODE_ID,
             "RAY_OVERRIDE_NODE_ID_FOR_TESTING": FAKE_HEAD_NODE_ID,
-            "AUTOSCALER_UPDATE_INTERVAL_S": "1",
-        }
+        }  # the autoscaler's period stays Ray's (5 s), the one KubeRay's autoscaler runs
         cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block",
                f"--port={port}", f"--num-cpus={spec.head_cpus:g}",
                f"--object-store-memory={spec.object_store_bytes}",
