@@ -14,35 +14,17 @@ the touch is ``ray.fake_nodes_one_log_monitor`` in ``deployments/ray_touches/``.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
-from ray._private import parameter
 from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
+
+from deployments.local.ray_params import ray_params_set
 
 
 class OneLogMonitorProvider(FakeMultiNodeProvider):
     """``FakeMultiNodeProvider`` whose worker nodes start no log monitor of their own."""
 
     def _create_node_with_resources_and_labels(self, *args: Any, **kwargs: Any) -> Any:
-        with worker_nodes_without_log_monitor():
+        # the provider holds its lock around the call: one RayParams built at a time
+        with ray_params_set(include_log_monitor=False):
             return super()._create_node_with_resources_and_labels(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def worker_nodes_without_log_monitor() -> Iterator[None]:
-    """While it lasts, the ``RayParams`` the fake provider builds set
-    ``include_log_monitor=False`` (the provider holds its lock around the call)."""
-    real = parameter.RayParams
-
-    class NoLogMonitorParams(real):  # type: ignore[misc, valid-type]  # Ray's RayParams, read as Any at runtime
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            super().__init__(*args, **kwargs)
-            self.include_log_monitor = False
-
-    parameter.RayParams = NoLogMonitorParams
-    try:
-        yield
-    finally:
-        parameter.RayParams = real

@@ -16,6 +16,7 @@ from typing import Any
 
 from deployments import ray_touches, serve_env
 from deployments.config import ConfigError, ServeConfig, sizing
+from deployments.local.ray_params import ray_params_set
 from deployments.logs import get_logger
 
 logger = get_logger("run")
@@ -127,18 +128,11 @@ def quiet_head(log_to_driver: bool) -> Iterator[None]:
         yield
         return
     from ray._common.usage import usage_lib
-    from ray._private import node, parameter
+    from ray._private import node
 
-    real = parameter.RayParams
     real_api_server = node.Node.start_api_server
     skipped: list[str] = []
-
-    class QuietHeadParams(real):  # type: ignore[misc, valid-type]  # subclassing Ray's RayParams, read as Any at runtime
-        def __init__(self, *args: object, **kwargs: object) -> None:
-            super().__init__(*args, **kwargs)
-            self.no_monitor = True
-            if not log_to_driver:
-                self.include_log_monitor = False
+    params = {"no_monitor": True} | ({} if log_to_driver else {"include_log_monitor": False})
 
     def start_api_server(self: Any, *, include_dashboard: bool | None,
                          raise_on_failure: bool) -> None:
@@ -149,12 +143,11 @@ def quiet_head(log_to_driver: bool) -> Iterator[None]:
         skipped.append("the dashboard head (usage stats are off: its one module)")
         return None
 
-    parameter.RayParams = QuietHeadParams
     node.Node.start_api_server = start_api_server
     try:
-        yield
+        with ray_params_set(**params):
+            yield
     finally:
-        parameter.RayParams = real
         node.Node.start_api_server = real_api_server
     left_out = ["the autoscaler monitor (fixed one-node cluster)"]
     if not log_to_driver:

@@ -83,7 +83,8 @@ TOUCHES: tuple[RayTouch, ...] = (
         target="ray._private.parameter:RayParams (no_monitor, include_log_monitor), read by "
                "ray._private.node:Node.start_head_processes / start_ray_processes; "
                "ray._private.node:Node.start_api_server",
-        used_in=("deployments.local.ray_head:quiet_head",),
+        used_in=("deployments.local.ray_head:quiet_head",
+                 "deployments.local.ray_params:ray_params_set"),
         why="ray.init starts the autoscaler monitor, the log monitor and (with "
             "include_dashboard=False) a minimal dashboard head unconditionally; the "
             "private one-node local cluster scales nothing, forwards no logs "
@@ -151,6 +152,7 @@ TOUCHES: tuple[RayTouch, ...] = (
         name="autoscaler.fake_multinode",
         target="ray.autoscaler._private.fake_multi_node.node_provider:FakeMultiNodeProvider",
         used_in=("deployments.local.node_provider:OneLogMonitorProvider",
+                 "deployments.local.cluster:RAY_FAKE_PROVIDER",
                  "deployments.local.cluster:ClusterSpec.autoscaling_config"),
         why="Ray's real autoscaler adding and removing local raylets stands in for GPU nodes",
         how="declared as an external provider module (Ray's wheel lacks the example.yaml "
@@ -167,7 +169,7 @@ TOUCHES: tuple[RayTouch, ...] = (
                "FakeMultiNodeProvider._create_node_with_resources_and_labels, "
                "ray._private.parameter:RayParams (include_log_monitor)",
         used_in=("deployments.local.node_provider:OneLogMonitorProvider",
-                 "deployments.local.node_provider:worker_nodes_without_log_monitor"),
+                 "deployments.local.ray_params:ray_params_set"),
         why="the fake provider starts each worker node with Ray's defaults, a log monitor "
             "included; its nodes share this host and the head's session directory, so "
             "each extra monitor tails the same files again (Ray: one per physical host) "
