@@ -147,11 +147,61 @@ def haproxy_env(binary: str) -> dict[str, str]:
 
 def apply_ingress(ingress: str, environ: MutableMapping[str, str] | None = None) -> list[str]:
     """Before our own local Ray starts: the flags ``ingress`` needs (none for Serve's
-    proxy); one line per flag set or kept."""
+    proxy) and the local drain window (``local_drain_env``); one line per flag set or
+    kept."""
     if ingress != "haproxy":
         return []
-    return _set_missing(haproxy_env(haproxy_binary()), "http.ingress: haproxy",
-                        "http.ingress: haproxy needs", environ)
+    env = os.environ if environ is None else environ
+    lines = _set_missing(haproxy_env(haproxy_binary()), "http.ingress: haproxy",
+                         "http.ingress: haproxy needs", env)
+    down_s = haproxy_down_s(env)
+    return lines + _set_missing(
+        local_drain_env(env), f"local run: twice the {down_s:g} s this host's HAProxy takes "
+        "to mark a draining replica down", "a local run's default is", env)
+
+
+# A stopping direct-ingress replica keeps accepting for DRAIN_FLAG seconds while it fails
+# HAProxy's health check, so the balancer in front takes it out before its port closes
+# (Ray 2.60 replica.py ``_drain_behind_haproxy``). Ray's 30 s is sized for an external
+# balancer (an ALB deregistering a target). In a local run the only balancer in front of
+# the replica ports is this host's HAProxy, which marks a failing server down after its
+# check period plus (fall - 1) fast checks: 5.25 s at Ray's defaults (below; Ray 2.60
+# constants.py, compared with the installed Ray by tests). The local window is twice
+# that, so a check delayed on a busy box still lands inside it; every local stop and
+# scale-down under HAProxy is ~20 s shorter. KubeRay keeps Ray's 30 s (its pods sit
+# behind a Service and whatever balancer the operator puts in front).
+DRAIN_FLAG = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+HAPROXY_CHECK_DEFAULTS = {"RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": "5s",
+                          "RAY_SERVE_HAPROXY_HEALTH_CHECK_FASTINTER": "250ms",
+                          "RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL": "2"}
+_HAPROXY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def haproxy_time_s(value: str) -> float:
+    """An HAProxy time (``5s``, ``250ms``; a bare number is milliseconds) in seconds."""
+    text = value.strip()
+    digits = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(digits):] or "ms"
+    if not digits or unit not in _HAPROXY_UNITS:
+        raise ValueError(f"HAProxy time {value!r}: expected a number with one of "
+                         f"{sorted(_HAPROXY_UNITS)} (e.g. 5s, 250ms). Fix: correct it.")
+    return float(digits) * _HAPROXY_UNITS[unit]
+
+
+def haproxy_down_s(environ: Mapping[str, str] | None = None) -> float:
+    """Seconds HAProxy takes, at most, to mark a server that starts failing its check
+    down: one check period, then ``fall - 1`` fast checks (this environment's values,
+    Ray's defaults otherwise)."""
+    env = os.environ if environ is None else environ
+    value = {name: env.get(name, default) for name, default in HAPROXY_CHECK_DEFAULTS.items()}
+    fall = int(value["RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL"])
+    return (haproxy_time_s(value["RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER"])
+            + max(fall - 1, 0) * haproxy_time_s(value["RAY_SERVE_HAPROXY_HEALTH_CHECK_FASTINTER"]))
+
+
+def local_drain_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The local run's direct-ingress drain window: twice ``haproxy_down_s``."""
+    return {DRAIN_FLAG: f"{2 * haproxy_down_s(environ):g}"}
 
 
 def ingress_problem(ingress: str, environ: Mapping[str, str] | None = None) -> str | None:

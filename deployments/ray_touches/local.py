@@ -134,6 +134,29 @@ TOUCHES: tuple[RayTouch, ...] = (
         required=False,
     ),
     RayTouch(
+        name="serve.local_drain_window",
+        target="ray.serve._private.constants: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S "
+               "and the RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER / FASTINTER / FALL defaults",
+        used_in=("deployments.serve_env:apply_ingress",
+                 "deployments.serve_env:local_drain_env",
+                 "deployments.serve_env:HAPROXY_CHECK_DEFAULTS"),
+        why="a stopping replica under HAProxy keeps serving 30 s (sized for an external "
+            "balancer); in a local run this host's HAProxy is the only one and takes a "
+            "failing replica out in ~5 s, so every local stop and scale-down waited ~20 s "
+            "for nobody",
+        how="process environment before the local Ray starts (http.ingress: haproxy): "
+            "twice HAProxy's down time from the check settings; a value the user set wins",
+        upstream="environment variables read in constants.py (Ray 2.60 replica.py "
+                 "_drain_behind_haproxy holds the replica open that long)",
+        removal="when Serve derives the drain window from its own HAProxy's check settings",
+        probe=symbols("ray.serve._private.constants",
+                      "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S",
+                      "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER",
+                      "RAY_SERVE_HAPROXY_HEALTH_CHECK_FASTINTER",
+                      "RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL"),
+        required=False,
+    ),
+    RayTouch(
         name="serve.direct_ingress_port_range",
         target="ray.serve._private.constants: RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT / "
                "MAX_HTTP_PORT (range(MIN, MAX) in node_port_manager.PortAllocator)",

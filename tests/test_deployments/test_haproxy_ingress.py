@@ -65,7 +65,10 @@ def test_apply_ingress_sets_the_cluster_flags_and_keeps_a_users() -> None:
     assert env[serve_env.HAPROXY_FLAG] == "1"
     assert env[serve_env.HAPROXY_BINARY_FLAG].endswith("/dsv4-haproxy")
     assert Path(env[serve_env.HAPROXY_BINARY_FLAG]).is_absolute()
-    assert len(lines) == 2
+    assert env[serve_env.DRAIN_FLAG] == "10.5"  # twice HAProxy's 5 s + 250 ms at Ray's defaults
+    assert len(lines) == 3
+    assert any(f"{serve_env.DRAIN_FLAG}=10.5 (local run: twice the 5.25 s" in line
+               for line in lines), lines
     untouched: dict[str, str] = {}
     assert serve_env.apply_ingress("serve_proxy", untouched) == []
     assert untouched == {}
@@ -149,3 +152,57 @@ def test_kuberay_presets_run_haproxy_on_every_pod_and_the_lint_holds_them_to_it(
     assert {n for n, d in doors.items() if d != "haproxy"} == {"flash-h200-pd"}, doors
     dockerfile = (Path(__file__).parents[2] / "Dockerfile").read_text()
     assert f"= {IMAGE_BIN_DIR}/dsv4-haproxy" in dockerfile
+
+
+@pytest.mark.parametrize("value, seconds", [
+    ("5s", 5.0), ("250ms", 0.25), ("250", 0.25), ("1m", 60.0), ("1500us", 0.0015)])
+def test_haproxy_times_read_as_haproxy_reads_them(value: str, seconds: float) -> None:
+    assert serve_env.haproxy_time_s(value) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("bad", ["", "5 sec", "fast", "s"])
+def test_a_bad_haproxy_time_is_named(bad: str) -> None:
+    with pytest.raises(ValueError, match="HAProxy time"):
+        serve_env.haproxy_time_s(bad)
+
+
+def test_the_local_drain_window_follows_the_check_settings_and_keeps_a_users() -> None:
+    """Twice the time HAProxy takes to mark a failing replica down, from the checks this
+    cluster's HAProxy runs: a user's check settings move it, a user's window wins."""
+    assert serve_env.local_drain_env({}) == {serve_env.DRAIN_FLAG: "10.5"}
+    slow = {"RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": "10s",
+            "RAY_SERVE_HAPROXY_HEALTH_CHECK_FASTINTER": "1s",
+            "RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL": "3"}
+    assert serve_env.haproxy_down_s(slow) == 12.0
+    assert serve_env.local_drain_env(slow) == {serve_env.DRAIN_FLAG: "24"}
+    env = {serve_env.DRAIN_FLAG: "30"}
+    lines = serve_env.apply_ingress("haproxy", env)
+    assert env[serve_env.DRAIN_FLAG] == "30"
+    assert any(f"{serve_env.DRAIN_FLAG}=30 kept from the environment" in line for line in lines)
+
+
+def test_the_check_defaults_are_the_installed_rays() -> None:
+    """``HAPROXY_CHECK_DEFAULTS`` mirrors Ray's constants, read by Ray itself in a fresh
+    process without those variables set; and Ray's HAProxy config still uses them."""
+    import inspect
+    import json
+    import os
+    import subprocess
+    import sys
+
+    names = [*serve_env.HAPROXY_CHECK_DEFAULTS, serve_env.DRAIN_FLAG]
+    env = {k: v for k, v in os.environ.items() if k not in names}
+    out = subprocess.run(
+        [sys.executable, "-c", "import json; from ray.serve._private import constants as c; "
+         f"print(json.dumps({{n: str(getattr(c, n)) for n in {names!r}}}))"],
+        env=env, capture_output=True, text=True, timeout=120, check=True).stdout
+    rays = json.loads(out.strip().splitlines()[-1])
+    drain = rays.pop(serve_env.DRAIN_FLAG)
+    assert rays == serve_env.HAPROXY_CHECK_DEFAULTS, "Ray changed its HAProxy check defaults"
+    assert float(drain) > float(serve_env.local_drain_env({})[serve_env.DRAIN_FLAG]), (
+        "Ray's own drain window is no longer longer than the local one: drop the local one")
+    from ray.serve._private import haproxy
+
+    source = inspect.getsource(haproxy)
+    for name in serve_env.HAPROXY_CHECK_DEFAULTS:
+        assert name in source, f"Ray's HAProxy config no longer reads {name}"
