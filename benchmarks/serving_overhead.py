@@ -77,6 +77,7 @@ from typing import Any
 
 import psutil
 
+from benchmarks import paced_engine
 from benchmarks.arm_procs import cpu_by_role, role_of, session_processes
 from benchmarks.multinode_arms import (
     cluster_session,
@@ -133,8 +134,8 @@ def vllm_command(port: int) -> tuple[list[str], dict[str, str]]:
 
 
 @contextlib.contextmanager
-def arm_server(arm: str, port: int, replicas: int, log: Path,
-               boot_timeout_s: float) -> Iterator[tuple[float, int]]:
+def arm_server(arm: str, port: int, replicas: int, log: Path, boot_timeout_s: float,
+               extra_env: dict[str, str] | None = None) -> Iterator[tuple[float, int]]:
     """Start one arm in its own session, yield its boot seconds and the session's
     leader pid (``benchmarks.arm_procs`` finds the arm's processes by it), then stop it.
 
@@ -149,7 +150,8 @@ def arm_server(arm: str, port: int, replicas: int, log: Path,
         cmd = [sys.executable, "-m", "benchmarks.serving_overhead", "--serve-arm", arm,
                "--port", str(port), "--replicas", str(replicas)]
         env_vars = arm_env(arm, port)
-    env = {**os.environ, **env_vars, "PYTHONUNBUFFERED": "1", "DSV4_ARM_T0": str(time.time())}
+    env = {**os.environ, **env_vars, **(extra_env or {}), "PYTHONUNBUFFERED": "1",
+           "DSV4_ARM_T0": str(time.time())}
     wait_port_free(port)
     wait_port_free(client_port(arm, port))
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -272,7 +274,8 @@ def load_label(load: bench_load.Load) -> str:
 def measure(arms: list[str], rounds: int, repeats: int, loads: list[bench_load.Load],
             replicas: int, port: int, first_round: int = 0,
             partial: Path | None = None, settle_s: float = 10.0,
-            idle_s: float = 20.0) -> dict[str, list[dict[str, Any]]]:
+            idle_s: float = 20.0,
+            extra_env: dict[str, str] | None = None) -> dict[str, list[dict[str, Any]]]:
     """Every arm once per round; even rounds in the given order, odd rounds reversed
     (``first_round`` numbers the rounds, so runs split over several jobs alternate too)."""
     from dsv4_patch.tiny_model import ensure_tiny_model
@@ -282,7 +285,8 @@ def measure(arms: list[str], rounds: int, repeats: int, loads: list[bench_load.L
     for r in range(first_round, first_round + rounds):
         for arm in (arms if r % 2 == 0 else list(reversed(arms))):
             log = REPO / "results" / "logs" / f"serving_overhead-{arm}-{r}.log"
-            with arm_server(arm, port, replicas, log, boot_timeout_s=600) as (boot_s, root):
+            with arm_server(arm, port, replicas, log, boot_timeout_s=600,
+                            extra_env=extra_env) as (boot_s, root):
                 roots = [root, *([s] if (s := cluster_session(log)) else [])]
                 busy, arm_busy, idle = settle(settle_s, idle_s, functools.partial(procs_of, roots))
                 heard = listeners(procs_of(roots), role_of)
@@ -350,6 +354,10 @@ def main() -> int:
     parser.add_argument("--idle-s", type=float, default=20.0,
                         help="seconds each arm is watched at rest before its load: every "
                              "role's CPU at rest, taken off its load's CPU (marginal)")
+    parser.add_argument("--paced", default="", metavar="TOK_S:PER_CHUNK",
+                        help="every arm's engine core emits tokens at this rate instead of "
+                             "running the model (benchmarks.paced_engine): the paths' cost "
+                             "per token at a GPU node's rate, e.g. 20000:1")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "serving_overhead.json")
     args = parser.parse_args()
     if args.serve_arm:
@@ -372,15 +380,17 @@ def main() -> int:
     else:
         loads = [bench_load.Load(num_prompts=args.num_prompts, concurrency=args.concurrency,
                                  input_len=args.input_len, output_len=args.output_len)]
+    paced = paced_engine.paced_env(*paced_engine.parse(args.paced)) if args.paced else {}
     runs = measure(arms, args.rounds, args.repeats, loads, args.replicas, args.port,
                    args.first_round, partial=args.out.with_suffix(".partial.json"),
-                   settle_s=args.settle_s, idle_s=args.idle_s)
+                   settle_s=args.settle_s, idle_s=args.idle_s, extra_env=paced)
     agg = {label: aggregate(rs) for label, rs in by_load(runs).items()}
     result = {
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
         "loads": [ld.__dict__ for ld in loads], "rounds": args.rounds, "repeats": args.repeats,
         "replicas": args.replicas, "engine_env": engine_env(), "runs": runs, "median": agg,
+        "paced": args.paced or None,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
