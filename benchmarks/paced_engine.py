@@ -101,6 +101,9 @@ def paced_step(core: Any, rate: float, per_chunk: int) -> tuple[dict[int, Any], 
             finished.append(request.request_id)
     if finished:
         scheduler.finish_requests(finished, RequestStatus.FINISHED_LENGTH_CAPPED)
+        # schedule(), which this step never calls, forgets them; kept, they would make
+        # has_requests() true for ever and the busy loop spin instead of blocking.
+        scheduler.finished_req_ids = set()
     state["pacer"].wait(max(emitted, 1))
     return {client: EngineCoreOutputs(outputs=outs) for client, outs in outputs.items()}, True
 
