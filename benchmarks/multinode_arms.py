@@ -20,6 +20,9 @@ the load starts), so Serve's autoscaler runs and collects its metrics the whole 
 * ``mn-haproxy-1`` -- the same door with one replica on one worker node
   (``--nodes 1``): as many engines as plain vLLM, so c=1 and c=6 compare doors, not
   engine counts;
+* ``mn-haproxy-inline-1`` (ablation) -- ``mn-haproxy-1`` with the replica's user code
+  on Serve's own event loop (``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0``): what
+  the thread hop of every streamed ASGI message costs on the shipped door;
 * ``mn-replica-port`` -- ``http.replica_port`` = ``--port`` (both replicas share it by
   ``SO_REUSEPORT``, possible only because both "nodes" are this one machine and
   min = max), Serve's proxy on ``--port`` + 5.
@@ -44,7 +47,7 @@ from typing import Any
 import psutil
 import yaml
 
-from benchmarks.overhead_arms import CONFIG, DIRECT_KEY, MN_ARMS, PROXY_OFFSET
+from benchmarks.overhead_arms import CONFIG, DIRECT_KEY, MN_ARMS, PROXY_OFFSET, USER_THREAD_FLAG
 from deployments import serve_env
 
 NODES = 2
@@ -81,7 +84,9 @@ def mn_env(arm: str, port: int) -> dict[str, str]:
     """The Ray Serve flags of an arm's ``dsv4-serve run`` (every Ray process inherits them)."""
     if not arm.startswith("mn-haproxy"):
         return {}
-    return serve_env.haproxy_ports_beside(port, mn_nodes(arm)) | {"DSV4_API_KEYS": DIRECT_KEY}
+    inline = {USER_THREAD_FLAG: "0"} if "-inline" in arm else {}
+    return (serve_env.haproxy_ports_beside(port, mn_nodes(arm))
+            | {"DSV4_API_KEYS": DIRECT_KEY} | inline)
 
 
 def mn_nodes(arm: str) -> int:
