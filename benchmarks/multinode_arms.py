@@ -162,9 +162,25 @@ def path_total(cpu: dict[str, dict[str, float]], key: str) -> float:
     return sum(v.get(key, 0.0) for role, v in cpu.items() if role not in ENGINE_ROLES)
 
 
+AT_RATE = "at_rate_ms_per_tok"
+
+
+def role_cpu(run: dict[str, Any], key: str) -> dict[str, dict[str, float]]:
+    """A run's per-role CPU, with ``AT_RATE`` derived: the marginal CPU per token plus
+    the role's cores at rest spread over the tokens the load made per second. That is
+    what each token costs a node streaming at that rate, without the seconds the load
+    client spends starting (which the all-in figure bills to a short load)."""
+    cpu: dict[str, dict[str, float]] = run.get("cpu", {})
+    if key != AT_RATE:
+        return cpu
+    rate = float(run.get("output_throughput") or 0.0)
+    return {role: {AT_RATE: v["marginal_ms_per_tok"] + 1000 * v["idle_cores"] / rate}
+            for role, v in cpu.items() if rate > 0 and "marginal_ms_per_tok" in v}
+
+
 def cpu_rows(runs: list[dict[str, Any]], key: str) -> dict[str, float]:
     """Per role, the median over an arm's runs of ``key``; "path" and "all" totals."""
-    with_cpu = [r["cpu"] for r in runs if "cpu" in r]
+    with_cpu = [role_cpu(r, key) for r in runs if "cpu" in r]
     roles = sorted({role for cpu in with_cpu for role in cpu})
     rows = {role: statistics.median(cpu.get(role, {}).get(key, 0.0) for cpu in with_cpu)
             for role in roles}
@@ -178,6 +194,7 @@ def cpu_rows(runs: list[dict[str, Any]], key: str) -> dict[str, float]:
 CPU_VIEWS = (  # (key, what a cell is)
     ("ms_per_tok", "CPU-ms per out token (per request)"),
     ("marginal_ms_per_tok", "marginal CPU-ms per out token (over the role's CPU at rest)"),
+    (AT_RATE, "CPU-ms per out token at the load's rate (marginal + rest / tok/s)"),
     ("idle_cores", "cores at rest (before the load)"),
 )
 
@@ -188,7 +205,7 @@ def cpu_table(arm_runs: dict[str, list[dict[str, Any]]], order: tuple[str, ...],
     the CPU-ms per request beside them); "path" = every process but the engine core and
     its worker."""
     arms = [a for a in order if any(key in v for r in arm_runs.get(a, [])
-                                    for v in r.get("cpu", {}).values())]
+                                    for v in role_cpu(r, key).values())]
     if not arms:
         return ""
     cells_of = {a: cpu_rows(arm_runs[a], key) for a in arms}
@@ -196,11 +213,13 @@ def cpu_table(arm_runs: dict[str, list[dict[str, Any]]], order: tuple[str, ...],
     roles = sorted({role for a in arms for role in cells_of[a]} - {"path", "all"})
     label = dict(CPU_VIEWS)[key]
     lines = [f"| {label} | " + " | ".join(arms) + " |", "|---" * (1 + len(arms)) + "|"]
+    # Rows below 1 % of the largest total say nothing (GPU-rate runs are ~100x smaller).
+    small = 0.01 * max((abs(cells_of[a].get("all", 0.0)) for a in arms), default=0.5)
     for role in (*roles, "path", "all"):
-        if all(abs(cells_of[a].get(role, 0.0)) < 0.005 for a in arms):
+        if all(abs(cells_of[a].get(role, 0.0)) < small for a in arms):
             continue
         cells = [f"{cells_of[a].get(role, 0.0):.3f}" if key == "idle_cores" else
-                 f"{cells_of[a].get(role, 0.0):.2f}" + (
+                 f"{cells_of[a].get(role, 0.0):.3g}" + (
                      f" ({req[a].get(role, 0.0):.1f})" if key == "ms_per_tok" else "")
                  for a in arms]
         lines.append(f"| {role} | " + " | ".join(cells) + " |")
