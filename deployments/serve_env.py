@@ -194,7 +194,11 @@ def haproxy_down_s(environ: Mapping[str, str] | None = None) -> float:
     Ray's defaults otherwise)."""
     env = os.environ if environ is None else environ
     value = {name: env.get(name, default) for name, default in HAPROXY_CHECK_DEFAULTS.items()}
-    fall = int(value["RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL"])
+    fall_text = value["RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL"]
+    if not fall_text.strip().isdigit():
+        raise ValueError(f"RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL={fall_text!r}: expected a "
+                         "whole number of failed checks (Ray's default 2). Fix: correct it.")
+    fall = int(fall_text)
     return (haproxy_time_s(value["RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER"])
             + max(fall - 1, 0) * haproxy_time_s(value["RAY_SERVE_HAPROXY_HEALTH_CHECK_FASTINTER"]))
 

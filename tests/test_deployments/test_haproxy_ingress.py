@@ -181,6 +181,13 @@ def test_the_local_drain_window_follows_the_check_settings_and_keeps_a_users() -
     assert any(f"{serve_env.DRAIN_FLAG}=30 kept from the environment" in line for line in lines)
 
 
+def test_a_bad_check_setting_is_named_with_its_fix() -> None:
+    with pytest.raises(ValueError, match=r"RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL='two'.*Fix"):
+        serve_env.haproxy_down_s({"RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL": "two"})
+    with pytest.raises(ValueError, match="HAProxy time '5 sec'"):
+        serve_env.haproxy_down_s({"RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER": "5 sec"})
+
+
 def test_the_check_defaults_are_the_installed_rays() -> None:
     """``HAPROXY_CHECK_DEFAULTS`` mirrors Ray's constants, read by Ray itself in a fresh
     process without those variables set; and Ray's HAProxy config still uses them."""

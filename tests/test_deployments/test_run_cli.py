@@ -151,3 +151,22 @@ def test_run_rejects_a_bad_config_before_starting_ray(tmp_path: Path) -> None:
     assert "applications[dsv4].args.dsv4.policy" in result.stderr
     assert "'enforcing'" in result.stderr
     assert time.monotonic() - started < 60, "validation must not wait for Ray"
+
+
+def test_run_rejects_a_bad_haproxy_check_setting_before_starting_ray(tmp_path: Path) -> None:
+    """The local drain window comes from HAProxy's check settings: a bad one is named,
+    with its fix, before anything starts."""
+    raw = yaml.safe_load(Path("configs/local-cpu.yaml").read_text())
+    http = raw["applications"][0]["args"]["http"]
+    http.pop("replica_port", None)
+    http["ingress"] = "haproxy"
+    config = tmp_path / "haproxy.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    exe = Path(sys.executable).with_name("dsv4-serve")
+    env = os.environ | {"RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL": "two",
+                        "DSV4_API_KEYS": "k" * 32}
+    result = subprocess.run([str(exe), "run", str(config)], capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL='two'" in result.stderr
+    assert "Fix" in result.stderr
