@@ -80,9 +80,11 @@ def paced_step(core: Any, rate: float, per_chunk: int) -> tuple[dict[int, Any], 
     scheduler = core.scheduler
     if not scheduler.has_requests():
         return {}, False
-    state = core.__dict__.setdefault("_dsv4_paced", {
-        "pacer": Pacer(rate), "vocab": core.vllm_config.model_config.get_vocab_size(),
-        "rng": random.Random(0)})
+    state = core.__dict__.get("_dsv4_paced")
+    if state is None:  # once per engine core, not on every step
+        state = core.__dict__["_dsv4_paced"] = {
+            "pacer": Pacer(rate), "vocab": core.vllm_config.model_config.get_vocab_size(),
+            "rng": random.Random(0)}
     outputs: dict[int, list[Any]] = defaultdict(list)
     finished: list[str] = []
     emitted = 0
