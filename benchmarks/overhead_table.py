@@ -79,12 +79,13 @@ def paired_ratio(agg: dict[str, dict[str, Any]], key: str, other: str,
 
 
 def ratio(agg: dict[str, dict[str, Any]], key: str, other: str,
-          arm: str = "ours") -> tuple[float, bool]:
-    """arm/other of the medians, and whether it is noise: the two arms' min-max
-    spreads overlap, so the runs cannot tell them apart."""
+          arm: str = "ours") -> tuple[float | None, bool]:
+    """arm/other of the medians (None when other's is 0: an idle arm at rest), and
+    whether it is noise: the two arms' min-max spreads overlap, so the runs cannot
+    tell them apart."""
     mine, theirs = agg[arm][key], agg[other][key]
     noise = mine["min"] <= theirs["max"] and theirs["min"] <= mine["max"]
-    return mine["median"] / theirs["median"], noise
+    return (mine["median"] / theirs["median"] if theirs["median"] else None), noise
 
 
 def table(agg: dict[str, dict[str, Any]]) -> str:
@@ -104,7 +105,7 @@ def table(agg: dict[str, dict[str, Any]]) -> str:
         for a, o in pairs:
             value, noise = ratio(agg, key, o, a)
             paired = paired_ratio(agg, key, o, a) if agg[a]["runs"] > 1 else None
-            cells.append(f"{value:.3f}" + (" ~" if noise else "")
+            cells.append(("-" if value is None else f"{value:.3f}") + (" ~" if noise else "")
                          + (f" [{paired:.3f}]" if paired is not None else ""))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     lines.append("| failed requests | " + " | ".join(str(agg[a]["failed"]) for a in arms)

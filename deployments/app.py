@@ -15,7 +15,6 @@ from ray.serve.deployment import Application
 
 from deployments import ray_touches, serve_env
 from deployments.config import AppArgs, ConfigError, PDAppArgs, parse_app_args
-from deployments.pd.builder import build_pd_app
 from deployments.serving.builder import build_one_pool_app
 
 # What users name: `import_path: deployments.app:build_app` (YAML), and `dsv4-serve run`.
@@ -30,10 +29,14 @@ def build_app(args: dict[str, Any]) -> Application:
 def build_parsed_app(parsed: AppArgs) -> Application:
     """Build the application from args the loader already validated (``dsv4-serve run``)."""
     pd = isinstance(parsed, PDAppArgs)  # prefill/decode pools
-    ray_touches.require(pd=pd)  # the Ray internals we build on (deployments/ray_touches/)
+    # The Ray internals we build on (deployments/ray_touches/); those only a process
+    # that imports Ray Serve LLM's server can probe are required where it is imported.
+    ray_touches.require(pd=pd, llm=pd)
     problem = serve_env.ingress_problem(parsed.http.ingress)  # this process has Ray's env
     if problem:
         raise ConfigError(problem)
-    if isinstance(parsed, PDAppArgs):
+    if isinstance(parsed, PDAppArgs):  # Ray Serve LLM's P/D builders: imports vLLM
+        from deployments.pd.builder import build_pd_app
+
         return build_pd_app(parsed)
     return build_one_pool_app(parsed)

@@ -34,11 +34,11 @@ from deployments.serving.builder import (
     ingress_bind_kwargs,
     refuse_lora,
     resolve_model_source,
-    server_deployment_name,
     serving_config,
     with_boot_callback,
     with_http_engine_settings,
 )
+from deployments.serving.llm_build import server_deployment_name
 from deployments.serving.names import DECODE_PREFIX
 from deployments.serving.router import with_kv_router
 from deployments.serving.server import listening_ingress
@@ -80,7 +80,7 @@ def pool_configs(parsed: PDAppArgs) -> tuple[LLMConfig, LLMConfig]:
 def build_pd_app(parsed: PDAppArgs) -> Application:
     """Decode (our ``DSv4PDDecodeServer``, the ingress) -> prefill, and the controller."""
     prefill_config, decode_config = pool_configs(parsed)
-    refuse_lora(decode_config)
+    refuse_lora(decode_config.lora_config)
     prefill = build_llm_deployment(prefill_config, name_prefix="Prefill:",
                                    bind_kwargs={"dsv4": parsed.pool_dsv4("prefill")})
     controller = controller_deployment(PDController, parsed).bind(

@@ -15,6 +15,11 @@ count (logged when it fails), the controller's per-replica broadcast results
 multi-node cluster of ``dsv4-serve run --nodes``. Touches only a P/D app uses
 (``pd_only``) refuse only a P/D build (``require(pd=True)``).
 
+A touch whose probe imports Ray Serve LLM's server, and so vLLM and torch (``loads_llm``),
+is required by the processes that import it anyway: a server replica as it starts, and
+Ray Serve LLM's builders (``require(llm=True)``). A one-pool build by import path
+(``deployments.serving.server_options``) requires only the others, so it stays light.
+
 Code that behaves differently when a touch is absent asks ``present(name)``;
 it never probes Ray itself (one place per touch). Each entry names its call sites as
 importable objects (``used_in``: ``"deployments.local.drain:drain"``), which
@@ -43,6 +48,7 @@ def probe_all() -> list[dict[str, str | bool]]:
         rows.append({"name": touch.name, "target": touch.target,
                      "used_in": ", ".join(touch.used_in),
                      "required": touch.required, "pd_only": touch.pd_only,
+                     "loads_llm": touch.loads_llm,
                      "present": missing is None,
                      "detail": missing or "present", "why": touch.why, "how": touch.how,
                      "upstream": touch.upstream, "affected": touch.affected,
@@ -59,13 +65,15 @@ def present(name: str) -> bool:
     return touch.probe() is None
 
 
-def require(pd: bool = False, touches: tuple[RayTouch, ...] = TOUCHES) -> None:
-    """Raise if a required touch is missing from the installed Ray (called by build_app).
+def require(pd: bool = False, llm: bool = True,
+            touches: tuple[RayTouch, ...] = TOUCHES) -> None:
+    """Raise if a required touch is missing from the installed Ray (build_app, replicas).
 
     ``pd``: the app is a prefill/decode one, so its ``pd_only`` touches count too.
+    ``llm``: this process imports Ray Serve LLM's server, so ``loads_llm`` touches count.
     """
     missing = [f"{t.name} ({t.target}): {detail}" for t in touches
-               if t.required and (pd or not t.pd_only)
+               if t.required and (pd or not t.pd_only) and (llm or not t.loads_llm)
                for detail in [t.probe()] if detail]
     if missing:
         raise RuntimeError(
@@ -79,4 +87,5 @@ def render(rows: list[dict[str, str | bool]]) -> list[str]:
     return [f"ray touch {r['name']}: {'present' if r['present'] else 'MISSING'}"
             + ("" if r["present"] else f" ({r['detail']})")
             + ("" if r["required"] else "; optional") + ("; P/D apps" if r.get("pd_only") else "")
+            + ("; required by replicas and Ray Serve LLM builds" if r.get("loads_llm") and r["required"] else "")
             + f" [{r['used_in']}]" for r in rows]

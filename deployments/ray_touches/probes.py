@@ -30,6 +30,9 @@ class RayTouch:
     required: bool = True  # a missing required touch refuses build_app
     affected: str = AFFECTED
     pd_only: bool = False  # used by the P/D app only: refuses only a P/D build
+    # Probing imports Ray Serve LLM's server (vLLM, torch): required where that is
+    # imported anyway (a replica, Ray Serve LLM's builders), not by a light build.
+    loads_llm: bool = False
 
 
 def symbols(module: str, *names: str) -> Probe:

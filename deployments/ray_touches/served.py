@@ -32,6 +32,7 @@ TOUCHES: tuple[RayTouch, ...] = (
         removal="keep while Serve keeps the hook",
         probe=attr_chain(f"{_LLM}.core.server.llm_server",
                          "LLMServer.__serve_build_asgi_app__"),
+        loads_llm=True,
     ),
     RayTouch(
         name="llm.pd_direct_ingress_routes",
@@ -57,11 +58,12 @@ TOUCHES: tuple[RayTouch, ...] = (
                                     "PDOrchestratorMixin.__serve_build_asgi_app__",
                                     "self.completions(")),
         pd_only=True,
+        loads_llm=True,
     ),
     RayTouch(
         name="llm.deployment_name",
         target=f"{_LLM}.core.server.builder:_get_deployment_name",
-        used_in=("deployments.serving.builder:server_deployment_name",),
+        used_in=("deployments.serving.llm_build:server_deployment_name",),
         why="the servers bind the controller (for /v1/kv-spec), so the controller finds "
             "them by name: a Serve graph has no cycles",
         how="the name build_llm_deployment gives: '<class>:' (P/D: 'Decode:') + "
@@ -69,6 +71,7 @@ TOUCHES: tuple[RayTouch, ...] = (
         upstream="not public in Ray 2.60",
         removal="when the builder exposes the deployment name",
         probe=symbols(f"{_LLM}.core.server.builder", "_get_deployment_name"),
+        loads_llm=True,
     ),
     RayTouch(
         name="llm.node_init_callback",
@@ -86,6 +89,54 @@ TOUCHES: tuple[RayTouch, ...] = (
                             "CallbackCtx"),
                     dataclass_field("ray.llm._internal.common.callbacks.base",
                                     "CallbackCtx", "run_init_node")),
+    ),
+    RayTouch(
+        name="serve.import_path_deployment",
+        target="ray.serve.deployment:Deployment.options(func_or_class=<'package.module.attr'>) -> "
+               "ray.serve._private.config:ReplicaConfig.create (takes a str), loaded in the "
+               "replica by ray.serve._private.replica:_load_deployment_def_from_import_path",
+        used_in=("deployments.serving.server_options:server_deployment",
+                 "deployments.serving.server:DSv4Ingress"),
+        why="the process that builds the app (dsv4-serve run's driver, KubeRay's build "
+            "task) would otherwise import the server class, and with it vLLM and torch "
+            "(8-11 s of a core) before any replica can start (docs/benchmarks.md §2d)",
+        how="serve.deployment() on a light stand-in class with the options, then "
+            ".options(func_or_class='deployments.serving.server.DSv4Ingress'): the "
+            "replica imports the class; the LLMConfig is bound as a plain dict",
+        upstream="ReplicaConfig.create is typed Union[Callable, str] and the replica loads "
+                 "import paths; Deployment.options is typed Callable only",
+        removal="when Serve documents import-path deployments, or Ray Serve LLM's builder "
+                "stops importing vLLM",
+        probe=every(source_mentions("ray.serve._private.config", "ReplicaConfig.create",
+                                    "isinstance(deployment_def, str)"),
+                    source_mentions("ray.serve._private.replica", "ReplicaActor.__init__",
+                                    "_load_deployment_def_from_import_path("),
+                    source_mentions("ray.serve.deployment", "Deployment.options",
+                                    "func_or_class = self._replica_config.deployment_def")),
+    ),
+    RayTouch(
+        name="llm.server_options",
+        target=f"{_LLM}.core.server.llm_server:LLMServer.get_deployment_options and "
+               f"{_LLM}.core.server.builder:build_llm_deployment (DEFAULT_DEPLOYMENT_OPTIONS, "
+               "_merge_replica_actor_and_child_actor_bundles, the worker setup hook)",
+        used_in=("deployments.serving.server_options:server_options",
+                 "deployments.serving.server_options:defaults",
+                 "deployments.serving.server_options:runtime_env_default"),
+        why="the same Serve options as Ray Serve LLM's builder without importing it "
+            "(serve.import_path_deployment says why)",
+        how="deployments.serving.server_options mirrors the two for one engine per replica "
+            "with explicit bundles, using Ray's own defaults merge and constants; a test "
+            "builds every shipped one-pool config both ways and names each option that "
+            "differs; other configs use Ray Serve LLM's builder",
+        upstream="not public in Ray 2.60",
+        removal="when Ray Serve LLM's builder can run without importing vLLM",
+        probe=every(symbols("ray.llm._internal.common.dict_utils",
+                            "maybe_apply_llm_deployment_config_defaults"),
+                    symbols(f"{_LLM}.constants", "ENABLE_WORKER_PROCESS_SETUP_HOOK",
+                            "DEFAULT_MAX_ONGOING_REQUESTS", "DEFAULT_HEALTH_CHECK_PERIOD_S",
+                            "DEFAULT_HEALTH_CHECK_TIMEOUT_S",
+                            "DEFAULT_MAX_TARGET_ONGOING_REQUESTS"),
+                    symbols(_LLM, "_worker_process_setup_hook")),
     ),
     RayTouch(
         name="serve.proxy_host",
@@ -127,6 +178,7 @@ TOUCHES: tuple[RayTouch, ...] = (
         removal="when LLMServer takes engine kwargs at construction only",
         probe=source_mentions("ray.serve.llm", "LLMConfig.update_engine_kwargs",
                               "_engine_config.engine_kwargs.update"),
+        loads_llm=True,
     ),
     RayTouch(
         name="serve.replica_ids",
@@ -168,6 +220,7 @@ TOUCHES: tuple[RayTouch, ...] = (
                                     "push_telemetry_report_for_all_models("),
                     symbols("ray._common.usage.usage_lib", "usage_stats_enabled")),
         required=False,
+        loads_llm=True,
     ),
     RayTouch(
         name="serve.broadcast_per_replica_results",
@@ -199,6 +252,7 @@ TOUCHES: tuple[RayTouch, ...] = (
         removal="when ray.serve.llm exports it, or build_pd_openai_app takes server classes "
                 "and an ingress",
         probe=symbols(f"{_LLM}.serving_patterns.prefill_decode.builder", "PDServingArgs"),
+        loads_llm=True,
         pd_only=True,
     ),
     RayTouch(
@@ -220,6 +274,7 @@ TOUCHES: tuple[RayTouch, ...] = (
                                     "_pd_handle_request"),
                     attr_chain("ray.serve.llm.deployment", "LLMServer.completions")),
         pd_only=True,
+        loads_llm=True,
     ),
     RayTouch(
         name="serve.replica_shutting_down",

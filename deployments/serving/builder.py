@@ -1,23 +1,25 @@
 """The one-pool Serve application, and the pieces every pattern's builder shares.
 
-The application is Ray Serve LLM's server deployment (``build_llm_deployment`` /
-``build_dp_deployment``) with ``DSv4Server`` replicas that are their own HTTP ingress
+The application is Ray Serve LLM's server deployment with ``DSv4Server`` replicas that
+are their own HTTP ingress
 (``deployments.http.front``: vLLM's OpenAI app in the replica, behind our edge, plus
 ``GET /v1/kv-spec``), and a ``KVSpecController`` deployment that watches them. Serve's
 proxy hands each request straight to a server replica, picked by
 ``deployments.serving.router.KVSpecRouter``: no ingress replica in between
-(``docs/benchmarks.md`` section 2 has the per-hop numbers). The P/D pattern
-(``deployments.pd.builder``) reuses the shared pieces; this module never imports it.
+(``docs/benchmarks.md`` section 2 has the per-hop numbers). Its Serve options come from
+``deployments.serving.server_options`` where that covers the config, so the process that
+builds the app imports no vLLM; else from Ray Serve LLM's builders
+(``deployments.serving.llm_build``). The P/D pattern (``deployments.pd.builder``) reuses
+the shared pieces; this module never imports it.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Protocol
 
 from ray import serve
 from ray.serve.deployment import Application
-from ray.serve.llm import LLMConfig, build_dp_deployment, build_llm_deployment
 
 from deployments.config import AppArgs, HTTPEdge
 from deployments.config.app_args import apply_http_to_engine
@@ -28,7 +30,7 @@ from deployments.plan.kv_figures import plan_capacity
 from deployments.serving.boot import LocalModelCallback
 from deployments.serving.names import CONTROLLER_DRAIN_S, CONTROLLER_NAME
 from deployments.serving.router import with_kv_router
-from deployments.serving.server import DSv4DPServer, DSv4Server, listening_ingress
+from deployments.serving.server_options import server_deployment, server_options, uncovered
 
 logger = get_logger("app")
 
@@ -67,6 +69,26 @@ def resolve_model_source(args: AppArgs) -> str | None:
 def build_one_pool_app(parsed: AppArgs) -> Application:
     """The one-pool application: server replicas (each its own HTTP ingress) and the
     KV-spec controller that watches them."""
+    config = server_config(parsed)
+    refuse_lora(config.get("lora_config"))
+    server = one_pool_server(config)
+    dsv4 = parsed.dsv4.model_dump(mode="json")
+    # The controller finds the servers by name: they bind it (for /v1/kv-spec), and a
+    # Serve graph has no cycles.
+    controller = controller_deployment(KVSpecController, parsed).bind(
+        server=server.name, dsv4=dsv4,
+        kv_capacity=plan_capacity(parsed.llm.model_loading_config.model_id,
+                                  parsed).model_dump(mode="json"))
+    # Every DP rank is its own Serve replica and ingress: the share divides by ranks.
+    bind_kwargs = {"dsv4": dsv4} | ingress_bind_kwargs(
+        parsed.http, parsed.max_serving_replicas, controller,
+        parsed.llm.deployment_config.drain_timeout_s, parsed.responses)
+    return server.bind(bind_kwargs)
+
+
+def server_config(parsed: AppArgs) -> dict[str, Any]:
+    """The server deployment's ``LLMConfig`` dict: the user's, the edge's engine settings,
+    the router or HAProxy's health check, queue bounds and the boot callback."""
     config_dict = with_http_engine_settings(
         parsed.llm_config_dict(resolve_model_source(parsed)), parsed.http)
     if parsed.http.ingress == "haproxy":
@@ -77,27 +99,42 @@ def build_one_pool_app(parsed: AppArgs) -> Application:
                     "engine-dead replica fails its /-/healthz and leaves HAProxy's rotation")
     else:  # the KV-spec router keeps requests off replicas the controller drains
         config_dict["deployment_config"] = with_kv_router(config_dict["deployment_config"])
-    dp = parsed.llm.engine_kwargs.data_parallel_size > 1
-    server_cls = DSv4DPServer if dp else DSv4Server
-    # The class that runs: on the DP path build_dp_deployment's deployment_cls wins.
-    llm_config = LLMConfig(**serving_config(config_dict, parsed.http), server_cls=server_cls)
-    refuse_lora(llm_config)
-    dsv4 = parsed.dsv4.model_dump(mode="json")
-    # The controller finds the servers by name: they bind it (for /v1/kv-spec), and a
-    # Serve graph has no cycles.
-    controller = controller_deployment(KVSpecController, parsed).bind(
-        server=server_deployment_name(server_cls, llm_config), dsv4=dsv4,
-        kv_capacity=plan_capacity(llm_config.model_id, parsed).model_dump(mode="json"))
-    # Every DP rank is its own Serve replica and ingress: the share divides by ranks.
-    bind_kwargs = {"dsv4": dsv4} | ingress_bind_kwargs(
-        parsed.http, parsed.max_serving_replicas, controller,
-        parsed.llm.deployment_config.drain_timeout_s, parsed.responses)
-    if dp:
-        # DP attention: Ray Serve LLM's gang-scheduled DPServer pattern, our checks on top.
-        return build_dp_deployment(llm_config, bind_kwargs=bind_kwargs,
-                                   deployment_cls=listening_ingress(DSv4DPServer))
-    return build_llm_deployment(llm_config, bind_kwargs=bind_kwargs,
-                                deployment_cls=listening_ingress(DSv4Server))
+    return serving_config(config_dict, parsed.http)
+
+
+class ServerBuild(Protocol):
+    """The server deployment, however it is built: its name, then its bound application."""
+
+    @property
+    def name(self) -> str: ...
+
+    def bind(self, bind_kwargs: dict[str, Any]) -> Application: ...
+
+
+class ImportPathServer:
+    """The server deployment from ``server_options``: the replica gets the ``LLMConfig``
+    dict and the class by import path, so this process imports no vLLM."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+        self.options = server_options(config)
+        self.name: str = self.options["name"]
+
+    def bind(self, bind_kwargs: dict[str, Any]) -> Application:
+        return server_deployment(self.options).bind(llm_config=self.config, **bind_kwargs)
+
+
+def one_pool_server(config: dict[str, Any]) -> ServerBuild:
+    """How the server deployment is built: ``ImportPathServer`` where ``server_options``
+    covers the config, else Ray Serve LLM's builders (logged, with the reason)."""
+    reason = uncovered(config)
+    if reason is None:
+        return ImportPathServer(config)
+    logger.info("dsv4: the server deployment is built by Ray Serve LLM's builder (%s): "
+                "this process imports vLLM", reason)
+    from deployments.serving.llm_build import RayServeLLMServer
+
+    return RayServeLLMServer(config)
 
 
 def with_http_engine_settings(config_dict: dict[str, Any], http: HTTPEdge) -> dict[str, Any]:
@@ -149,25 +186,14 @@ def controller_deployment(cls: type, parsed: AppArgs) -> Any:
         graceful_shutdown_wait_loop_s=parsed.llm.deployment_config.drain_poll_s)
 
 
-def refuse_lora(llm_config: LLMConfig) -> None:
+def refuse_lora(lora_config: object) -> None:
     """LoRA adapters are refused, not ignored: nothing routes them on this path yet.
 
     Ray Serve LLM's ingress turned ``model: base:adapter`` into a multiplexed model id;
     the server replicas now answer HTTP themselves (``deployments.http.front``) and Serve's
     proxy sets that id only from the ``serve_multiplexed_model_id`` header.
     """
-    if llm_config.lora_config is not None:
+    if lora_config is not None:
         raise ValueError(
             "llm.lora_config is set, but the DSv4 server replicas serve vLLM's OpenAI app "
             "directly and route no LoRA adapters yet. Fix: remove lora_config.")
-
-
-def server_deployment_name(cls: Any, llm_config: LLMConfig,
-                           name_prefix: str | None = None) -> str:
-    """The name Ray Serve LLM's builder gives a server deployment (``<prefix><model>``;
-    the prefix defaults to ``<class>:``)."""
-    from ray.llm._internal.serve.core.server.builder import _get_deployment_name
-
-    options = cls.get_deployment_options(llm_config)
-    prefix = name_prefix or f"{cls.__name__}:"
-    return prefix + options.get("name", _get_deployment_name(llm_config))

@@ -33,6 +33,7 @@ from ray.serve.llm import LLMConfig, LLMServer
 from ray.serve.llm.deployment import DPServer
 from ray.serve.metrics import Counter, Gauge
 
+from deployments import ray_touches
 from deployments.config import WORKER_EXTENSION, DSv4Section, HTTPEdge, Policy
 from deployments.config.responses import ResponsesStore as StoreSettings
 from deployments.control.enforcement import (
@@ -89,11 +90,13 @@ class DSv4ServerMixin:
     replica) and its ``DPServer`` (DP attention: one replica per DP rank).
     """
 
-    async def __init__(self, llm_config: LLMConfig, *, dsv4: dict[str, Any],  # type: ignore[misc]  # Serve awaits an async __init__
+    async def __init__(self, llm_config: LLMConfig | dict[str, Any], *, dsv4: dict[str, Any],  # type: ignore[misc]  # Serve awaits an async __init__
                        http: dict[str, Any] | None = None, serving_replicas: int = 1,
                        kv_spec_controller: DeploymentHandle | None = None,
                        drain_timeout_s: float = 60.0,
                        responses: dict[str, Any] | None = None, **kwargs: Any):
+        ray_touches.require(llm=True)  # a light build left these to the replica
+        llm_config = as_llm_config(llm_config, self)
         self._settings = DSv4Section.model_validate(dsv4)
         # ``http`` is given to the replicas that answer HTTP (the ingress); a P/D
         # prefill replica is called only by decode replicas and has no edge.
@@ -393,3 +396,17 @@ class DSv4Server(DSv4ServerMixin, LLMServer):
 
 class DSv4DPServer(DSv4ServerMixin, DPServer):
     """The DSv4 replica for DP attention: one Serve replica per DP rank, gang-scheduled."""
+
+
+# What the replicas of the one-pool app run, named by import path
+# (deployments.serving.server_options.SERVER_IMPORT_PATH).
+DSv4Ingress = listening_ingress(DSv4Server)
+
+
+def as_llm_config(llm_config: LLMConfig | dict[str, Any], server: object) -> LLMConfig:
+    """The ``LLMConfig`` a replica runs: a build by import path binds the dict, validated
+    here by Ray Serve LLM as its builder would have (``server_cls`` as it sets it)."""
+    if isinstance(llm_config, LLMConfig):
+        return llm_config
+    server_cls = DSv4DPServer if isinstance(server, DPServer) else DSv4Server
+    return LLMConfig(**llm_config, server_cls=server_cls)

@@ -44,11 +44,11 @@ def test_the_built_flash_h200_app_binds_the_rank_count(
     """What each replica is bound with by ``build_one_pool_app``, with no Ray: Ray Serve
     LLM's DP builder and deployment options (for the name) start a local Ray in the
     calling process, which the session's cluster would then find already initialized."""
-    from deployments.serving import builder
+    from deployments.serving import builder, llm_build
 
-    monkeypatch.setattr(builder, "server_deployment_name",
+    monkeypatch.setattr(llm_build, "server_deployment_name",
                         lambda cls, llm_config, name_prefix=None: f"{cls.__name__}:m")
-    monkeypatch.setattr(builder, "build_dp_deployment",
+    monkeypatch.setattr(llm_build, "build_dp_deployment",
                         lambda llm_config, bind_kwargs, deployment_cls: bind_kwargs)
     bound = builder.build_one_pool_app(_args("flash-h200"))
     assert bound["serving_replicas"] == 32
