@@ -87,5 +87,6 @@ def render(rows: list[dict[str, str | bool]]) -> list[str]:
     return [f"ray touch {r['name']}: {'present' if r['present'] else 'MISSING'}"
             + ("" if r["present"] else f" ({r['detail']})")
             + ("" if r["required"] else "; optional") + ("; P/D apps" if r.get("pd_only") else "")
-            + ("; required by replicas and Ray Serve LLM builds" if r.get("loads_llm") and r["required"] else "")
+            + ("; required by replicas and Ray Serve LLM builds"
+               if r.get("loads_llm") and r["required"] else "")
             + f" [{r['used_in']}]" for r in rows]

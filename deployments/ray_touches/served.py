@@ -96,7 +96,8 @@ TOUCHES: tuple[RayTouch, ...] = (
                "ray.serve._private.config:ReplicaConfig.create (takes a str), loaded in the "
                "replica by ray.serve._private.replica:_load_deployment_def_from_import_path",
         used_in=("deployments.serving.server_options:server_deployment",
-                 "deployments.serving.server:DSv4Ingress"),
+                 "deployments.serving.server:DSv4Ingress",
+                 "deployments.serving.server:DSv4DPIngress"),
         why="the process that builds the app (dsv4-serve run's driver, KubeRay's build "
             "task) would otherwise import the server class, and with it vLLM and torch "
             "(8-11 s of a core) before any replica can start (docs/benchmarks.md §2d)",
@@ -116,16 +117,20 @@ TOUCHES: tuple[RayTouch, ...] = (
     ),
     RayTouch(
         name="llm.server_options",
-        target=f"{_LLM}.core.server.llm_server:LLMServer.get_deployment_options and "
+        target=f"{_LLM}.core.server.llm_server:LLMServer.get_deployment_options, "
+               f"{_LLM}.serving_patterns.data_parallel.dp_server:DPServer."
+               "get_deployment_options and "
                f"{_LLM}.core.server.builder:build_llm_deployment (DEFAULT_DEPLOYMENT_OPTIONS, "
                "_merge_replica_actor_and_child_actor_bundles, the worker setup hook)",
         used_in=("deployments.serving.server_options:server_options",
                  "deployments.serving.server_options:defaults",
-                 "deployments.serving.server_options:runtime_env_default"),
+                 "deployments.serving.server_options:runtime_env_default",
+                 "deployments.serving.server_options:dp_gang_options"),
         why="the same Serve options as Ray Serve LLM's builder without importing it "
             "(serve.import_path_deployment says why)",
-        how="deployments.serving.server_options mirrors the two for one engine per replica "
-            "with explicit bundles, using Ray's own defaults merge and constants; a test "
+        how="deployments.serving.server_options mirrors them for explicit bundles (one "
+            "engine per replica, or DP ranks in gangs), using Ray's own defaults merge, "
+            "constants and gang config; a test "
             "builds every shipped one-pool config both ways and names each option that "
             "differs; other configs use Ray Serve LLM's builder",
         upstream="not public in Ray 2.60",

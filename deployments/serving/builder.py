@@ -30,7 +30,12 @@ from deployments.plan.kv_figures import plan_capacity
 from deployments.serving.boot import LocalModelCallback
 from deployments.serving.names import CONTROLLER_DRAIN_S, CONTROLLER_NAME
 from deployments.serving.router import with_kv_router
-from deployments.serving.server_options import server_deployment, server_options, uncovered
+from deployments.serving.server_options import (
+    dp_size,
+    server_deployment,
+    server_options,
+    uncovered,
+)
 
 logger = get_logger("app")
 
@@ -121,7 +126,8 @@ class ImportPathServer:
         self.name: str = self.options["name"]
 
     def bind(self, bind_kwargs: dict[str, Any]) -> Application:
-        return server_deployment(self.options).bind(llm_config=self.config, **bind_kwargs)
+        return server_deployment(self.options, dp_size(self.config) > 1).bind(
+            llm_config=self.config, **bind_kwargs)
 
 
 def one_pool_server(config: dict[str, Any]) -> ServerBuild:

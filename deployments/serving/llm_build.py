@@ -2,8 +2,8 @@
 
 ``build_llm_deployment`` / ``build_dp_deployment`` import vLLM and torch in the process
 that builds the app. The one-pool app uses them only for what
-``deployments.serving.server_options`` does not cover (DP gangs, no explicit bundles,
-TPU, another router); the P/D app always does. Importing this module is that cost.
+``deployments.serving.server_options`` does not cover (no explicit bundles, TPU, another
+router); the P/D app always does. Importing this module is that cost.
 """
 
 from __future__ import annotations
@@ -14,7 +14,12 @@ from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_dp_deployment, build_llm_deployment
 
 from deployments import ray_touches
-from deployments.serving.server import DSv4DPServer, DSv4Ingress, DSv4Server, listening_ingress
+from deployments.serving.server import (
+    DSv4DPIngress,
+    DSv4DPServer,
+    DSv4Ingress,
+    DSv4Server,
+)
 
 
 def server_deployment_name(cls: Any, llm_config: LLMConfig,
@@ -45,6 +50,6 @@ class RayServeLLMServer:
     def bind(self, bind_kwargs: dict[str, Any]) -> Application:
         if self.dp:  # DP attention: Ray Serve LLM's gang-scheduled DPServer pattern
             return build_dp_deployment(self.llm_config, bind_kwargs=bind_kwargs,
-                                       deployment_cls=listening_ingress(DSv4DPServer))
+                                       deployment_cls=DSv4DPIngress)
         return build_llm_deployment(self.llm_config, bind_kwargs=bind_kwargs,
                                     deployment_cls=DSv4Ingress)

@@ -399,8 +399,9 @@ class DSv4DPServer(DSv4ServerMixin, DPServer):
 
 
 # What the replicas of the one-pool app run, named by import path
-# (deployments.serving.server_options.SERVER_IMPORT_PATH).
+# (deployments.serving.server_options.SERVER_IMPORT_PATHS).
 DSv4Ingress = listening_ingress(DSv4Server)
+DSv4DPIngress = listening_ingress(DSv4DPServer)
 
 
 def as_llm_config(llm_config: LLMConfig | dict[str, Any], server: object) -> LLMConfig:

@@ -4,9 +4,10 @@ Ray Serve LLM's builder (``build_llm_deployment``, ``LLMServer.get_deployment_op
 imports vLLM and torch: 8-11 s of one core in the process that builds the app. In
 ``dsv4-serve run`` and in KubeRay's build task that import ran before any replica could
 start, and each replica then imports the same again (docs/benchmarks.md §2d). For the
-shape it covers (one engine per replica, explicit placement bundles, no TPU, no KV-aware
-router) this module gives the options Ray Serve LLM 2.60 gives from the same config dict,
-and names the server class by import path, so only the replica imports vLLM.
+shape it covers (explicit placement bundles, no TPU, no KV-aware router; one engine per
+replica, or DP ranks gang-scheduled as ``DPServer.get_deployment_options`` does) this
+module gives the options Ray Serve LLM 2.60 gives from the same config dict, and names the
+server class by import path, so only the replica imports vLLM.
 ``tests/test_deployments/test_server_options.py`` builds every shipped one-pool config
 and variants both ways against the installed Ray and names each option that differs.
 Anything else goes through Ray Serve LLM's builder (``uncovered`` says why).
@@ -22,13 +23,22 @@ import ray
 from ray import serve
 from ray.llm._internal.common.dict_utils import maybe_apply_llm_deployment_config_defaults
 from ray.llm._internal.serve import constants
+from ray.serve.config import (
+    AutoscalingConfig,
+    GangPlacementStrategy,
+    GangRuntimeFailurePolicy,
+    GangSchedulingConfig,
+)
 from ray.serve.deployment import Deployment
 
 from deployments.serving.router import ROUTER_CLASS
 
-# The class the replica imports: ``serve.ingress`` of DSv4Server (deployments.serving.server).
-SERVER_IMPORT_PATH = "deployments.serving.server.DSv4Ingress"  # Serve splits at the last dot
-SERVER_CLASS_NAME = "DSv4Server"  # the "<class>:" prefix Ray Serve LLM's builder names by
+# The classes the replicas import (``serve.ingress`` of deployments.serving.server's
+# DSv4Server / DSv4DPServer; Serve splits at the last dot), by whether DP is on, and the
+# "<class>:" prefix Ray Serve LLM's builder names each deployment by.
+SERVER_IMPORT_PATHS = {False: "deployments.serving.server.DSv4Ingress",
+                       True: "deployments.serving.server.DSv4DPIngress"}
+SERVER_CLASS_NAMES = {False: "DSv4Server", True: "DSv4DPServer"}
 SETUP_HOOK = "ray.llm._internal.serve._worker_process_setup_hook"
 # Ray Serve LLM's placement-group keys it refuses in deployment_config.
 PG_KEYS = ("placement_group_bundles", "placement_group_strategy")
@@ -54,7 +64,8 @@ def uncovered(config: dict[str, Any]) -> str | None:
         "no explicit placement_group_config.bundles": not pg.get("bundles")
         or "bundle_per_worker" in pg,
         "accelerator_config is set": bool(config.get("accelerator_config")),
-        "data_parallel_size > 1 (DP gangs)": int(engine.get("data_parallel_size") or 1) > 1,
+        "data_parallel_size is not a positive int": not isinstance(
+            engine.get("data_parallel_size", 1), int) or engine.get("data_parallel_size", 1) < 1,
         f"request router {router_cls!r}": router_cls not in (None, ROUTER_CLASS),
         "engine_kwargs.kv_events_config is set": engine.get("kv_events_config") is not None,
         "deployment_config sets placement groups": any(k in deployment for k in PG_KEYS),
@@ -62,10 +73,27 @@ def uncovered(config: dict[str, Any]) -> str | None:
     return next((why for why, hit in reasons.items() if hit), None)
 
 
-def server_options(config: dict[str, Any], name_prefix: str | None = None) -> dict[str, Any]:
+def dp_size(config: dict[str, Any]) -> int:
+    """Data-parallel ranks: each is its own Serve replica, a gang of them one engine."""
+    size: int = (config.get("engine_kwargs") or {}).get("data_parallel_size", 1)
+    return size
+
+
+def server_options(config: dict[str, Any]) -> dict[str, Any]:
     """The server deployment's options for ``config`` (an ``LLMConfig`` dict ``uncovered``
     passes): bundles with the replica's own resources merged into the first, strategy,
-    the runtime env, the name, then the builder's defaults under the user's values."""
+    the runtime env, DP gangs, the name, then the builder's defaults under the user's."""
+    options = one_engine_options(config)
+    if dp_size(config) > 1:
+        options = dp_gang_options(options, dp_size(config))
+    model_id = config["model_loading_config"]["model_id"]
+    name = options.get("name", model_id.replace("/", "--").replace(".", "_"))
+    options["name"] = SERVER_CLASS_NAMES[dp_size(config) > 1] + ":" + name
+    return maybe_apply_llm_deployment_config_defaults(defaults(), options)
+
+
+def one_engine_options(config: dict[str, Any]) -> dict[str, Any]:
+    """``LLMServer.get_deployment_options``: placement group and runtime env."""
     options = copy.deepcopy(config.get("deployment_config") or {})
     actor = options.get("ray_actor_options", {})
     replica = {"CPU": actor.get("num_cpus", 1), "GPU": actor.get("num_gpus", 0),
@@ -79,10 +107,28 @@ def server_options(config: dict[str, Any], name_prefix: str | None = None) -> di
     options["ray_actor_options"] = actor | {"runtime_env": {
         **runtime_env_default(), **actor.get("runtime_env", {}),
         **(config.get("runtime_env") or {})}}
-    model_id = config["model_loading_config"]["model_id"]
-    name = options.get("name", model_id.replace("/", "--").replace(".", "_"))
-    options["name"] = (name_prefix or f"{SERVER_CLASS_NAME}:") + name
-    return maybe_apply_llm_deployment_config_defaults(defaults(), options)
+    return options
+
+
+def dp_gang_options(options: dict[str, Any], size: int) -> dict[str, Any]:
+    """``DPServer.get_deployment_options``: replica counts are in gangs of ``size`` ranks,
+    packed together and restarted together; the per-replica strategy gives way."""
+    options = dict(options)
+    replicas = options.get("num_replicas")
+    if replicas == "auto" or (replicas is None and "autoscaling_config" in options):
+        autoscaling = AutoscalingConfig.default().model_dump()
+        autoscaling.update(options.get("autoscaling_config") or {})
+        for key in ("min_replicas", "max_replicas", "initial_replicas"):
+            if autoscaling.get(key) is not None:
+                autoscaling[key] *= size
+        options["autoscaling_config"] = autoscaling
+    else:
+        options["num_replicas"] = size * (replicas if replicas is not None else 1)
+    options["gang_scheduling_config"] = GangSchedulingConfig(
+        gang_size=size, gang_placement_strategy=GangPlacementStrategy.PACK,
+        runtime_failure_policy=GangRuntimeFailurePolicy.RESTART_GANG)
+    options.pop("placement_group_strategy", None)
+    return options
 
 
 def engine_bundles(bundles: list[dict[str, float]],
@@ -119,7 +165,8 @@ class ImportedOnTheReplica:
     it with ``SERVER_IMPORT_PATH``, which only the replica imports."""
 
 
-def server_deployment(options: dict[str, Any]) -> Deployment:
-    """The server deployment: ``options`` on the class named by import path."""
+def server_deployment(options: dict[str, Any], dp: bool) -> Deployment:
+    """The server deployment: ``options`` on the class named by import path (Ray touch
+    ``serve.import_path_deployment``)."""
     return serve.deployment(ImportedOnTheReplica, **options).options(
-        func_or_class=SERVER_IMPORT_PATH)  # an import path: Ray touch serve.import_path_deployment
+        func_or_class=SERVER_IMPORT_PATHS[dp])

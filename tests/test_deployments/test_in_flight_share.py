@@ -8,6 +8,7 @@ fleet against the configured 8192.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,14 +42,17 @@ def test_without_dp_a_replica_is_one_engine() -> None:
 
 def test_the_built_flash_h200_app_binds_the_rank_count(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """What each replica is bound with by ``build_one_pool_app``, with no Ray: Ray Serve
-    LLM's DP builder and deployment options (for the name) start a local Ray in the
-    calling process, which the session's cluster would then find already initialized."""
-    from deployments.serving import builder, llm_build
+    """What each replica is bound with by ``build_one_pool_app``, with no Ray: the server
+    deployment's options read the connected Ray's runtime env, so the bound kwargs are
+    taken at ``bind``."""
+    from deployments.serving import builder
 
-    monkeypatch.setattr(llm_build, "server_deployment_name",
-                        lambda cls, llm_config, name_prefix=None: f"{cls.__name__}:m")
-    monkeypatch.setattr(llm_build, "build_dp_deployment",
-                        lambda llm_config, bind_kwargs, deployment_cls: bind_kwargs)
+    class Bound:
+        name = "DSv4DPServer:m"
+
+        def bind(self, bind_kwargs: dict[str, Any]) -> Any:
+            return bind_kwargs
+
+    monkeypatch.setattr(builder, "one_pool_server", lambda config: Bound())
     bound = builder.build_one_pool_app(_args("flash-h200"))
     assert bound["serving_replicas"] == 32

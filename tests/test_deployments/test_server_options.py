@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from deployments.config import PDAppArgs, load_serve_config, parse_app_args
+from deployments.config import AppArgs, PDAppArgs, load_serve_config, parse_app_args
 from deployments.serving import builder, server_options
 from deployments.serving.server_options import merged_bundles, uncovered
 
@@ -33,11 +33,17 @@ def raw_args(name: str) -> dict[str, Any]:
     return copy.deepcopy(raw["applications"][0]["args"])
 
 
+def shipped(name: str) -> AppArgs | PDAppArgs:
+    """The first app's args of a shipped config, policy problems left in (some presets
+    show a refusal on purpose; their options are built all the same)."""
+    return load_serve_config(CONFIGS / f"{name}.yaml", refuse=False).ours()[0][1]
+
+
 def covered_configs() -> list[str]:
     """Every shipped config whose first app is one pool that ``server_options`` covers."""
     names = []
     for path in sorted(CONFIGS.glob("*.yaml")):
-        [(_, args), *_] = load_serve_config(path, refuse=False).ours()
+        args = shipped(path.stem)
         if not isinstance(args, PDAppArgs) and uncovered(builder.server_config(args)) is None:
             names.append(path.stem)
     return names
@@ -65,6 +71,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "HAProxy door": ("local-cpu", {}),
     "accelerator and PACK": ("pro-h200-2node", {"accelerator_type": "H200",
                                                 "placement_group_config": {"strategy": "PACK"}}),
+    "DP fixed replicas": ("flash-h200", {"deployment_config": {
+        "num_replicas": 2, "autoscaling_config": None}}),
+    "DP autoscaling from 0": ("flash-h200", {"deployment_config": {"autoscaling_config": {
+        "min_replicas": 0, "max_replicas": 3, "initial_replicas": 1}}}),
 }
 
 
@@ -99,10 +109,10 @@ def differences(ours: dict[str, Any], ray: dict[str, Any], path: str = "") -> li
     return [] if ours == ray else [f"{path}: import path {ours!r}, Ray Serve LLM {ray!r}"]
 
 
-def both_ways(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def both_ways(args: AppArgs) -> tuple[dict[str, Any], dict[str, Any]]:
     from deployments.serving.llm_build import RayServeLLMServer
 
-    config = builder.server_config(parse_app_args(args))
+    config = builder.server_config(args)
     assert uncovered(config) is None, uncovered(config)
     kwargs = {"dsv4": {"policy": "warn"}, "serving_replicas": 2}
     light, ray = builder.ImportPathServer(config), RayServeLLMServer(config)
@@ -113,7 +123,9 @@ def both_ways(args: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", covered_configs())
 def test_shipped_config_builds_as_ray_serve_llm_builds_it(serve_stack: Any, name: str) -> None:
-    ours, ray = both_ways(raw_args(name))
+    args = shipped(name)
+    assert isinstance(args, AppArgs)
+    ours, ray = both_ways(args)
     assert not differences(ours, ray), differences(ours, ray)
 
 
@@ -125,21 +137,25 @@ def test_variant_builds_as_ray_serve_llm_builds_it(serve_stack: Any, variant: st
     if variant == "HAProxy door":  # HAProxy forwards to each replica's own port
         args["http"] = {k: v for k, v in args.get("http", {}).items()
                         if k != "replica_port"} | {"ingress": "haproxy"}
-    ours, ray = both_ways(args)
+    ours, ray = both_ways(parse_app_args(args))
     assert not differences(ours, ray), differences(ours, ray)
 
 
-def test_the_shipped_local_default_is_covered() -> None:
-    """The local default and every one-engine GPU preset are built by import path."""
-    assert {"local-cpu", "pro-h200-2node", "flash-sm120"} <= set(covered_configs())
+def test_every_shipped_one_pool_config_is_covered() -> None:
+    """The local default and every one-pool GPU preset (DP gangs too) are built by
+    import path; only P/D apps import Ray Serve LLM's builders."""
+    one_pool = [p.stem for p in sorted(CONFIGS.glob("*.yaml"))
+                if not isinstance(shipped(p.stem), PDAppArgs)]
+    assert {"local-cpu", "flash-h200", "pro-h200-2node"} <= set(one_pool)
+    assert covered_configs() == one_pool
 
 
-def test_dp_and_other_routers_go_to_ray_serve_llm() -> None:
+def test_other_routers_and_bundles_go_to_ray_serve_llm() -> None:
     config = builder.server_config(parse_app_args(raw_args("local-cpu")))
     assert uncovered(config) is None
     dp = copy.deepcopy(config)
-    dp["engine_kwargs"]["data_parallel_size"] = 2
-    assert uncovered(dp) == "data_parallel_size > 1 (DP gangs)"
+    dp["engine_kwargs"]["data_parallel_size"] = "2"
+    assert uncovered(dp) == "data_parallel_size is not a positive int"
     other = copy.deepcopy(config)
     other["deployment_config"]["request_router_config"] = {"request_router_class": "x.Y"}
     assert uncovered(other) == "request router 'x.Y'"
@@ -172,7 +188,10 @@ def test_the_replica_loads_the_server_class_from_its_import_path() -> None:
     """As Serve's replica does (``_load_deployment_def_from_import_path``)."""
     from ray.serve._private.replica import _load_deployment_def_from_import_path
 
-    from deployments.serving.server import DSv4Ingress, DSv4Server
+    from deployments.serving.server import DSv4DPIngress, DSv4DPServer, DSv4Ingress, DSv4Server
 
-    loaded = _load_deployment_def_from_import_path(server_options.SERVER_IMPORT_PATH)
+    paths = server_options.SERVER_IMPORT_PATHS
+    loaded = _load_deployment_def_from_import_path(paths[False])
     assert loaded is DSv4Ingress and issubclass(loaded, DSv4Server)
+    loaded = _load_deployment_def_from_import_path(paths[True])
+    assert loaded is DSv4DPIngress and issubclass(loaded, DSv4DPServer)
