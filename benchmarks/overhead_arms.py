@@ -8,6 +8,7 @@ HAProxy); ``vllm`` is plain ``vllm serve`` (its command lives with the arm lifec
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 import signal
 import threading
@@ -20,7 +21,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local-cpu.yaml"
 SERVE_ARMS = ("ours", "ours-proxy", "stock", "ours-quiet", "ours-tput", "ours-direct",
-              "ours-haproxy", "ours-raydefaults", "ours-si8", "ours-haproxy-inline")
+              "ours-haproxy", "ours-raydefaults", "ours-si8", "ours-haproxy-inline", "ours-rsl")
 # The 2-node arms (``benchmarks.multinode_arms``): ``dsv4-serve run --nodes 2``, each door.
 # mn-haproxy-1: the same door with one replica on one worker node, so its engine count
 # is plain vLLM's (the 2-replica arms run two engines on the same 2 cores).
@@ -84,6 +85,10 @@ PROXY_OFFSET = 5
 # (call_soon_threadsafe) to reach the direct-ingress server on Serve's loop.
 USER_THREAD_FLAG = "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"
 READY = "DSV4-ARM-READY"
+# Ablation arm ours-rsl (issue 34, boot): ours with the server deployment built by Ray
+# Serve LLM's builders, as before the import-path build: the driver imports vLLM (in a
+# thread beside Ray's start, as run's preload did) and binds an LLMConfig.
+RSL_MODULE = "deployments.serving.llm_build"
 
 
 def raw_config(replicas: int, port: int, arm: str = "ours") -> dict[str, Any]:
@@ -161,6 +166,11 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
     preload = None
     if arm != "stock":
         preload = deploy.preload_app_module()  # what `dsv4-serve run` does
+    rsl = None
+    if arm == "ours-rsl":
+        rsl = threading.Thread(target=importlib.import_module, args=(RSL_MODULE,),
+                               daemon=True)
+        rsl.start()
     try:
         cpus = None
         if arm == "stock":
@@ -177,6 +187,9 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
         phase("Ray + Serve started")
         if preload is not None:  # deploy needs the app's classes: the import is on the path
             preload.join()
+            if rsl is not None:
+                rsl.join()
+                build_with_ray_serve_llm()
             phase("app module imported")
         if arm != "stock":
             deploy.deploy(config)
@@ -189,6 +202,13 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
     finally:
         ray_head.shutdown()
     return 0
+
+
+def build_with_ray_serve_llm() -> None:
+    """The ours-rsl arm: every config goes to Ray Serve LLM's builders."""
+    from deployments.serving import builder
+
+    builder.uncovered = lambda config: "the ours-rsl benchmark arm"  # an ablation
 
 
 PHASE = "DSV4-PHASE"

@@ -51,9 +51,10 @@ APP_MODULE = "deployments.app"
 
 
 def preload_app_module() -> threading.Thread:
-    """Import the app builder's module (Ray Serve LLM, vLLM's config and server classes,
-    ~7 s on 2 cores) in a background thread, so it overlaps starting Ray and Serve,
-    which mostly waits on the processes it spawns.
+    """Import the app builder's module in a background thread, so it overlaps starting
+    Ray and Serve, which mostly waits on the processes it spawns. A one-pool app's
+    builder imports no vLLM (``deployments.serving.server_options``: ~1 s); a P/D app's
+    imports Ray Serve LLM's builders when it builds.
 
     Nothing is lost on failure: ``deploy`` imports the module itself, waiting on the
     import lock if this thread is still at it, and a failed import raises there again.
