@@ -125,7 +125,8 @@ TOUCHES: tuple[RayTouch, ...] = (
         used_in=("deployments.serving.server_options:server_options",
                  "deployments.serving.server_options:defaults",
                  "deployments.serving.server_options:runtime_env_default",
-                 "deployments.serving.server_options:dp_gang_options"),
+                 "deployments.serving.server_options:dp_gang_options",
+                 "deployments.serving.server_options:uncovered"),
         why="the same Serve options as Ray Serve LLM's builder without importing it "
             "(serve.import_path_deployment says why)",
         how="deployments.serving.server_options mirrors them for explicit bundles (one "
@@ -141,7 +142,9 @@ TOUCHES: tuple[RayTouch, ...] = (
                             "DEFAULT_MAX_ONGOING_REQUESTS", "DEFAULT_HEALTH_CHECK_PERIOD_S",
                             "DEFAULT_HEALTH_CHECK_TIMEOUT_S",
                             "DEFAULT_MAX_TARGET_ONGOING_REQUESTS"),
-                    symbols(_LLM, "_worker_process_setup_hook")),
+                    symbols(_LLM, "_worker_process_setup_hook"),
+                    symbols(f"{_LLM}.core.configs.accelerators", "AcceleratorType",
+                            "TPU_ACCELERATOR_VALUES", "infer_hardware_kind_from_bundles")),
     ),
     RayTouch(
         name="serve.proxy_host",

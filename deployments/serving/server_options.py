@@ -23,6 +23,11 @@ import ray
 from ray import serve
 from ray.llm._internal.common.dict_utils import maybe_apply_llm_deployment_config_defaults
 from ray.llm._internal.serve import constants
+from ray.llm._internal.serve.core.configs.accelerators import (
+    TPU_ACCELERATOR_VALUES,
+    AcceleratorType,
+    infer_hardware_kind_from_bundles,
+)
 from ray.serve.config import (
     AutoscalingConfig,
     GangPlacementStrategy,
@@ -53,9 +58,17 @@ def defaults() -> dict[str, Any]:
                 "target_ongoing_requests": constants.DEFAULT_MAX_TARGET_ONGOING_REQUESTS}}
 
 
+def gpu_types_kept() -> set[str]:
+    """GPU accelerator types ``LLMConfig`` keeps as given: it refuses unknown ones,
+    renames A10, and builds TPUs differently, all left to its own builder."""
+    return {t.value for t in AcceleratorType} - set(TPU_ACCELERATOR_VALUES) - {"A10"}
+
+
 def uncovered(config: dict[str, Any]) -> str | None:
     """Why this ``LLMConfig`` dict needs Ray Serve LLM's own builder, or None."""
     pg = config.get("placement_group_config") or {}
+    accelerator = config.get("accelerator_type")
+    hardware = infer_hardware_kind_from_bundles(pg)
     engine = config.get("engine_kwargs") or {}
     deployment = config.get("deployment_config") or {}
     router = deployment.get("request_router_config")
@@ -64,6 +77,9 @@ def uncovered(config: dict[str, Any]) -> str | None:
         "no explicit placement_group_config.bundles": not pg.get("bundles")
         or "bundle_per_worker" in pg,
         "accelerator_config is set": bool(config.get("accelerator_config")),
+        "TPU bundles": hardware == "tpu",
+        f"accelerator_type {accelerator!r} (validated by LLMConfig)": accelerator is not None
+        and (accelerator not in gpu_types_kept() or hardware != "gpu"),
         "data_parallel_size is not a positive int": not isinstance(
             engine.get("data_parallel_size", 1), int) or engine.get("data_parallel_size", 1) < 1,
         f"request router {router_cls!r}": router_cls not in (None, ROUTER_CLASS),

@@ -159,6 +159,14 @@ def test_other_routers_and_bundles_go_to_ray_serve_llm() -> None:
     other = copy.deepcopy(config)
     other["deployment_config"]["request_router_config"] = {"request_router_class": "x.Y"}
     assert uncovered(other) == "request router 'x.Y'"
+    for accelerator in ("A10", "H2OO", "TPU-V5P"):  # renamed, unknown, TPU: LLMConfig decides
+        odd = copy.deepcopy(config) | {"accelerator_type": accelerator}
+        assert uncovered(odd) == f"accelerator_type {accelerator!r} (validated by LLMConfig)"
+    on_cpu = copy.deepcopy(config) | {"accelerator_type": "H200"}  # CPU bundles: refused there
+    assert uncovered(on_cpu) == "accelerator_type 'H200' (validated by LLMConfig)"
+    tpu = copy.deepcopy(config)
+    tpu["placement_group_config"]["bundles"] = [{"TPU": 4}]
+    assert uncovered(tpu) == "TPU bundles"
     per_worker = copy.deepcopy(config)
     per_worker["placement_group_config"] = {"bundle_per_worker": {"GPU": 1}}
     assert uncovered(per_worker) == "no explicit placement_group_config.bundles"
