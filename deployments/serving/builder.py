@@ -135,7 +135,10 @@ def one_pool_server(config: dict[str, Any]) -> ServerBuild:
     covers the config, else Ray Serve LLM's builders (logged, with the reason)."""
     reason = uncovered(config)
     if reason is None:
-        return ImportPathServer(config)
+        server = ImportPathServer(config)
+        logger.info("dsv4: %s built by import path (deployments.serving.server_options): "
+                    "only its replicas import vLLM", server.name)
+        return server
     logger.info("dsv4: the server deployment is built by Ray Serve LLM's builder (%s): "
                 "this process imports vLLM", reason)
     from deployments.serving.llm_build import RayServeLLMServer
