@@ -74,16 +74,14 @@ def test_lora_is_refused_not_ignored():
     """lora_config is never accepted and ignored: the server replicas route no adapters
     (issue 16 removed the ingress that did), and a CPU node (no LoRA in vLLM's CPU
     DeepSeek-V4 model) refuses it already in the config."""
-    from ray.serve.llm import LLMConfig
-
-    from deployments.serving.builder import refuse_lora
+    from deployments.serving.builder import build_one_pool_app, refuse_lora, server_config
 
     raw = load_serve_config(CONFIGS / "flash-sm120.yaml").applications[0].args
     raw["llm"]["lora_config"] = {"dynamic_lora_loading_path": "s3://bucket/loras"}
-    with pytest.raises(ValueError, match="lora_config is set"):
-        refuse_lora(LLMConfig(**parse_app_args(raw).llm_config_dict()))
+    with pytest.raises(ValueError, match="lora_config is set"):  # before anything is built
+        build_one_pool_app(parse_app_args(raw))
     del raw["llm"]["lora_config"]
-    refuse_lora(LLMConfig(**parse_app_args(raw).llm_config_dict()))
+    refuse_lora(server_config(parse_app_args(raw)).get("lora_config"))
     local = _local()
     local["llm"]["lora_config"] = {"dynamic_lora_loading_path": "s3://bucket/loras"}
     with pytest.raises(ValueError, match="lora_config is set on a CPU node"):
