@@ -57,13 +57,14 @@ def deploy(stack: Stack, name: str, args: dict[str, Any]) -> str:
 
     from deployments.config import ServeApplication
     from deployments.local import deploy as deploying
+    from deployments.local import ray_head
 
-    free = ray.available_resources().get("CPU", 0)
-    assert free >= 5, (f"{free} logical CPUs free; a P/D app needs 5 (ingress, two pools): "
-                       "another test's app is still deployed")
     entry = ServeApplication(name=name, route_prefix=f"/{name}",
                              import_path="deployments.app:build_app", args=args)
     config = stack.config.model_copy(update={"applications": [entry]})
+    free, needed = ray.available_resources().get("CPU", 0), ray_head.logical_cpus_needed(config)
+    assert free >= needed, (f"{free} logical CPUs free; the P/D app needs {needed} (both "
+                            "pools at their max): another test's app is still deployed")
     deploying.deploy(config)
     return deploying.base_url(config, f"/{name}")
 
