@@ -62,15 +62,19 @@ def deploy(stack: Stack, name: str, args: dict[str, Any]) -> str:
     entry = ServeApplication(name=name, route_prefix=f"/{name}",
                              import_path="deployments.app:build_app", args=args)
     config = stack.config.model_copy(update={"applications": [entry]})
-    free, needed = ray.available_resources().get("CPU", 0), ray_head.logical_cpus_needed(config)
-    assert free >= needed, (f"{free} logical CPUs free; the P/D app needs {needed} (both "
-                            "pools at their max): another test's app is still deployed")
+    needed, deadline = ray_head.logical_cpus_needed(config), time.monotonic() + 60
+    while (free := ray.available_resources().get("CPU", 0)) < needed:  # a deleted app's
+        assert time.monotonic() < deadline, (  # actors release theirs as they exit
+            f"{free} logical CPUs free; the P/D app needs {needed} (both pools at their "
+            "max): another test's app is still deployed")
+        time.sleep(1)
     deploying.deploy(config)
     return deploying.base_url(config, f"/{name}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pd_app(serve_stack: Stack) -> Iterator[str]:
+    """The P/D app for one test: the session stack leaves room for one P/D app at a time."""
     from ray import serve
 
     url = deploy(serve_stack, "pd", pd_args())
