@@ -20,6 +20,7 @@ from deployments.serving.server import (
     DSv4Ingress,
     DSv4Server,
 )
+from deployments.serving.server_options import dp_size
 
 
 def server_deployment_name(cls: Any, llm_config: LLMConfig,
@@ -36,9 +37,9 @@ def server_deployment_name(cls: Any, llm_config: LLMConfig,
 class RayServeLLMServer:
     """The server deployment built by Ray Serve LLM: its ``LLMConfig`` validates the dict."""
 
-    def __init__(self, config: dict[str, Any], *, pd: bool = False) -> None:
-        ray_touches.require(pd=pd, llm=True)  # this process imports Ray Serve LLM now
-        self.dp = int(config["engine_kwargs"].get("data_parallel_size") or 1) > 1
+    def __init__(self, config: dict[str, Any]) -> None:
+        ray_touches.require(llm=True)  # this process imports Ray Serve LLM now
+        self.dp = dp_size(config) > 1
         self.cls = DSv4DPServer if self.dp else DSv4Server
         # The class that runs: on the DP path build_dp_deployment's deployment_cls wins.
         self.llm_config = LLMConfig(**config, server_cls=self.cls)

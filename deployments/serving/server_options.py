@@ -99,12 +99,13 @@ def server_options(config: dict[str, Any]) -> dict[str, Any]:
     """The server deployment's options for ``config`` (an ``LLMConfig`` dict ``uncovered``
     passes): bundles with the replica's own resources merged into the first, strategy,
     the runtime env, DP gangs, the name, then the builder's defaults under the user's."""
+    size = dp_size(config)
     options = one_engine_options(config)
-    if dp_size(config) > 1:
-        options = dp_gang_options(options, dp_size(config))
+    if size > 1:
+        options = dp_gang_options(options, size)
     model_id = config["model_loading_config"]["model_id"]
     name = options.get("name", model_id.replace("/", "--").replace(".", "_"))
-    options["name"] = SERVER_CLASS_NAMES[dp_size(config) > 1] + ":" + name
+    options["name"] = SERVER_CLASS_NAMES[size > 1] + ":" + name
     return maybe_apply_llm_deployment_config_defaults(defaults(), options)
 
 
@@ -178,7 +179,7 @@ def runtime_env_default() -> dict[str, Any]:
 
 class ImportedOnTheReplica:
     """Stands in for the server class in the process that builds the app: Serve replaces
-    it with ``SERVER_IMPORT_PATH``, which only the replica imports."""
+    it with the class ``SERVER_IMPORT_PATHS`` names, which only the replica imports."""
 
 
 def server_deployment(options: dict[str, Any], dp: bool) -> Deployment:
