@@ -183,7 +183,8 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
             print("dsv4: Ray Serve env " + ", ".join(
                 f"{k}={v}" for k, v in os.environ.items()
                 if k.startswith("RAY_SERVE_")), flush=True)
-        ray_head.start_cluster(config, cpus, on_ray_up=lambda: phase("Ray up"))
+        serve_up = ray_head.start_cluster(config, cpus, on_ray_up=lambda: phase("Ray up"),
+                                          wait_for_proxies=arm == "stock")
         phase("Ray + Serve started")
         if preload is not None:  # deploy needs the app's classes: the import is on the path
             preload.join()
@@ -195,6 +196,7 @@ def serve_arm(arm: str, port: int, replicas: int) -> int:
             deploy.deploy(config)
         else:
             serve.run(stock_app(replicas), name="dsv4", route_prefix="/")
+        serve_up.proxies_ready()  # as `dsv4-serve run`: after the deploy
         phase("app RUNNING")
         process_phases()
         print(READY, flush=True)

@@ -77,10 +77,12 @@ def serve_stack() -> Iterator[Stack]:
     os.environ["DSV4_API_KEYS_FILE"] = str(keys_file)
     started = time.monotonic()
     # Room for the mixed app too: Ray places replicas by logical CPUs.
-    ray_head.start_cluster(config, num_cpus=2 * ray_head.logical_cpus_needed(config))
+    local = ray_head.start_cluster(config, num_cpus=2 * ray_head.logical_cpus_needed(config),
+                                   wait_for_proxies=False)  # as `dsv4-serve run`
     cluster_s = round(time.monotonic() - started, 1)
     try:
         running = deploy.deploy(config)
+        local.proxies_ready()
         url = deploy.base_url(config, app.route_prefix)
         client.wait_for_verdict(url)
         yield Stack(config, url, args.llm.model_loading_config.model_id, running, cluster_s,

@@ -104,15 +104,17 @@ def main(args: argparse.Namespace) -> int:
             nodes = start_nodes(config, args)
             timings.mark("head up")
         preload_app_module()  # overlaps the ~7 s import of the app builder with Ray's start
-        start_cluster(config, args.num_cpus, args.metrics_port,
-                      address=nodes.address if nodes else None,
-                      on_ray_up=lambda: timings.mark("ray up"))
+        local_serve = start_cluster(config, args.num_cpus, args.metrics_port,
+                                    address=nodes.address if nodes else None,
+                                    on_ray_up=lambda: timings.mark("ray up"),
+                                    wait_for_proxies=False)  # awaited after the deploy
         # ray.init replaces the SIGTERM handler with one that kills Ray's processes and
         # exits 1, skipping Serve's drain (replicas never stop their vLLM engines). Ours
         # again: SIGTERM then takes the same clean path as Ctrl-C.
         stop.install()
-        timings.mark("ray+serve up")
+        timings.mark("ray+serve controller up")
         deploy(config, lambda name: timings.mark(f"app {name} RUNNING"))
+        local_serve.proxies_ready()
         for app, parsed in config.ours():
             url = base_url(config, app.route_prefix)
             report = wait_for_verdict(url)

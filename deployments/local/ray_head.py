@@ -11,12 +11,15 @@ import contextlib
 import ipaddress
 import os
 import socket
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from deployments import ray_touches, serve_env
 from deployments.config import ConfigError, ServeConfig, sizing
 from deployments.local.ray_params import ray_params_set
+from deployments.local.serve_start import ProxiesReady, start_serve
 from deployments.logs import get_logger
 
 logger = get_logger("run")
@@ -31,10 +34,20 @@ def logical_cpus_needed(config: ServeConfig) -> float:
                                 for _, args in config.ours()])
 
 
+@dataclass(frozen=True)
+class LocalServe:
+    """What ``start_cluster`` started: the logical CPUs Ray offers, and the call that
+    waits for Serve's proxies (a no-op unless the start left them to it)."""
+
+    cpus: float
+    proxies_ready: ProxiesReady
+
+
 def start_cluster(config: ServeConfig, num_cpus: float | None = None,
                   metrics_port: int | None = None, address: str | None = None,
-                  on_ray_up: Callable[[], object] | None = None) -> float:
-    """Start a private local Ray cluster and Serve's HTTP proxy; return the CPUs given.
+                  on_ray_up: Callable[[], object] | None = None,
+                  wait_for_proxies: bool = True) -> LocalServe:
+    """Start a private local Ray cluster and Serve's HTTP proxy.
 
     ``address="local"`` never attaches to someone else's cluster: ``run`` owns what
     it starts and can shut all of it down. ``metrics_port`` fixes the port of Ray's
@@ -44,7 +57,8 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
     auth, so the node is started on 127.0.0.1 (``loopback_node_ip``): every port Ray
     opens for it, that one included, binds loopback. A cluster at ``address`` (``--nodes``)
     is left as its starter made it. ``on_ray_up()`` is called between Ray's start and
-    Serve's (boot phases).
+    Serve's (boot phases). ``wait_for_proxies=False`` returns once Serve's controller is
+    up: deploy, then call ``proxies_ready()`` before reporting a URL (``serve_start``).
     """
     import ray
 
@@ -53,8 +67,8 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
                  log_to_driver=os.environ.get("DSV4_LOG_TO_DRIVER") == "1")
         if on_ray_up is not None:
             on_ray_up()
-        _start_serve(config)
-        return float(ray.cluster_resources().get("CPU", 0))
+        return LocalServe(float(ray.cluster_resources().get("CPU", 0)),
+                          _start_serve(config, wait_for_proxies))
     needed = logical_cpus_needed(config)
     cpus = num_cpus if num_cpus is not None else max(float(os.cpu_count() or 1), needed)
     if cpus < needed:
@@ -69,15 +83,14 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
         logger.info("dsv4: offering Ray %s logical CPUs on %s cores: the replicas share them "
                     "(VLLM_CPU_OMP_THREADS_BIND=nobind)", cpus, os.cpu_count())
     log_to_driver = os.environ.get("DSV4_LOG_TO_DRIVER") == "1"
-    with loopback_node_ip(), quiet_head(log_to_driver):
+    with loopback_node_ip(), quiet_head(log_to_driver), prompt_node_registration():
         ray.init(address="local", num_cpus=cpus, include_dashboard=False,
                  namespace="serve", log_to_driver=log_to_driver,
                  _metrics_export_port=metrics_port or free_port())
     check_loopback_node()
     if on_ray_up is not None:
         on_ray_up()
-    _start_serve(config)
-    return cpus
+    return LocalServe(cpus, _start_serve(config, wait_for_proxies))
 
 
 @contextlib.contextmanager
@@ -156,6 +169,53 @@ def quiet_head(log_to_driver: bool) -> Iterator[None]:
     logger.info("dsv4: local Ray head without %s", ", ".join(left_out + skipped))
 
 
+REGISTRATION_POLL_S = 0.02
+
+
+@contextlib.contextmanager
+def prompt_node_registration(poll_s: float = REGISTRATION_POLL_S,
+                             bound_s: float = 30.0) -> Iterator[None]:
+    """Notice the new head's raylet in the GCS within ``poll_s`` of its registering.
+
+    ``ray.init`` starts the raylet, sleeps 0.1 s and asks the GCS for the node
+    (``ray._private.services.get_node``); the GCS client behind it sleeps a whole
+    second after a miss (C++ ``GlobalStateAccessor::GetNode``; ray#55389 left that
+    sleep in place), and the raylet takes ~0.6 s to register here, so every local
+    start waited ~1 s for nothing. For the duration of ``ray.init`` ``get_node`` first
+    polls the GCS's node table every ``poll_s`` (up to ``bound_s``), then asks Ray's own
+    ``get_node``, which then finds the node at once (``ray_touches``:
+    ``ray.prompt_node_registration``).
+    """
+    if not ray_touches.present("ray.prompt_node_registration"):
+        logger.warning("dsv4: this Ray lacks ray.prompt_node_registration (deployments/"
+                       "ray_touches/): ray.init may wait ~1 s more for its own raylet")
+        yield
+        return
+    from ray._private import services, state
+
+    real_get_node = services.get_node
+
+    def get_node(gcs_address: str, node_id: str) -> Any:
+        table = state.GlobalState()
+        table._initialize_global_state(services._get_gcs_client_options(gcs_address))
+        started = time.monotonic()
+        try:
+            while time.monotonic() < started + bound_s and not any(
+                    n["NodeID"] == node_id and n["Alive"] for n in table.node_table()):
+                time.sleep(poll_s)
+        finally:
+            table.disconnect()
+        logger.info("dsv4: the head's raylet was in the GCS %.2f s after Ray first asked "
+                    "(polled every %d ms)", time.monotonic() - started, poll_s * 1000)
+        return real_get_node(gcs_address, node_id)  # Ray's own answer, errors included
+
+    services.get_node = get_node
+    try:
+        yield
+    finally:
+        services.get_node = real_get_node
+
+
 def check_loopback_node() -> None:
     """Log an ERROR when the local node (and so its metrics port) is not on loopback."""
     import ray
@@ -174,12 +234,10 @@ def check_loopback_node() -> None:
                      node["MetricsExportPort"])
 
 
-def _start_serve(config: ServeConfig) -> None:
-    from ray import serve
-
+def _start_serve(config: ServeConfig, wait_for_proxies: bool) -> ProxiesReady:
     extra = config.model_extra or {}
-    serve.start(http_options=config.http_options.model_dump(),
-                proxy_location=extra.get("proxy_location", "HeadOnly"))
+    return start_serve(config.http_options.model_dump(),
+                       extra.get("proxy_location", "HeadOnly"), wait_for_proxies)
 
 
 def free_port() -> int:

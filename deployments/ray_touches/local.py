@@ -116,6 +116,55 @@ TOUCHES: tuple[RayTouch, ...] = (
         required=False,
     ),
     RayTouch(
+        name="ray.prompt_node_registration",
+        target="ray._private.services:get_node, called by ray._private.node:Node.__init__ "
+               "after starting the raylet (C++ GlobalStateAccessor::GetNode sleeps 1 s "
+               "after each miss)",
+        used_in=("deployments.local.ray_head:prompt_node_registration",),
+        why="the head's raylet registers ~0.6 s after it starts on a 2-core box; Ray asks "
+            "once after 0.1 s, misses, and its GCS client sleeps a whole second: ~1 s of "
+            "every local start spent waiting for nothing (docs/benchmarks.md §2d)",
+        how="for the duration of ray.init(address='local'), services.get_node first polls "
+            "GlobalState.node_table() every 20 ms (bounded), then calls Ray's own "
+            "get_node, which finds the node at once; restored afterwards",
+        upstream="ray-project/ray#55389 made node start ask for one node, keeping the "
+                 "accessor's 1 s retry sleep",
+        removal="when GlobalStateAccessor::GetNode retries at sub-second intervals, or "
+                "Node waits on the raylet's registration itself",
+        probe=every(source_mentions("ray._private.node", "Node.__init__",
+                                    "ray._private.services.get_node("),
+                    symbols("ray._private.services", "get_node", "_get_gcs_client_options"),
+                    attr_chain("ray._private.state", "GlobalState._initialize_global_state"),
+                    attr_chain("ray._private.state", "GlobalState.node_table"),
+                    attr_chain("ray._private.state", "GlobalState.disconnect")),
+        required=False,
+    ),
+    RayTouch(
+        name="serve.controller_before_proxies",
+        target="ray.serve._private.api:_create_controller_and_proxy_refs, "
+               "_coerce_controller_options; ray.serve.context:_set_global_client; "
+               "ray.serve._private.client:ServeControllerClient",
+        used_in=("deployments.local.serve_start:start_serve",),
+        why="serve.start blocks until every HTTP proxy is ready (~0.8 s here), though no "
+            "replica needs a proxy to start: the wait sat on the boot's critical path",
+        how="create the controller and proxies as serve.start does, register the client "
+            "as serve.start does, deploy, then ray.get the proxies' ready refs (Serve's "
+            "HTTP_PROXY_TIMEOUT) before any URL is reported",
+        upstream="ray-project/ray#63597 split controller creation from the proxies' wait "
+                 "so callers resolve the refs themselves; serve.start still waits",
+        removal="when serve.start can return before its proxies are ready",
+        probe=every(symbols("ray.serve._private.api", "_create_controller_and_proxy_refs",
+                            "_coerce_controller_options"),
+                    source_mentions("ray.serve._private.api", "serve_start",
+                                    "ray.get(proxy_ready_refs, timeout=HTTP_PROXY_TIMEOUT)"),
+                    source_mentions("ray.serve._private.api", "serve_start",
+                                    "_set_global_client(client)"),
+                    symbols("ray.serve.context", "_set_global_client"),
+                    symbols("ray.serve._private.client", "ServeControllerClient"),
+                    symbols("ray.serve._private.constants", "HTTP_PROXY_TIMEOUT")),
+        required=False,
+    ),
+    RayTouch(
         name="serve.local_quiet_env",
         target="ray.serve._private.constants: CONTROL_LOOP_INTERVAL_S "
                "(RAY_SERVE_CONTROL_LOOP_INTERVAL_S), RAY_SERVE_METRICS_EXPORT_INTERVAL_MS",
