@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4_patch import rules
-from dsv4_patch.selector import installed_layout
+from dsv4_patch.selector import installed_layout, installed_version
 
 logger = logging.getLogger("dsv4_patch")
 
@@ -133,14 +133,47 @@ class Canonicalization:
         )
 
 
-def canonicalize(engine_kwargs: dict[str, Any], node: NodeInfo) -> Canonicalization:
+def canonicalize(engine_kwargs: dict[str, Any], node: NodeInfo,
+                 decision: rules.LayoutDecision | None = None) -> Canonicalization:
     """Resolve ``kv_cache_dtype`` for ``node``; never mutates ``engine_kwargs``.
 
     Only ``auto`` on fp8_ds_mla is rewritten (to ``fp8``): that is the one
     rewrite that is safe before the engine is built (docs/design.md, section 1).
+    The layout is the installed vLLM's own decision unless ``decision`` is given
+    (``table_decision``: the caller confirms it with ``layout_contradiction``).
     Raises ``rules.LayoutError`` / ``rules.KVCacheDtypeError`` with the fix.
     """
-    decision = installed_layout(node.platform, node.capability, node.attention_backend)
+    if decision is None:
+        decision = installed_layout(node.platform, node.capability, node.attention_backend)
     requested = engine_kwargs.get("kv_cache_dtype")
     resolution = rules.resolve_kv_cache_dtype(decision.layout, requested)
     return Canonicalization(decision, resolution)
+
+
+def table_decision(node: NodeInfo) -> rules.LayoutDecision | None:
+    """The installed release's layout from ``rules``' tables, where they leave no choice.
+
+    On a CPU node every vLLM release has one DeepSeek-V4 attention class, fp8_ds_mla,
+    and asking the installed vLLM means importing its DeepSeek-V4 model package (~1 s,
+    before the engine process could start). There the table decides the dtype at once
+    and ``layout_contradiction`` asks vLLM's own class while the engine boots; elsewhere
+    (GPU selectors depend on capability and backend) None: ask vLLM first.
+    """
+    if node.platform.lower() != "cpu":
+        return None
+    version = installed_version()
+    decision = rules.detect_layout("cpu", None, node.attention_backend, version)
+    return rules.LayoutDecision(decision.layout, decision.backend,
+                                f"{decision.reason} (vLLM {version}'s table; its own class "
+                                "is checked while the engine starts)")
+
+
+def layout_contradiction(node: NodeInfo, decided: rules.LayoutDecision) -> str | None:
+    """None when the installed vLLM's own class stores ``decided``'s layout; else what it
+    builds instead."""
+    own = installed_layout(node.platform, node.capability, node.attention_backend)
+    if own.layout is decided.layout:
+        logger.info("dsv4: layout confirmed by the installed vLLM: %s", own.reason)
+        return None
+    return (f"the engine was started for {decided.layout.value} ({decided.reason}), but "
+            f"{own.reason}")

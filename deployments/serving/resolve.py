@@ -57,7 +57,7 @@ def probe_node(settings: DSv4Section, engine_kwargs: dict[str, Any]) -> NodeInfo
 
 def canonicalize(
     llm_config: LLMConfig, settings: DSv4Section, node: NodeInfo,
-    family: rules.Family | None = None,
+    family: rules.Family | None = None, decision: rules.LayoutDecision | None = None,
 ) -> rules.Resolution:
     """Resolve kv_cache_dtype for this node and write the engine-safe value back.
 
@@ -65,12 +65,13 @@ def canonicalize(
     DeepSeek-V4, and it spares the buggy 0.20-0.29 resolver); any other value is
     passed as the user wrote it. DeepSeek-V4.1 is left alone: only vLLM 0.30+ has it
     and its own 4-argument resolver is right; its record is checked, not rewritten.
-    Raises KVLayoutMismatch / KVCacheDtypeError / LayoutError.
+    ``decision``: the layout decided ahead (``node_info.table_decision``), confirmed by
+    the caller. Raises KVLayoutMismatch / KVCacheDtypeError / LayoutError.
     """
     expected = settings.expected_for(node.as_dict())
     if family is rules.Family.V41:
         return _v41_resolution(llm_config, expected, node)
-    canon = node_info.canonicalize(llm_config.engine_kwargs, node)
+    canon = node_info.canonicalize(llm_config.engine_kwargs, node, decision)
     if canon.decision.layout.value != expected:
         raise KVLayoutMismatch(
             f"dsv4.expected_layout={expected!r} but this replica's node "

@@ -65,6 +65,7 @@ from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
 from deployments.responses.replica import ReplicaStore, bind_store
 from deployments.serving import boot, dataplane
+from deployments.serving.layout_check import DeferredLayoutCheck
 from deployments.serving.resolve import (
     apply_override,
     canonicalize,
@@ -76,6 +77,7 @@ from deployments.serving.resolve import (
 )
 from deployments.serving.stopping import serve_stopping
 from dsv4_patch import rules
+from dsv4_patch.node import table_decision
 from dsv4_patch.worker_ext import KV_SPECS_METHOD
 
 logger = get_logger("server")
@@ -134,7 +136,10 @@ class DSv4ServerMixin:
         self._expected = self._settings.expected_for(self._node.as_dict())
         cfg, _ = model_config(base_config)
         self._family = rules.family_of(cfg) if cfg else None
-        self._resolution = canonicalize(llm_config, self._settings, self._node, self._family)
+        ahead = None if self._family is rules.Family.V41 else table_decision(self._node)
+        self._resolution = canonicalize(llm_config, self._settings, self._node, self._family,
+                                        ahead)
+        layout_check = DeferredLayoutCheck(self._node, ahead) if ahead else None
         self._prediction, self._own_prediction = self._predictions(base_config, llm_config)
         self._verdict = ReplicaVerdict()
         self._kv: ReplicaKV | None = None
@@ -142,6 +147,13 @@ class DSv4ServerMixin:
         started = time.monotonic()
         await super().__init__(llm_config, **kwargs)  # type: ignore[misc, call-arg]  # mixed in
         self._engine_start_s = round(time.monotonic() - started, 1)
+        if layout_check is not None:
+            contradiction = await layout_check.contradiction()
+            if contradiction:
+                raise KVLayoutMismatch(
+                    f"replica {self._replica_id}: {contradiction}. Refusing to serve: this "
+                    "dsv4-serve's table for the installed vLLM is wrong. Fix: install the "
+                    "vLLM release dsv4-serve pins, and report the mismatch.")
         spec = ReplicaSpec.model_validate(await self.kv_page_spec())
         self._self_check(spec)
 

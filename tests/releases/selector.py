@@ -102,6 +102,20 @@ def layout_flag(version: str, cls_name: str) -> bool:
     raise AssertionError(f"vLLM {version}: {cls_name} has none of {FLAGS}")
 
 
+def platform_layout_flag(version: str, path: str, cls_name: str) -> bool | None:
+    """The layout flag of a non-CUDA DeepSeek-V4 class defined in ``path`` (its bases
+    looked up in that file first, then among the release's CUDA-side classes); None
+    when the release's class has no flag (``selector.is_packed``: Unavailable)."""
+    own = {node.name: node for node in ast.walk(ast.parse(rs.source(version, path)))
+           if isinstance(node, ast.ClassDef)}
+    table = {**classes(version), **own}
+    for flag in FLAGS:
+        stmt = find_member(table, cls_name, flag)
+        if stmt is not None:
+            return bool(ast.literal_eval(stmt.value))  # type: ignore[attr-defined]  # find_member returns ast.AST; this member is an assignment
+    return None
+
+
 def _function(node: ast.FunctionDef) -> Callable[..., Any]:
     bare = ast.FunctionDef(**{**node.__dict__, "decorator_list": []})
     namespace: dict[str, Any] = {}

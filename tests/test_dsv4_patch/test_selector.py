@@ -48,6 +48,33 @@ def test_the_table_is_what_the_release_selects(version: str) -> None:
     assert differ == [], f"vLLM {version}: (capability, backend, release, table)"
 
 
+@pytest.mark.parametrize("version", rs.RELEASES)
+def test_each_release_s_cpu_rocm_xpu_class_is_what_the_table_says(version: str) -> None:
+    """A CPU replica starts its engine on the table's layout (``node.table_decision``) and
+    asks vLLM's own class while it boots: every release's class, read from its wheel,
+    stores what the table says. A release without the file, or whose class has no layout
+    flag (ROCm on 0.22), has nothing to ask: the installed selector falls back to the
+    table there too (``selector.Unavailable``)."""
+    for kind, (module, name) in selector.PLATFORM_CLASS.items():
+        path = module.replace(".", "/") + ".py"
+        if not rs.has_file(version, path):
+            continue
+        packed = sel.platform_layout_flag(version, path, name)
+        if packed is None:
+            continue
+        table_layout = rules.detect_layout(kind, None, None, version).layout
+        assert (rules.Layout.FP8_DS_MLA if packed else rules.Layout.PLAIN_ROWS) \
+            is table_layout, (version, kind, name)
+
+
+def test_the_cpu_class_exists_where_the_cpu_path_runs() -> None:
+    """The per-release check above is not vacuous: vLLM's own CPU class is in every
+    release from 0.30 (before it, the CPU path is dsv4_patch's and the table decides)."""
+    path = selector.PLATFORM_CLASS["cpu"][0].replace(".", "/") + ".py"
+    assert [v for v in rs.RELEASES if rs.has_file(v, path)] == \
+        [v for v in rs.RELEASES if tuple(map(int, v.split("."))) >= (0, 30, 0)]
+
+
 def test_the_gpu_default_is_the_ray_llm_pin() -> None:
     """Planning without a version plans for what a GPU replica runs (ray[llm] 2.60: 0.29)."""
     assert rules.DEFAULT_VLLM["cuda"] == "0.29.0"
