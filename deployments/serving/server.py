@@ -23,6 +23,7 @@ vLLM's own OpenAI app, hardened by our edge, plus ``GET /v1/kv-spec``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -65,7 +66,7 @@ from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
 from deployments.responses.replica import ReplicaStore, bind_store
 from deployments.serving import boot, dataplane
-from deployments.serving.layout_check import DeferredLayoutCheck
+from deployments.serving.engine_wait import AfterEngineSpawn, freeze_heap
 from deployments.serving.resolve import (
     apply_override,
     canonicalize,
@@ -77,7 +78,7 @@ from deployments.serving.resolve import (
 )
 from deployments.serving.stopping import serve_stopping
 from dsv4_patch import rules
-from dsv4_patch.node import table_decision
+from dsv4_patch.node import layout_contradiction, table_decision
 from dsv4_patch.worker_ext import KV_SPECS_METHOD
 
 logger = get_logger("server")
@@ -139,7 +140,13 @@ class DSv4ServerMixin:
         ahead = None if self._family is rules.Family.V41 else table_decision(self._node)
         self._resolution = canonicalize(llm_config, self._settings, self._node, self._family,
                                         ahead)
-        layout_check = DeferredLayoutCheck(self._node, ahead) if ahead else None
+        while_engine_starts, node, layout_check = AfterEngineSpawn(), self._node, None
+        if ahead is not None:
+            decided = ahead
+            layout_check = while_engine_starts.submit(
+                "the layout check", lambda: layout_contradiction(node, decided))
+        while_engine_starts.submit("the heap freeze", freeze_heap)
+        while_engine_starts.close()
         self._prediction, self._own_prediction = self._predictions(base_config, llm_config)
         self._verdict = ReplicaVerdict()
         self._kv: ReplicaKV | None = None
@@ -148,7 +155,7 @@ class DSv4ServerMixin:
         await super().__init__(llm_config, **kwargs)  # type: ignore[misc, call-arg]  # mixed in
         self._engine_start_s = round(time.monotonic() - started, 1)
         if layout_check is not None:
-            contradiction = await layout_check.contradiction()
+            contradiction = await asyncio.wrap_future(layout_check)
             if contradiction:
                 raise KVLayoutMismatch(
                     f"replica {self._replica_id}: {contradiction}. Refusing to serve: this "
