@@ -111,7 +111,8 @@ def detect_layout(
     """vLLM ``release``'s DeepSeek-V4 attention-class selection for one node, from tables.
 
     For planning where no vLLM is installed (``plan``, ``k8s``, config checks); the
-    replica and the doctor ask the installed vLLM (``dsv4_patch.node.installed_layout``).
+    replica and the doctor ask the installed vLLM (``dsv4_patch.node.installed_layout``),
+    a CPU replica while its engine boots (``dsv4_patch.node.table_decision``).
     ``release`` defaults to ``DEFAULT_VLLM`` of the platform (0.29.0 on GPU).
     CUDA 0.24+: an explicit FLASHINFER_MLA_SPARSE_DSV4 gives plain rows on SM100 and
     fp8_ds_mla on SM120; FlashMLA backends and the default give fp8_ds_mla (default is
