@@ -155,13 +155,14 @@ TOUCHES: tuple[RayTouch, ...] = (
         removal="when serve.start can return before its proxies are ready",
         probe=every(symbols("ray.serve._private.api", "_create_controller_and_proxy_refs",
                             "_coerce_controller_options"),
+                    symbols("ray.serve.context", "_set_global_client"),
+                    symbols("ray.serve._private.client", "ServeControllerClient"),
+                    symbols("ray.serve._private.constants", "HTTP_PROXY_TIMEOUT"),
+                    # what serve.start does that start_serve does the same way
                     source_mentions("ray.serve._private.api", "serve_start",
                                     "ray.get(proxy_ready_refs, timeout=HTTP_PROXY_TIMEOUT)"),
                     source_mentions("ray.serve._private.api", "serve_start",
-                                    "_set_global_client(client)"),
-                    symbols("ray.serve.context", "_set_global_client"),
-                    symbols("ray.serve._private.client", "ServeControllerClient"),
-                    symbols("ray.serve._private.constants", "HTTP_PROXY_TIMEOUT")),
+                                    "_set_global_client(client)")),
         required=False,
     ),
     RayTouch(

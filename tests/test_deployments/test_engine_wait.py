@@ -4,21 +4,16 @@ core), or after the wait; vLLM's own layout answer and the heap freeze among the
 from __future__ import annotations
 
 import gc
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from deployments.serving.engine_wait import AfterEngineSpawn, freeze_heap
 from dsv4_patch import rules
 from dsv4_patch.node import NodeInfo, layout_contradiction
+from tests.support.fresh_process import run_script
 
 CPU = NodeInfo("cpu", None, None)
-REPO = Path(__file__).resolve().parents[2]
 
 WAITS = textwrap.dedent("""
     import json, subprocess, sys, time
@@ -45,11 +40,8 @@ WAITS = textwrap.dedent("""
 def test_jobs_wait_for_a_child_then_vllm_confirms_the_table() -> None:
     """In a fresh process (a test runner has children of its own): nothing runs until
     the process has a child, then vLLM's own class confirms the table's layout."""
-    done = subprocess.run([sys.executable, "-c", WAITS], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert done.returncode == 0, done.stderr[-3000:]
-    [line] = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    assert json.loads(line.removeprefix("RESULT ")) == {
+    result, _ = run_script(WAITS, timeout_s=120)
+    assert result == {
         "ran_before_child": False, "got": None, "spawned": True}
 
 

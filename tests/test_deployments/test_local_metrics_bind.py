@@ -10,19 +10,13 @@ on 127.0.0.1.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from deployments import ray_touches
 from deployments.local import ray_head
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.fresh_process import run_script
 
 
 def test_the_touch_is_present_in_the_pinned_ray() -> None:
@@ -69,12 +63,7 @@ PROBE = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_the_local_metrics_port_answers_on_loopback_only() -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    [line] = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    result = json.loads(line.removeprefix("RESULT "))
+    result, _ = run_script(PROBE)
     assert result["node"] == "127.0.0.1", result
     assert result["loopback"], result
     if result["outside"] != "127.0.0.1":  # a machine with a routable address

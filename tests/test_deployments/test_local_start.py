@@ -4,18 +4,12 @@ deploy starts, not before (``serve.controller_before_proxies``), in a fresh proc
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from deployments import ray_touches
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.fresh_process import run_script
 
 
 def test_both_touches_are_present_in_the_pinned_ray() -> None:
@@ -52,17 +46,11 @@ START = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_the_local_start_defers_the_proxies_and_polls_the_raylet() -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", START], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
-    [line] = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    result = json.loads(line.removeprefix("RESULT "))
+    result, logs = run_script(START)
     assert result["get_node_restored"], result
     assert result["apps"] == [], result  # the client Serve's API uses was registered
     # Serve's proxy answers (503: no route table before the first app), awaited after
     # the start returned
     assert result["routes_status"] in (200, 503), result
-    logs = done.stdout + done.stderr
     assert "raylet was in the GCS" in logs, logs[-3000:]
     assert "proxies are awaited after the deploy starts" in logs, logs[-3000:]
