@@ -182,8 +182,9 @@ def prompt_node_registration(poll_s: float = REGISTRATION_POLL_S,
     second after a miss (C++ ``GlobalStateAccessor::GetNode``; ray#55389 left that
     sleep in place), and the raylet takes ~0.6 s to register here, so every local
     start waited ~1 s for nothing. For the duration of ``ray.init`` ``get_node`` first
-    polls the GCS's node table every ``poll_s`` (up to ``bound_s``), then asks Ray's own
-    ``get_node``, which then finds the node at once (``ray_touches``:
+    polls the GCS's node table every ``poll_s`` (up to ``bound_s``), then asks the same
+    connection Ray's own way (``GlobalState.get_node``, what ``services.get_node``
+    calls), which then finds the node at once (``ray_touches``:
     ``ray.prompt_node_registration``).
     """
     if not ray_touches.present("ray.prompt_node_registration"):
@@ -203,11 +204,12 @@ def prompt_node_registration(poll_s: float = REGISTRATION_POLL_S,
             while time.monotonic() < started + bound_s and not any(
                     n["NodeID"] == node_id and n["Alive"] for n in table.node_table()):
                 time.sleep(poll_s)
+            logger.info("dsv4: the head's raylet was in the GCS %.2f s after Ray first "
+                        "asked (polled every %d ms)", time.monotonic() - started,
+                        poll_s * 1000)
+            return table.get_node(node_id)  # Ray's own answer, errors included
         finally:
             table.disconnect()
-        logger.info("dsv4: the head's raylet was in the GCS %.2f s after Ray first asked "
-                    "(polled every %d ms)", time.monotonic() - started, poll_s * 1000)
-        return real_get_node(gcs_address, node_id)  # Ray's own answer, errors included
 
     services.get_node = get_node
     try:

@@ -125,8 +125,9 @@ TOUCHES: tuple[RayTouch, ...] = (
             "once after 0.1 s, misses, and its GCS client sleeps a whole second: ~1 s of "
             "every local start spent waiting for nothing (docs/benchmarks.md §2d)",
         how="for the duration of ray.init(address='local'), services.get_node first polls "
-            "GlobalState.node_table() every 20 ms (bounded), then calls Ray's own "
-            "get_node, which finds the node at once; restored afterwards",
+            "GlobalState.node_table() every 20 ms (bounded), then asks the same "
+            "connection's GlobalState.get_node (what services.get_node calls), which "
+            "finds the node at once; restored afterwards",
         upstream="ray-project/ray#55389 made node start ask for one node, keeping the "
                  "accessor's 1 s retry sleep",
         removal="when GlobalStateAccessor::GetNode retries at sub-second intervals, or "
@@ -134,6 +135,8 @@ TOUCHES: tuple[RayTouch, ...] = (
         probe=every(source_mentions("ray._private.node", "Node.__init__",
                                     "ray._private.services.get_node("),
                     symbols("ray._private.services", "get_node", "_get_gcs_client_options"),
+                    source_mentions("ray._private.services", "get_node",
+                                    "global_state.get_node(node_id)"),
                     attr_chain("ray._private.state", "GlobalState._initialize_global_state"),
                     attr_chain("ray._private.state", "GlobalState.node_table"),
                     attr_chain("ray._private.state", "GlobalState.disconnect")),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from functools import partial
 from typing import Any
 
 from ray import serve
@@ -140,11 +141,9 @@ class DSv4ServerMixin:
         ahead = None if self._family is rules.Family.V41 else table_decision(self._node)
         self._resolution = canonicalize(llm_config, self._settings, self._node, self._family,
                                         ahead)
-        while_engine_starts, node, layout_check = AfterEngineSpawn(), self._node, None
-        if ahead is not None:
-            decided = ahead
-            layout_check = while_engine_starts.submit(
-                "the layout check", lambda: layout_contradiction(node, decided))
+        while_engine_starts = AfterEngineSpawn()
+        layout_check = None if ahead is None else while_engine_starts.submit(
+            "the layout check", partial(layout_contradiction, self._node, ahead))
         while_engine_starts.submit("the heap freeze", freeze_heap)
         while_engine_starts.close()
         self._prediction, self._own_prediction = self._predictions(base_config, llm_config)

@@ -94,12 +94,20 @@ def lookup(version: str, cls_name: str, name: str) -> ast.AST | None:
     return find_member(classes(version), cls_name, name)
 
 
-def layout_flag(version: str, cls_name: str) -> bool:
+def _flag(table: Mapping[str, ast.ClassDef], cls_name: str) -> bool | None:
+    """The first layout flag on ``cls_name`` or its bases in ``table``; None: none."""
     for flag in FLAGS:
-        stmt = lookup(version, cls_name, flag)
+        stmt = find_member(table, cls_name, flag)
         if stmt is not None:
-            return bool(ast.literal_eval(stmt.value))  # type: ignore[attr-defined]  # lookup returns ast.AST; this member is an assignment
-    raise AssertionError(f"vLLM {version}: {cls_name} has none of {FLAGS}")
+            return bool(ast.literal_eval(stmt.value))  # type: ignore[attr-defined]  # find_member returns ast.AST; this member is an assignment
+    return None
+
+
+def layout_flag(version: str, cls_name: str) -> bool:
+    flag = _flag(classes(version), cls_name)
+    if flag is None:
+        raise AssertionError(f"vLLM {version}: {cls_name} has none of {FLAGS}")
+    return flag
 
 
 def platform_layout_flag(version: str, path: str, cls_name: str) -> bool | None:
@@ -108,12 +116,7 @@ def platform_layout_flag(version: str, path: str, cls_name: str) -> bool | None:
     when the release's class has no flag (``selector.is_packed``: Unavailable)."""
     own = {node.name: node for node in ast.walk(ast.parse(rs.source(version, path)))
            if isinstance(node, ast.ClassDef)}
-    table = {**classes(version), **own}
-    for flag in FLAGS:
-        stmt = find_member(table, cls_name, flag)
-        if stmt is not None:
-            return bool(ast.literal_eval(stmt.value))  # type: ignore[attr-defined]  # find_member returns ast.AST; this member is an assignment
-    return None
+    return _flag({**classes(version), **own}, cls_name)
 
 
 def _function(node: ast.FunctionDef) -> Callable[..., Any]:
