@@ -85,3 +85,38 @@ def cpu_by_role(procs: list[psutil.Process]) -> dict[str, float]:
         except psutil.NoSuchProcess:
             continue
     return dict(totals)
+
+
+def cpu_by_thread(procs: list[psutil.Process]) -> dict[str, float]:
+    """CPU seconds (user + system) of every thread so far, keyed ``role pid tid name``
+    (the kernel's thread name: Ray's C++ threads name themselves, Python's threads carry
+    the process title; ``python_threads`` names those)."""
+    out: dict[str, float] = {}
+    for proc in procs:
+        role = role_of(proc)
+        try:
+            threads = proc.threads()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for thread in threads:
+            out[f"{role} {proc.pid} {thread.id} {_thread_name(proc.pid, thread.id)}"] = (
+                thread.user_time + thread.system_time)
+    return out
+
+
+def _thread_name(pid: int, tid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+            return comm.read().strip().replace(" ", "_")
+    except OSError:
+        return "gone"
+
+
+_PY_THREAD = re.compile(r'^Thread (?P<tid>\d+) \([^)]*\): "(?P<name>[^"]*)"')
+
+
+def python_threads(dump: str) -> dict[int, str]:
+    """Native thread id -> Python thread name, from ``py-spy dump`` output, which names
+    each thread by its OS id (``Thread 4421 (idle): "Thread-1 (_run_user_code_event_loop)"``)."""
+    return {int(m["tid"]): m["name"] for line in dump.splitlines()
+            if (m := _PY_THREAD.match(line))}

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import re
 import shutil
 import statistics
@@ -41,7 +42,8 @@ from typing import Any
 import psutil
 
 from benchmarks import serving_overhead as so
-from benchmarks.arm_procs import cpu_by_role, role_of, session_processes
+from benchmarks.arm_procs import cpu_by_role, cpu_by_thread, python_threads, role_of
+from benchmarks.overhead_arms import client_env, client_port
 from deployments.harness import load as bench_load
 
 _ACCESS = re.compile(r"^\w+ \S+ \S+ (?P<who>\S+) \S+ (?P<rid>[0-9a-f-]{36}) -- "
@@ -61,8 +63,10 @@ def serve_log_dir(procs: list[psutil.Process]) -> Path | None:
 
 def one_token(base: str, request_id: str) -> float:
     body = json.dumps({"model": so.MODEL_ID, "prompt": "hello there", "max_tokens": 1}).encode()
+    key = os.environ.get("OPENAI_API_KEY")  # keyed arms: set from client_env in main
     req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={
-        "Content-Type": "application/json", "x-request-id": request_id})
+        "Content-Type": "application/json", "x-request-id": request_id}
+        | ({"Authorization": f"Bearer {key}"} if key else {}))
     started = time.perf_counter()
     with urllib.request.urlopen(req, timeout=60) as resp:
         resp.read()
@@ -85,14 +89,16 @@ def access_times(log_dir: Path | None, ids: set[str]) -> dict[str, list[float]]:
     return out
 
 
-def py_spy(pids: dict[str, int], seconds: int, out_dir: Path) -> dict[str, list[tuple[str, int]]]:
-    """Top self-time frames per process from ``py-spy record --format raw``."""
+def py_spy(pids: dict[str, int], seconds: int, out_dir: Path,
+           rate: int = 25) -> dict[str, list[tuple[str, int]]]:
+    """Top self-time frames per process from ``py-spy record --format raw``, sampling
+    ``rate`` times a second (low by default: the sampler takes CPU from the engine)."""
     exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     procs = {}
     for role, pid in pids.items():
         out = out_dir / f"pyspy-{role}.txt"
         procs[role] = (subprocess.Popen(
-            [exe, "record", "-p", str(pid), "-d", str(seconds), "-r", "25", "--nonblocking",
+            [exe, "record", "-p", str(pid), "-d", str(seconds), "-r", str(rate), "--nonblocking",
              "-f", "raw", "-o", str(out)], stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL), out)
     tops = {}
@@ -138,6 +144,9 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--profile-s", type=int, default=15, help="0: no py-spy phase")
+    parser.add_argument("--threads", action="store_true",
+                        help="also CPU per thread (at rest: cores; under a load: ms per token)")
+    parser.add_argument("--spy-rate", type=int, default=25, help="py-spy samples per second")
     parser.add_argument("--loads", default="",
                         help="CPU per request and per token under these loads, one boot: "
                              "comma-separated CONCURRENCY:PROMPTS:IN:OUT (issue 25: "
@@ -155,14 +164,20 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     from dsv4_patch.tiny_model import ensure_tiny_model
 
-    tokenizer, base = str(ensure_tiny_model()), f"http://127.0.0.1:{args.port}"
+    # Keyed arms (the door demands a key): the singles and `vllm bench serve` send it.
+    os.environ.update(client_env(args.arm))
+    tokenizer = str(ensure_tiny_model())
+    base = f"http://127.0.0.1:{client_port(args.arm, args.port)}"
     load = bench_load.Load(num_prompts=args.num_prompts, concurrency=args.concurrency,
                            input_len=args.input_len, output_len=args.output_len)
     result: dict[str, Any] = {"arm": args.arm, "load": load.__dict__}
     log = args.out / f"{args.arm}.log"
     with so.arm_server(args.arm, args.port, 1, log, boot_timeout_s=600) as (boot_s, root):
+        # the arm's session and, for the --nodes arms, its local cluster's
+        roots = [root, *([c] if (c := so.cluster_session(log)) else [])]
         result["boot_s"] = round(boot_s, 1)
-        procs = session_processes(root)
+        procs = so.procs_of(roots)
+        names = python_names(roots) if args.threads else None
         ids = {str(uuid.uuid4()) for _ in range(args.singles)}
         client = [one_token(base, rid) for rid in sorted(ids)]
         time.sleep(2)  # access logs are flushed asynchronously
@@ -170,14 +185,14 @@ def main() -> int:
         result["one_token_ms"] = {"client": _stats(client)} | {
             who: _stats(ms) for who, ms in hops.items()}
         if args.idle_s:
-            result["idle"] = idle_by_role(root, args.idle_s)
+            result["idle"] = idle_by_role(roots, args.idle_s, names)
         if args.loads == "none":
             result["per_load"] = []
         elif args.loads:
-            result["per_load"] = [cpu_per_load(parse_load(spec), base, tokenizer, root)
+            result["per_load"] = [cpu_per_load(parse_load(spec), base, tokenizer, roots, names)
                                   for spec in args.loads.split(",")]
         else:
-            one = cpu_per_load(load, base, tokenizer, root)
+            one = cpu_per_load(load, base, tokenizer, roots, names)
             result["load"], result["cpu_s_under_load"] = one["result"], one["cpu_s"]
             result["load_wall_s"] = one["wall_s"]
         if not args.profile_s:
@@ -186,10 +201,10 @@ def main() -> int:
             print(json.dumps(result, indent=2))
             print(f"wrote {path}")
             return 0
-        pids = _relay_pids(session_processes(root))
+        pids = _relay_pids(so.procs_of(roots))
         spy: dict[str, Any] = {}
         loader = threading.Thread(target=lambda: spy.update(
-            py_spy(pids, args.profile_s, args.out)))
+            py_spy(pids, args.profile_s, args.out, args.spy_rate)))
         loader.start()
         bench_load.run(bench_load.Load(num_prompts=args.num_prompts, concurrency=args.concurrency,
                                        input_len=args.input_len, output_len=args.output_len,
@@ -213,16 +228,43 @@ def parse_load(spec: str) -> bench_load.Load:
     return bench_load.Load(num_prompts=prompts, concurrency=conc, input_len=inp, output_len=out)
 
 
-def cpu_per_load(load: bench_load.Load, base: str, tokenizer: str, root: int) -> dict[str, Any]:
+def thread_delta(before: dict[str, float], after: dict[str, float], per: float,
+                 names: dict[int, str]) -> dict[str, float]:
+    """Each thread's CPU between two ``cpu_by_thread`` snapshots divided by ``per``
+    (seconds: cores; tokens: seconds per token), Python thread names added; threads
+    that used under one clock tick left out."""
+    out = {}
+    for key, cpu in after.items():
+        used = cpu - before.get(key, 0.0)
+        if used >= 0.01:
+            tid = int(key.split()[2])
+            out[f"{key} {names[tid]}" if tid in names else key] = round(used / per, 6)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def python_names(roots: list[int]) -> dict[int, str]:
+    """OS thread id -> Python thread name in the arm's Python serving processes."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    names: dict[int, str] = {}
+    for proc in so.procs_of(roots):
+        if role_of(proc) in ("server", "vllm-api", "controller", "proxy"):
+            dump = subprocess.run([exe, "dump", "-p", str(proc.pid), "--nonblocking"],
+                                  capture_output=True, text=True, timeout=60, check=False)
+            names |= python_threads(dump.stdout)
+    return names
+
+
+def cpu_per_load(load: bench_load.Load, base: str, tokenizer: str,
+                 roots: list[int], names: dict[int, str] | None = None) -> dict[str, Any]:
     """Run ``load`` once; CPU seconds per role over it, and per request / per output
     token in milliseconds: the role's CPU over the whole call divided by what the call
     served (``vllm bench serve`` runs its warm-up requests inside the call, so they
     count as requests and tokens too)."""
-    before = cpu_by_role(session_processes(root))
+    before, threads_before = cpu_by_role(so.procs_of(roots)), cpu_by_thread(so.procs_of(roots))
     started = time.monotonic()
     res = bench_load.summary(bench_load.run(load, base, so.MODEL_ID, tokenizer))
     wall = time.monotonic() - started
-    after = cpu_by_role(session_processes(root))
+    after, threads_after = cpu_by_role(so.procs_of(roots)), cpu_by_thread(so.procs_of(roots))
     cpu = {r: round(after.get(r, 0) - before.get(r, 0), 2)
            for r in sorted(set(after) | set(before))}
     requests = load.num_prompts + load.warmups
@@ -231,15 +273,22 @@ def cpu_per_load(load: bench_load.Load, base: str, tokenizer: str, root: int) ->
             "box_busy_pct": round(100 * sum(cpu.values()) / (wall * (psutil.cpu_count() or 1)), 1),
             "cpu_ms_per_request": {r: round(1000 * v / requests, 1) for r, v in cpu.items()},
             "cpu_ms_per_token": {r: round(1000 * v / tokens, 2) for r, v in cpu.items()},
-            "share_of_wall_pct": {r: round(100 * v / wall, 1) for r, v in cpu.items()}}
+            "share_of_wall_pct": {r: round(100 * v / wall, 1) for r, v in cpu.items()},
+            **({"thread_cpu_ms_per_token": {k: round(1000 * v, 4) for k, v in thread_delta(
+                threads_before, threads_after, tokens, names).items()}}
+               if names is not None else {})}
 
 
-def idle_by_role(root: int, seconds: float) -> dict[str, Any]:
-    """The arm at rest: each role's share of one core over ``seconds``, and the box's."""
-    before = cpu_by_role(session_processes(root))
+def idle_by_role(roots: list[int], seconds: float,
+                 names: dict[int, str] | None = None) -> dict[str, Any]:
+    """The arm at rest: each role's share of one core over ``seconds``, and the box's;
+    with ``names``, each thread's too."""
+    before, threads_before = cpu_by_role(so.procs_of(roots)), cpu_by_thread(so.procs_of(roots))
     box = psutil.cpu_percent(interval=seconds)
-    after = cpu_by_role(session_processes(root))
-    return {"seconds": seconds, "box_busy_pct": box,
+    after, threads_after = cpu_by_role(so.procs_of(roots)), cpu_by_thread(so.procs_of(roots))
+    threads = ({"thread_cores": thread_delta(threads_before, threads_after, seconds, names)}
+               if names is not None else {})
+    return threads | {"seconds": seconds, "box_busy_pct": box,
             "arm_pct_of_box": round(100 * sum(after.get(r, 0) - before.get(r, 0) for r in after)
                                     / (seconds * (psutil.cpu_count() or 1)), 2),
             "pct_of_one_core": {r: round(100 * (after.get(r, 0) - before.get(r, 0)) / seconds, 2)
