@@ -250,6 +250,9 @@ def python_names(roots: list[int]) -> dict[int, str]:
         if role_of(proc) in ("server", "vllm-api", "controller", "proxy"):
             dump = subprocess.run([exe, "dump", "-p", str(proc.pid), "--nonblocking"],
                                   capture_output=True, text=True, timeout=60, check=False)
+            if dump.returncode:  # the threads keep their kernel names; say why
+                print(f"py-spy dump -p {proc.pid} failed ({dump.returncode}): "
+                      f"{dump.stderr.strip()[:300]}", file=sys.stderr)
             names |= python_threads(dump.stdout)
     return names
 
