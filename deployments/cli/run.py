@@ -25,7 +25,7 @@ from deployments.control.report import describe
 from deployments.control.wire import FleetReport
 from deployments.local.client import first_token, wait_for_verdict
 from deployments.local.deploy import base_url, deploy, preload_app_module, refuse_busy_ports
-from deployments.local.drain import StopSignal, stop_everything
+from deployments.local.drain import StopSignal, exit_now, stop_everything
 from deployments.local.ray_head import metrics_url, start_cluster
 from deployments.logs import get_logger, plain_output
 
@@ -129,18 +129,18 @@ def main(args: argparse.Namespace) -> int:
         print("Serving; Ctrl-C to stop.", flush=True)
         while not stop.event.wait(1.0):
             pass
-        return 0
+        code = 0
     except ConfigError as exc:
         print(f"dsv4-serve run: {exc}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:
         print("dsv4-serve run: interrupted while starting", file=sys.stderr)
-        return 130
+        code = 130
     except (RuntimeError, TimeoutError) as exc:
         # Serve's "Deploying application ... failed" carries the replica's own error
         # (e.g. KVLayoutMismatch with its fix); print it without a Python traceback.
         print(f"dsv4-serve run: {exc}", file=sys.stderr)
-        return 1
+        code = 1
     finally:
         try:
             stop_everything(stop, config)
@@ -148,6 +148,9 @@ def main(args: argparse.Namespace) -> int:
             if nodes is not None:
                 nodes.stop()
         print(f"stopped after {timings.mark('stopped')} s", file=sys.stderr)
+    if stop.ray_abandoned:  # the GCS died first: skip Ray's atexit shutdown (drain.exit_now)
+        exit_now(code)
+    return code
 
 
 def start_nodes(config: ServeConfig, args: argparse.Namespace) -> LocalCluster:

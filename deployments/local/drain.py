@@ -120,6 +120,9 @@ class StopSignal:
     event: threading.Event = field(default_factory=threading.Event)
     serving: bool = False
     draining: bool = False
+    # Set when the GCS died first: Ray's driver was left connected to nothing, and its
+    # shutdown (ray.shutdown() or Ray's atexit hook) must not run (``exit_now``).
+    ray_abandoned: bool = False
 
     def install(self) -> StopSignal:
         signal.signal(signal.SIGINT, self._handler)
@@ -158,6 +161,51 @@ def stop_everything(stop: StopSignal, config: ServeConfig) -> None:
         if cluster_alive and gcs_reachable():
             shutdown()
         else:
+            # ray.shutdown() would disconnect the driver's core worker from a GCS that is
+            # gone: it retried for seconds and then died of SIGSEGV in CI, so run exited
+            # -11. Ray's own daemons here are our children: stop them without it.
             print("Ray's GCS is gone (stopped by the same signal?): nothing left to drain; "
                   "stopping what remains of the local cluster", file=sys.stderr, flush=True)
-            ray.shutdown()
+            stop_children()
+            stop.ray_abandoned = True
+
+
+CHILD_GRACE_S = 5.0
+
+
+def stop_children(grace_s: float = CHILD_GRACE_S) -> list[int]:
+    """SIGTERM this process's children (the one-node cluster's Ray daemons ``ray.init``
+    started, as ``ray.shutdown()`` would), SIGKILL what is left after ``grace_s``; the
+    SIGKILLed pids. Their own children follow them: Ray's workers die with their raylet,
+    vLLM's engines with their replica (``dsv4_patch.patches.lifetime``)."""
+    import psutil
+
+    children = psutil.Process().children()
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            continue
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    killed = []
+    for child in alive:
+        try:
+            name = child.name()
+            child.kill()
+        except psutil.NoSuchProcess:
+            continue
+        killed.append(f"{child.pid} {name}")
+    if killed:
+        print(f"SIGKILLed what outlived SIGTERM by {grace_s:g} s: {', '.join(killed)}",
+              file=sys.stderr, flush=True)
+    return sorted(c.pid for c in alive)
+
+
+def exit_now(code: int) -> None:
+    """End this process with ``code`` without Ray's atexit shutdown, which would run the
+    same disconnect from a dead GCS that ``stop_everything`` skipped."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

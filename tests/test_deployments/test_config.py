@@ -225,3 +225,55 @@ def test_a_second_signal_as_the_drain_begins_still_shuts_down_cleanly(
     stop = drain.StopSignal(serving=True)
     drain.stop_everything(stop, load_serve_config(DEFAULT_CONFIG))
     assert stopped == ["serve and ray"] and stop.draining is False
+
+
+def test_with_the_gcs_gone_run_stops_its_own_daemons_without_ray_shutdown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process-group SIGTERM took the GCS down first: ``ray.shutdown()`` would
+    disconnect from a dead GCS (in CI it retried, then died of SIGSEGV: ``run`` exited
+    -11). ``stop_everything`` stops this process's children itself (a real child here)
+    and marks Ray abandoned, so ``run`` ends through ``exit_now``, not Ray's atexit."""
+    import subprocess
+    import sys
+
+    import psutil
+    import ray
+
+    from deployments.local import drain
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    called: list[str] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "shutdown", lambda *a, **k: called.append("ray.shutdown"))
+    monkeypatch.setattr(drain, "gcs_reachable", lambda: False)
+    monkeypatch.setattr(drain, "shutdown", lambda: called.append("serve and ray"))
+    stop = drain.StopSignal(serving=True)
+    try:
+        drain.stop_everything(stop, load_serve_config(DEFAULT_CONFIG))
+        child.wait(timeout=10)  # ended (stop_children reaped it, so no status is left)
+        assert not psutil.pid_exists(child.pid)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert called == [] and stop.ray_abandoned
+
+
+def test_stop_children_kills_what_ignores_sigterm() -> None:
+    import subprocess
+    import sys
+    import time
+
+    from deployments.local.drain import stop_children
+
+    stubborn = subprocess.Popen([sys.executable, "-c",
+                                 "import signal, time; signal.signal(signal.SIGTERM, "
+                                 "signal.SIG_IGN); print('up', flush=True); time.sleep(60)"],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert stubborn.stdout is not None and stubborn.stdout.readline() == "up\n"
+        started = time.monotonic()
+        assert stop_children(grace_s=0.5) == [stubborn.pid]
+        assert stubborn.wait(timeout=10) == -9 and time.monotonic() - started < 5
+    finally:
+        if stubborn.poll() is None:
+            stubborn.kill()
