@@ -257,17 +257,24 @@ def python_names(roots: list[int]) -> dict[int, str]:
     return names
 
 
+def snapshot(roots: list[int], threads: bool) -> tuple[dict[str, float], dict[str, float]]:
+    """CPU so far by role, and by thread when ``threads`` (else empty), from one scan of
+    the arm's processes."""
+    procs = so.procs_of(roots)
+    return cpu_by_role(procs), cpu_by_thread(procs) if threads else {}
+
+
 def cpu_per_load(load: bench_load.Load, base: str, tokenizer: str,
                  roots: list[int], names: dict[int, str] | None = None) -> dict[str, Any]:
     """Run ``load`` once; CPU seconds per role over it, and per request / per output
     token in milliseconds: the role's CPU over the whole call divided by what the call
     served (``vllm bench serve`` runs its warm-up requests inside the call, so they
     count as requests and tokens too)."""
-    before, threads_before = cpu_by_role(so.procs_of(roots)), cpu_by_thread(so.procs_of(roots))
+    before, threads_before = snapshot(roots, names is not None)
     started = time.monotonic()
     res = bench_load.summary(bench_load.run(load, base, so.MODEL_ID, tokenizer))
     wall = time.monotonic() - started
-    after, threads_after = cpu_by_role(so.procs_of(roots)), cpu_by_thread(so.procs_of(roots))
+    after, threads_after = snapshot(roots, names is not None)
     cpu = {r: round(after.get(r, 0) - before.get(r, 0), 2)
            for r in sorted(set(after) | set(before))}
     requests = load.num_prompts + load.warmups
@@ -286,9 +293,9 @@ def idle_by_role(roots: list[int], seconds: float,
                  names: dict[int, str] | None = None) -> dict[str, Any]:
     """The arm at rest: each role's share of one core over ``seconds``, and the box's;
     with ``names``, each thread's too."""
-    before, threads_before = cpu_by_role(so.procs_of(roots)), cpu_by_thread(so.procs_of(roots))
+    before, threads_before = snapshot(roots, names is not None)
     box = psutil.cpu_percent(interval=seconds)
-    after, threads_after = cpu_by_role(so.procs_of(roots)), cpu_by_thread(so.procs_of(roots))
+    after, threads_after = snapshot(roots, names is not None)
     threads = ({"thread_cores": thread_delta(threads_before, threads_after, seconds, names)}
                if names is not None else {})
     return threads | {"seconds": seconds, "box_busy_pct": box,
