@@ -1,0 +1,207 @@
+"""Benchmark: two arms booted together, each loaded in turn while the other sits at rest.
+
+Why (issue 34): ``serving_overhead`` runs one arm at a time, so plain vLLM's engine has
+the 2-core box to itself while the door's engine shares it with ~0.08 cores of Ray's and
+Serve's daemons. That mixes two things: what the door costs each request, and what
+resident daemons cost a CPU engine that needs both cores. Here both arms run the whole
+time, so every load sees the same processes on the box: the loaded arm's door and
+engine, the other arm's idle engine and (for a Ray arm) its idle cluster. The ratio of
+the two arms is then the door's own cost; ``serving_overhead``'s ratio minus this one
+is what the daemons at rest cost the engine beside them.
+
+Per round: boot both arms (the order alternates), let them settle, then for each arm
+(order alternating too) watch it at rest and run the loads against it. Runs are stored
+under the arms' own names with ``"beside"`` naming the other, so
+``python -m benchmarks.serving_overhead --merge`` prints the usual tables. Heavy: two
+engines at once (each ``VLLM_CPU_KVCACHE_SPACE`` 1 GiB):
+
+    for r in 0 1 2; do flock /tmp/dsv4-heavy.lock timeout 1800 python -m \\
+        benchmarks.side_by_side --arms mn-haproxy-1,vllm --first-round $r \\
+        --loads 1:16:96:32,6:48:96:48 --out results/sbs46/r$r.json; done
+    python -m benchmarks.side_by_side --merge results/sbs46/r*.json
+
+``--alone`` adds a third pass per round: the first arm stopped, the reference arm
+loaded again by itself (``<reference>-alone``), so one run has all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.arm_procs import cpu_by_role, role_of
+from benchmarks.multinode_arms import cluster_session, cpu_per_work, listeners
+from benchmarks.overhead_arms import ARMS, MODEL_ID, REPO, client_env, client_port
+from benchmarks.overhead_table import merge, tables
+from benchmarks.serving_overhead import _environ, arm_server, load_label, procs_of, settle
+from deployments.harness import load as bench_load
+
+# The second arm's ports start here above the first's: a door uses door+1..3 and its
+# direct-ingress range from door+10.
+PORT_GAP = 100
+
+
+def parse_loads(spec: str) -> list[bench_load.Load]:
+    """``CONCURRENCY:PROMPTS:IN:OUT,...`` as loads; ValueError names a bad entry."""
+    loads = []
+    for item in spec.split(","):
+        parts = item.split(":")
+        if len(parts) != 4 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"--loads entry {item!r}: expected CONCURRENCY:PROMPTS:IN:OUT, "
+                             "e.g. 1:16:96:32")
+        conc, prompts, inp, out = (int(p) for p in parts)
+        loads.append(bench_load.Load(num_prompts=prompts, concurrency=conc,
+                                     input_len=inp, output_len=out))
+    return loads
+
+
+def load_arm(arm: str, base: str, roots: list[int], loads: list[bench_load.Load],
+             tokenizer: str, rest: tuple[float, float, dict[str, float]],
+             extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every load once against ``arm`` at ``base``: the client's summary and the arm's CPU
+    per role (its rest, measured just before, taken off)."""
+    busy, arm_busy, idle = rest
+    out = []
+    for load in loads:
+        before = cpu_by_role(procs_of(roots))
+        started = time.monotonic()
+        with _environ(client_env(arm)):
+            res = bench_load.summary(bench_load.run(load, base, MODEL_ID, tokenizer))
+        tokens = round(res["output_throughput"] * res["duration"])
+        res["cpu"] = cpu_per_work(before, cpu_by_role(procs_of(roots)), res["completed"],
+                                  tokens, idle, time.monotonic() - started)
+        res |= extra | {"busy_before_load_pct": busy, "arm_busy_at_rest_pct": arm_busy,
+                        "load": load_label(load)}
+        print(f"[{arm} round {extra['round']}] {res['completed']} ok, {res['failed']} failed, "
+              f"{res['output_throughput']:.1f} tok/s, TTFT p50 {res['median_ttft_ms']:.1f} ms, "
+              f"TPOT p50 {res['median_tpot_ms']:.2f} ms; box {busy:.0f}% busy before",
+              flush=True)
+        out.append(res)
+    return out
+
+
+def one_round(arms: list[str], r: int, loads: list[bench_load.Load], port: int,
+              settle_s: float, idle_s: float, runs: dict[str, list[dict[str, Any]]],
+              alone: bool = False) -> None:
+    """Boot both arms (alternating order), then load each in turn (alternating order);
+    with ``alone``, stop the first arm and load the reference arm once more by itself
+    (recorded as ``<reference>-alone``): what the first arm's processes at rest cost it."""
+    from dsv4_patch.tiny_model import ensure_tiny_model
+
+    tokenizer = str(ensure_tiny_model())
+    ports = {arm: port + i * PORT_GAP for i, arm in enumerate(arms)}
+    order = arms if r % 2 == 0 else list(reversed(arms))
+    logs = {a: REPO / "results" / "logs" / f"side_by_side-{a}-{r}.log" for a in arms}
+    with contextlib.ExitStack() as ref_stack, contextlib.ExitStack() as first_stack:
+        stacks = {arms[0]: first_stack, arms[1]: ref_stack}
+        booted = {}
+        for arm in order:
+            boot_s, root = stacks[arm].enter_context(
+                arm_server(arm, ports[arm], 1, logs[arm], boot_timeout_s=600))
+            booted[arm] = (boot_s, [root, *([s] if (s := cluster_session(logs[arm])) else [])])
+        for arm in order:
+            other = next(a for a in arms if a != arm)
+            runs[arm] += measured(arm, ports[arm], booted[arm], r, other, loads, tokenizer,
+                                  settle_s, idle_s)
+        if alone:
+            first_stack.close()  # the first arm stops; the reference arm stays up
+            ref = arms[1]
+            runs.setdefault(f"{ref}-alone", []).extend(
+                measured(ref, ports[ref], booted[ref], r, None, loads, tokenizer,
+                         settle_s, idle_s))
+
+
+def measured(arm: str, port: int, booted: tuple[float, list[int]], r: int,
+             beside: str | None, loads: list[bench_load.Load], tokenizer: str,
+             settle_s: float, idle_s: float) -> list[dict[str, Any]]:
+    """Settle, watch ``arm`` at rest, then run the loads against it."""
+    boot_s, roots = booted
+    rest = settle(settle_s, idle_s, functools.partial(procs_of, roots))
+    extra = {"round": r, "boot_s": round(boot_s, 1), "beside": beside,
+             "listeners": listeners(procs_of(roots), role_of)}
+    base = f"http://127.0.0.1:{client_port(arm, port)}"
+    return load_arm(arm, base, roots, loads, tokenizer, rest, extra)
+
+
+def goals(runs: dict[str, list[dict[str, Any]]], arm: str, other: str) -> str:
+    """Per load, the per-round paired TTFT difference, TPOT ratio and throughput ratio of
+    ``arm`` over ``other``: median (min-max)."""
+    lines = [f"| load | TTFT p50 {arm} - {other}, ms | TPOT p50 ratio | out tok/s ratio |",
+             "|---|---|---|---|"]
+    labels = dict.fromkeys(r["load"] for r in runs.get(arm, []))
+    for label in labels:
+        mine = {r["round"]: r for r in runs[arm] if r["load"] == label}
+        theirs = {r["round"]: r for r in runs.get(other, []) if r["load"] == label}
+        common = sorted(mine.keys() & theirs.keys())
+        if not common:
+            continue
+
+        def cell(values: list[float], fmt: str) -> str:
+            return (f"{statistics.median(values):{fmt}} ({min(values):{fmt}} to "
+                    f"{max(values):{fmt}})")
+
+        ttft = [mine[k]["median_ttft_ms"] - theirs[k]["median_ttft_ms"] for k in common]
+        tpot = [mine[k]["median_tpot_ms"] / theirs[k]["median_tpot_ms"] for k in common]
+        tput = [mine[k]["output_throughput"] / theirs[k]["output_throughput"] for k in common]
+        lines.append(f"| {label} ({len(common)} rounds) | {cell(ttft, '+.1f')} | "
+                     f"{cell(tpot, '.3f')} | {cell(tput, '.3f')} |")
+    return "\n".join(lines)
+
+
+def all_goals(runs: dict[str, list[dict[str, Any]]], arms: list[str]) -> str:
+    """The first arm against the reference beside it and, when measured, the reference
+    beside the first arm against itself alone, and the first arm against that."""
+    pairs = [(arms[0], arms[1])]
+    if f"{arms[1]}-alone" in runs:
+        pairs += [(arms[1], f"{arms[1]}-alone"), (arms[0], f"{arms[1]}-alone")]
+    return "\n\n".join(goals(runs, a, o) for a, o in pairs)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arms", default="mn-haproxy-1,vllm",
+                        help=f"two, comma-separated, from {ARMS}; the second is the reference")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--first-round", type=int, default=0)
+    parser.add_argument("--loads", default="1:16:96:32,6:48:96:48")
+    parser.add_argument("--port", type=int, default=8017)
+    parser.add_argument("--settle-s", type=float, default=15.0)
+    parser.add_argument("--idle-s", type=float, default=20.0)
+    parser.add_argument("--alone", action="store_true",
+                        help="then stop the first arm and load the second once more by itself")
+    parser.add_argument("--merge", type=Path, nargs="+",
+                        help="no run: print the tables over these result files' runs")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "side_by_side.json")
+    args = parser.parse_args()
+    arms = args.arms.split(",")
+    if len(arms) != 2 or len(set(arms)) != 2 or not set(arms) <= set(ARMS):
+        parser.error(f"--arms={args.arms!r}: expected two different arms from {ARMS}")
+    if args.merge:
+        merged = merge(args.merge)
+        print(tables(merged) + "\n\n" + all_goals(merged, arms))
+        return 0
+    try:
+        loads = parse_loads(args.loads)
+    except ValueError as exc:
+        parser.error(str(exc))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # arm_server's finally stops both
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
+    for r in range(args.first_round, args.first_round + args.rounds):
+        one_round(arms, r, loads, args.port, args.settle_s, args.idle_s, runs, args.alone)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"runs": runs, "arms": arms}, indent=2))
+    print(tables(runs) + "\n\n" + all_goals(runs, arms))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
