@@ -276,6 +276,35 @@ def load_label(load: bench_load.Load) -> str:
             f"{load.output_len} out")
 
 
+def parse_loads(spec: str) -> list[bench_load.Load]:
+    """``CONCURRENCY:PROMPTS:IN:OUT,...`` as loads; ValueError names a bad entry."""
+    loads = []
+    for item in spec.split(","):
+        parts = item.split(":")
+        if len(parts) != 4 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"--loads entry {item!r}: expected CONCURRENCY:PROMPTS:IN:OUT, "
+                             "e.g. 1:16:96:32")
+        conc, prompts, inp, out = (int(p) for p in parts)
+        loads.append(bench_load.Load(num_prompts=prompts, concurrency=conc,
+                                     input_len=inp, output_len=out))
+    return loads
+
+
+def run_load(arm: str, load: bench_load.Load, base: str, roots: list[int], tokenizer: str,
+             idle: dict[str, float]) -> dict[str, Any]:
+    """``load`` once against ``arm`` at ``base``: the client's summary, its label, and the
+    arm's CPU per role over it (``cpu_per_work``, the rest ``idle`` taken off)."""
+    before = cpu_by_role(procs_of(roots))
+    started = time.monotonic()
+    with _environ(client_env(arm)):
+        res = bench_load.summary(bench_load.run(load, base, MODEL_ID, tokenizer))
+    tokens = round(res["output_throughput"] * res["duration"])
+    res["cpu"] = cpu_per_work(before, cpu_by_role(procs_of(roots)), res["completed"], tokens,
+                              idle, time.monotonic() - started)
+    res["load"] = load_label(load)
+    return res
+
+
 def measure(arms: list[str], rounds: int, repeats: int, loads: list[bench_load.Load],
             replicas: int, port: int, first_round: int = 0,
             partial: Path | None = None, settle_s: float = 10.0,
@@ -296,20 +325,11 @@ def measure(arms: list[str], rounds: int, repeats: int, loads: list[bench_load.L
                 busy, arm_busy, idle = settle(settle_s, idle_s, functools.partial(procs_of, roots))
                 heard = listeners(procs_of(roots), role_of)
                 for load, _ in ((ld, i) for ld in loads for i in range(repeats)):
-                    before = cpu_by_role(procs_of(roots))
-                    started = time.monotonic()
-                    with _environ(client_env(arm)):
-                        res = bench_load.summary(bench_load.run(
-                            load, f"http://127.0.0.1:{client_port(arm, port)}", MODEL_ID,
-                            tokenizer))
-                    tokens = round(res["output_throughput"] * res["duration"])
-                    res["cpu"] = cpu_per_work(before, cpu_by_role(procs_of(roots)),
-                                              res["completed"], tokens, idle,
-                                              time.monotonic() - started)
+                    res = run_load(arm, load, f"http://127.0.0.1:{client_port(arm, port)}",
+                                   roots, tokenizer, idle)
                     res |= {"listeners": heard, "round": r, "boot_s": round(boot_s, 1),
                             "phases": phases(log),
-                            "busy_before_load_pct": busy, "arm_busy_at_rest_pct": arm_busy,
-                            "load": load_label(load)}
+                            "busy_before_load_pct": busy, "arm_busy_at_rest_pct": arm_busy}
                     runs[arm].append(res)
                     print(f"[{arm} round {r}] {res['completed']} ok, {res['failed']} failed, "
                           f"{res['output_throughput']:.1f} tok/s; box {busy:.0f}% busy before "
@@ -377,11 +397,10 @@ def main() -> int:
     if unknown:
         parser.error(f"--arms: unknown {unknown}; choose from {ARMS}")
     if args.loads:
-        loads = []
-        for spec in args.loads.split(","):
-            conc, prompts, inp, out = (int(x) for x in spec.split(":"))
-            loads.append(bench_load.Load(num_prompts=prompts, concurrency=conc,
-                                         input_len=inp, output_len=out))
+        try:
+            loads = parse_loads(args.loads)
+        except ValueError as exc:
+            parser.error(str(exc))
     else:
         loads = [bench_load.Load(num_prompts=args.num_prompts, concurrency=args.concurrency,
                                  input_len=args.input_len, output_len=args.output_len)]

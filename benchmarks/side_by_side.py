@@ -33,15 +33,20 @@ import json
 import signal
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.arm_procs import cpu_by_role, role_of
-from benchmarks.multinode_arms import cluster_session, cpu_per_work, listeners
-from benchmarks.overhead_arms import ARMS, MODEL_ID, REPO, client_env, client_port
+from benchmarks.arm_procs import role_of
+from benchmarks.multinode_arms import cluster_session, listeners
+from benchmarks.overhead_arms import ARMS, REPO, client_port
 from benchmarks.overhead_table import merge, tables
-from benchmarks.serving_overhead import _environ, arm_server, load_label, procs_of, settle
+from benchmarks.serving_overhead import (
+    arm_server,
+    parse_loads,
+    procs_of,
+    run_load,
+    settle,
+)
 from deployments.harness import load as bench_load
 
 # The second arm's ports start here above the first's: a door uses door+1..3 and its
@@ -49,37 +54,16 @@ from deployments.harness import load as bench_load
 PORT_GAP = 100
 
 
-def parse_loads(spec: str) -> list[bench_load.Load]:
-    """``CONCURRENCY:PROMPTS:IN:OUT,...`` as loads; ValueError names a bad entry."""
-    loads = []
-    for item in spec.split(","):
-        parts = item.split(":")
-        if len(parts) != 4 or not all(p.isdigit() for p in parts):
-            raise ValueError(f"--loads entry {item!r}: expected CONCURRENCY:PROMPTS:IN:OUT, "
-                             "e.g. 1:16:96:32")
-        conc, prompts, inp, out = (int(p) for p in parts)
-        loads.append(bench_load.Load(num_prompts=prompts, concurrency=conc,
-                                     input_len=inp, output_len=out))
-    return loads
-
-
 def load_arm(arm: str, base: str, roots: list[int], loads: list[bench_load.Load],
              tokenizer: str, rest: tuple[float, float, dict[str, float]],
              extra: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every load once against ``arm`` at ``base``: the client's summary and the arm's CPU
-    per role (its rest, measured just before, taken off)."""
+    """Every load once against ``arm`` at ``base`` (``serving_overhead.run_load``), with
+    the arm's rest, measured just before, taken off its CPU."""
     busy, arm_busy, idle = rest
     out = []
     for load in loads:
-        before = cpu_by_role(procs_of(roots))
-        started = time.monotonic()
-        with _environ(client_env(arm)):
-            res = bench_load.summary(bench_load.run(load, base, MODEL_ID, tokenizer))
-        tokens = round(res["output_throughput"] * res["duration"])
-        res["cpu"] = cpu_per_work(before, cpu_by_role(procs_of(roots)), res["completed"],
-                                  tokens, idle, time.monotonic() - started)
-        res |= extra | {"busy_before_load_pct": busy, "arm_busy_at_rest_pct": arm_busy,
-                        "load": load_label(load)}
+        res = run_load(arm, load, base, roots, tokenizer, idle)
+        res |= extra | {"busy_before_load_pct": busy, "arm_busy_at_rest_pct": arm_busy}
         print(f"[{arm} round {extra['round']}] {res['completed']} ok, {res['failed']} failed, "
               f"{res['output_throughput']:.1f} tok/s, TTFT p50 {res['median_ttft_ms']:.1f} ms, "
               f"TPOT p50 {res['median_tpot_ms']:.2f} ms; box {busy:.0f}% busy before",
@@ -88,15 +72,12 @@ def load_arm(arm: str, base: str, roots: list[int], loads: list[bench_load.Load]
     return out
 
 
-def one_round(arms: list[str], r: int, loads: list[bench_load.Load], port: int,
-              settle_s: float, idle_s: float, runs: dict[str, list[dict[str, Any]]],
-              alone: bool = False) -> None:
+def one_round(arms: list[str], r: int, loads: list[bench_load.Load], tokenizer: str,
+              port: int, settle_s: float, idle_s: float,
+              runs: dict[str, list[dict[str, Any]]], alone: bool = False) -> None:
     """Boot both arms (alternating order), then load each in turn (alternating order);
     with ``alone``, stop the first arm and load the reference arm once more by itself
     (recorded as ``<reference>-alone``): what the first arm's processes at rest cost it."""
-    from dsv4_patch.tiny_model import ensure_tiny_model
-
-    tokenizer = str(ensure_tiny_model())
     ports = {arm: port + i * PORT_GAP for i, arm in enumerate(arms)}
     order = arms if r % 2 == 0 else list(reversed(arms))
     logs = {a: REPO / "results" / "logs" / f"side_by_side-{a}-{r}.log" for a in arms}
@@ -193,9 +174,13 @@ def main() -> int:
     except ValueError as exc:
         parser.error(str(exc))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # arm_server's finally stops both
+    from dsv4_patch.tiny_model import ensure_tiny_model
+
+    tokenizer = str(ensure_tiny_model())
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     for r in range(args.first_round, args.first_round + args.rounds):
-        one_round(arms, r, loads, args.port, args.settle_s, args.idle_s, runs, args.alone)
+        one_round(arms, r, loads, tokenizer, args.port, args.settle_s, args.idle_s, runs,
+                  args.alone)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"runs": runs, "arms": arms}, indent=2))
     print(tables(runs) + "\n\n" + all_goals(runs, arms))
