@@ -14,7 +14,10 @@ Arms, each its own session of processes (``benchmarks.arm_procs``):
   proxy on a private local Ray: client -> proxy actor -> replica actor.
 * ``haproxy``: the same deployment behind the door the KubeRay presets ship
   (``http.ingress: haproxy``): Ray's HAProxy, run as ``dsv4-haproxy``, forwarding to the
-  replica's direct-ingress port: client -> HAProxy -> replica actor.
+  replica's own port on its app loop (``deployments.serving.haproxy_target``):
+  client -> HAProxy -> replica actor.
+* ``haproxy-ray``: the same with ``DSV4_HAPROXY_TARGET=ray``: HAProxy forwards to Ray's
+  direct-ingress server on Serve's loop, which hands each chunk across threads.
 * ``port-edge``: the ``port`` arm with the stand-in behind our real edge
   (``front.harden``: keys, bounds, routes, stream limits, scrub), as the replicas serve
   vLLM's app. (A ``proxy-edge`` arm needs the app built in the replica through
@@ -52,7 +55,7 @@ from fastapi.responses import StreamingResponse
 
 from benchmarks.arm_procs import role_of, session_processes
 
-ARMS = ("port", "port-edge", "proxy", "haproxy")
+ARMS = ("port", "port-edge", "proxy", "haproxy", "haproxy-ray")
 
 
 def standin_app(edge: bool = False) -> Any:
@@ -111,12 +114,14 @@ def serve_port_arm(port: int, edge: bool) -> None:
     asyncio.run(run())
 
 
-def serve_proxy_arm(port: int, edge: bool, haproxy: bool = False) -> None:
+def serve_proxy_arm(port: int, edge: bool, haproxy: str | None = None) -> None:
     """The ``proxy`` arm: Ray + Serve's HTTP proxy + one replica of the app, until SIGTERM;
-    with ``haproxy``, Ray's HAProxy is the door (its side ports next to ``port``)."""
-    if haproxy:  # before Ray starts: every Ray process reads the flags at import
-        from deployments import serve_env
+    with ``haproxy`` (a ``DSV4_HAPROXY_TARGET``), Ray's HAProxy is the door (its side
+    ports next to ``port``)."""
+    from deployments import serve_env
 
+    if haproxy:  # before Ray starts: every Ray process reads the flags at import
+        os.environ[serve_env.HAPROXY_TARGET_FLAG] = haproxy
         serve_env.apply_ingress("haproxy")
         os.environ.update(serve_env.haproxy_ports_beside(port, replicas=2))
     import ray
@@ -129,7 +134,14 @@ def serve_proxy_arm(port: int, edge: bool, haproxy: bool = False) -> None:
     @serve.deployment(name="GpuRateReplica", max_ongoing_requests=1024)
     @serve.ingress(standin_app(edge))
     class GpuRateReplica:
-        pass
+        async def __init__(self) -> None:  # type: ignore[misc]  # Serve awaits an async __init__
+            # As a DSv4 replica does behind HAProxy: the app on its own port too.
+            if haproxy and serve_env.haproxy_target() == "replica":
+                from deployments.config.http import ReplicaPortLimits
+                from deployments.serving import haproxy_target
+
+                self._own = asyncio.get_running_loop().create_task(
+                    haproxy_target.open_port(standin_app(edge), ReplicaPortLimits(), 5.0))
 
     # serve.deployment makes the class a Deployment; mypy reads Ray as Any, so sees the class.
     serve.run(GpuRateReplica.bind(), name="sim", route_prefix="/")  # type: ignore[attr-defined]  # serve.deployment makes the class a Deployment
@@ -308,7 +320,8 @@ def main() -> int:
         if args.serve_arm.startswith("port"):
             serve_port_arm(args.port, edge)
         else:
-            serve_proxy_arm(args.port, edge, haproxy=args.serve_arm == "haproxy")
+            target = {"haproxy": "replica", "haproxy-ray": "ray"}.get(args.serve_arm)
+            serve_proxy_arm(args.port, edge, haproxy=target)
         return 0
     rows = [row for arm in args.arms for row in run_arm(arm, args)]
     if args.json:

@@ -11,8 +11,9 @@ the load starts), so Serve's autoscaler runs and collects its metrics the whole 
 * ``mn-proxy`` -- through Serve's Python proxy on ``--port`` (head node only:
   ``proxy_location: HeadOnly``): what an autoscaled or multi-node app uses today;
 * ``mn-haproxy`` -- ``http.ingress: haproxy``, what the KubeRay presets ship: Ray 2.60's
-  HAProxy ingress on ``--port`` forwarding to each replica's own direct-ingress port (a
-  port range from ``--port`` + 10, one per replica), HAProxy run as ``dsv4-haproxy`` (stats
+  HAProxy ingress on ``--port`` forwarding to each replica's own port on its app loop
+  (``deployments.serving.haproxy_target``: Ray's direct-ingress port, from ``--port`` +
+  10, plus the range's span), HAProxy run as ``dsv4-haproxy`` (stats
   ``--port`` + 2 and Prometheus ``--port`` + 3 on loopback), Serve's fallback proxy
   ``--port`` + 1; with an API key (the edge demands one whenever replicas listen
   themselves); drain by ``/-/healthz`` (``deployments.serving.dataplane``), no
@@ -23,6 +24,9 @@ the load starts), so Serve's autoscaler runs and collects its metrics the whole 
 * ``mn-haproxy-inline-1`` (ablation) -- ``mn-haproxy-1`` with the replica's user code
   on Serve's own event loop (``RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0``): what
   the thread hop of every streamed ASGI message costs on the shipped door;
+* ``mn-haproxy-ray-1`` (ablation) -- ``mn-haproxy-1`` with ``DSV4_HAPROXY_TARGET=ray``:
+  HAProxy forwards to Ray's direct-ingress server on Serve's loop, which hands every
+  streamed ASGI message across threads to the app (the shipped door before issue 34);
 * ``mn-replica-port`` -- ``http.replica_port`` = ``--port`` (both replicas share it by
   ``SO_REUSEPORT``, possible only because both "nodes" are this one machine and
   min = max), Serve's proxy on ``--port`` + 5.
@@ -85,8 +89,9 @@ def mn_env(arm: str, port: int) -> dict[str, str]:
     if not arm.startswith("mn-haproxy"):
         return {}
     inline = {USER_THREAD_FLAG: "0"} if "-inline" in arm else {}
+    target = {serve_env.HAPROXY_TARGET_FLAG: "ray"} if "-ray" in arm else {}
     return (serve_env.haproxy_ports_beside(port, mn_nodes(arm))
-            | {"DSV4_API_KEYS": DIRECT_KEY} | inline)
+            | {"DSV4_API_KEYS": DIRECT_KEY} | inline | target)
 
 
 def mn_nodes(arm: str) -> int:

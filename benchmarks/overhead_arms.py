@@ -25,11 +25,12 @@ SERVE_ARMS = ("ours", "ours-proxy", "stock", "ours-quiet", "ours-tput", "ours-di
 # The 2-node arms (``benchmarks.multinode_arms``): ``dsv4-serve run --nodes 2``, each door.
 # mn-haproxy-1: the same door with one replica on one worker node, so its engine count
 # is plain vLLM's (the 2-replica arms run two engines on the same 2 cores).
-MN_ARMS = ("mn-proxy", "mn-haproxy", "mn-replica-port", "mn-haproxy-1", "mn-haproxy-inline-1")
+MN_ARMS = ("mn-proxy", "mn-haproxy", "mn-replica-port", "mn-haproxy-1", "mn-haproxy-inline-1",
+           "mn-haproxy-ray-1")
 ARMS = ("ours", "ours-proxy", "vllm", *SERVE_ARMS[2:], *MN_ARMS)
 # Arms whose replicas listen themselves: the edge requires a key even on loopback.
 KEYED_ARMS = ("ours-direct", "ours-haproxy", "ours-haproxy-inline", "mn-haproxy",
-              "mn-haproxy-1", "mn-haproxy-inline-1")
+              "mn-haproxy-1", "mn-haproxy-inline-1", "mn-haproxy-ray-1")
 # ours-direct: the key the arm's replicas require and its client sends.
 DIRECT_KEY = "bench-direct-ingress-key"
 

@@ -225,6 +225,12 @@ def ingress_problem(ingress: str, environ: Mapping[str, str] | None = None) -> s
         return (f"http.ingress={ingress} but this Ray cluster runs {HAPROXY_FLAG}=1: HAProxy "
                 "would be the door, without the KV-spec drain of Serve's router. Fix: set "
                 "http.ingress: haproxy, or unset the flag.")
+    if on:
+        try:
+            haproxy_target(env)
+            direct_ingress_range(env)
+        except ValueError as exc:
+            return str(exc)
     if on and not env.get(HAPROXY_BINARY_FLAG, "").endswith(HAPROXY_WRAPPER):
         return (f"http.ingress=haproxy but {HAPROXY_BINARY_FLAG}="
                 f"{env.get(HAPROXY_BINARY_FLAG, '')!r}: HAProxy's stats page and Prometheus "
@@ -247,6 +253,62 @@ def haproxy_ports_beside(door: int, replicas: int) -> dict[str, str]:
     side |= {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": door + 10,
              "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": door + 10 + replicas}
     return {name: str(port) for name, port in side.items()}
+
+
+# Under HAProxy each ingress replica answers on a port of its own beside Ray's
+# direct-ingress port, its Ray port plus the span of Ray's range (``replica_port_for``):
+# ``dsv4-haproxy`` points HAProxy's servers there (deployments.http.haproxy) and the
+# replica binds it (deployments.serving.haproxy_target). Serve's allocator hands out
+# range(MIN, MAX) (Ray 2.60 node_port_manager), so these ports run from MAX to
+# 2*MAX-MIN-1: 31000-31999 at Ray's defaults.
+DIRECT_RANGE_FLAGS = ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+                      "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT")
+DIRECT_RANGE_DEFAULTS = (30000, 31000)
+
+
+# Where dsv4-haproxy sends HAProxy: ``replica`` (the default), each replica's own port on
+# its app loop; ``ray``, Ray's direct-ingress ports as Ray configured them (a cluster
+# that also serves apps other than dsv4-serve's, or a same-run comparison). Cluster-wide,
+# like Ray's flags: read by dsv4-haproxy and by each replica.
+HAPROXY_TARGET_FLAG = "DSV4_HAPROXY_TARGET"
+HAPROXY_TARGETS = ("replica", "ray")
+
+
+def haproxy_target(environ: Mapping[str, str] | None = None) -> str:
+    """``DSV4_HAPROXY_TARGET`` in this environment (``replica`` unless set); ValueError
+    naming the flag for another value."""
+    env = os.environ if environ is None else environ
+    value = env.get(HAPROXY_TARGET_FLAG, HAPROXY_TARGETS[0]).strip() or HAPROXY_TARGETS[0]
+    if value not in HAPROXY_TARGETS:
+        raise ValueError(f"{HAPROXY_TARGET_FLAG}={value!r}: expected one of "
+                         f"{', '.join(HAPROXY_TARGETS)}. Fix: unset it (each replica's own "
+                         "port) or set ray (Ray's direct-ingress ports).")
+    return value
+
+
+def direct_ingress_range(environ: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """(MIN, MAX) of Serve's direct-ingress HTTP ports in this environment (Ray's
+    defaults otherwise); ValueError naming the flag when it is not a port range."""
+    env = os.environ if environ is None else environ
+    bounds = []
+    for name, default in zip(DIRECT_RANGE_FLAGS, DIRECT_RANGE_DEFAULTS, strict=True):
+        text = env.get(name, str(default)).strip()
+        if not text.isdigit():
+            raise ValueError(f"{name}={text!r}: expected a port number. Fix: correct it.")
+        bounds.append(int(text))
+    low, high = bounds
+    if not 0 < low < high <= 65535 or 2 * high - low - 1 > 65535:
+        raise ValueError(f"{DIRECT_RANGE_FLAGS[0]}={low}, {DIRECT_RANGE_FLAGS[1]}={high}: "
+                         "expected MIN < MAX and the replicas' own ports (MAX to 2*MAX-MIN-1) "
+                         "below 65536. Fix: pick a lower or narrower range.")
+    return low, high
+
+
+def replica_port_for(ray_port: int, environ: Mapping[str, str] | None = None) -> int | None:
+    """The replica's own port behind HAProxy for Ray's direct-ingress ``ray_port``, or
+    None when ``ray_port`` is not one Serve hands out in this environment."""
+    low, high = direct_ingress_range(environ)
+    return ray_port + (high - low) if low <= ray_port < high else None
 
 
 def haproxy_side_ports(environ: Mapping[str, str] | None = None) -> list[tuple[str, int]]:

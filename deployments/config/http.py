@@ -47,8 +47,9 @@ class AuthConfig(_Strict):
 
 
 class ReplicaPortLimits(_Strict):
-    """Waits and connections on ``http.replica_port``, each replica's own uvicorn: they
-    come before any key is checked (``deployments.http.listener_guard``)."""
+    """Waits and connections on each replica's own uvicorn (``http.replica_port``, or the
+    replica's own port behind HAProxy): they come before any key is checked
+    (``deployments.http.listener_guard``)."""
 
     header_timeout_s: float = Field(
         default=15.0, gt=0, le=300, description="a connection must send a request's full "
@@ -102,7 +103,7 @@ class HTTPEdge(_Strict):
     replica_port_limits: ReplicaPortLimits = Field(default_factory=ReplicaPortLimits)
     # The door on http_options.port when Serve routes (autoscaled, multi-node, KubeRay):
     # "serve_proxy" = Serve's Python proxy; "haproxy" = Ray's HAProxy ingress forwarding
-    # to each replica's own direct-ingress port (docs/serving.md "Doors"). HAProxy is a
+    # to each replica's own port on its app loop (docs/serving.md "Doors"). HAProxy is a
     # cluster-wide Ray setting (RAY_SERVE_ENABLE_HA_PROXY in every Ray process): `dsv4-serve
     # run` sets it for its own cluster, the KubeRay manifests in the pods' env, and
     # build_app refuses a config that says otherwise than the cluster it runs on.

@@ -10,6 +10,16 @@ disable servers). Ray takes no host for either frontend and no socket mode
 binary: it writes a hardened copy of the config it is given (both frontends on
 127.0.0.1, the admin socket ``mode 600``) and execs Ray's bundled HAProxy on it.
 
+It also points each HTTP server line at the replica's own port
+(``serve_env.replica_port_for``: Ray's direct-ingress port plus the span of Ray's
+range), where the replica serves the app on its user-code event loop
+(``deployments.serving.haproxy_target``). Ray's direct-ingress server runs on Serve's
+loop and hands every streamed chunk across threads to it (docs/benchmarks.md §2h:
+~0.1 CPU-ms per token, the whole path's excess over vLLM's API server). Server names
+are kept, so Ray's stats and target bookkeeping (by name) are unchanged; the fallback
+server (Serve's proxy) and gRPC servers are outside the range and left alone. With
+``DSV4_HAPROXY_TARGET=ray`` (``serve_env.haproxy_target``) the servers stay at Ray's ports.
+
 Ray's manager itself reads HAProxy's counters from the admin socket and its log stream
 (re-exported as Ray metrics), never from these two frontends, so nothing of Ray's
 needs them beyond loopback. A config in which any of the three lines is missing is
@@ -23,6 +33,7 @@ import os
 import re
 import signal
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from deployments import lifetime, serve_env
@@ -34,6 +45,8 @@ WRAPPER = serve_env.HAPROXY_WRAPPER
 
 # Each rule: (what it closes, pattern on one line of the rendered config, replacement).
 _STATS_BIND = re.compile(r"^(?P<indent>\s*)bind\s+\*?:(?P<port>\d+)\s*$")
+_SERVER = re.compile(r"^(?P<head>\s*server\s+\S+\s+)(?P<host>\S+):(?P<port>\d+)"
+                     r"(?P<tail>\s.*)?$")
 _SOCKET = re.compile(r"^(?P<head>\s*stats socket\s+\S+\s+)mode\s+\d+(?P<tail>\s.*)?$")
 
 
@@ -57,10 +70,13 @@ def _section_of(line: str, current: str | None) -> str | None:
     return current
 
 
-def harden(text: str) -> Hardened:
-    """``text`` with the stats and Prometheus frontends bound to 127.0.0.1 and the admin
-    socket at mode 600; ``HAProxyConfigError`` names whatever was not found."""
+def harden(text: str, environ: Mapping[str, str] | None = None) -> Hardened:
+    """``text`` with the stats and Prometheus frontends bound to 127.0.0.1, the admin
+    socket at mode 600 and the replicas' servers at their own ports (``environ``'s
+    direct-ingress range); ``HAProxyConfigError`` names whatever was not found."""
     out, changes, section = [], [], None
+    direct = serve_env.direct_ingress_range(environ) \
+        if serve_env.haproxy_target(environ) == "replica" else None
     found = {"listen stats": False, "frontend prometheus": False, "stats socket": False}
     for line in text.splitlines():
         section = _section_of(line, section)
@@ -73,6 +89,11 @@ def harden(text: str) -> Hardened:
             line = f"{sock['head']}mode 600{sock['tail'] or ''}"
             found["stats socket"] = True
             changes.append("admin socket: mode 600 (was world-writable)")
+        elif direct and section and section.startswith("backend ") and \
+                (server := _SERVER.match(line)):
+            line, change = _to_replica_port(server, direct)
+            if change:
+                changes.append(f"{section}: {change}")
         out.append(line)
     missing = [name for name, seen in found.items() if not seen]
     if missing:
@@ -83,6 +104,18 @@ def harden(text: str) -> Hardened:
             "`dsv4-serve doctor` (ray touch serve.haproxy_binary) and update "
             "deployments/http/haproxy.py for this Ray.")
     return Hardened("\n".join(out) + "\n", tuple(changes))
+
+
+def _to_replica_port(server: re.Match[str], direct: tuple[int, int]) -> tuple[str, str]:
+    """A server line moved to the replica's own port, and what moved (nothing for a
+    server outside Ray's direct-ingress range: the fallback proxy, gRPC)."""
+    port = int(server["port"])
+    own = serve_env.replica_port_for(port, dict(zip(serve_env.DIRECT_RANGE_FLAGS,
+                                                    map(str, direct), strict=True)))
+    if own is None:
+        return server.group(0), ""
+    line = f"{server['head']}{server['host']}:{own}{server['tail'] or ''}"
+    return line, f"{server['head'].split()[1]} -> {server['host']}:{own} (Ray's port {port})"
 
 
 def config_arg(argv: list[str]) -> int:

@@ -54,7 +54,7 @@ START_TIMEOUT_S = 30.0
 CUT_MARGIN_S = 2.0
 
 
-def reuse_port_socket(host: str, port: int) -> socket.socket:
+def reuse_port_socket(host: str, port: int, setting: str = "http.replica_port") -> socket.socket:
     """A TCP socket bound to ``host:port`` with SO_REUSEPORT (and SO_REUSEADDR).
 
     Raises ``OSError`` naming the address when another process holds the port without
@@ -68,9 +68,9 @@ def reuse_port_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise OSError(exc.errno, f"cannot bind {host}:{port} for http.replica_port: "
+        raise OSError(exc.errno, f"cannot bind {host}:{port} for {setting}: "
                       f"{exc.strerror}. Fix: free the port (another program holds it "
-                      "without SO_REUSEPORT) or pick another http.replica_port") from exc
+                      f"without SO_REUSEPORT) or pick another {setting}") from exc
     sock.set_inheritable(False)
     return sock
 
@@ -108,8 +108,11 @@ class ReplicaListener:
     """The app on ``host:port`` (shared), in this replica's event loop; closable for reasons."""
 
     def __init__(self, app: Any, host: str, port: int,
-                 limits: ReplicaPortLimits | None = None):
+                 limits: ReplicaPortLimits | None = None,
+                 setting: str = "http.replica_port", shared: bool = True):
         self._held = HeldRequests(app)
+        self._setting = setting  # what chose the port (named in errors)
+        self._shared = shared  # other replicas of the app bind it too (logged)
         self.host = host
         self.port = port
         self._limits = limits or ReplicaPortLimits()
@@ -156,7 +159,7 @@ class ReplicaListener:
     async def _serve(self) -> None:
         import uvicorn
 
-        sock = reuse_port_socket(self.host, self.port)
+        sock = reuse_port_socket(self.host, self.port, self._setting)
         config = uvicorn.Config(
             self._held, lifespan="off",  # Serve runs the app's lifespan already
             access_log=False, log_config=None, log_level="warning",
@@ -186,8 +189,9 @@ class ReplicaListener:
             await asyncio.sleep(0.01)
         self._server, self._task = server, task
         self._inode = os.fstat(sock.fileno()).st_ino
-        logger.info("dsv4: this replica answers HTTP itself on %s (shared with the app's "
-                    "other replicas on this machine; no proxy hop)", self.address)
+        logger.info("dsv4: this replica answers HTTP itself on %s (%s; no proxy hop)",
+                    self.address, "shared with the app's other replicas on this machine"
+                    if self._shared else f"{self._setting}, its own")
 
     def close_for(self, why: str) -> None:
         """Stop taking connections (``why``: drain, engine, stop); held requests finish.
@@ -241,13 +245,18 @@ class ReplicaListener:
             return False
 
     def watch(self, stopping: Callable[[], bool], budget_s: float,
-              poll_s: float = 0.25) -> None:
-        """Poll ``stopping`` (Serve began stopping this replica); then ``begin_stop``
-        with ``budget_s`` less the poll period (what Serve has left, at most)."""
+              poll_s: float = 0.25, hold_s: float = 0.0) -> None:
+        """Poll ``stopping`` (Serve began stopping this replica); ``hold_s`` later (a
+        balancer in front deregisters the replica meanwhile: it fails the health check
+        while the port still answers) ``begin_stop`` with what Serve has left, at most."""
         async def poll() -> None:
             while not stopping():
                 await asyncio.sleep(poll_s)
-            self.begin_stop(budget_s - poll_s)
+            if hold_s > 0:
+                logger.info("dsv4: Serve is stopping this replica; %s keeps answering "
+                            "for %g s while the balancer takes it out", self.address, hold_s)
+                await asyncio.sleep(hold_s)
+            self.begin_stop(budget_s - poll_s - hold_s)
 
         self._watcher = asyncio.get_running_loop().create_task(poll())
         self._watcher.add_done_callback(_log_failure)

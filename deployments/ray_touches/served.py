@@ -335,6 +335,55 @@ TOUCHES: tuple[RayTouch, ...] = (
         required=False,
     ),
     RayTouch(
+        name="serve.replica_port_behind_haproxy",
+        target="ray.serve._private.replica:Replica._http_port, ._http_options, "
+               "._route_prefix, "
+               "._event_loop, ._dataplane_health_check and ._metrics_manager "
+               "(ReplicaMetricsManager.inc_num_ongoing_requests / dec_...), "
+               "ray.serve._private.common:RequestMetadata; the template's server line "
+               "(haproxy_templates.HAPROXY_CONFIG_TEMPLATE)",
+        used_in=("deployments.serving.haproxy_target:open_port",
+                 "deployments.serving.haproxy_target:ServeCount",
+                 "deployments.serving.haproxy_target:serve_health",
+                 "deployments.serving.haproxy_target:wanted",
+                 "deployments.http.haproxy:harden"),
+        why="Serve's direct-ingress server runs on Serve's loop and hands every streamed "
+            "chunk across threads to the app: ~0.1 CPU-ms per token, the serving path's "
+            "excess over vLLM's API server (issue 34, docs/benchmarks.md 2h)",
+        how="the replica serves the app on its own port (Ray's port + the range's span) on "
+            "the user-code loop; dsv4-haproxy points HAProxy's server lines there; "
+            "/-/healthz answers Serve's data-plane health, each request is counted in "
+            "Serve's ongoing requests (two call_soon_threadsafe per request); absent = "
+            "http.ingress: haproxy is refused at replica start unless "
+            "DSV4_HAPROXY_TARGET=ray",
+        upstream="no public way to serve a replica's HTTP on the user-code loop in Ray "
+                 "2.60 (ray#59681, Serve LLM's overhead, open)",
+        removal="when Serve's direct ingress runs the ASGI app on the loop it serves HTTP "
+                "on, or publishes a per-request load hook",
+        probe=every(source_mentions("ray.serve._private.replica",
+                                    "Replica._maybe_start_direct_ingress_servers",
+                                    "self._http_port,"),
+                    source_mentions("ray.serve._private.replica",
+                                    "Replica._maybe_start_direct_ingress_servers",
+                                    "self._http_options"),
+                    source_mentions("ray.serve._private.replica",
+                                    "Replica._direct_ingress_asgi",
+                                    "root_path + self._route_prefix"),
+                    attr_chain("ray.serve._private.replica",
+                               "ReplicaMetricsManager.inc_num_ongoing_requests"),
+                    attr_chain("ray.serve._private.replica",
+                               "ReplicaMetricsManager.dec_num_ongoing_requests"),
+                    attr_chain("ray.serve._private.replica",
+                               "Replica._dataplane_health_check"),
+                    dataclass_field("ray.serve._private.common", "RequestMetadata",
+                                    "is_direct_ingress"),
+                    text_mentions("ray.serve._private.haproxy_templates",
+                                  "HAPROXY_CONFIG_TEMPLATE",
+                                  "server {{ server.name }} {{ server.host }}:"
+                                  "{{ server.port }} check")),
+        required=False,
+    ),
+    RayTouch(
         name="serve.haproxy_binary",
         target="ray.serve._private.constants:RAY_SERVE_HAPROXY_BINARY_PATH, run by "
                "ray.serve._private.haproxy:HAProxyApi._start_and_wait_for_haproxy as "

@@ -66,7 +66,7 @@ from deployments.http.listener import ReplicaListener
 from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
 from deployments.responses.replica import ReplicaStore, bind_store
-from deployments.serving import boot, dataplane
+from deployments.serving import boot, dataplane, haproxy_target
 from deployments.serving.engine_wait import AfterEngineSpawn, freeze_heap
 from deployments.serving.resolve import (
     apply_override,
@@ -114,8 +114,10 @@ class DSv4ServerMixin:
         self._replica_id = ctx.replica_id.unique_id
         self._asgi_app: Any = None
         self._listener: ReplicaListener | None = None
-        self._dataplane = (dataplane.install() if http is not None
-                           and self._http.ingress == "haproxy" else None)
+        behind_haproxy = http is not None and self._http.ingress == "haproxy"
+        self._own_port_behind_haproxy = behind_haproxy and haproxy_target.wanted()
+        self._dataplane = dataplane.install() if behind_haproxy else None
+        self._behind: asyncio.Task[None] | None = None  # opens the port behind HAProxy
         self._drain_timeout_s = drain_timeout_s
         self._responses = StoreSettings.model_validate(responses or {})
         self._store: ReplicaStore | None = None
@@ -234,7 +236,20 @@ class DSv4ServerMixin:
             self._store = bind_store(app, self._responses, self._app_name)
         if self._http.replica_port is not None:
             await self._open_listener(self._http.replica_port)
+        elif self._own_port_behind_haproxy:  # once Serve's own server has its port
+            self._behind = asyncio.get_running_loop().create_task(self._open_behind_haproxy())
         return self._asgi_app
+
+    async def _open_behind_haproxy(self) -> None:
+        """The port HAProxy reaches this replica on (``haproxy_target``); a failure is
+        logged here and fails the replica's health check (Serve replaces it)."""
+        try:
+            self._listener = await haproxy_target.open_port(
+                self._asgi_app, self._http.replica_port_limits, self._drain_timeout_s)
+        except Exception:
+            logger.exception("dsv4: the port behind HAProxy did not open; HAProxy marks "
+                             "this replica down and Serve replaces it")
+            raise
 
     async def _open_listener(self, port: int) -> None:
         """``http.replica_port``: answer HTTP here too, on the proxy's host (``listener``)."""
@@ -255,6 +270,8 @@ class DSv4ServerMixin:
     async def dsv4_close_listener(self) -> None:
         """Shutdown: stop taking connections on the replica's own port, let held
         requests finish (up to the deployment's graceful shutdown time)."""
+        if self._behind is not None and not self._behind.done():
+            self._behind.cancel()
         if self._listener is not None:
             await self._listener.stop(self._drain_timeout_s)
 
@@ -311,7 +328,7 @@ class DSv4ServerMixin:
         if self._dataplane is not None:
             self._dataplane.follow(drained and others_serving(
                 message, self._replica_id, self._settings.policy.value))
-        if self._listener is None:
+        if self._listener is None or self._http.ingress == "haproxy":  # the gate drains
             return
         if drained and others_serving(message, self._replica_id, self._settings.policy.value) \
                 and self._listener.others_listening():  # the last one on this node stays
@@ -338,6 +355,10 @@ class DSv4ServerMixin:
         """
         if self._edge is not None:
             self._edge.keys.refresh()
+        if self._behind is not None and self._behind.done() and not self._behind.cancelled() \
+                and self._behind.exception() is not None:
+            raise RuntimeError("the port behind HAProxy did not open (logged above); "
+                               "HAProxy cannot reach this replica") from self._behind.exception()
         try:
             await super().check_health()  # type: ignore[misc]  # a mixin: the superclass that defines it is Ray Serve LLM's LLMServer
         except Exception:

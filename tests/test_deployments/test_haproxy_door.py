@@ -40,6 +40,9 @@ URL = f"http://127.0.0.1:{PORT}/v1"
 KEY = "haproxy-door-test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SIDE_ENV = serve_env.haproxy_ports_beside(PORT, replicas=3)
+# Ray's direct-ingress ports are range(MIN, MAX); the replicas' own ones follow them.
+_RAY_RANGE = serve_env.direct_ingress_range(SIDE_ENV)
+OWN_PORTS = (_RAY_RANGE[1], 2 * _RAY_RANGE[1] - _RAY_RANGE[0])
 MODEL = "dsv4-tiny"
 
 
@@ -108,6 +111,19 @@ def test_the_door_demands_the_key_and_serves_with_it(run: mn.Run) -> None:
     assert served.json()["usage"]["completion_tokens"] > 0
 
 
+def test_haproxy_sends_requests_to_the_replicas_own_ports(run: mn.Run) -> None:
+    """Each server line points at the replica's own port (Ray's port + the range's
+    span), which a replica process listens on and which served the request above."""
+    own = set(range(*OWN_PORTS))
+    rows = server_rows(run)
+    addrs = {r["svname"]: r["addr"] for r in rows}
+    assert len(addrs) == 2 and all(int(a.rsplit(":", 1)[1]) in own
+                                   for a in addrs.values()), addrs
+    listening = {conn.laddr.port for pid in run.all_pids() for conn in _listening(pid)}
+    assert {int(a.rsplit(":", 1)[1]) for a in addrs.values()} <= listening, (addrs, listening)
+    assert sum(int(r["stot"]) for r in rows) >= 1, rows
+
+
 def test_every_socket_of_the_cluster_is_loopback(run: mn.Run) -> None:
     pids = run.all_pids()
     assert run.haproxy_configs(), "no HAProxy process of the run"
@@ -124,9 +140,18 @@ def test_every_socket_of_the_cluster_is_loopback(run: mn.Run) -> None:
     assert {PORT, PORT + 1, PORT + 2, PORT + 3} <= ports, sorted(listening)
     wide = {addr: pid for addr, pid in listening.items()
             if addr[0] not in ("127.0.0.1", "::1")
-            and addr[1] in {PORT, PORT + 1, PORT + 2, PORT + 3} | set(range(PORT + 10, PORT + 14))}
+            and addr[1] in {PORT, PORT + 1, PORT + 2, PORT + 3} | set(range(PORT + 10, PORT + 14))
+            | set(range(*OWN_PORTS))}
     assert not wide, f"beyond loopback: {wide}"
     assert oct(os.stat(admin_socket(run)).st_mode & 0o777) == "0o600"
+
+
+def _listening(pid: int) -> list[Any]:
+    try:
+        conns = psutil.Process(pid).net_connections(kind="inet")
+    except psutil.Error:
+        return []
+    return [conn for conn in conns if conn.status == psutil.CONN_LISTEN]
 
 
 def _report() -> dict[str, Any]:

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -17,9 +18,9 @@ from deployments.http import haproxy
 
 
 def ray_rendered_config(tmp_path: Path, stats_port: int = 8404,
-                        metrics_port: int = 9101) -> str:
-    """The config Ray's HAProxy manager writes for an empty route table (its real
-    template and config class, not a copy)."""
+                        metrics_port: int = 9101, backends: dict[str, Any] | None = None) -> str:
+    """The config Ray's HAProxy manager writes for ``backends`` (default: an empty route
+    table), with its real template and config class, not a copy."""
     from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig
 
     cfg = HAProxyConfig(stats_port=stats_port, metrics_port=metrics_port,
@@ -28,8 +29,73 @@ def ray_rendered_config(tmp_path: Path, stats_port: int = 8404,
                         server_state_file=str(tmp_path / "server-state"),
                         metrics_enabled=False)
     path = tmp_path / "haproxy.cfg"
-    HAProxyApi(cfg, {}, config_file_path=str(path))._generate_config_file_internal()
+    HAProxyApi(cfg, backends or {}, config_file_path=str(path))._generate_config_file_internal()
     return path.read_text()
+
+
+def app_backend(ports: list[int], fallback_port: int = 8500) -> dict[str, Any]:
+    """One app's backend as Ray's controller describes it: a server per replica at its
+    direct-ingress port, Serve's proxy as the fallback."""
+    from ray.serve._private.haproxy import BackendConfig, ServerConfig
+
+    servers = [ServerConfig(name=f"replica-{i}", host="10.0.0.7", port=port)
+               for i, port in enumerate(ports)]
+    return {"app": BackendConfig(name="app", path_prefix="/", servers=servers,
+                                 fallback_server=ServerConfig(name="fallback",
+                                                              host="10.0.0.1",
+                                                              port=fallback_port))}
+
+
+def test_replica_servers_move_to_their_own_ports_and_nothing_else_does(
+        tmp_path: Path) -> None:
+    env = {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "30000",
+           "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "31000"}
+    text = ray_rendered_config(tmp_path, backends=app_backend([30000, 30999]))
+    assert "10.0.0.7:30000 check" in text and "10.0.0.7:30999 check" in text
+    out = haproxy.harden(text, env)
+    servers = [ln.split()[1:3] for ln in out.text.splitlines()
+               if ln.strip().startswith("server ")]
+    assert servers == [["replica-0", "10.0.0.7:31000"], ["replica-1", "10.0.0.7:31999"],
+                       ["fallback", "10.0.0.1:8500"]], servers
+    assert sum("replica-" in change for change in out.changes) == 2, out.changes
+    # The rest of each server line (check, observe, backup) is kept as Ray wrote it.
+    before = {ln.split()[1]: ln.split()[3:] for ln in text.splitlines()
+              if ln.strip().startswith("server ")}
+    after = {ln.split()[1]: ln.split()[3:] for ln in out.text.splitlines()
+             if ln.strip().startswith("server ")}
+    assert before == after
+    # A port just outside Ray's range (MAX itself is never handed out) stays.
+    edge = haproxy.harden(ray_rendered_config(tmp_path, backends=app_backend([31000])), env)
+    assert "10.0.0.7:31000 check" in edge.text and len(edge.changes) == 3
+
+
+def test_a_broken_direct_ingress_range_is_named() -> None:
+    from deployments import serve_env
+
+    with pytest.raises(ValueError, match="RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"):
+        serve_env.direct_ingress_range({"RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "x"})
+    with pytest.raises(ValueError, match="MIN < MAX"):
+        serve_env.direct_ingress_range({"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "31000",
+                                        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "30000"})
+    with pytest.raises(ValueError, match="65536"):
+        serve_env.direct_ingress_range({"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": "40000",
+                                        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": "60000"})
+
+
+def test_the_range_defaults_are_the_installed_rays(monkeypatch: pytest.MonkeyPatch) -> None:
+    import inspect
+
+    from ray.serve._private import constants
+
+    from deployments import serve_env
+
+    for flag in serve_env.DIRECT_RANGE_FLAGS:
+        monkeypatch.delenv(flag, raising=False)
+    assert serve_env.direct_ingress_range() == serve_env.DIRECT_RANGE_DEFAULTS
+    source = inspect.getsource(constants)
+    for flag, default in zip(serve_env.DIRECT_RANGE_FLAGS, serve_env.DIRECT_RANGE_DEFAULTS,
+                             strict=True):
+        assert f'"{flag}", "{default}"' in source, f"Ray's default for {flag} changed"
 
 
 def test_ray_template_binds_every_interface_and_we_close_it(tmp_path: Path) -> None:
@@ -44,9 +110,11 @@ def test_ray_template_binds_every_interface_and_we_close_it(tmp_path: Path) -> N
     assert "bind 127.0.0.1:8000" in out.text
 
 
-def test_haproxy_accepts_the_hardened_config(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ports", [[], [30000, 30001]])
+def test_haproxy_accepts_the_hardened_config(tmp_path: Path, ports: list[int]) -> None:
     target = tmp_path / "hardened.cfg"
-    target.write_text(haproxy.harden(ray_rendered_config(tmp_path)).text)
+    text = ray_rendered_config(tmp_path, backends=app_backend(ports) if ports else None)
+    target.write_text(haproxy.harden(text).text)
     (tmp_path / "500.http").write_text("HTTP/1.0 500 Internal Server Error\r\n\r\n")
     real = haproxy.real_binary()
     check = subprocess.run([real, "-c", "-f", str(target)], capture_output=True, text=True,
@@ -156,3 +224,18 @@ def test_haproxy_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
     finally:
         if child.is_running():
             child.kill()
+
+
+def test_target_ray_keeps_haproxy_on_rays_ports_and_a_bad_target_is_named(
+        tmp_path: Path) -> None:
+    from deployments import serve_env
+
+    text = ray_rendered_config(tmp_path, backends=app_backend([30000]))
+    kept = haproxy.harden(text, {serve_env.HAPROXY_TARGET_FLAG: "ray"})
+    assert "10.0.0.7:30000 check" in kept.text and len(kept.changes) == 3
+    with pytest.raises(ValueError, match=serve_env.HAPROXY_TARGET_FLAG):
+        haproxy.harden(text, {serve_env.HAPROXY_TARGET_FLAG: "proxy"})
+    problem = serve_env.ingress_problem("haproxy", {
+        serve_env.HAPROXY_FLAG: "1", serve_env.HAPROXY_BINARY_FLAG: "/x/dsv4-haproxy",
+        serve_env.HAPROXY_TARGET_FLAG: "proxy"})
+    assert problem is not None and "expected one of replica, ray" in problem

@@ -149,3 +149,101 @@ def test_free_ports_pass(tmp_path: Path) -> None:
     raw["http_options"]["port"] = free_port()
     raw["applications"][0]["args"]["http"]["replica_port"] = free_port()
     refuse_busy_ports(load_serve_config(write(tmp_path, raw)))
+
+
+def test_behind_haproxy_health_is_serves_answer_and_every_request_is_counted() -> None:
+    """The port HAProxy reaches: ``/-/healthz`` (no key) answers what Serve's data-plane
+    health says; every other request is counted in while held, out however it ends."""
+    from deployments.http.behind_haproxy import HEALTH_PATH, BehindHAProxy
+    from tests.support.replica_port import get_response
+
+    async def scenario() -> None:
+        port = free_port()
+        hold = asyncio.Event()
+        answer = [(True, "success")]
+        counted: list[int] = []
+
+        async def health() -> tuple[bool, str]:
+            return answer[0]
+
+        app = BehindHAProxy(named_app("a", hold), health, counted.append)
+        listener = ReplicaListener(app, "127.0.0.1", port, shared=False)
+        await listener.start()
+        assert await in_thread(get_response, port, HEALTH_PATH) == (200, "success")
+        answer[0] = (False, "DRAINED by the dsv4 KV-spec check")
+        assert await in_thread(get_response, port, HEALTH_PATH) == (
+            503, "DRAINED by the dsv4 KV-spec check")
+        assert counted == []  # health checks are not load
+        slow = asyncio.ensure_future(in_thread(get, port, "/slow", 10.0))
+        await asyncio.sleep(0.3)
+        assert counted == [1]
+        hold.set()
+        assert await slow == "start a"
+        await asyncio.sleep(0.1)
+        assert counted == [1, -1]
+        # A request cut at the end of the shutdown budget is counted out too.
+        cut = asyncio.ensure_future(in_thread(get, port, "/slow", 10.0))
+        hold.clear()
+        await asyncio.sleep(0.3)
+        await listener.stop(0.1)
+        with pytest.raises((OSError, http.client.HTTPException)):
+            await cut
+        assert sum(counted) == 0 and len(counted) == 4
+
+    asyncio.run(scenario())
+
+
+def test_a_watched_stop_keeps_answering_through_the_hold_then_closes() -> None:
+    """Behind a balancer the port answers while Serve's health check fails (the hold),
+    so requests the balancer still sends are served; then it closes."""
+    async def scenario() -> None:
+        port = free_port()
+        stopping = [False]
+        listener = ReplicaListener(named_app("a"), "127.0.0.1", port, shared=False)
+        await listener.start()
+        listener.watch(lambda: stopping[0], budget_s=10.0, poll_s=0.05, hold_s=1.0)
+        stopping[0] = True
+        await asyncio.sleep(0.4)
+        assert await in_thread(get, port) == "a"  # within the hold
+        await asyncio.sleep(1.2)
+        assert not listener.listening
+        with pytest.raises(OSError):
+            await in_thread(get, port, "/", 1.0)
+        await listener.stop(1.0)
+
+    asyncio.run(scenario())
+
+
+def test_behind_haproxy_mounts_the_app_at_its_route_prefix_as_serve_does() -> None:
+    """HAProxy forwards the whole path: an app at ``/dsv4`` answers ``/dsv4/...`` as it
+    would through Serve (FastAPI routes under ``root_path``); a path outside is a 404."""
+    from fastapi import FastAPI
+
+    from deployments.http.behind_haproxy import HEALTH_PATH, BehindHAProxy
+    from tests.support.replica_port import get_response
+
+    api = FastAPI()
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, str]:
+        return {"object": "list"}
+
+    async def scenario() -> None:
+        port = free_port()
+
+        async def health() -> tuple[bool, str]:
+            return True, "success"
+
+        counted: list[int] = []
+        app = BehindHAProxy(api, health, counted.append, route_prefix="/dsv4")
+        listener = ReplicaListener(app, "127.0.0.1", port, shared=False)
+        await listener.start()
+        status, body = await in_thread(get_response, port, "/dsv4/v1/models")
+        assert (status, body) == (200, '{"object":"list"}')
+        assert (await in_thread(get_response, port, "/v1/models"))[0] == 404
+        assert (await in_thread(get_response, port, "/dsv4x/v1/models"))[0] == 404
+        assert await in_thread(get_response, port, HEALTH_PATH) == (200, "success")
+        assert counted == [1, -1]
+        await listener.stop(1.0)
+
+    asyncio.run(scenario())
