@@ -54,7 +54,12 @@ START_TIMEOUT_S = 30.0
 CUT_MARGIN_S = 2.0
 
 
-def reuse_port_socket(host: str, port: int, setting: str = "http.replica_port") -> socket.socket:
+REPLICA_PORT_FIX = ("free the port (another program holds it without SO_REUSEPORT) or "
+                    "pick another http.replica_port")
+
+
+def reuse_port_socket(host: str, port: int, setting: str = "http.replica_port",
+                      fix: str = REPLICA_PORT_FIX) -> socket.socket:
     """A TCP socket bound to ``host:port`` with SO_REUSEPORT (and SO_REUSEADDR).
 
     Raises ``OSError`` naming the address when another process holds the port without
@@ -69,8 +74,7 @@ def reuse_port_socket(host: str, port: int, setting: str = "http.replica_port") 
     except OSError as exc:
         sock.close()
         raise OSError(exc.errno, f"cannot bind {host}:{port} for {setting}: "
-                      f"{exc.strerror}. Fix: free the port (another program holds it "
-                      f"without SO_REUSEPORT) or pick another {setting}") from exc
+                      f"{exc.strerror}. Fix: {fix}") from exc
     sock.set_inheritable(False)
     return sock
 
@@ -109,9 +113,10 @@ class ReplicaListener:
 
     def __init__(self, app: Any, host: str, port: int,
                  limits: ReplicaPortLimits | None = None,
-                 setting: str = "http.replica_port", shared: bool = True):
+                 setting: str = "http.replica_port", shared: bool = True,
+                 fix: str = REPLICA_PORT_FIX):
         self._held = HeldRequests(app)
-        self._setting = setting  # what chose the port (named in errors)
+        self._setting, self._fix = setting, fix  # what chose the port, and the fix (errors)
         self._shared = shared  # other replicas of the app bind it too (logged)
         self.host = host
         self.port = port
@@ -159,7 +164,7 @@ class ReplicaListener:
     async def _serve(self) -> None:
         import uvicorn
 
-        sock = reuse_port_socket(self.host, self.port, self._setting)
+        sock = reuse_port_socket(self.host, self.port, self._setting, self._fix)
         config = uvicorn.Config(
             self._held, lifespan="off",  # Serve runs the app's lifespan already
             access_log=False, log_config=None, log_level="warning",

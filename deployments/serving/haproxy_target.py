@@ -44,6 +44,9 @@ logger = get_logger("server")
 
 TOUCH = "serve.replica_port_behind_haproxy"
 SETTING = "the replica's own port behind HAProxy"
+BIND_FIX = ("free the port, or move Ray's direct-ingress range "
+            "(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT/MAX_HTTP_PORT; the replicas' own ports "
+            "run from MAX to 2*MAX-MIN-1) in every Ray process's environment")
 # How long the replica waits for Serve's direct-ingress port (Serve starts that server
 # right after the replica's constructor; a failure there fails the replica itself).
 RAY_PORT_WAIT_S = 120.0
@@ -125,7 +128,8 @@ async def open_port(app: Any, limits: ReplicaPortLimits, budget_s: float) -> Rep
     host = replica._http_options.host
     routed = BehindHAProxy(app, serve_health(replica), ServeCount(replica),
                            route_prefix=replica._route_prefix or "/")
-    listener = ReplicaListener(routed, host, port, limits, setting=SETTING, shared=False)
+    listener = ReplicaListener(routed, host, port, limits, setting=SETTING, shared=False,
+                               fix=BIND_FIX)
     await listener.start()
     logger.info("dsv4: HAProxy reaches this replica on %s:%d (Serve's own server: %d)",
                 host, port, theirs)
