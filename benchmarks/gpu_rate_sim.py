@@ -131,8 +131,12 @@ def serve_proxy_arm(port: int, edge: bool, haproxy: str | None = None) -> None:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
 
+    # Built here, once: FastAPI resolves the routes' annotations in this process (a copy
+    # built in the replica from this __main__ module would not find ``Request``).
+    app = standin_app(edge)
+
     @serve.deployment(name="GpuRateReplica", max_ongoing_requests=1024)
-    @serve.ingress(standin_app(edge))
+    @serve.ingress(app)
     class GpuRateReplica:
         async def __init__(self) -> None:  # type: ignore[misc]  # Serve awaits an async __init__
             # As a DSv4 replica does behind HAProxy: the app on its own port too.
@@ -141,7 +145,7 @@ def serve_proxy_arm(port: int, edge: bool, haproxy: str | None = None) -> None:
                 from deployments.serving import haproxy_target
 
                 self._own = asyncio.get_running_loop().create_task(
-                    haproxy_target.open_port(standin_app(edge), ReplicaPortLimits(), 5.0))
+                    haproxy_target.open_port(app, ReplicaPortLimits(), 5.0))
 
     # serve.deployment makes the class a Deployment; mypy reads Ray as Any, so sees the class.
     serve.run(GpuRateReplica.bind(), name="sim", route_prefix="/")  # type: ignore[attr-defined]  # serve.deployment makes the class a Deployment
