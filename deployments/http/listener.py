@@ -1,4 +1,8 @@
-"""A replica's own HTTP door: the hardened app on ``host:port``, a port all replicas share.
+"""A replica's own HTTP door: the hardened app on ``host:port``, on the app's event loop.
+
+Two doors use it: ``http.replica_port``, one port all the app's replicas on a machine
+share (below), and the replica's own port behind HAProxy
+(``deployments.serving.haproxy_target``: one port per replica, ``shared=False``).
 
 Why (issue 25, docs/benchmarks.md §2g): through Serve's HTTP proxy every request and
 every streamed chunk crosses a second Python process (the proxy) as its own Ray object:
