@@ -122,6 +122,7 @@ def test_the_pd_decode_replica_serves_rays_prefill_first_routes_behind_our_edge(
     server.engine = _AppOnlyEngine()
     server._http = HTTPEdge()
     server._edge = _edge()  # what the replica's __init__ builds (``server._start_edge``)
+    server._own_port_behind_haproxy = False  # Serve's proxy is the door (HTTPEdge's default)
 
     async def kv_spec() -> None:
         raise AssertionError("not called")

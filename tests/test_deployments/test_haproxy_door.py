@@ -113,8 +113,12 @@ def test_the_door_demands_the_key_and_serves_with_it(run: mn.Run) -> None:
 
 def test_haproxy_sends_requests_to_the_replicas_own_ports(run: mn.Run) -> None:
     """Each server line points at the replica's own port (Ray's port + the range's
-    span), which a replica process listens on and which served the request above."""
+    span), which a replica process listens on, and requests are served there (not by
+    the backup, Serve's fallback proxy, which HAProxy uses only with every replica down).
+    HAProxy's counters restart at each reload, so they are read right after requests."""
     own = set(range(*OWN_PORTS))
+    for _ in range(4):
+        assert chat(2).status_code == 200
     rows = server_rows(run)
     addrs = {r["svname"]: r["addr"] for r in rows}
     assert len(addrs) == 2 and all(int(a.rsplit(":", 1)[1]) in own

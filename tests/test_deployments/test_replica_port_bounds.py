@@ -233,7 +233,7 @@ def test_streams_held_past_the_budget_end_with_an_error_event(
 def replica_on(listener: ReplicaListener, check_health: Any = None) -> Any:
     """A ``DSv4ServerMixin`` around ``listener``; its engine base is a stand-in whose
     ``check_health`` is ``check_health`` (what LLMServer's raises for a dead engine)."""
-    from deployments.config import DSv4Section
+    from deployments.config import DSv4Section, HTTPEdge
     from deployments.control.wire import ReplicaVerdict
     from deployments.serving.server import DSv4ServerMixin
 
@@ -248,6 +248,7 @@ def replica_on(listener: ReplicaListener, check_health: Any = None) -> Any:
     replica: Any = object.__new__(Replica)
     replica._listener, replica._edge, replica._verdict = listener, None, ReplicaVerdict()
     replica._replica_id, replica._dataplane = "r0", None  # the replica port, not HAProxy
+    replica._http, replica._behind = HTTPEdge(replica_port=listener.port), None
     replica._settings = DSv4Section.model_validate({"policy": "drain"})
     return replica
 
