@@ -37,8 +37,10 @@ SERVE_ENV: dict[str, str] = {
 # Serve's allocator hands out range(MIN, MAX) (Ray 2.60 node_port_manager.PortAllocator),
 # so MIN=p, MAX=p+1 gives the one replica port p; the replica binds it on
 # http_options.host (replica._maybe_start_direct_ingress_servers), 127.0.0.1 locally.
-DIRECT_FLAGS = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
-                "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT")
+# (MIN, MAX) of Serve's direct-ingress HTTP ports (``direct_ingress_range``).
+DIRECT_RANGE_FLAGS = ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+                      "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT")
+DIRECT_FLAGS = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", *DIRECT_RANGE_FLAGS)
 
 
 def direct_env(port: int) -> dict[str, str]:
@@ -250,8 +252,7 @@ def haproxy_ports_beside(door: int, replicas: int) -> dict[str, str]:
     one machine (tests, benchmarks): the fallback proxy, stats and Prometheus frontends
     at door+1..3, and ``replicas`` direct-ingress ports from door+10."""
     side = dict(zip(HAPROXY_SIDE_PORTS, (door + 1, door + 2, door + 3), strict=True))
-    side |= {"RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": door + 10,
-             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": door + 10 + replicas}
+    side |= dict(zip(DIRECT_RANGE_FLAGS, (door + 10, door + 10 + replicas), strict=True))
     return {name: str(port) for name, port in side.items()}
 
 
@@ -261,8 +262,6 @@ def haproxy_ports_beside(door: int, replicas: int) -> dict[str, str]:
 # replica binds it (deployments.serving.haproxy_target). Serve's allocator hands out
 # range(MIN, MAX) (Ray 2.60 node_port_manager), so these ports run from MAX to
 # 2*MAX-MIN-1: 31000-31999 at Ray's defaults.
-DIRECT_RANGE_FLAGS = ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
-                      "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT")
 DIRECT_RANGE_DEFAULTS = (30000, 31000)
 
 
@@ -307,7 +306,12 @@ def direct_ingress_range(environ: Mapping[str, str] | None = None) -> tuple[int,
 def replica_port_for(ray_port: int, environ: Mapping[str, str] | None = None) -> int | None:
     """The replica's own port behind HAProxy for Ray's direct-ingress ``ray_port``, or
     None when ``ray_port`` is not one Serve hands out in this environment."""
-    low, high = direct_ingress_range(environ)
+    return own_port(ray_port, direct_ingress_range(environ))
+
+
+def own_port(ray_port: int, direct: tuple[int, int]) -> int | None:
+    """``replica_port_for`` over an already-read ``(MIN, MAX)`` range."""
+    low, high = direct
     return ray_port + (high - low) if low <= ray_port < high else None
 
 

@@ -110,8 +110,7 @@ def _to_replica_port(server: re.Match[str], direct: tuple[int, int]) -> tuple[st
     """A server line moved to the replica's own port, and what moved (nothing for a
     server outside Ray's direct-ingress range: the fallback proxy, gRPC)."""
     port = int(server["port"])
-    own = serve_env.replica_port_for(port, dict(zip(serve_env.DIRECT_RANGE_FLAGS,
-                                                    map(str, direct), strict=True)))
+    own = serve_env.own_port(port, direct)
     if own is None:
         return server.group(0), ""
     line = f"{server['head']}{server['host']}:{own}{server['tail'] or ''}"
