@@ -52,7 +52,7 @@ def arm_env(arm: str, port: int) -> dict[str, str]:
         return arm_env("ours-haproxy", port) | {USER_THREAD_FLAG: "0"}
     if arm == "ours-haproxy":  # http.ingress: haproxy (raw_config), as run would set it
         return {**serve_env.haproxy_env(serve_env.haproxy_binary()),
-                **serve_env.direct_env(port + 1),
+                **serve_env.ingress_tuning(), **serve_env.direct_env(port + 1),
                 "RAY_SERVE_HAPROXY_STATS_PORT": str(port + 2),
                 "RAY_SERVE_HAPROXY_METRICS_PORT": str(port + 3),
                 "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(port + 4),

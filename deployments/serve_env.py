@@ -147,15 +147,33 @@ def haproxy_env(binary: str) -> dict[str, str]:
             HAPROXY_BINARY_FLAG: binary}
 
 
+# One HAProxy thread, not Ray's 4: HAProxy forwards each streamed SSE chunk by itself,
+# and threads that each wake for fewer chunks pay more per chunk. On Ray's own rendered
+# config (benchmarks/haproxy_threads.py, docs/benchmarks.md §2h "HAProxy's threads"), one
+# thread cost 29-43 % less CPU per chunk than four with 6 to 64 streams, from a CPU
+# engine's rate to an 8-GPU node's 20,000 chunks/s, the same with one stream, and carried
+# the node's rate over 64 streams on 0.22 of a core. Each node's HAProxy carries that
+# node's share of the traffic; an ingress that carries several nodes' raises it (a value
+# already in the environment wins and is named).
+HAPROXY_TUNING: dict[str, str] = {"RAY_SERVE_HAPROXY_NBTHREAD": "1"}
+
+
+def ingress_tuning() -> dict[str, str]:
+    """Flags for ``http.ingress: haproxy`` that are ours, not needed: ``HAPROXY_TUNING``."""
+    return dict(HAPROXY_TUNING)
+
+
 def apply_ingress(ingress: str, environ: MutableMapping[str, str] | None = None) -> list[str]:
     """Before our own local Ray starts: the flags ``ingress`` needs (none for Serve's
-    proxy) and the local drain window (``local_drain_env``); one line per flag set or
-    kept."""
+    proxy), HAProxy's thread count (``HAPROXY_TUNING``) and the local drain window
+    (``local_drain_env``); one line per flag set or kept."""
     if ingress != "haproxy":
         return []
     env = os.environ if environ is None else environ
     lines = _set_missing(haproxy_env(haproxy_binary()), "http.ingress: haproxy",
                          "http.ingress: haproxy needs", env)
+    lines += _set_missing(ingress_tuning(), "one HAProxy thread: less CPU per streamed chunk",
+                          "dsv4-serve's default is", env)
     down_s = haproxy_down_s(env)
     return lines + _set_missing(
         local_drain_env(env), f"local run: twice the {down_s:g} s this host's HAProxy takes "

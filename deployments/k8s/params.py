@@ -251,12 +251,14 @@ IMAGE_BIN_DIR = "/home/ray/anaconda3/bin"
 
 
 def ingress_env(args: AppArgs) -> list[dict[str, Any]]:
-    """Pod env for ``http.ingress: haproxy``: Ray's HAProxy on, run through dsv4-haproxy.
+    """Pod env for ``http.ingress: haproxy``: Ray's HAProxy on, run through dsv4-haproxy,
+    with our thread count (``serve_env.HAPROXY_TUNING``).
 
     A Ray-wide setting, read by every Ray process at import, so every pod gets it (the
     replica's build refuses a cluster that says otherwise than the preset).
     """
     if args.http.ingress != "haproxy":
         return []
-    env = serve_env.haproxy_env(f"{IMAGE_BIN_DIR}/{serve_env.HAPROXY_WRAPPER}")
+    env = serve_env.haproxy_env(f"{IMAGE_BIN_DIR}/{serve_env.HAPROXY_WRAPPER}") | \
+        serve_env.ingress_tuning()
     return [{"name": name, "value": value} for name, value in env.items()]

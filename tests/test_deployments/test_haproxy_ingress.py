@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +95,9 @@ def test_apply_ingress_sets_the_cluster_flags_and_keeps_a_users() -> None:
     assert env[serve_env.HAPROXY_BINARY_FLAG].endswith("/dsv4-haproxy")
     assert Path(env[serve_env.HAPROXY_BINARY_FLAG]).is_absolute()
     assert env[serve_env.DRAIN_FLAG] == "10.5"  # twice HAProxy's 5 s + 250 ms at Ray's defaults
-    assert len(lines) == 3
+    assert env["RAY_SERVE_HAPROXY_NBTHREAD"] == "1"
+    assert len(lines) == 4
+    assert any("RAY_SERVE_HAPROXY_NBTHREAD=1 (one HAProxy thread" in line for line in lines)
     assert any(f"{serve_env.DRAIN_FLAG}=10.5 (local run: twice the 5.25 s" in line
                for line in lines), lines
     untouched: dict[str, str] = {}
@@ -191,6 +194,43 @@ def test_haproxy_times_read_as_haproxy_reads_them(value: str, seconds: float) ->
 def test_a_bad_haproxy_time_is_named(bad: str) -> None:
     with pytest.raises(ValueError, match="HAProxy time"):
         serve_env.haproxy_time_s(bad)
+
+
+def test_a_users_haproxy_thread_count_wins_and_is_named() -> None:
+    env = {"RAY_SERVE_HAPROXY_NBTHREAD": "4"}
+    lines = serve_env.apply_ingress("haproxy", env)
+    assert env["RAY_SERVE_HAPROXY_NBTHREAD"] == "4"
+    assert any("RAY_SERVE_HAPROXY_NBTHREAD=4 kept from the environment (dsv4-serve's "
+               "default is 1)" in line for line in lines), lines
+
+
+def test_ray_renders_the_thread_count_it_is_given(tmp_path: Path) -> None:
+    """``HAPROXY_TUNING`` is a flag the installed Ray reads (default 4) and renders into
+    the config it hands HAProxy: run in a fresh process, as each Ray process reads it."""
+    import inspect
+    import subprocess
+    import sys
+
+    from ray.serve._private import constants
+
+    ((flag, ours),) = serve_env.HAPROXY_TUNING.items()
+    assert f'os.environ.get("{flag}", "4")' in inspect.getsource(constants), \
+        f"Ray's {flag} or its default changed"
+    script = (
+        "import sys, pathlib\n"
+        "from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig\n"
+        "d = pathlib.Path(sys.argv[1])\n"
+        "cfg = HAProxyConfig(socket_path=str(d / 's'), server_state_base=str(d),\n"
+        "                    server_state_file=str(d / 'ss'), metrics_enabled=False)\n"
+        "HAProxyApi(cfg, {}, config_file_path=str(d / 'h.cfg'))._generate_config_file_internal()\n"
+        "print((d / 'h.cfg').read_text())\n")
+    env = {k: v for k, v in os.environ.items() if k != flag}
+    rendered = {value: subprocess.run([sys.executable, "-c", script, str(tmp_path)],
+                                      env=env | ({flag: value} if value else {}),
+                                      capture_output=True, text=True, check=True).stdout
+                for value in ("", ours)}
+    assert "\n    nbthread 4\n" in rendered[""]
+    assert f"\n    nbthread {ours}\n" in rendered[ours]
 
 
 def test_the_local_drain_window_follows_the_check_settings_and_keeps_a_users() -> None:
