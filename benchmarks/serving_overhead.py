@@ -299,9 +299,11 @@ def run_load(arm: str, load: bench_load.Load, base: str, roots: list[int], token
     with _environ(client_env(arm)):
         res = bench_load.summary(bench_load.run(load, base, MODEL_ID, tokenizer))
     tokens = round(res["output_throughput"] * res["duration"])
+    wall_s = time.monotonic() - started
     res["cpu"] = cpu_per_work(before, cpu_by_role(procs_of(roots)), res["completed"], tokens,
-                              idle, time.monotonic() - started)
+                              idle, wall_s)
     res["load"] = load_label(load)
+    res["wall_s"] = round(wall_s, 3)
     return res
 
 

@@ -20,6 +20,11 @@ engines at once (each ``VLLM_CPU_KVCACHE_SPACE`` 1 GiB):
         --loads 1:16:96:32,6:48:96:48 --out results/sbs46/r$r.json; done
     python -m benchmarks.side_by_side --merge results/sbs46/r*.json
 
+While one arm is loaded, the other arm's processes are watched too: their rest on a box
+the load keeps busy. The last table prices each arm's path over that rest (the other
+arm's load is the same size) instead of the rest on a quiet box, which leaves out what a
+busy box adds to every periodic loop, tokens or not.
+
 ``--alone`` adds a third pass per round: the first arm stopped, the reference arm
 loaded again by itself (``<reference>-alone``), so one run has all three.
 """
@@ -36,8 +41,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.arm_procs import role_of
-from benchmarks.multinode_arms import cluster_session, listeners
+from benchmarks import paced_engine
+from benchmarks.arm_procs import cpu_by_role, role_of
+from benchmarks.multinode_arms import ENGINE_ROLES, cluster_session, listeners
 from benchmarks.overhead_arms import ARMS, REPO, client_port
 from benchmarks.overhead_table import merge, tables
 from benchmarks.serving_overhead import (
@@ -56,13 +62,20 @@ PORT_GAP = 100
 
 def load_arm(arm: str, base: str, roots: list[int], loads: list[bench_load.Load],
              tokenizer: str, rest: tuple[float, float, dict[str, float]],
-             extra: dict[str, Any]) -> list[dict[str, Any]]:
+             extra: dict[str, Any], beside_roots: list[int] | None = None
+             ) -> list[dict[str, Any]]:
     """Every load once against ``arm`` at ``base`` (``serving_overhead.run_load``), with
-    the arm's rest, measured just before, taken off its CPU."""
+    the arm's rest, measured just before, taken off its CPU; and the cores each role of
+    the arm beside it used meanwhile (``beside_cores``: its rest on a busy box)."""
     busy, arm_busy, idle = rest
     out = []
     for load in loads:
+        other = cpu_by_role(procs_of(beside_roots)) if beside_roots else {}
         res = run_load(arm, load, base, roots, tokenizer, idle)
+        if beside_roots:
+            after = cpu_by_role(procs_of(beside_roots))
+            res["beside_cores"] = {role: max(0.0, after[role] - other.get(role, 0.0))
+                                   / res["wall_s"] for role in after}
         res |= extra | {"busy_before_load_pct": busy, "arm_busy_at_rest_pct": arm_busy}
         print(f"[{arm} round {extra['round']}] {res['completed']} ok, {res['failed']} failed, "
               f"{res['output_throughput']:.1f} tok/s, TTFT p50 {res['median_ttft_ms']:.1f} ms, "
@@ -74,7 +87,8 @@ def load_arm(arm: str, base: str, roots: list[int], loads: list[bench_load.Load]
 
 def one_round(arms: list[str], r: int, loads: list[bench_load.Load], tokenizer: str,
               port: int, settle_s: float, idle_s: float,
-              runs: dict[str, list[dict[str, Any]]], alone: bool = False) -> None:
+              runs: dict[str, list[dict[str, Any]]], alone: bool = False,
+              extra_env: dict[str, str] | None = None) -> None:
     """Boot both arms (alternating order), then load each in turn (alternating order);
     with ``alone``, stop the first arm and load the reference arm once more by itself
     (recorded as ``<reference>-alone``): what the first arm's processes at rest cost it."""
@@ -86,12 +100,13 @@ def one_round(arms: list[str], r: int, loads: list[bench_load.Load], tokenizer: 
         booted = {}
         for arm in order:
             boot_s, root = stacks[arm].enter_context(
-                arm_server(arm, ports[arm], 1, logs[arm], boot_timeout_s=600))
+                arm_server(arm, ports[arm], 1, logs[arm], boot_timeout_s=600,
+                           extra_env=extra_env))
             booted[arm] = (boot_s, [root, *([s] if (s := cluster_session(logs[arm])) else [])])
         for arm in order:
             other = next(a for a in arms if a != arm)
             runs[arm] += measured(arm, ports[arm], booted[arm], r, other, loads, tokenizer,
-                                  settle_s, idle_s)
+                                  settle_s, idle_s, booted[other][1])
         if alone:
             first_stack.close()  # the first arm stops; the reference arm stays up
             ref = arms[1]
@@ -102,14 +117,16 @@ def one_round(arms: list[str], r: int, loads: list[bench_load.Load], tokenizer: 
 
 def measured(arm: str, port: int, booted: tuple[float, list[int]], r: int,
              beside: str | None, loads: list[bench_load.Load], tokenizer: str,
-             settle_s: float, idle_s: float) -> list[dict[str, Any]]:
-    """Settle, watch ``arm`` at rest, then run the loads against it."""
+             settle_s: float, idle_s: float, beside_roots: list[int] | None = None
+             ) -> list[dict[str, Any]]:
+    """Settle, watch ``arm`` at rest, then run the loads against it (and watch the arm
+    beside it, ``beside_roots``, while they run)."""
     boot_s, roots = booted
     rest = settle(settle_s, idle_s, functools.partial(procs_of, roots))
     extra = {"round": r, "boot_s": round(boot_s, 1), "beside": beside,
              "listeners": listeners(procs_of(roots), role_of)}
     base = f"http://127.0.0.1:{client_port(arm, port)}"
-    return load_arm(arm, base, roots, loads, tokenizer, rest, extra)
+    return load_arm(arm, base, roots, loads, tokenizer, rest, extra, beside_roots)
 
 
 def goals(runs: dict[str, list[dict[str, Any]]], arm: str, other: str) -> str:
@@ -137,13 +154,54 @@ def goals(runs: dict[str, list[dict[str, Any]]], arm: str, other: str) -> str:
     return "\n".join(lines)
 
 
+def contended_marginal(run: dict[str, Any], rest_cores: dict[str, float]
+                       ) -> dict[str, float]:
+    """Per role, CPU-ms per output token over ``run``'s load minus the role's cores while
+    the other arm's load kept the box as busy (``rest_cores``): what the tokens cost, apart
+    from loops that run whether tokens flow or not, each loop priced on a busy box."""
+    tokens = max(round(run["output_throughput"] * run["duration"]), 1)
+    return {role: v["ms_per_tok"] - 1000 * rest_cores.get(role, 0.0) * run["wall_s"] / tokens
+            for role, v in run["cpu"].items() if role not in ENGINE_ROLES}
+
+
+def contended(runs: dict[str, list[dict[str, Any]]], arm: str, other: str) -> str:
+    """Per load, the serving path's CPU per token of both arms over their rest on a busy
+    box (``contended_marginal``), per round paired: medians, the ratio's spread, and the
+    roles of ``arm`` above 0.005 ms."""
+    lines = [f"| load | path {arm}, ms/token | path {other}, ms/token | ratio | "
+             f"{arm}'s roles, ms/token |", "|---|---|---|---|---|"]
+    for label in dict.fromkeys(r["load"] for r in runs.get(arm, [])):
+        mine = {r["round"]: r for r in runs[arm] if r["load"] == label and "wall_s" in r}
+        theirs = {r["round"]: r for r in runs.get(other, [])
+                  if r["load"] == label and "wall_s" in r}
+        common = sorted(k for k in mine.keys() & theirs.keys()
+                        if "beside_cores" in mine[k] and "beside_cores" in theirs[k])
+        if not common:
+            continue
+        a = [contended_marginal(mine[k], theirs[k]["beside_cores"]) for k in common]
+        b = [contended_marginal(theirs[k], mine[k]["beside_cores"]) for k in common]
+        pa, pb = [sum(x.values()) for x in a], [sum(x.values()) for x in b]
+        ratio = [x / y for x, y in zip(pa, pb, strict=True) if y > 0]
+        roles = {role: statistics.median(x.get(role, 0.0) for x in a)
+                 for role in sorted({r for x in a for r in x})}
+        top = ", ".join(f"{role} {v:.3f}" for role, v in
+                        sorted(roles.items(), key=lambda kv: -kv[1]) if abs(v) >= 0.005)
+        spread = f"({min(ratio):.2f}-{max(ratio):.2f})" if ratio else ""
+        lines.append(f"| {label} ({len(common)} rounds) | {statistics.median(pa):.3f} | "
+                     f"{statistics.median(pb):.3f} | "
+                     f"{statistics.median(ratio) if ratio else float('nan'):.2f}x {spread} | "
+                     f"{top} |")
+    return "\n".join(lines)
+
+
 def all_goals(runs: dict[str, list[dict[str, Any]]], arms: list[str]) -> str:
     """The first arm against the reference beside it and, when measured, the reference
     beside the first arm against itself alone, and the first arm against that."""
     pairs = [(arms[0], arms[1])]
     if f"{arms[1]}-alone" in runs:
         pairs += [(arms[1], f"{arms[1]}-alone"), (arms[0], f"{arms[1]}-alone")]
-    return "\n\n".join(goals(runs, a, o) for a, o in pairs)
+    return "\n\n".join([*(goals(runs, a, o) for a, o in pairs),
+                        contended(runs, arms[0], arms[1])])
 
 
 def main() -> int:
@@ -158,6 +216,8 @@ def main() -> int:
     parser.add_argument("--idle-s", type=float, default=20.0)
     parser.add_argument("--alone", action="store_true",
                         help="then stop the first arm and load the second once more by itself")
+    parser.add_argument("--paced", default="", metavar="TOK_S:PER_CHUNK",
+                        help="both engines emit tokens at this rate (benchmarks.paced_engine)")
     parser.add_argument("--merge", type=Path, nargs="+",
                         help="no run: print the tables over these result files' runs")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "side_by_side.json")
@@ -171,6 +231,7 @@ def main() -> int:
         return 0
     try:
         loads = parse_loads(args.loads)
+        paced = paced_engine.paced_env(*paced_engine.parse(args.paced)) if args.paced else {}
     except ValueError as exc:
         parser.error(str(exc))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # arm_server's finally stops both
@@ -180,7 +241,7 @@ def main() -> int:
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     for r in range(args.first_round, args.first_round + args.rounds):
         one_round(arms, r, loads, tokenizer, args.port, args.settle_s, args.idle_s, runs,
-                  args.alone)
+                  args.alone, paced)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"runs": runs, "arms": arms}, indent=2))
     print(tables(runs) + "\n\n" + all_goals(runs, arms))
