@@ -149,12 +149,12 @@ def haproxy_env(binary: str) -> dict[str, str]:
 
 # One HAProxy thread, not Ray's 4: HAProxy forwards each streamed SSE chunk by itself,
 # and threads that each wake for fewer chunks pay more per chunk. On Ray's own rendered
-# config (benchmarks/haproxy_threads.py, docs/benchmarks.md §2h "HAProxy's threads"), one
-# thread cost 29-43 % less CPU per chunk than four with 6 to 64 streams, from a CPU
-# engine's rate to an 8-GPU node's 20,000 chunks/s, the same with one stream, and carried
-# the node's rate over 64 streams on 0.22 of a core. Each node's HAProxy carries that
-# node's share of the traffic; an ingress that carries several nodes' raises it (a value
-# already in the environment wins and is named).
+# config (benchmarks/haproxy_threads.py; docs/benchmarks.md §2j, "HAProxy's thread
+# count"), one thread cost 29-43 % less CPU per chunk than four with 6 to 64 streams,
+# from a CPU engine's rate to an 8-GPU node's 20,000 chunks/s, the same with one stream,
+# and carried the node's rate over 64 streams on 0.22 of a core. Each node's HAProxy
+# carries that node's share of the traffic; an ingress that carries several nodes'
+# raises it (a value already in the environment wins and is named).
 HAPROXY_TUNING: dict[str, str] = {"RAY_SERVE_HAPROXY_NBTHREAD": "1"}
 
 
