@@ -21,9 +21,9 @@ engines at once (each ``VLLM_CPU_KVCACHE_SPACE`` 1 GiB):
     python -m benchmarks.side_by_side --merge results/sbs46/r*.json
 
 While one arm is loaded, the other arm's processes are watched too: their rest on a box
-the load keeps busy. The last table prices each arm's path over that rest (the other
-arm's load is the same size) instead of the rest on a quiet box, which leaves out what a
-busy box adds to every periodic loop, tokens or not.
+the load keeps busy. The last table prices each arm's path per round over its rest on a
+quiet box (as §2h's tables) and over that busy rest (the other arm's load is the same
+size), which leaves out what a busy box adds to every periodic loop, tokens or not.
 
 ``--alone`` adds a third pass per round: the first arm stopped, the reference arm
 loaded again by itself (``<reference>-alone``), so one run has all three.
@@ -164,12 +164,19 @@ def contended_marginal(run: dict[str, Any], rest_cores: dict[str, float]
             for role, v in run["cpu"].items() if role not in ENGINE_ROLES}
 
 
-def contended(runs: dict[str, list[dict[str, Any]]], arm: str, other: str) -> str:
-    """Per load, the serving path's CPU per token of both arms over their rest on a busy
-    box (``contended_marginal``), per round paired: medians, the ratio's spread, and the
-    roles of ``arm`` above 0.005 ms."""
-    lines = [f"| load | path {arm}, ms/token | path {other}, ms/token | ratio | "
-             f"{arm}'s roles, ms/token |", "|---|---|---|---|---|"]
+def quiet_marginal(run: dict[str, Any]) -> dict[str, float]:
+    """Per role, the marginal CPU-ms per token over the role's rest on a quiet box."""
+    return {role: v["marginal_ms_per_tok"] for role, v in run["cpu"].items()
+            if role not in ENGINE_ROLES and "marginal_ms_per_tok" in v}
+
+
+def path_ratios(runs: dict[str, list[dict[str, Any]]], arm: str, other: str) -> str:
+    """Per load and rest, the serving path's CPU per token of both arms, per round paired:
+    the medians of each path, the median (min-max) of the per-round ratios, and the roles
+    of ``arm`` whose median is 0.005 ms or more. Over the rest on a quiet box
+    (``quiet_marginal``, what §2h's tables show) and on a busy one (``contended_marginal``)."""
+    lines = [f"| load | rest | path {arm}, ms/token | path {other}, ms/token | "
+             f"ratio per round | {arm}'s roles, ms/token |", "|---|---|---|---|---|---|"]
     for label in dict.fromkeys(r["load"] for r in runs.get(arm, [])):
         mine = {r["round"]: r for r in runs[arm] if r["load"] == label and "wall_s" in r}
         theirs = {r["round"]: r for r in runs.get(other, [])
@@ -178,20 +185,28 @@ def contended(runs: dict[str, list[dict[str, Any]]], arm: str, other: str) -> st
                         if "beside_cores" in mine[k] and "beside_cores" in theirs[k])
         if not common:
             continue
-        a = [contended_marginal(mine[k], theirs[k]["beside_cores"]) for k in common]
-        b = [contended_marginal(theirs[k], mine[k]["beside_cores"]) for k in common]
-        pa, pb = [sum(x.values()) for x in a], [sum(x.values()) for x in b]
-        ratio = [x / y for x, y in zip(pa, pb, strict=True) if y > 0]
-        roles = {role: statistics.median(x.get(role, 0.0) for x in a)
-                 for role in sorted({r for x in a for r in x})}
-        top = ", ".join(f"{role} {v:.3f}" for role, v in
-                        sorted(roles.items(), key=lambda kv: -kv[1]) if abs(v) >= 0.005)
-        spread = f"({min(ratio):.2f}-{max(ratio):.2f})" if ratio else ""
-        lines.append(f"| {label} ({len(common)} rounds) | {statistics.median(pa):.3f} | "
-                     f"{statistics.median(pb):.3f} | "
-                     f"{statistics.median(ratio) if ratio else float('nan'):.2f}x {spread} | "
-                     f"{top} |")
+        views = {
+            "quiet": ([quiet_marginal(mine[k]) for k in common],
+                      [quiet_marginal(theirs[k]) for k in common]),
+            "busy": ([contended_marginal(mine[k], theirs[k]["beside_cores"]) for k in common],
+                     [contended_marginal(theirs[k], mine[k]["beside_cores"]) for k in common]),
+        }
+        for rest, (a, b) in views.items():
+            lines.append(f"| {label} ({len(common)} rounds) | {rest} | {_paired(a, b)} |")
     return "\n".join(lines)
+
+
+def _paired(a: list[dict[str, float]], b: list[dict[str, float]]) -> str:
+    """Table cells for one rest: both paths' medians, the per-round ratio, ``a``'s roles."""
+    pa, pb = [sum(x.values()) for x in a], [sum(x.values()) for x in b]
+    ratio = [x / y for x, y in zip(pa, pb, strict=True) if y > 0]
+    roles = {role: statistics.median(x.get(role, 0.0) for x in a)
+             for role in sorted({r for x in a for r in x})}
+    top = ", ".join(f"{role} {v:.3f}" for role, v in
+                    sorted(roles.items(), key=lambda kv: -kv[1]) if abs(v) >= 0.005)
+    cell = (f"{statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f})"
+            if ratio else "-")
+    return (f"{statistics.median(pa):.3f} | {statistics.median(pb):.3f} | {cell} | {top}")
 
 
 def all_goals(runs: dict[str, list[dict[str, Any]]], arms: list[str]) -> str:
@@ -201,7 +216,7 @@ def all_goals(runs: dict[str, list[dict[str, Any]]], arms: list[str]) -> str:
     if f"{arms[1]}-alone" in runs:
         pairs += [(arms[1], f"{arms[1]}-alone"), (arms[0], f"{arms[1]}-alone")]
     return "\n\n".join([*(goals(runs, a, o) for a, o in pairs),
-                        contended(runs, arms[0], arms[1])])
+                        path_ratios(runs, arms[0], arms[1])])
 
 
 def main() -> int:
