@@ -34,6 +34,8 @@ from typing import Any
 import httpx
 import psutil
 
+from deployments.harness.haproxy_config import app_backend, ray_rendered_config
+
 CHUNK = "data: " + json.dumps({
     "id": "chatcmpl-0123456789abcdef", "object": "chat.completion.chunk", "created": 1,
     "model": "deepseek-ai/DeepSeek-V4-Flash",
@@ -76,24 +78,9 @@ def free_port() -> int:
 
 def ray_config(workdir: Path, front: int, server: int) -> str:
     """The config Ray's HAProxy manager renders for one app with one replica server."""
-    from ray.serve._private.haproxy import (
-        BackendConfig,
-        HAProxyApi,
-        HAProxyConfig,
-        ServerConfig,
-    )
-    from ray.serve.config import HTTPOptions
-
-    cfg = HAProxyConfig(stats_port=free_port(), metrics_port=free_port(),
-                        socket_path=str(workdir / "admin.sock"), server_state_base=str(workdir),
-                        server_state_file=str(workdir / "server-state"), metrics_enabled=False)
-    cfg.http_options = HTTPOptions(host="127.0.0.1", port=front)
-    backend = BackendConfig(name="app", path_prefix="/", servers=[
-        ServerConfig(name="replica", host="127.0.0.1", port=server)],
-        fallback_server=ServerConfig(name="fallback", host="127.0.0.1", port=free_port()))
-    path = workdir / "ray.cfg"
-    HAProxyApi(cfg, {"app": backend}, config_file_path=str(path))._generate_config_file_internal()
-    return path.read_text()
+    return ray_rendered_config(workdir, free_port(), free_port(),
+                               app_backend([server], "127.0.0.1", free_port(), "127.0.0.1"),
+                               front=("127.0.0.1", front))
 
 
 def with_threads(text: str, threads: int) -> str:

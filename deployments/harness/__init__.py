@@ -11,4 +11,5 @@ floor of ``deployments``; nothing else in ``deployments`` imports it.
 - ``kv_poll``: one ``GET /v1/kv-spec`` for pollers that watch it while replicas die.
 - ``run_process``: ``dsv4-serve run`` as a process (its serving line, its process tree).
 - ``multinode_scenario``: the multi-node story step by step (CI test and benchmark).
+- ``haproxy_config``: the HAProxy config Ray renders (dsv4-haproxy tests, thread benchmark).
 """

@@ -9,41 +9,12 @@ import socket
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
 
+from deployments.harness.haproxy_config import app_backend, ray_rendered_config
 from deployments.http import haproxy
-
-
-def ray_rendered_config(tmp_path: Path, stats_port: int = 8404,
-                        metrics_port: int = 9101, backends: dict[str, Any] | None = None) -> str:
-    """The config Ray's HAProxy manager writes for ``backends`` (default: an empty route
-    table), with its real template and config class, not a copy."""
-    from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig
-
-    cfg = HAProxyConfig(stats_port=stats_port, metrics_port=metrics_port,
-                        socket_path=str(tmp_path / "admin.sock"),
-                        server_state_base=str(tmp_path),
-                        server_state_file=str(tmp_path / "server-state"),
-                        metrics_enabled=False)
-    path = tmp_path / "haproxy.cfg"
-    HAProxyApi(cfg, backends or {}, config_file_path=str(path))._generate_config_file_internal()
-    return path.read_text()
-
-
-def app_backend(ports: list[int], fallback_port: int = 8500) -> dict[str, Any]:
-    """One app's backend as Ray's controller describes it: a server per replica at its
-    direct-ingress port, Serve's proxy as the fallback."""
-    from ray.serve._private.haproxy import BackendConfig, ServerConfig
-
-    servers = [ServerConfig(name=f"replica-{i}", host="10.0.0.7", port=port)
-               for i, port in enumerate(ports)]
-    return {"app": BackendConfig(name="app", path_prefix="/", servers=servers,
-                                 fallback_server=ServerConfig(name="fallback",
-                                                              host="10.0.0.1",
-                                                              port=fallback_port))}
 
 
 def test_replica_servers_move_to_their_own_ports_and_nothing_else_does(

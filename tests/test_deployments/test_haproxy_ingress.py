@@ -216,14 +216,9 @@ def test_ray_renders_the_thread_count_it_is_given(tmp_path: Path) -> None:
     ((flag, ours),) = serve_env.HAPROXY_TUNING.items()
     assert f'os.environ.get("{flag}", "4")' in inspect.getsource(constants), \
         f"Ray's {flag} or its default changed"
-    script = (
-        "import sys, pathlib\n"
-        "from ray.serve._private.haproxy import HAProxyApi, HAProxyConfig\n"
-        "d = pathlib.Path(sys.argv[1])\n"
-        "cfg = HAProxyConfig(socket_path=str(d / 's'), server_state_base=str(d),\n"
-        "                    server_state_file=str(d / 'ss'), metrics_enabled=False)\n"
-        "HAProxyApi(cfg, {}, config_file_path=str(d / 'h.cfg'))._generate_config_file_internal()\n"
-        "print((d / 'h.cfg').read_text())\n")
+    script = ("import sys, pathlib\n"
+              "from deployments.harness.haproxy_config import ray_rendered_config\n"
+              "print(ray_rendered_config(pathlib.Path(sys.argv[1])))\n")
     env = {k: v for k, v in os.environ.items() if k != flag}
     rendered = {value: subprocess.run([sys.executable, "-c", script, str(tmp_path)],
                                       env=env | ({flag: value} if value else {}),
