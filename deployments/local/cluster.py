@@ -209,7 +209,8 @@ class LocalCluster:
         started = time.monotonic()
         fd, config = tempfile.mkstemp(prefix="dsv4-autoscaler-", suffix=".json")
         os.environ.update(auth_env(Path(config).with_suffix(".token")))
-        for line in serve_env.apply_local_quiet():  # every node's processes inherit it
+        # every node's processes inherit them
+        for line in serve_env.apply_local_quiet() + serve_env.apply_metrics_backend():
             logger.info(line)
         port = free_port()
         address = f"{node_ip()}:{port}"
