@@ -1,5 +1,4 @@
-"""Ray's process-environment flags: who can reach a replica, the throughput mode, and
-how Ray exports metrics.
+"""Ray Serve's process-environment flags: who can reach a replica, and the throughput mode.
 
 Serve reads these when each of its processes imports it, so they live in the
 environment of every process Ray starts (``ray start``, a pod's env); dsv4-serve sets
@@ -22,9 +21,6 @@ a quiet local head (``apply_local_quiet``). Two things depend on them:
   difference beyond the box's noise, so it is not the default; the benchmark's
   ``ours-tput`` arm applies it (``apply``), and an operator can export the three flags
   before ``ray start``.
-* **The metrics backend.** ``METRICS_ENV`` puts every Ray process of a cluster this
-  project starts on Ray's OpenCensus exporter, where the node's agent takes no CPU per
-  histogram observation (``apply_metrics_backend``; ``k8s.params.metrics_env``).
 """
 
 from __future__ import annotations
@@ -101,47 +97,6 @@ def apply_local_quiet(environ: MutableMapping[str, str] | None = None) -> list[s
     value always wins and is named."""
     return _set_missing(LOCAL_QUIET_ENV, "local run, quiet at rest",
                         "a local run's default is", environ)
-
-
-# Ray's metrics backend, in every process of a cluster this project starts (the local
-# head and nodes, every KubeRay pod): OpenCensus, not Ray 2.60's default OpenTelemetry.
-# Under OpenTelemetry each node's dashboard agent rebuilds every histogram observation a
-# worker exported, one Python ``record`` call each (Ray 2.60
-# open_telemetry_metric_recorder.record_histogram_aggregated_batch; passing bucket
-# counts through is ray#64852), and vLLM's Ray stat logger (Ray Serve LLM's
-# log_engine_metrics, on by default) observes inter-token latency once per streamed
-# token: ~10 us of the agent's CPU per observation, none under OpenCensus, which keeps
-# bucket counts as exported (benchmarks/metrics_backend.py, docs/benchmarks.md §2k).
-# The series keep their names and labels (no otel_scope_*), histogram sums are exact
-# instead of bucket midpoints. Every process must agree: an agent on one backend drops
-# what a worker on the other exports (``metrics_backend_problem``).
-METRICS_BACKEND_FLAG = "RAY_enable_open_telemetry"
-METRICS_ENV: dict[str, str] = {METRICS_BACKEND_FLAG: "0"}
-
-
-def apply_metrics_backend(environ: MutableMapping[str, str] | None = None) -> list[str]:
-    """Set ``METRICS_ENV`` where the environment lacks it, before a local Ray starts (its
-    processes inherit it); one line per flag, set or kept: a user's own value wins."""
-    return _set_missing(METRICS_ENV, "Ray's metrics on OpenCensus: no agent CPU per "
-                        "histogram observation", "dsv4-serve's default is", environ)
-
-
-def metrics_backend_problem(values: Mapping[str, str | None]) -> str | None:
-    """``values``: where -> that process group's ``METRICS_BACKEND_FLAG`` (None: unset,
-    Ray's default). None when all agree, else which differ and the fix."""
-    seen = {where: _otel_on(value) for where, value in values.items()}
-    if len(set(seen.values())) < 2:
-        return None
-    groups = ", ".join(f"{where}={values[where]!r}" for where in seen)
-    return (f"{METRICS_BACKEND_FLAG} differs between pods ({groups}): an agent on one "
-            "metrics backend drops what workers on the other export. Fix: give every pod "
-            f"the same value ({METRICS_ENV[METRICS_BACKEND_FLAG]!r}, dsv4-serve's default).")
-
-
-def _otel_on(value: str | None) -> bool:
-    """Ray's reading of ``RAY_enable_open_telemetry`` (ray_constants.env_bool: unset is
-    on; "1" or "true", any case, is on; anything else off)."""
-    return value is None or value.lower() in ("1", "true")
 
 
 def listen_requested(environ: Mapping[str, str] | None = None) -> bool:

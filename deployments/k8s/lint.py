@@ -58,7 +58,6 @@ def semantic_problems(manifest: Mapping[str, Any]) -> list[str]:
         found.append("rayClusterConfig.enableInTreeAutoscaling is off: Serve autoscaling "
                      "would never get nodes")
     found += _ingress_env_problems(cluster, ours)
-    found += _metrics_env_problems(cluster)
     head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
     if "nvidia.com/gpu" in head.get("resources", {}).get("limits", {}):
         found.append("head group requests GPUs")
@@ -86,18 +85,6 @@ def _ingress_env_problems(cluster: Mapping[str, Any], ours: list[AppArgs]) -> li
                 flag = env.get(serve_env.HAPROXY_FLAG)
                 found.append(f"{where}: env {serve_env.HAPROXY_FLAG}={flag!r}: {problem}")
     return found
-
-
-def _metrics_env_problems(cluster: Mapping[str, Any]) -> list[str]:
-    """Every pod's Ray container (the first, KubeRay's convention) exports metrics the
-    same way (``serve_env.metrics_backend_problem``)."""
-    values = {}
-    for where, template in _pods(cluster):
-        env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0].get(
-            "env", [])}
-        values[where] = env.get(serve_env.METRICS_BACKEND_FLAG)
-    problem = serve_env.metrics_backend_problem(values)
-    return [problem] if problem else []
 
 
 def _fleet_group_problems(groups: list[Mapping[str, Any]], args: AppArgs) -> list[str]:

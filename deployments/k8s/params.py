@@ -262,9 +262,3 @@ def ingress_env(args: AppArgs) -> list[dict[str, Any]]:
     env = serve_env.haproxy_env(f"{IMAGE_BIN_DIR}/{serve_env.HAPROXY_WRAPPER}") | \
         serve_env.ingress_tuning()
     return [{"name": name, "value": value} for name, value in env.items()]
-
-
-def metrics_env() -> list[dict[str, Any]]:
-    """Pod env for Ray's metrics backend (``serve_env.METRICS_ENV``), on every pod of every
-    preset: each Ray process reads it at start, and all of a cluster's must agree."""
-    return [{"name": name, "value": value} for name, value in serve_env.METRICS_ENV.items()]

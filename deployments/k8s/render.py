@@ -31,7 +31,6 @@ from deployments.k8s.params import (
     gpu_args,
     ingress_env,
     load_params,
-    metrics_env,
     presets,
     scaling,
     stack_image,
@@ -271,7 +270,7 @@ def render_manifest(preset: Preset, params: Mapping[str, Any]) -> dict[str, Any]
         worker_groups(preset, args, params)
     for group in (head, *workers):  # any pod may hold a replica (the store) or Ray's proxy
         for container in group["template"]["spec"]["containers"]:
-            container["env"] += store_env(args, params) + ingress_env(args) + metrics_env()
+            container["env"] += store_env(args, params) + ingress_env(args)
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",

@@ -209,8 +209,7 @@ class LocalCluster:
         started = time.monotonic()
         fd, config = tempfile.mkstemp(prefix="dsv4-autoscaler-", suffix=".json")
         os.environ.update(auth_env(Path(config).with_suffix(".token")))
-        # every node's processes inherit them
-        for line in serve_env.apply_local_quiet() + serve_env.apply_metrics_backend():
+        for line in serve_env.apply_local_quiet():  # every node's processes inherit it
             logger.info(line)
         port = free_port()
         address = f"{node_ip()}:{port}"

@@ -77,8 +77,7 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
             "(replica actor + placement-group bundles of every replica). "
             "Fix: raise --num-cpus or lower max_replicas."
         )
-    # before Ray starts: its processes inherit them
-    for line in serve_env.apply_local_quiet() + serve_env.apply_metrics_backend():
+    for line in serve_env.apply_local_quiet():  # before Ray starts: its processes inherit it
         logger.info(line)
     if cpus > (os.cpu_count() or 1):
         logger.info("dsv4: offering Ray %s logical CPUs on %s cores: the replicas share them "

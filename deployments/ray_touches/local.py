@@ -210,38 +210,6 @@ TOUCHES: tuple[RayTouch, ...] = (
         required=False,
     ),
     RayTouch(
-        name="ray.metrics_backend",
-        target="ray._private.ray_constants:RAY_ENABLE_OPEN_TELEMETRY "
-               "(RAY_enable_open_telemetry, also read by Ray's C++ RayConfig), read by "
-               "ray.dashboard.modules.reporter.reporter_agent:ReporterAgent",
-        used_in=("deployments.serve_env:METRICS_ENV",
-                 "deployments.serve_env:apply_metrics_backend",
-                 "deployments.local.ray_head:start_cluster",
-                 "deployments.local.cluster:LocalCluster.start",
-                 "deployments.k8s.params:metrics_env",
-                 "deployments.k8s.lint:_metrics_env_problems"),
-        why="under Ray 2.60's default OpenTelemetry backend each node's dashboard agent "
-            "re-records every histogram observation a worker exported, one Python call "
-            "each (~10 us of agent CPU per observation), and vLLM's Ray stat logger "
-            "observes once per streamed token: the agent was a fifth of vLLM's whole API "
-            "server per token at one GPU's rate (docs/benchmarks.md §2k)",
-        how="RAY_enable_open_telemetry=0 in every Ray process's environment before it "
-            "starts (local head and nodes, every KubeRay pod): Ray's OpenCensus exporter "
-            "keeps bucket counts as exported; a value the user set wins",
-        upstream="ray-project/ray#64852 (pass histogram bucket counts through); "
-                 "ray-project/ray#59337 (the agent's metric overhead); OpenCensus is the "
-                 "legacy backend ray#51589 replaces",
-        removal="when the agent passes histogram buckets through (ray#64852), or Ray drops "
-                "the OpenCensus backend (this probe then fails)",
-        probe=every(symbols("ray._private.ray_constants", "RAY_ENABLE_OPEN_TELEMETRY"),
-                    source_mentions("ray.dashboard.modules.reporter.reporter_agent",
-                                    "ReporterAgent.run", "RAY_ENABLE_OPEN_TELEMETRY"),
-                    source_mentions("ray.dashboard.modules.reporter.reporter_agent",
-                                    "ReporterAgent.ReportOCMetrics",
-                                    "proxy_export_metrics")),
-        required=False,
-    ),
-    RayTouch(
         name="serve.direct_ingress_port_range",
         target="ray.serve._private.constants: RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT / "
                "MAX_HTTP_PORT (range(MIN, MAX) in node_port_manager.PortAllocator)",

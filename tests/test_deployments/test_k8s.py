@@ -455,24 +455,3 @@ def test_mixed_preset_workers_must_match_node_types():
     with pytest.raises(ConfigError, match=r"node types \['sm90'\].*Fix:"):
         render_documents(Preset(preset.name, preset.config_path, {}, only_h200,
                                 preset.stack), params)
-
-
-def test_every_pod_exports_metrics_on_one_backend_and_the_lint_names_one_that_differs() -> None:
-    """Every pod of every preset runs Ray's OpenCensus metrics backend
-    (``serve_env.METRICS_ENV``); a worker group left on Ray's default is named."""
-    from deployments import serve_env
-
-    params = load_params()
-    for preset in presets(params, DEFAULT_PARAMS):
-        manifest = render_manifest(preset, params)
-        cluster = manifest["spec"]["rayClusterConfig"]
-        templates = [cluster["headGroupSpec"]["template"]] + [
-            g["template"] for g in cluster["workerGroupSpecs"]]
-        for template in templates:
-            env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
-            assert serve_env.METRICS_ENV.items() <= env.items(), preset.name
-        worker = cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
-        worker["env"] = [e for e in worker["env"]
-                         if e["name"] != serve_env.METRICS_BACKEND_FLAG]
-        assert any(p.startswith(f"{serve_env.METRICS_BACKEND_FLAG} differs between pods")
-                   and "=None" in p for p in semantic_problems(manifest)), preset.name

@@ -51,7 +51,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[mn.Run]:
     started = time.monotonic()
     with pytest.MonkeyPatch.context() as env:
         # as from a fresh shell: the session stack's in-process Ray set these here
-        for name in (*serve_env.LOCAL_QUIET_ENV, *serve_env.METRICS_ENV):
+        for name in serve_env.LOCAL_QUIET_ENV:
             env.delenv(name, raising=False)
         the_run = mn.start_run(config, NODES, IDLE_TIMEOUT_S, env=mn.STORY_ENV)
     the_run.marks["boot"] = time.monotonic() - started

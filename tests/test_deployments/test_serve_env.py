@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from deployments import serve_env
@@ -124,53 +120,3 @@ def test_haproxy_ports_beside_a_door_are_distinct_and_each_a_flag_ray_reads() ->
     assert len({8040, *side, *direct}) == 1 + len(side) + len(direct)
     source = inspect.getsource(constants)
     assert [name for name in env if f'"{name}"' not in source] == []
-
-
-def test_metrics_backend_is_set_where_missing_and_a_users_value_wins() -> None:
-    env: dict[str, str] = {}
-    assert serve_env.apply_metrics_backend(env) == [
-        "dsv4: Ray Serve env RAY_enable_open_telemetry=0 (Ray's metrics on OpenCensus: no "
-        "agent CPU per histogram observation)"]
-    assert env == {"RAY_enable_open_telemetry": "0"}
-    env = {"RAY_enable_open_telemetry": "1"}
-    [line] = serve_env.apply_metrics_backend(env)
-    assert env == {"RAY_enable_open_telemetry": "1"}
-    assert "RAY_enable_open_telemetry=1 kept from the environment" in line
-
-
-@pytest.mark.parametrize("value", [None, "0", "1", "true", "TRUE", "True", "false", "yes",
-                                   "", " 1", "on"])
-def test_metrics_backend_reading_is_rays(value: str | None,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """``_otel_on`` reads the flag as the installed Ray does (its ``env_bool``, default on:
-    ray_constants.RAY_ENABLE_OPEN_TELEMETRY)."""
-    from ray._common.utils import env_bool
-
-    if value is None:
-        monkeypatch.delenv(serve_env.METRICS_BACKEND_FLAG, raising=False)
-    else:
-        monkeypatch.setenv(serve_env.METRICS_BACKEND_FLAG, value)
-    assert serve_env._otel_on(value) is env_bool(serve_env.METRICS_BACKEND_FLAG, True)
-
-
-def test_metrics_backend_problem_names_the_pods_that_differ() -> None:
-    assert serve_env.metrics_backend_problem({"head": "0", "workers gpu": "0"}) is None
-    assert serve_env.metrics_backend_problem({"head": None, "workers gpu": "1"}) is None
-    problem = serve_env.metrics_backend_problem({"head": "0", "workers gpu": None})
-    assert problem is not None
-    assert "head='0', workers gpu=None" in problem and "Fix: give every pod" in problem
-
-
-def test_the_installed_ray_reads_the_metrics_backend_flag() -> None:
-    """In a fresh process with ``METRICS_ENV``, Ray resolves OpenCensus (the agent's
-    branch on it exists: the ``ray.metrics_backend`` touch)."""
-    from deployments.ray_touches import present
-
-    assert present("ray.metrics_backend")
-    code = "from ray._private import ray_constants as c; print(c.RAY_ENABLE_OPEN_TELEMETRY)"
-    for env, want in ((serve_env.METRICS_ENV, "False"), ({}, "True")):
-        clean = {k: v for k, v in os.environ.items()
-                 if k != serve_env.METRICS_BACKEND_FLAG}
-        out = subprocess.run([sys.executable, "-c", code], env=clean | env, check=True,
-                             capture_output=True, text=True, timeout=60).stdout.strip()
-        assert out == want, (env, out)
