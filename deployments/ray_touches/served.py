@@ -147,6 +147,39 @@ TOUCHES: tuple[RayTouch, ...] = (
                             "TPU_ACCELERATOR_VALUES", "infer_hardware_kind_from_bundles")),
     ),
     RayTouch(
+        name="llm.engine_histograms",
+        target="vllm.v1.metrics.ray_wrappers:RayPrometheusStatLogger._histogram_cls "
+               "(RayHistogramWrapper; RayPrometheusMetric's tag helpers), the stat logger "
+               f"{_LLM}.engines.vllm.vllm_engine:VLLMEngine._start_async_llm_engine gives "
+               "the engine when log_engine_metrics is on",
+        used_in=("deployments.serving.engine_metrics:install",
+                 "deployments.serving.engine_metrics:histogram_class",
+                 "deployments.serving.server:DSv4ServerMixin.__init__"),
+        why="Ray 2.60's metrics agent re-records each exported histogram observation in "
+            "Python (~12 us of agent CPU each) and vLLM observes inter-token latency per "
+            "streamed token: at one GPU's rate the agent cost a fifth of vLLM's API server "
+            "per token (docs/benchmarks.md §2k)",
+        how="in the replica, before the engine starts, RayPrometheusStatLogger._histogram_cls "
+            "becomes BucketHistogram (vLLM's own label handling): counts kept in-process, "
+            "set every second into gauges named <name>_bucket{le} / _sum / _count",
+        upstream="ray-project/ray#64852 (pass histogram bucket counts through the agent); "
+                 "ray-project/ray#59337 (the agent's metrics overhead)",
+        removal="when Ray's agent passes histogram buckets through (ray#64852)",
+        probe=every(attr_chain("vllm.v1.metrics.ray_wrappers",
+                               "RayPrometheusStatLogger._histogram_cls"),
+                    attr_chain("vllm.v1.metrics.ray_wrappers",
+                               "RayPrometheusMetric._get_tag_keys"),
+                    attr_chain("vllm.v1.metrics.ray_wrappers",
+                               "RayPrometheusMetric._build_tags"),
+                    attr_chain("vllm.v1.metrics.ray_wrappers",
+                               "RayPrometheusMetric._get_sanitized_opentelemetry_name"),
+                    source_mentions(f"{_LLM}.engines.vllm.vllm_engine",
+                                    "VLLMEngine._start_async_llm_engine",
+                                    "RayPrometheusStatLogger")),
+        required=False,
+        loads_llm=True,
+    ),
+    RayTouch(
         name="serve.proxy_host",
         target="ray.serve.context:_get_global_client().http_config.host",
         used_in=("deployments.http.front:proxy_host",),

@@ -66,7 +66,7 @@ from deployments.http.listener import ReplicaListener
 from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
 from deployments.responses.replica import ReplicaStore, bind_store
-from deployments.serving import boot, dataplane, haproxy_target
+from deployments.serving import boot, dataplane, engine_metrics, haproxy_target
 from deployments.serving.engine_wait import AfterEngineSpawn, freeze_heap
 from deployments.serving.resolve import (
     apply_override,
@@ -152,6 +152,7 @@ class DSv4ServerMixin:
         self._verdict = ReplicaVerdict()
         self._kv: ReplicaKV | None = None
         boot.keep_telemetry_off_boot_path()
+        engine_metrics.install()  # before the engine builds its stat loggers
         started = time.monotonic()
         await super().__init__(llm_config, **kwargs)  # type: ignore[misc, call-arg]  # mixed in
         self._engine_start_s = round(time.monotonic() - started, 1)

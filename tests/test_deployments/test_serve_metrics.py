@@ -16,6 +16,7 @@ figures for the same config.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import urllib.request
@@ -188,6 +189,7 @@ def test_every_dashboard_series_answers_after_traffic(serve_stack: Stack) -> Non
         f"{missing(scraped, deployment, names)}"
     figures = scrape.per_replica(scraped, deployment, APP)
     print("\n".join(scrape.describe(figures)))
+    assert_engine_histograms_whole(scraped)
 
     # The serving path's part + the engine's part = the TTFT the replica delivered.
     timed = [f for f in figures.values() if f.ttft[1]]
@@ -208,3 +210,25 @@ def test_every_dashboard_series_answers_after_traffic(serve_stack: Stack) -> Non
         assert f.node_type == "cpu" and f.status == "ok", f
         assert f.kv_capacity_tokens == plan.capacity.kv_tokens_per_replica, f
         assert f.kv_bytes_per_token == pytest.approx(plan.capacity.kv_bytes_per_token_per_gpu)
+
+
+def assert_engine_histograms_whole(scraped: dict[str, Any]) -> None:
+    """vLLM's histograms, counted in each replica (``serving.engine_metrics``), reach
+    Prometheus as whole histograms: per replica, every ``le`` bucket of each, cumulative,
+    the ``+Inf`` bucket equal to ``_count``, and a sum."""
+    from vllm.v1.metrics.buckets import histogram_buckets
+
+    itl_bounds = histogram_buckets("inter_token_latency")
+    name = "ray_vllm_inter_token_latency_seconds"
+    counts = {lb["ReplicaId"]: v for lb, v in scraped.get(f"{name}_count", [])}
+    sums = {lb["ReplicaId"]: v for lb, v in scraped.get(f"{name}_sum", [])}
+    buckets: dict[str, list[tuple[float, float]]] = {}
+    for lb, v in scraped.get(f"{name}_bucket", []):
+        buckets.setdefault(lb["ReplicaId"], []).append((float(lb["le"]), v))
+    assert counts and any(counts.values()), counts
+    for replica, count in counts.items():
+        ordered = sorted(buckets[replica])
+        assert ordered[-1] == (float("inf"), count), (replica, ordered)
+        assert all(a[1] <= b[1] for a, b in itertools.pairwise(ordered)), ordered
+        assert len(ordered) == len(itl_bounds) + 1, ordered  # and +Inf
+        assert (sums[replica] > 0) is (count > 0), (replica, sums)

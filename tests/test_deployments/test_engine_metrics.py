@@ -1,0 +1,102 @@
+"""vLLM's engine histograms counted in the replica (``deployments.serving.engine_metrics``).
+
+The counts must be what a Prometheus histogram would expose (checked against
+``prometheus_client.Histogram``), the ``le`` labels what Ray's exporter writes today
+(OpenTelemetry's Prometheus exporter, the code Ray 2.60's agent runs), and the class
+must keep the API of the vLLM wrapper it stands in for. The session stack's scrape
+(``test_serve_metrics``) checks the exported series end to end.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram
+
+from deployments.observe.buckets import BucketCounts, le_label
+
+VLLM_ITL = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+            7.5, 10.0, 20.0, 40.0, 80.0]
+TOKENS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+@pytest.mark.parametrize("bounds", [VLLM_ITL, TOKENS, [0.5]])
+def test_counts_are_prometheus_clients(bounds: list[float]) -> None:
+    rng = random.Random(7)
+    values = [rng.uniform(0, 2 * max(bounds)) for _ in range(2000)]
+    values += [float(b) for b in bounds] + [0.0, max(bounds) * 10]  # bounds are inclusive
+    registry = CollectorRegistry()
+    ref = Histogram("h", "h", buckets=bounds, registry=registry)
+    ours = BucketCounts(bounds)
+    for v in values:
+        ref.observe(v)
+        ours.observe(v)
+    want = {s.labels["le"]: s.value for s in next(iter(registry.collect())).samples
+            if s.name == "h_bucket"}
+    cumulative, total, count = ours.snapshot()
+    got = dict(cumulative)
+    assert [float(le) for le in got] == [float(le) for le in want]
+    assert list(got.values()) == list(want.values())
+    assert count == len(values) and total == pytest.approx(sum(values))
+
+
+def test_le_labels_are_what_rays_exporter_writes() -> None:
+    """Ray 2.60's agent exports through opentelemetry-exporter-prometheus: its own
+    bucket conversion gives the label texts dashboards match on today."""
+    from opentelemetry.exporter.prometheus import _convert_buckets
+
+    for bounds in (VLLM_ITL, TOKENS):
+        theirs = [le for le, _ in _convert_buckets([0] * (len(bounds) + 1),
+                                                    [float(b) for b in bounds])]
+        ours = [le for le, _ in BucketCounts(bounds).snapshot()[0]]
+        assert ours == theirs
+    assert le_label(math.inf) == "+Inf"
+
+
+def test_repeated_bounds_are_named() -> None:
+    with pytest.raises(ValueError, match=r"expected distinct bounds"):
+        BucketCounts([0.1, 0.1, 1.0])
+
+
+def test_bucket_histogram_keeps_the_vllm_wrappers_api() -> None:
+    """Same constructor and methods as ``RayHistogramWrapper`` (installed vLLM)."""
+    from vllm.v1.metrics.ray_wrappers import RayHistogramWrapper
+
+    from deployments.serving.engine_metrics import histogram_class
+
+    ours = histogram_class()
+    for method in ("__init__", "observe"):
+        assert inspect.signature(getattr(ours, method)).parameters.keys() == \
+            inspect.signature(getattr(RayHistogramWrapper, method)).parameters.keys(), method
+    assert issubclass(ours, RayHistogramWrapper.__mro__[1])  # vLLM's RayPrometheusMetric
+
+
+def test_one_label_set_counts_once_however_often_it_is_labeled() -> None:
+    from deployments.serving.engine_metrics import FLUSHER, histogram_class
+
+    hist = histogram_class()("vllm:test_seconds", "test", ["model_name", "engine"], [0.1, 1.0])
+    first, again = hist.labels(model_name="m", engine="0"), hist.labels("m", "0")
+    other = hist.labels(model_name="m", engine="1")
+    for child, value in ((first, 0.05), (again, 0.5), (other, 5.0)):
+        child.observe(value)
+    assert first._counts is again._counts is not other._counts
+    assert first._counts.snapshot() == ([("0.1", 1), ("1.0", 2), ("+Inf", 2)], 0.55, 2)
+    FLUSHER.flush()  # sets Ray gauges; no Ray cluster needed to call it
+
+
+def test_install_swaps_the_stat_loggers_histograms_once() -> None:
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+    from deployments.serving import engine_metrics
+
+    before = RayPrometheusStatLogger._histogram_cls
+    try:
+        assert engine_metrics.install()
+        installed = RayPrometheusStatLogger._histogram_cls
+        assert getattr(installed, "dsv4_bucketed", False)
+        assert engine_metrics.install() and RayPrometheusStatLogger._histogram_cls is installed
+    finally:
+        RayPrometheusStatLogger._histogram_cls = before
