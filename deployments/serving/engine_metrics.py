@@ -86,15 +86,16 @@ class _Family:
 class _Flusher:
     """Every family's totals into its gauges, every ``FLUSH_S``, on one daemon thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, thread: bool = True) -> None:
         self._lock = threading.Lock()
         self._families: dict[int, _Family] = {}
         self._thread: threading.Thread | None = None
+        self._start_thread = thread  # False: flushed only by calls (tests)
 
     def add(self, family: _Family) -> None:
         with self._lock:
             self._families.setdefault(id(family), family)
-            if self._thread is None:
+            if self._thread is None and self._start_thread:
                 self._thread = threading.Thread(target=self._run, name="dsv4-engine-histograms",
                                                 daemon=True)
                 self._thread.start()
@@ -166,4 +167,7 @@ def install() -> bool:
         cls = histogram_class()
         cls.dsv4_bucketed = True  # type: ignore[attr-defined]  # marks ours (idempotent install)
         RayPrometheusStatLogger._histogram_cls = cls
+        logger.info("dsv4: vLLM's engine histograms are counted in this replica and set "
+                    "every %g s as gauges <name>_bucket{le} / _sum / _count (Ray's agent "
+                    "would replay each observation)", FLUSH_S)
     return True

@@ -74,17 +74,22 @@ def test_bucket_histogram_keeps_the_vllm_wrappers_api() -> None:
     assert issubclass(ours, RayHistogramWrapper.__mro__[1])  # vLLM's RayPrometheusMetric
 
 
-def test_one_label_set_counts_once_however_often_it_is_labeled() -> None:
-    from deployments.serving.engine_metrics import FLUSHER, histogram_class
+def test_one_label_set_counts_once_however_often_it_is_labeled(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from deployments.serving import engine_metrics
 
-    hist = histogram_class()("vllm:test_seconds", "test", ["model_name", "engine"], [0.1, 1.0])
+    flusher = engine_metrics._Flusher(thread=False)  # no thread left behind in pytest
+    monkeypatch.setattr(engine_metrics, "FLUSHER", flusher)
+    hist = engine_metrics.histogram_class()("vllm:test_seconds", "test",
+                                            ["model_name", "engine"], [0.1, 1.0])
     first, again = hist.labels(model_name="m", engine="0"), hist.labels("m", "0")
     other = hist.labels(model_name="m", engine="1")
     for child, value in ((first, 0.05), (again, 0.5), (other, 5.0)):
         child.observe(value)
     assert first._counts is again._counts is not other._counts
     assert first._counts.snapshot() == ([("0.1", 1), ("1.0", 2), ("+Inf", 2)], 0.55, 2)
-    FLUSHER.flush()  # sets Ray gauges; no Ray cluster needed to call it
+    assert len(flusher._families) == 1
+    flusher.flush()  # sets Ray gauges; no Ray cluster needed to call it
 
 
 def test_install_swaps_the_stat_loggers_histograms_once() -> None:
@@ -100,3 +105,30 @@ def test_install_swaps_the_stat_loggers_histograms_once() -> None:
         assert engine_metrics.install() and RayPrometheusStatLogger._histogram_cls is installed
     finally:
         RayPrometheusStatLogger._histogram_cls = before
+
+
+def test_a_flush_sets_what_changed_and_a_keepalive_sets_all(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between keep-alives only label sets observed since the last flush are set again
+    (an idle replica costs nothing); a keep-alive sets every one (Ray's agent drops a
+    gauge it has not heard of for two export intervals)."""
+    from deployments.serving import engine_metrics
+
+    monkeypatch.setattr(engine_metrics, "FLUSHER", engine_metrics._Flusher(thread=False))
+    hist = engine_metrics.histogram_class()("vllm:flush_test_seconds", "test", ["engine"],
+                                            [1.0])
+    busy, idle = hist.labels(engine="0"), hist.labels(engine="1")
+    busy.observe(0.5)
+    idle.observe(0.5)
+    family = busy._family
+    calls: list[dict[str, str]] = []
+    monkeypatch.setattr(family.count, "set", lambda value, tags: calls.append(tags))
+    family.set(unchanged_too=False)
+    assert sorted(c["engine"] for c in calls) == ["0", "1"]
+    calls.clear()
+    busy.observe(2.0)
+    family.set(unchanged_too=False)
+    assert [c["engine"] for c in calls] == ["0"]
+    calls.clear()
+    family.set(unchanged_too=True)
+    assert sorted(c["engine"] for c in calls) == ["0", "1"]
