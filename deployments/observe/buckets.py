@@ -39,9 +39,9 @@ class BucketCounts:
 
     def observe(self, value: float) -> None:
         """Count ``value`` in the first bucket whose upper bound is >= it."""
-        index = bisect.bisect_left(self.bounds, value)
+        index = bisect.bisect_left(self.bounds, value)  # the last bound is +Inf
         with self._lock:
-            self._counts[min(index, len(self._counts) - 1)] += 1
+            self._counts[index] += 1
             self._sum += value
 
     def snapshot(self) -> tuple[list[tuple[str, int]], float, int]:
