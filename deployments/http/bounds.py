@@ -2,9 +2,9 @@
 
 Each check runs in time linear in the body (``json_depth`` is one regex pass and one
 scan; the rest walk the parsed body once) and judges a field as vLLM's pydantic
-request models will read it (``engine_int``). ``body_problem`` is the whole judgement
-for one route (``deployments.http.routes``); ``deployments.http.edge`` turns a problem
-into a 400 naming the field.
+request models will read it (``engine_int``). ``deployments.http.parsed.judge`` is the
+whole judgement for one route (``deployments.http.routes``): bytes first
+(``bytes_problem``), then the parsed body with vLLM's coerced values (``parsed_problem``).
 """
 
 from __future__ import annotations
@@ -174,26 +174,27 @@ def encoding_problem(raw: bytes) -> str | None:
             "the body as UTF-8.")
 
 
-def body_problem(raw: bytes, settings: HTTPEdge,
-                 route: routes.Route) -> tuple[str | None, str] | None:
-    """(param, message) for the first thing wrong with a body before vLLM reads it.
-
-    Order: encoding, nesting (both on bytes, linear), then the parsed fields: fields only
-    the server may set, the route's bounds, chat ``messages``, the Responses store rules.
-    A body that is not JSON is left to the request schema (its 400 gives the position).
-    """
+def bytes_problem(raw: bytes, settings: HTTPEdge) -> str | None:
+    """The message for a body refused on its bytes (encoding, nesting: both linear)."""
     encoding = encoding_problem(raw)
     if encoding:
-        return None, encoding
+        return encoding
     depth = json_depth(raw)
     if depth > settings.max_json_depth:
-        return None, (f"the body nests {depth} levels deep, above this server's limit "
-                      f"http.max_json_depth={settings.max_json_depth}. Fix: flatten the "
-                      "request.")
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return None
+        return (f"the body nests {depth} levels deep, above this server's limit "
+                f"http.max_json_depth={settings.max_json_depth}. Fix: flatten the "
+                "request.")
+    return None
+
+
+def parsed_problem(body: Any, settings: HTTPEdge,
+                   route: routes.Route) -> tuple[str | None, str] | None:
+    """(param, message) for the first thing wrong with a parsed body whose judged fields
+    hold vLLM's coerced values (``deployments.http.parsed``).
+
+    Order: fields only the server may set, the route's bounds, chat ``messages``, the
+    Responses store rules.
+    """
     problem = forbidden_problem(body) or limit_problem(body, settings, route)
     if problem is None and route.stateful:
         problem = state_problem(body, settings.responses_store)

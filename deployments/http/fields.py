@@ -28,6 +28,9 @@ from deployments.http.bounds import FORBIDDEN_FIELDS
 
 Kind = Literal["bounded", "refused", "store", "free"]
 STORE_FIELDS = ("store", "background", "previous_response_id")
+# The type vLLM's ResponsesRequest declares for each store field (``Optional`` dropped):
+# the edge judges the field after the same lax coercion (``deployments.http.parsed``).
+STORE_TYPES = {"store": "bool", "background": "bool", "previous_response_id": "str"}
 
 _SIZE = "bounded by http.max_body_bytes and http.max_json_depth"
 _FLAG = "a switch or a choice among fixed values: costs nothing"
@@ -125,6 +128,20 @@ def decide(route: routes.Route, path: str) -> Decision | None:
     if path.rsplit(".", 1)[-1] in FORBIDDEN_FIELDS:
         return Decision("refused", "set only by dsv4-serve's own P/D path, at any depth")
     if route.stateful and path in STORE_FIELDS:
-        return Decision("store", "refused while http.responses_store is off")
+        return Decision("store", "refused while http.responses_store is off",
+                        coerced=STORE_TYPES[path])
     why = _free(path)
     return Decision("free", why) if why is not None else None
+
+
+def judged(route: routes.Route) -> dict[str, str]:
+    """Every field path of ``route`` the edge judges on a value, with the type vLLM's
+    model coerces it to (``int``, ``bool``, ``str``): its bounds and store gates."""
+    paths = [*route.bounds, *(STORE_FIELDS if route.stateful else ())]
+    out = {}
+    for path in paths:
+        decision = decide(route, path)
+        if decision is not None and decision.coerced in ("int", "bool", "str"):
+            out[path] = decision.coerced
+    return out
+
