@@ -120,10 +120,15 @@ class StoreBinding:
                 await self._load((owner, previous))
         except StoreError as exc:
             return self._failed("read", exc)
-        result = await self._create(request, raw_request)
         key = (owner, request.request_id)
-        if previous is not None:
-            self._forget((owner, previous))
+        try:
+            result = await self._create(request, raw_request)
+        except BaseException:  # cancelled (client gone, stream_max_s) or failed
+            self._abandon(key)
+            raise
+        finally:
+            if previous is not None:
+                self._forget((owner, previous))
         if isinstance(result, self._error_type):
             self._abandon(key)
             return result
@@ -143,7 +148,7 @@ class StoreBinding:
             finally:
                 self._forget(key)
             return result
-        return self._stream(key, result)
+        return _Stream(self._stream(key, result), lambda: self._abandon(key))
 
     async def _stream(self, key: Key, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """Pass vLLM's events on; save the response before ``response.completed``."""
@@ -243,8 +248,38 @@ class StoreBinding:
             except StoreError as exc:
                 self.on_error("poll")
                 logger.warning("dsv4: Responses store poll failed: %s", exc)
+            except Exception:  # a bug must not end cancels silently: logged, next round
+                self.on_error("poll")
+                logger.exception("dsv4: Responses store poll failed unexpectedly; polling "
+                                 "goes on")
             await asyncio.sleep(self.cancel_poll_s)
             since_size += self.cancel_poll_s
+
+
+class _Stream:
+    """A stream's events whose ``abandon`` runs however it ends: finished, closed, or
+    dropped before its first event (an async generator never started runs no
+    ``finally``; vLLM's ``msg_store`` copy would stay forever)."""
+
+    def __init__(self, events: AsyncIterator[Any], abandon: Callable[[], None]) -> None:
+        self._events, self._abandon = events, abandon
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self._events.__anext__()
+        except BaseException:
+            self._abandon()
+            raise
+
+    async def aclose(self) -> None:
+        self._abandon()
+        await self._events.aclose()  # type: ignore[attr-defined]  # an async generator
+
+    def __del__(self) -> None:
+        self._abandon()
 
 
 def _dump_messages(messages: Any) -> str:
