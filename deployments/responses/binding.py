@@ -28,7 +28,7 @@ from http import HTTPStatus
 from typing import Any
 
 from deployments.logs import get_logger
-from deployments.responses.store import ResponsesStore, StoreError
+from deployments.responses.store import QuotaExceeded, ResponsesStore, StoreError
 from deployments.responses.views import OWNER, Key, OwnedView
 from dsv4_patch.responses_touch import READ as TOUCH
 
@@ -86,13 +86,15 @@ class StoreBinding:
         self.messages.load(key, messages)
 
     async def _save(self, key: Key, force: bool = False) -> None:
+        """What vLLM wrote for ``key`` (or all of it, with ``force``), in one write."""
         messages = self.messages.take(key, force)
-        if messages is not None:
-            await self.store.put_messages(*key, _dump_messages(messages))
         response = self.responses.take(key, force)
-        if response is not None:
-            await self.store.put_response(*key, response.model_dump_json(), response.status,
-                                          keep_cancelled=True)
+        if messages is None and response is None:
+            return
+        await self.store.put_record(
+            *key, None if messages is None else _dump_messages(messages),
+            None if response is None else response.model_dump_json(),
+            None if response is None else response.status, keep_cancelled=True)
 
     def _forget(self, key: Key) -> None:
         self.responses.drop(key)
@@ -104,6 +106,10 @@ class StoreBinding:
         self.messages.discard(key)
 
     def _failed(self, op: str, exc: StoreError) -> Any:
+        if isinstance(exc, QuotaExceeded):  # the client's record, not the store's health
+            return self.serving.create_error_response(
+                str(exc), err_type="BadRequestError", param="store",
+                status_code=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
         self.on_error(op)
         logger.error("dsv4: Responses store %s failed: %s", op, exc)
         return self.serving.create_error_response(
@@ -294,6 +300,8 @@ def _error_event(completed: Any, exc: StoreError) -> Any:
     from openai.types.responses import ResponseErrorEvent
 
     return ResponseErrorEvent(
-        type="error", code="store_unavailable", param=None,
+        type="error", param=None,
+        code="store_quota" if isinstance(exc, QuotaExceeded) else "store_unavailable",
         sequence_number=getattr(completed, "sequence_number", 0),
-        message=f"the Responses store is unavailable ({exc}); this response was not stored.")
+        message=str(exc) if isinstance(exc, QuotaExceeded) else
+        f"the Responses store is unavailable ({exc}); this response was not stored.")

@@ -21,7 +21,7 @@ import pytest
 from deployments.responses.binding import StoreBinding
 from deployments.responses.redis_store import RedisStore
 from deployments.responses.sqlite import SQLiteStore
-from deployments.responses.store import ResponsesStore, owner_of
+from deployments.responses.store import Quota, ResponsesStore, owner_of
 from deployments.responses.views import OWNER
 from tests.support.redis_server import PASSWORD, RedisServer
 
@@ -82,7 +82,7 @@ async def _start_background(one: StoreBinding, rid: str) -> asyncio.Task[None]:
 
 def test_state_made_on_one_replica_is_served_and_cancelled_on_another(tmp_path: Path) -> None:
     async def body() -> None:
-        store = SQLiteStore(tmp_path / "r.sqlite3", 3600, 100, 2.0)
+        store = SQLiteStore(tmp_path / "r.sqlite3", Quota(3600, 100), 2.0)
         one, two = _replica(store), _replica(store)
         task = await _start_background(one, "resp_bg")
         got = await _as(A, two.serving.retrieve_responses("resp_bg", None, False))
@@ -114,7 +114,7 @@ def test_state_made_on_one_replica_is_served_and_cancelled_on_another(tmp_path: 
 
 def test_a_dead_store_is_a_503_and_then_recovers(redis_server: RedisServer) -> None:
     async def body() -> None:
-        store = RedisStore(redis_server.url, PASSWORD, "binding", 3600, 100, 0.5)
+        store = RedisStore(redis_server.url, PASSWORD, "binding", Quota(3600, 100), 0.5)
         one, two = _replica(store), _replica(store)
         task = await _start_background(one, "resp_x")
         redis_server.stop()

@@ -22,6 +22,7 @@ import psutil
 
 from deployments.responses.binding import StoreBinding
 from deployments.responses.sqlite import SQLiteStore
+from deployments.responses.store import Quota
 from deployments.responses.views import OWNER
 from tests.test_deployments.test_responses_binding import _replica
 
@@ -30,7 +31,7 @@ CREATES = 2000
 
 
 def _bind(tmp_path: Path) -> StoreBinding:
-    store = SQLiteStore(tmp_path / "s.sqlite3", 3600.0, 100, 2.0)
+    store = SQLiteStore(tmp_path / "s.sqlite3", Quota(3600.0, 100), 2.0)
     binding = _replica(store)
 
     async def create(request: Any, raw_request: Any = None) -> Any:
