@@ -116,7 +116,7 @@ class RedisStore:
             raise StoreError(f"the Redis Responses store did not {what} within "
                              f"{self.timeout_s}s (responses.timeout_s)") from exc
         except redis.exceptions.RedisError as exc:
-            if "OOM" in str(exc):
+            if isinstance(exc, redis.exceptions.OutOfMemoryError) or "OOM" in str(exc):
                 raise StoreError(f"the Redis Responses store could not {what}: the server "
                                  "is at its memory limit (maxmemory). Fix (operator): raise "
                                  "maxmemory above the number of keys x "
