@@ -31,6 +31,7 @@ class ReplicaStore:
 
     async def close(self) -> None:
         self.poller.cancel()
+        await asyncio.gather(self.poller, return_exceptions=True)
         await self.binding.store.close()
 
 

@@ -270,11 +270,15 @@ class DSv4ServerMixin:
 
     async def dsv4_close_listener(self) -> None:
         """Shutdown: stop taking connections on the replica's own port, let held
-        requests finish (up to the deployment's graceful shutdown time)."""
+        requests finish (up to the deployment's graceful shutdown time), then close the
+        Responses store (its poller, its connections)."""
         if self._behind is not None and not self._behind.done():
             self._behind.cancel()
         if self._listener is not None:
             await self._listener.stop(self._drain_timeout_s)
+        if self._store is not None:  # its poller and connections end with the replica
+            store, self._store = self._store, None
+            await store.close()
 
     async def _kv_spec_report(self, refresh: bool) -> tuple[Any, str]:
         """The controller's report for ``GET /v1/kv-spec``: refreshes coalesced, rate-limited."""
