@@ -74,7 +74,8 @@ FREE: dict[str, str] = {
     "repetition_detection": _FLAG, "priority": (
         "read only under vLLM's priority scheduling (dsv4-serve runs FCFS)"),
     # what the answer carries
-    "echo": _OUTPUT, "logprobs": _OUTPUT + " (chat: a switch; completions: bounded)",
+    "echo": _OUTPUT + " (with logprobs: http.max_prompt_logprobs)",
+    "logprobs": _OUTPUT + " (chat: a switch; completions: bounded)",
     "logprob_token_ids": _SIZE, "stream": _FLAG, "stream_options.*": _FLAG,
     "stream_interval": "chunks per stream: the stream limits hold it",
     "skip_special_tokens": _FLAG, "spaces_between_special_tokens": _FLAG,
@@ -122,6 +123,10 @@ def decide(route: routes.Route, path: str) -> Decision | None:
     if path in route.bounds:
         return Decision("bounded", f"at most http.{route.bounds[path]}",
                         route.bounds[path], "int")
+    if path == "echo" and route.echo_logprobs is not None:
+        return Decision("bounded", "with echo, the prompt logprobs count against "
+                        "http.max_prompt_logprobs (prompt tokens x k)",
+                        "max_prompt_logprobs", "bool")
     if path == route.prompts:
         return Decision("bounded", "its prompts count against http.max_prompts",
                         "max_prompts", "list length")
@@ -137,7 +142,8 @@ def decide(route: routes.Route, path: str) -> Decision | None:
 def judged(route: routes.Route) -> dict[str, str]:
     """Every field path of ``route`` the edge judges on a value, with the type vLLM's
     model coerces it to (``int``, ``bool``, ``str``): its bounds and store gates."""
-    paths = [*route.bounds, *(STORE_FIELDS if route.stateful else ())]
+    paths = [*route.bounds, *(STORE_FIELDS if route.stateful else ()),
+             *(("echo",) if route.echo_logprobs is not None else ())]
     out = {}
     for path in paths:
         decision = decide(route, path)

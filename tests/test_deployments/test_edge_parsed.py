@@ -8,7 +8,7 @@ edge's verdict (``parsed.judge`` and the Responses id the admission assigns) wit
 verdict on vLLM's real request model's parse of the same bytes, and checks that the bytes
 the edge passes on parse, in vLLM's model, to the very values the edge judged.
 
-Examples per protocol: ``DSV4_DIFFERENTIAL_EXAMPLES`` (default 400 in ``make test``;
+Examples per protocol: ``DSV4_DIFFERENTIAL_EXAMPLES`` (default 200 in ``make test``;
 ``make test-differential`` runs 10,000).
 """
 
@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deployments.config import HTTPEdge
-from deployments.http import fields, routes
+from deployments.http import bounds, fields, routes
 from deployments.http.admission import AdmissionMiddleware, Slots
 from deployments.http.parsed import judge
 from deployments.http.problem import Refusal
@@ -32,8 +32,8 @@ from deployments.http.problem import Refusal
 pytest.importorskip("vllm")
 from tests.support import vllm_fields
 
-EXAMPLES = int(os.environ.get("DSV4_DIFFERENTIAL_EXAMPLES", "400"))
-LIMITS = {"max_n": 4, "max_tokens": 64, "max_logprobs": 5}
+EXAMPLES = int(os.environ.get("DSV4_DIFFERENTIAL_EXAMPLES", "200"))
+LIMITS = {"max_n": 4, "max_tokens": 64, "max_logprobs": 5, "max_prompt_logprobs": 5000}
 MESSAGE = [{"role": "user", "content": "hi"}]
 # protocol -> (route, vLLM model, base body)
 PROTOCOLS: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -41,7 +41,7 @@ PROTOCOLS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "batch": (routes.CHAT_BATCH_ROUTE, "BatchChatCompletionRequest",
               {"model": "m", "messages": [MESSAGE]}),
     "completions": (routes.COMPLETIONS_ROUTE, "CompletionRequest",
-                    {"model": "m", "prompt": "hi"}),
+                    {"model": "m", "prompt": "hi " * 300}),
     "responses": (routes.RESPONSES_ROUTE, "ResponsesRequest", {"model": "m", "input": "hi"}),
     "messages": (routes.MESSAGES_ROUTE, "AnthropicMessagesRequest",
                  {"model": "m", "max_tokens": 16, "messages": MESSAGE}),
@@ -94,7 +94,9 @@ def bodies(draw: st.DrawFn, protocol: str) -> bytes:
     """A raw JSON body: the base fields, then a draw of the judged fields, some keys
     escaped, some sent twice (the last one counts, for the edge and for vLLM)."""
     path, model_name, base = PROTOCOLS[protocol]
-    declared_fields = model(model_name).model_fields
+    declared_fields = set(model(model_name).model_fields)
+    if model_name == "BatchChatCompletionRequest":  # each conversation's request reads them
+        declared_fields |= set(model("ChatCompletionRequest").model_fields)
     route = routes.EXACT[path]
     nested: dict[str, list[tuple[str, Any]]] = {}
     top: list[tuple[str, Any]] = list(base.items())
@@ -147,13 +149,22 @@ def vllm_verdict(name: str, raw: bytes, route: routes.Route,
     bound or store gate its values break (the edge's order), else ("ok", values)."""
     try:
         request = model(name).model_validate(json.loads(raw))
-    except Exception:
+        if name == "BatchChatCompletionRequest":  # what vLLM runs: one request each
+            request = request.to_chat_completion_request(request.messages[0])
+    except Exception:  # any refusal of vLLM's model: its 400
         return "invalid", None
     judged = fields.judged(route)
     for path, limit_name in route.bounds.items():
         value = _value(request, path)
         if value is not None and value > getattr(edge, limit_name):
             return "refused", path
+    if route.echo_logprobs is not None:  # as vLLM's to_sampling_params picks k
+        param, k = "prompt_logprobs", request.prompt_logprobs
+        if k is None and request.echo:
+            param, k = "echo", getattr(request, route.echo_logprobs)
+        tokens = bounds.prompt_tokens_at_most(json.loads(raw), route)
+        if k is not None and k >= 0 and tokens * (k + 1) > edge.max_prompt_logprobs:
+            return "refused", param
     if route.stateful and not edge.responses_store:
         set_ = request.model_fields_set
         for gate in fields.STORE_FIELDS:
@@ -180,7 +191,7 @@ def edge_verdict(name: str, raw: bytes, route: routes.Route,
     return (verdict if verdict[0] == "ok" else ("passed-" + verdict[0], verdict[1])), sent
 
 
-NORMALIZED = {"count": 0}
+NORMALIZED = {"count": 0, "refused_coerced": 0}
 
 
 def check(protocol: str, raw: bytes, store: bool) -> None:
@@ -197,6 +208,13 @@ def check(protocol: str, raw: bytes, store: bool) -> None:
         # (vLLM's 400), or passes the value it coerced (a before-validator of vLLM's that
         # reads the raw value, like the batch route's ``n``, then sees the coerced one).
         NORMALIZED["count"] += got[0] == "ok"
+        return
+    if want[0] == "ok" and got[0] == "passed-invalid":
+        # vLLM accepts the raw bytes and refuses the same values sent as the types it
+        # parses them to: one of its validators reads the raw value (``"store": "false"``
+        # is truthy there, False in its parse). The edge passed the value vLLM parses;
+        # vLLM answers 400 and nothing runs.
+        NORMALIZED["refused_coerced"] += 1
         return
     assert got == want, (raw, want, got)
     if want[0] == "ok" and store and route.stateful:  # a background run has the edge's id
@@ -215,10 +233,19 @@ def test_the_edge_decides_on_vllms_parsed_value(protocol: str) -> None:
     def run(raw: bytes, store: bool) -> None:
         check(protocol, raw, store)
 
-    NORMALIZED["count"] = 0
+    NORMALIZED.update(count=0, refused_coerced=0)
     run()
-    print(f"{protocol}: {EXAMPLES} bodies in {time.monotonic() - started:.1f} s, "
-          f"{NORMALIZED['count']} refused by vLLM's raw validators, passed coerced")
+    print(f"{protocol}: {EXAMPLES} bodies in {time.monotonic() - started:.1f} s; "
+          f"{NORMALIZED['count']} refused by vLLM raw, passed coerced; "
+          f"{NORMALIZED['refused_coerced']} passed raw, refused coerced")
+
+
+def test_vllms_raw_validator_disagreeing_with_its_parse() -> None:
+    """Found by the differential run: ``"store": "false"`` with ``background: true``
+    passes vLLM's raw check and parses to store=False; sent as parsed, vLLM refuses."""
+    raw = b'{"model": "m", "input": "hi", "store": "false", "background": true}'
+    check("responses", raw, True)
+    assert NORMALIZED["refused_coerced"] >= 1
 
 
 @pytest.mark.parametrize(("raw", "background"), [
@@ -304,3 +331,35 @@ def test_each_release_declares_the_judged_types(release: str) -> None:
             found = {t for c in classes if last in index.fields(c)
                      for t in _type_names(ast.unparse(index.fields(c)[last]))}
             assert found in (set(), {kind}), (release, protocol, field_path, found)
+
+
+# ------------------------------------------------------------------ prompt logprobs
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    (routes.COMPLETIONS_ROUTE, {"prompt": "x" * 170_000, "prompt_logprobs": 20},
+     "prompt_logprobs"),
+    (routes.COMPLETIONS_ROUTE, {"prompt": [7] * 170_000, "prompt_logprobs": "20"},
+     "prompt_logprobs"),
+    (routes.COMPLETIONS_ROUTE, {"prompt": "x" * 170_000, "echo": "yes", "logprobs": 5.0},
+     "echo"),
+    (routes.CHAT_ROUTE, {"messages": [{"role": "user", "content": "x" * 170_000}],
+                         "echo": 1, "top_logprobs": 3}, "echo"),
+    (routes.CHAT_BATCH_ROUTE, {"messages": [[{"role": "user", "content": "x" * 20_000}]] * 8,
+                               "prompt_logprobs": 1}, "prompt_logprobs"),
+])
+def test_prompt_logprobs_are_bounded_by_prompt_tokens_times_k(
+        path: str, body: dict[str, Any], param: str) -> None:
+    """~170k prompt tokens x 20 built millions of entries on the replica's event loop."""
+    judged = judge(json.dumps(body).encode(), HTTPEdge(), routes.EXACT[path])
+    assert judged.problem is not None and judged.problem[0] == param, judged.problem
+    assert "http.max_prompt_logprobs=262144" in judged.problem[1]
+    assert "Fix" in judged.problem[1]
+
+
+def test_small_prompt_logprobs_pass() -> None:
+    body = {"prompt": "x" * 10_000, "prompt_logprobs": 20, "echo": True, "logprobs": 20}
+    route = routes.EXACT[routes.COMPLETIONS_ROUTE]
+    assert judge(json.dumps(body).encode(), HTTPEdge(), route).problem is None
+    assert judge(json.dumps({**body, "prompt": [1] * 12_000}).encode(), HTTPEdge(),
+                 route).problem is None
