@@ -24,7 +24,7 @@ from deployments.responses.binding import StoreBinding
 from deployments.responses.sqlite import SQLiteStore
 from deployments.responses.store import Quota
 from deployments.responses.views import OWNER
-from tests.test_deployments.test_responses_binding import _replica
+from tests.support.responses_stores import replica as _replica
 
 MB = 1 << 20
 CREATES = 2000

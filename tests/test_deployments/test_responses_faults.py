@@ -26,7 +26,10 @@ from deployments.responses.redis_store import RedisStore
 from deployments.responses.sqlite import SQLiteStore
 from deployments.responses.store import Quota, ResponsesStore
 from tests.support import redis_server as redis_support
-from tests.test_deployments.test_responses_binding import A, _as, _replica, _response
+from tests.support.responses_stores import A
+from tests.support.responses_stores import as_owner as _as
+from tests.support.responses_stores import replica as _replica
+from tests.support.responses_stores import response as _response
 
 
 def _conversing(store: ResponsesStore) -> StoreBinding:

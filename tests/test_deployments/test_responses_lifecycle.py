@@ -19,7 +19,7 @@ from deployments.responses.replica import ReplicaStore
 from deployments.responses.sqlite import SQLiteStore
 from deployments.responses.store import Quota
 from deployments.serving.server import DSv4ServerMixin
-from tests.test_deployments.test_responses_binding import _replica
+from tests.support.responses_stores import replica as _replica
 
 
 def test_shutdown_closes_the_replica_store(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from deployments.responses.open import default_sqlite_path
 from deployments.responses.sqlite import SQLiteStore
 from deployments.responses.store import Quota, QuotaExceeded, StoreError
 from tests.support.redis_server import PASSWORD, RedisServer
-from tests.test_deployments.test_responses_store import A, B, make, redis_store, run
+from tests.support.responses_stores import A, B, make, redis_store, run
 
 __all__ = ["make"]  # the fixture, both backends
 

@@ -6,13 +6,12 @@ several processes on one SQLite file, and a Redis server killed mid-run then bac
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -23,39 +22,9 @@ from deployments.responses.redis_store import RedisStore
 from deployments.responses.sqlite import SQLiteStore
 from deployments.responses.store import Quota, StoreError, owner_of
 from tests.support.redis_server import PASSWORD, RedisServer
+from tests.support.responses_stores import A, B, make, redis_store, run
 
-T = TypeVar("T")
-A, B = owner_of("a" * 64), owner_of("b" * 64)
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
-
-
-def quota(**kw: Any) -> Quota:
-    return Quota(kw.get("max_age_s", 3600.0), kw.get("max_count", 1000),
-                 kw.get("max_bytes", 1 << 20), kw.get("max_record_bytes", 1 << 20))
-
-
-def sqlite_store(tmp_path: Path, **kw: Any) -> SQLiteStore:
-    return SQLiteStore(tmp_path / "r.sqlite3", quota(**kw), 2.0)
-
-
-_prefixes = iter(range(1_000_000))
-
-
-def redis_store(server: RedisServer, **kw: Any) -> RedisStore:
-    return RedisStore(server.url, PASSWORD, f"t{next(_prefixes)}:{time.time_ns()}",
-                      quota(**kw), 1.0)
-
-
-@pytest.fixture(params=["sqlite", "redis"])
-def make(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., Any]:
-    if request.param == "sqlite":
-        return lambda **kw: sqlite_store(tmp_path, **kw)
-    server = request.getfixturevalue("redis_server")
-    return lambda **kw: redis_store(server, **kw)
-
+__all__ = ["make"]  # the fixture, both backends
 
 def test_owner_digest_is_checked() -> None:
     assert owner_of(None) == store_mod.LOCAL_OWNER
