@@ -13,7 +13,7 @@ binary: it writes a hardened copy of the config it is given (both frontends on
 It also points each HTTP server line at the replica's own port
 (``serve_env.replica_port_for``: Ray's direct-ingress port plus the span of Ray's
 range), where the replica serves the app on its user-code event loop
-(``deployments.serving.haproxy_target``). Ray's direct-ingress server runs on Serve's
+(``deployments.doors.haproxy_target``). Ray's direct-ingress server runs on Serve's
 loop and hands every streamed chunk across threads to it (docs/benchmarks.md §2h:
 ~0.1 CPU-ms per token, the whole path's excess over vLLM's API server). Server names
 are kept, so Ray's stats and target bookkeeping (by name) are unchanged; the fallback
@@ -102,7 +102,7 @@ def harden(text: str, environ: Mapping[str, str] | None = None) -> Hardened:
             "this hardening rewrites (Ray's template changed): refusing to start HAProxy "
             "with its stats/Prometheus frontends on every interface. Fix: check "
             "`dsv4-serve doctor` (ray touch serve.haproxy_binary) and update "
-            "deployments/http/haproxy.py for this Ray.")
+            "deployments/doors/haproxy.py for this Ray.")
     return Hardened("\n".join(out) + "\n", tuple(changes))
 
 

@@ -321,7 +321,7 @@ TOUCHES: tuple[RayTouch, ...] = (
         name="serve.replica_shutting_down",
         target="ray.serve._private.replica:Replica._shutting_down via "
                "ray._private.worker.global_worker.actors[actor_id]._replica_impl",
-        used_in=("deployments.serving.stopping:serve_stopping",),
+        used_in=("deployments.doors.stopping:serve_stopping",),
         why="Serve tells the replica's code nothing until __del__, after draining only "
             "the requests it routed: the replica's own port (http.replica_port) must "
             "stop taking connections as the shutdown begins, and its held requests get "
@@ -344,8 +344,8 @@ TOUCHES: tuple[RayTouch, ...] = (
         target="ray.serve._private.replica:Replica._dataplane_health_check (the answer of "
                "/-/healthz on the replica's direct-ingress port) via "
                "global_worker.actors[actor_id]._replica_impl",
-        used_in=("deployments.serving.dataplane:install",
-                 "deployments.serving.stopping:touched_replica",
+        used_in=("deployments.doors.dataplane:install",
+                 "deployments.doors.stopping:touched_replica",
                  "deployments.serving.server:DSv4ServerMixin._follow_drain"),
         why="under http.ingress: haproxy Ray 2.60 refuses our KVSpecRouter and HAProxy picks "
             "the replica among those whose /-/healthz answers 200: a replica the KV-spec "
@@ -375,11 +375,11 @@ TOUCHES: tuple[RayTouch, ...] = (
                "(ReplicaMetricsManager.inc_num_ongoing_requests / dec_...), "
                "ray.serve._private.common:RequestMetadata; the template's server line "
                "(haproxy_templates.HAPROXY_CONFIG_TEMPLATE)",
-        used_in=("deployments.serving.haproxy_target:open_port",
-                 "deployments.serving.haproxy_target:ServeCount",
-                 "deployments.serving.haproxy_target:serve_health",
-                 "deployments.serving.haproxy_target:wanted",
-                 "deployments.http.haproxy:harden"),
+        used_in=("deployments.doors.haproxy_target:open_port",
+                 "deployments.doors.haproxy_target:ServeCount",
+                 "deployments.doors.haproxy_target:serve_health",
+                 "deployments.doors.haproxy_target:wanted",
+                 "deployments.doors.haproxy:harden"),
         why="Serve's direct-ingress server runs on Serve's loop and hands every streamed "
             "chunk across threads to the app: ~0.1 CPU-ms per token, the serving path's "
             "excess over vLLM's API server (issue 34, docs/benchmarks.md 2h)",
@@ -422,7 +422,7 @@ TOUCHES: tuple[RayTouch, ...] = (
                "ray.serve._private.haproxy:HAProxyApi._start_and_wait_for_haproxy as "
                "`BINARY -db -f CONFIG ...`; the template's stats, prometheus and admin "
                "socket lines (haproxy_templates.HAPROXY_CONFIG_TEMPLATE)",
-        used_in=("deployments.http.haproxy:main", "deployments.serve_env:haproxy_env",
+        used_in=("deployments.doors.haproxy:main", "deployments.serve_env:haproxy_env",
                  "deployments.serve_env:ingress_problem"),
         why="Ray's HAProxy binds its stats page and Prometheus exporter on every interface "
             "without auth and makes its admin socket mode 666; Ray takes no host or mode "

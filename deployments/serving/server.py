@@ -60,13 +60,15 @@ from deployments.control.wire import (
     TransferSpec,
     answer_kv_page_spec,
 )
+from deployments.doors import dataplane, haproxy_target
+from deployments.doors.listener import ReplicaListener
+from deployments.doors.stopping import serve_stopping
 from deployments.http import edge, front
 from deployments.http.auth import KeyFileStatus, KeyFileWatcher
-from deployments.http.listener import ReplicaListener
 from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
 from deployments.responses.replica import ReplicaStore, bind_store
-from deployments.serving import boot, dataplane, engine_metrics, haproxy_target
+from deployments.serving import boot, engine_metrics
 from deployments.serving.engine_wait import AfterEngineSpawn, freeze_heap
 from deployments.serving.resolve import (
     apply_override,
@@ -77,7 +79,6 @@ from deployments.serving.resolve import (
     source_of,
     versions,
 )
-from deployments.serving.stopping import serve_stopping
 from dsv4_patch import rules
 from dsv4_patch.node import layout_contradiction, table_decision
 from dsv4_patch.worker_ext import KV_SPECS_METHOD

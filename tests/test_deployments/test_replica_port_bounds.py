@@ -2,7 +2,7 @@
 closes the port at once and ends held streams with an error event, a dead engine's
 share closed, one server per replica however ``resume`` races.
 
-Real uvicorn servers on real loopback sockets (``deployments.http.listener``).
+Real uvicorn servers on real loopback sockets (``deployments.doors.listener``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from deployments.config.http import ReplicaPortLimits
-from deployments.http import listener as listener_module
-from deployments.http.listener import ReplicaListener, listeners_on
+from deployments.doors import listener as listener_module
+from deployments.doors.listener import ReplicaListener, listeners_on
 from tests.support.replica_port import (
     closed_within,
     fastapi_stream_app,
