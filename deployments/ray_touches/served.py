@@ -20,7 +20,7 @@ TOUCHES: tuple[RayTouch, ...] = (
         target="ray.serve:ingress() without an app + "
                f"{_LLM}.core.server.llm_server:LLMServer.__serve_build_asgi_app__",
         used_in=("deployments.serving.server:DSv4ServerMixin.__serve_build_asgi_app__",
-                 "deployments.serving.server:listening_ingress",
+                 "deployments.doors.lifecycle:listening_ingress",
                  "deployments.http.front:harden"),
         why="the ingress replica cost a Python hop per request and per streamed chunk "
             "(16 ms of a 100 ms one-token request, docs/benchmarks.md §2a): the replica answers "
@@ -346,7 +346,7 @@ TOUCHES: tuple[RayTouch, ...] = (
                "global_worker.actors[actor_id]._replica_impl",
         used_in=("deployments.doors.dataplane:install",
                  "deployments.doors.stopping:touched_replica",
-                 "deployments.serving.server:DSv4ServerMixin._follow_drain"),
+                 "deployments.doors.lifecycle:Doors.follow_drain"),
         why="under http.ingress: haproxy Ray 2.60 refuses our KVSpecRouter and HAProxy picks "
             "the replica among those whose /-/healthz answers 200: a replica the KV-spec "
             "check drains must fail it to leave the rotation (issue 34)",
