@@ -181,7 +181,7 @@ TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="llm_config.update_engine_kwargs",
         target="ray.serve.llm:LLMConfig.update_engine_kwargs (updates _engine_config too)",
-        used_in=("deployments.serving.resolve:canonicalize",
+        used_in=("deployments.serving.resolve:resolve_for_replica",
                  "deployments.serving.resolve:apply_override",
                  "deployments.serving.server:DSv4ServerMixin.__init__"),
         why="the replica rewrites kv_cache_dtype (and a canary's override) after Ray Serve "

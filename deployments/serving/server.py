@@ -40,6 +40,7 @@ from deployments.config import WORKER_EXTENSION, DSv4Section, HTTPEdge, Policy
 from deployments.config.llm import ours_or_unset
 from deployments.config.responses import ResponsesStore as StoreSettings
 from deployments.control.enforcement import (
+    KVLayoutMismatch,
     drain_stats,
     others_serving,
     raise_if_enforced,
@@ -51,7 +52,7 @@ from deployments.control.prediction import (
     prediction_differences,
     self_problem,
 )
-from deployments.control.summary import KVLayoutMismatch, ReplicaKV, summarize_workers
+from deployments.control.summary import ReplicaKV, summarize_workers
 from deployments.control.wire import (
     DRAIN_STAT,
     HTTP_IN_FLIGHT_STAT,
@@ -71,10 +72,10 @@ from deployments.serving import boot, engine_metrics
 from deployments.serving.engine_wait import AfterEngineSpawn, freeze_heap
 from deployments.serving.resolve import (
     apply_override,
-    canonicalize,
     model_config,
     node_id,
     probe_node,
+    resolve_for_replica,
     source_of,
     versions,
 )
@@ -88,7 +89,7 @@ __all__ = ["DSv4DPServer", "DSv4Server", "KVLayoutMismatch"]
 
 
 class DSv4ServerMixin:
-    """Canonicalizes the KV dtype before the engine is built and can prove the KV layout.
+    """Resolves the KV dtype before the engine is built and can prove the KV layout.
 
     A mixin so the same checks wrap Ray Serve LLM's ``LLMServer`` (one engine per
     replica) and its ``DPServer`` (DP attention: one replica per DP rank).
@@ -131,7 +132,7 @@ class DSv4ServerMixin:
         cfg, _ = model_config(base_config)
         self._family = rules.family_of(cfg) if cfg else None
         ahead = None if self._family is rules.Family.V41 else table_decision(self._node)
-        self._resolution = canonicalize(llm_config, self._settings, self._node, self._family,
+        self._resolution = resolve_for_replica(llm_config, self._settings, self._node, self._family,
                                         ahead)
         while_engine_starts = AfterEngineSpawn()
         layout_check = None if ahead is None else while_engine_starts.submit(
