@@ -27,7 +27,7 @@ from deployments.config import HTTPEdge
 from deployments.http import bounds, fields, routes
 from deployments.http.admission import AdmissionMiddleware, Slots
 from deployments.http.parsed import judge
-from deployments.http.problem import Refusal
+from deployments.http.refusal import Refusal
 
 pytest.importorskip("vllm")
 from tests.support import vllm_fields

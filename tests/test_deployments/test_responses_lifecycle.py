@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from deployments.config import HTTPEdge
+from deployments.doors.lifecycle import Doors
 from deployments.responses.binding import StoreBinding
 from deployments.responses.replica import ReplicaStore
 from deployments.responses.sqlite import SQLiteStore
@@ -29,7 +31,7 @@ def test_shutdown_closes_the_replica_store(tmp_path: Path) -> None:
         await store.put_response("local", "r", "{}", "completed")
         poller = asyncio.ensure_future(binding.run_poller(lambda _: None))
         server: Any = object.__new__(DSv4ServerMixin)
-        server._behind, server._listener = None, None
+        server._doors = Doors(HTTPEdge(), False, 1.0)  # no port of its own to close
         server._store = ReplicaStore(binding, poller)
         await server.dsv4_close_listener()
         assert poller.done(), "the poller outlived the replica"
