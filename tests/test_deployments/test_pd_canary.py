@@ -25,9 +25,10 @@ from typing import Any
 
 import pytest
 
+from tests.support.pd_stack import REPO, deploy, pd_args
 from tests.support.stack import Stack
-from tests.test_deployments.test_pd_serving import FULL, REPO, deploy, pd_args
 
+FULL = os.environ.get("DSV4_FULL_PD") == "1"
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not FULL, reason="make test-pd (DSV4_FULL_PD=1): a pair of "
                                  "engines beyond the session stack")]
