@@ -79,6 +79,7 @@ class PDCanaryMixin:
         prefill = self._get_connector_backend().prepare_prefill_request(  # type: ignore[attr-defined]  # PDOrchestratorMixin (registry: llm.pd_canary_engine)
             request=body, peer=None)
         pd_route.ROUTE.pins[request_id] = req.prefill_replica
+        t0 = time.monotonic()
         try:
             stream = self._prefill_handle.completions.remote(prefill, None)  # type: ignore[attr-defined]  # PDDecodeServer's handle
             chunk = await stream.__anext__()
@@ -86,6 +87,7 @@ class PDCanaryMixin:
                 pass
         finally:
             pd_route.ROUTE.pins.pop(request_id, None)
+        t1 = time.monotonic()
         result = CanaryResult(prefill_replica=req.prefill_replica,
                               decode_replica=self._replica_id, passed=False, mode=mode,
                               seed=req.seed, prompt_tokens=n, tolerance=tol,
@@ -115,6 +117,10 @@ class PDCanaryMixin:
             tokens=result.tokens, token_deltas=result.deltas, tolerance_nats=tol,
             external_tokens=result.external_tokens, finish_reason=result.finish_reason)
         result.passed = not result.reason
+        logger.info("dsv4: P/D canary %s <- %s: %s in %.1f s (prefill %.1f s, decode + score "
+                    "%.1f s), max delta %s", self._replica_id, req.prefill_replica,
+                    "passed" if result.passed else f"FAILED ({result.reason})",
+                    time.monotonic() - t0, t1 - t0, time.monotonic() - t1, result.max_delta)
         if result.passed and mode is CanaryMode.TRANSFER_ONLY:
             result.reason = why
         return result

@@ -106,12 +106,15 @@ class PDController:
         self._lock = asyncio.Lock()
         self._metrics = _PDMetrics(self._decode._server.app_name)
         self._canary = CanaryWatch(canary)
+        self._by_specs: PDReport | None = None  # the last verdict before the canary gate
         self._loop_task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
         while True:
             try:
                 await self.judge()
+                if await self._run_canaries():  # a failing pair leaves in this pass
+                    await self.judge()
             except Exception:
                 logger.exception("dsv4: P/D check failed; retrying in %ss", self._period)
             await asyncio.sleep(self._period)
@@ -126,8 +129,8 @@ class PDController:
                      for name, c in self._pools.items()}
             report = compat.judge(self._pools["prefill"].specs, self._decode.specs, pools,
                                      checked_at=started)
-            if self._canary.settings.enabled and self._decode.specs:
-                await self._run_canaries(report)
+            self._by_specs = report
+            if self._canary.settings.enabled:
                 report = self._canary.gate(report)
             if self._decode.specs:
                 await self._push(report, started)
@@ -138,11 +141,15 @@ class PDController:
             self._metrics.record(report)
             return report
 
-    async def _run_canaries(self, report: PDReport) -> None:
-        """The due canaries, each decode replica running its own in turn."""
+    async def _run_canaries(self) -> bool:
+        """The due canaries of the pairs the specs allow, each decode replica running its
+        own in turn; outside the lock, so ``/v1/kv-spec`` never waits for a canary."""
+        report = self._by_specs
+        if not self._canary.settings.enabled or report is None or not report.allowed:
+            return False
         due = self._canary.due(report.allowed, time.time())
         if not due:
-            return
+            return False
         batch = CanaryBatch(requests=self._canary.requests(due))
         most = max(len(v) for v in batch.requests.values())
         bound = most * self._canary.settings.timeout_s + 10.0
@@ -152,14 +159,9 @@ class PDController:
                 timeout_s=bound, return_exceptions=True)
         except Exception as exc:  # the decode pool is (re)starting: the pairs stay out
             logger.warning("dsv4: P/D canaries of %d pair(s) not run: %r", len(due), exc)
-            return
+            return False
         self._canary.take(answers)
-
-    async def run_canaries_now(self) -> dict[str, Any]:
-        """Canary every pair the specs allow now (tests and operators), then judge."""
-        self._canary.results.clear()
-        await self.judge()
-        return self.current().model_dump(mode="json")
+        return True
 
     async def _push(self, report: PDReport, checked_at: float) -> None:
         message = PDRouteMessage(checked_at=checked_at, verdict=report.verdict,

@@ -115,6 +115,7 @@ class PDPrefillRouter(KVSpecRouter):
         route = live_route()
         pin = pinned(pending_request, route)
         if pin is not None:
+            logger.debug("dsv4: canary request pinned to prefill replica %s", pin)
             only = [r for r in self.curr_replicas.values() if r.replica_id.unique_id == pin]
             return [only] if only else []  # gone: the canary waits, then times out
         if not route.check:
