@@ -68,7 +68,7 @@ def result(record: dict[str, Any], commit: str) -> dict[str, Any]:
                 "through the pair, scored alone on the decode replica) and one canary per "
                 "injected fault; the controller's time to exclude the pair",
         "command": COMMAND,
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit,
         "host": host(),
         "inputs": {"prompt_tokens": 699, "max_tokens": 8, "tolerance_nats": 0.5,

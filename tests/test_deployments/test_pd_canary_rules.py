@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from deployments.config import ConfigError, parse_app_args
+from deployments.config.pd import PDAppArgs
 from deployments.control.canary_wire import CanaryBatch, CanaryMode, CanaryResult
 from deployments.control.wire import PDReport, PDVerdict
 from deployments.pd import canary
@@ -177,6 +178,12 @@ def test_a_canary_request_is_pinned_to_its_prefill_replica_and_others_are_not() 
 
 # ------------------------------------------------------- kv_load_failure_policy, config
 
+def _parsed(args: dict[str, Any]) -> PDAppArgs:
+    parsed = parse_app_args(args)
+    assert isinstance(parsed, PDAppArgs)
+    return parsed
+
+
 def _pd_args(**pd: Any) -> dict[str, Any]:
     raw = yaml.safe_load((CONFIGS / "local-cpu-pd.yaml").read_text())
     args = copy.deepcopy(raw["applications"][0]["args"])
@@ -185,11 +192,11 @@ def _pd_args(**pd: Any) -> dict[str, Any]:
 
 
 def test_the_load_failure_policy_is_written_down_and_a_users_kept() -> None:
-    parsed = parse_app_args(_pd_args())
+    parsed = _parsed(_pd_args())
     for pool in ("prefill", "decode"):
         assert parsed.pd.transfer_config(pool)["kv_load_failure_policy"] == "fail"
     mine = {"kv_connector": "NixlConnector", "kv_load_failure_policy": "recompute"}
-    parsed = parse_app_args(_pd_args(kv_transfer_config=mine))
+    parsed = _parsed(_pd_args(kv_transfer_config=mine))
     assert parsed.pd.transfer_config("decode")["kv_load_failure_policy"] == "recompute"
 
 
@@ -202,7 +209,7 @@ def test_an_unknown_load_failure_policy_is_refused_with_the_fix() -> None:
 def test_canary_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="period_s"):
         parse_app_args(_pd_args(canary={"period_s": 1}))
-    assert parse_app_args(_pd_args(canary={"enabled": False})).pd.canary.enabled is False
+    assert _parsed(_pd_args(canary={"enabled": False})).pd.canary.enabled is False
 
 
 # ------------------------------------------------- vllm#57661 per release: plan, doctor
