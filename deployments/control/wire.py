@@ -172,6 +172,8 @@ class PDReport(_Wire):
     differences: list[PDDifference] = Field(default_factory=list)
     canaries: list[CanaryResult] = Field(default_factory=list, description="the latest "
                                          "output canary of each (decode, prefill) pair")
+    canary_totals: dict[str, int] = Field(default_factory=dict, description="canaries run "
+                                          "and failed since the controller started")
     message: str = ""
     checked_at: float | None = None
 

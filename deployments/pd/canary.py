@@ -28,11 +28,12 @@ from deployments.control.canary_wire import CanaryMode
 # nats, per platform. CPU: the decode engine recomputes the last prompt token and
 # decodes step by step while the scoring pass is one prefill; the suite bounds that at
 # ~1 bf16 ulp (0.016 nats) on AVX2 and at 0.45 nats where a ulp meets a MoE top-k near
-# tie (AMX hosts; tests/test_dsv4_patch/test_engine_generation.py), so 0.5. Measured
-# here on AVX2 (benchmarks/results/pd_canary.json): clean canaries' largest difference
-# and every injected fault's. GPU: upstream's P/D consistency test allows 1.5
-# (vLLM tests/v1/kv_connector/nixl_integration/test_hybrid_pd_consistency.py).
-TOLERANCE = {"cpu": 0.5, "cuda": 1.5, "rocm": 1.5}
+# tie (AMX hosts; tests/test_dsv4_patch/test_engine_generation.py). Clean canaries here
+# (AVX2, scaled dummy weights) reached 0.34 nats on one token, so 1.0; the faults'
+# differences are in benchmarks/results/pd_canary.json. GPU: upstream's P/D consistency
+# test allows 1.5 (vLLM tests/v1/kv_connector/nixl_integration/
+# test_hybrid_pd_consistency.py).
+TOLERANCE = {"cpu": 1.0, "cuda": 1.5, "rocm": 1.5}
 DEFAULT_TOLERANCE = 1.5
 # The decode engine recomputes at most the last, partial block of the prompt itself.
 RECOMPUTE_SLACK_TOKENS = 256

@@ -96,8 +96,13 @@ class PDCanaryMixin:
         if not getattr(chunk, "kv_transfer_params", None):  # an ErrorResponse has none
             result.reason = f"the prefill replica answered no transfer params: {chunk!r}"[:300]
             return result
+        # vLLM 0.32 reports the prefill side's cache hits as the decode request's
+        # num_cached_tokens when the params carry them (output_processor.py); without
+        # them it reports the decode engine's own: local hits (none: salted) + external.
+        params = {k: v for k, v in chunk.kv_transfer_params.items()
+                  if k != "remote_prefill_cached_tokens"}
         decoded = await self._generate(client, ids, salt, request_id + "-d", req.max_tokens,
-                                       kv_transfer_params=chunk.kv_transfer_params)
+                                       kv_transfer_params=params)
         out = decoded.outputs[0]
         result.tokens = list(out.token_ids)
         result.finish_reason = out.finish_reason

@@ -36,6 +36,7 @@ class CanaryWatch:
         self.settings = CanarySection.model_validate(settings or {})
         self.results: dict[Pair, CanaryResult] = {}
         self._seed = int(time.time())  # a new prompt per canary, also across restarts
+        self.totals = {"run": 0, "failed": 0}  # since this controller started
 
     def due(self, allowed: dict[str, list[str]], now: float) -> list[Pair]:
         """Pairs the specs allow whose canary is missing or older than one period."""
@@ -69,6 +70,8 @@ class CanaryWatch:
                 continue
             for raw in answer:
                 result = CanaryResult.model_validate(raw)
+                self.totals["run"] += 1
+                self.totals["failed"] += not result.passed
                 before = self.results.get(result.pair)
                 self.results[result.pair] = result
                 taken.append(result)
@@ -111,6 +114,7 @@ class CanaryWatch:
         return report.model_copy(update={
             "allowed": allowed, "message": message.strip(), "verdict": verdict,
             "blocked_prefill": blocked if failed else report.blocked_prefill,
+            "canary_totals": dict(self.totals),
             "canaries": sorted(self.results.values(), key=lambda r: r.pair)})
 
     @staticmethod
