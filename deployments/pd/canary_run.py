@@ -75,7 +75,7 @@ class PDCanaryMixin:
         request_id = f"{pd_route.CANARY_PREFIX}{salt}"
         body = CompletionRequest(model=self._llm_config.model_id,  # type: ignore[attr-defined]  # LLMServer sets it
                                  prompt=ids, max_tokens=req.max_tokens, temperature=0.0,
-                                 cache_salt=salt, request_id=request_id)
+                                 ignore_eos=True, cache_salt=salt, request_id=request_id)
         prefill = self._get_connector_backend().prepare_prefill_request(  # type: ignore[attr-defined]  # PDOrchestratorMixin (registry: llm.pd_canary_engine)
             request=body, peer=None)
         pd_route.ROUTE.pins[request_id] = req.prefill_replica
@@ -137,8 +137,11 @@ class PDCanaryMixin:
         """The final ``RequestOutput`` of one greedy request on this replica's engine."""
         from vllm import SamplingParams
 
+        # ignore_eos: a greedy canary that meets the end-of-sequence token must still
+        # decode all its tokens (a short answer is a failure, not a clean stop).
         params = SamplingParams(
             temperature=0.0, max_tokens=max_tokens, logprobs=None if score else 0,
+            ignore_eos=True,
             prompt_logprobs=0 if score else None,
             skip_reading_prefix_cache=True if score else None,
             extra_args={"kv_transfer_params": dict(kv_transfer_params)}
