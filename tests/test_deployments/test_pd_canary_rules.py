@@ -252,7 +252,7 @@ def test_plan_warns_a_v41_pd_config_per_release(tmp_path: Path, release: str,
 def test_the_warning_says_when_nothing_guards_it() -> None:
     pd = {"pools": {"prefill": {"vllm_version": "0.32.0"},
                     "decode": {"vllm_version": "0.32.0"}}, "canary": False}
-    [problem] = pd_plan.region_dedup_problems(pd)
+    [problem] = pd_plan.region_dedup_findings(pd)
     assert "OFF: nothing guards it" in problem.message
 
 
