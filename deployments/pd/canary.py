@@ -19,6 +19,7 @@ the C4 and C128 compressed caches' boundaries and ends inside a block.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
@@ -84,9 +85,20 @@ def mode(load_format: str | None, env: dict[str, str]) -> tuple[CanaryMode, str]
         "prompt arrived over the connector and the receive did not fail")
 
 
+# A logprob that is NaN or infinite (pages of garbage, e.g. another request's freed
+# blocks) is recorded as this difference: it fails every tolerance and stays valid JSON.
+NOT_FINITE = 1e9
+
+
 def deltas(through_pair: Sequence[float], alone: Sequence[float]) -> list[float]:
-    """Per decoded token: |its logprob through the pair - its logprob scored alone|."""
-    return [abs(a - b) for a, b in zip(through_pair, alone, strict=True)]
+    """Per decoded token: |its logprob through the pair - its logprob scored alone|
+    (``NOT_FINITE`` where either is NaN or infinite: NaN compares false with any
+    tolerance, so it must never reach a comparison)."""
+    out = []
+    for a, b in zip(through_pair, alone, strict=True):
+        d = abs(a - b)
+        out.append(d if math.isfinite(d) else NOT_FINITE)
+    return out
 
 
 def judge(*, canary_mode: CanaryMode, prompt_tokens: int, max_tokens: int,
@@ -103,6 +115,9 @@ def judge(*, canary_mode: CanaryMode, prompt_tokens: int, max_tokens: int,
                 "connector: the decode engine computed the prompt itself, so the pair's "
                 "transfer was not tested")
     if canary_mode is CanaryMode.OUTPUT:
+        if any(not math.isfinite(d) or d >= NOT_FINITE for d in token_deltas):
+            return ("a decoded token's logprob is NaN or infinite through the pair or "
+                    "alone: the KV pages it decoded on are not the prompt's")
         worst = max(token_deltas, default=0.0)
         if worst > tolerance_nats:
             at = list(token_deltas).index(worst)

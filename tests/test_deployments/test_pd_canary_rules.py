@@ -89,6 +89,16 @@ def test_a_transfer_only_canary_ignores_logprobs_but_not_the_transfer() -> None:
     assert "only 3" in _judge(canary_mode=CanaryMode.TRANSFER_ONLY, external_tokens=3)
 
 
+def test_a_nan_logprob_fails_and_stays_valid_json() -> None:
+    """Seen on CPU with replayed transfer params: the pair's logprobs were NaN, and
+    NaN > tolerance is False, so the canary passed until NaN became NOT_FINITE."""
+    got = canary.deltas([float("nan"), -1.0, float("-inf")], [-1.0, -1.0, -2.0])
+    assert got == [canary.NOT_FINITE, 0.0, canary.NOT_FINITE]
+    assert "NaN or infinite" in _judge(token_deltas=[0.0, canary.NOT_FINITE, 0.0, 0.0])
+    assert "NaN or infinite" in _judge(token_deltas=[float("nan")] * 4)
+    assert "NaN or infinite" in _judge(token_deltas=[0.0, float("nan"), 0.0, 0.0])
+
+
 def test_deltas_are_per_token_and_lengths_must_match() -> None:
     assert canary.deltas([-1.0, -2.0], [-1.5, -2.0]) == [0.5, 0.0]
     with pytest.raises(ValueError):
