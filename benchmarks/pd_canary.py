@@ -81,7 +81,7 @@ def result(record: dict[str, Any], commit: str) -> dict[str, Any]:
         "notes": "failed = canaries that did not pass (for clean: false positives; for a "
                  "fault: caught). excluded_after_s: from writing the fault to /v1/kv-spec "
                  "showing the pair out of the whitelist (the controller's own canary). "
-                 "AVX2 host only: no AVX-512 host was available for this run.",
+                 "AVX2 host only: no AVX-512 host was available. " + record.get("notes", ""),
     }
 
 
