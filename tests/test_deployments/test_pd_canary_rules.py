@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import yaml
@@ -271,3 +271,15 @@ def test_doctor_names_the_hazard_per_release(release: str, dedup: bool) -> None:
     node = NodeInfo(platform="cuda", capability=(10, 0), attention_backend=None)
     text = doctor.release_status(release, node)
     assert ("vllm#57661" in text) is dedup
+
+
+def test_status_names_the_failing_pair_its_deltas_and_tokens() -> None:
+    from deployments.control.report import describe_pd
+
+    watch = CanaryWatch({})
+    watch.take([[_result("d1", "p1", True), _result("d1", "p2", False)]])
+    gated = watch.gate(_report({"d1": ["p1", "p2"]}))
+    text = "\n".join(describe_pd(cast(Any, SimpleNamespace(pd=gated))))
+    assert "canary decode d1 <- prefill p2: FAILED (pair excluded)" in text
+    assert "decoded token 0 off by 3 nats; deltas [3.0], tokens []" in text
+    assert "canary decode d1 <- prefill p1: passed" in text
