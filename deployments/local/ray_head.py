@@ -18,6 +18,7 @@ from typing import Any
 
 from deployments import ray_touches, serve_env
 from deployments.config import ConfigError, ServeConfig, sizing
+from deployments.local import ray_token
 from deployments.local.ray_params import ray_params_set
 from deployments.local.serve_start import ProxiesReady, start_serve
 from deployments.logs import get_logger
@@ -79,6 +80,8 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
         )
     for line in serve_env.apply_local_quiet():  # before Ray starts: its processes inherit it
         logger.info(line)
+    # Ray would write ~/.ray/auth_token with the umask's mode: the token is ours, 0600.
+    os.environ.update(ray_token.local_start_env())
     if cpus > (os.cpu_count() or 1):
         logger.info("dsv4: offering Ray %s logical CPUs on %s cores: the replicas share them "
                     "(VLLM_CPU_OMP_THREADS_BIND=nobind)", cpus, os.cpu_count())

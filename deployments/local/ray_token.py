@@ -65,3 +65,18 @@ def token_env(path: Path | None = None,
         new_token(path)
     check_token(path)
     return {MODE_ENV: "token", PATH_ENV: str(path)}
+
+
+def local_start_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> dict[str, str]:
+    """``token_env`` for a start by ``ray.init`` in a process that already imported Ray.
+
+    The token path only: Ray caches its auth mode when imported, and a
+    ``RAY_AUTH_MODE`` set afterwards reaches the GCS (inherited) but not this driver,
+    which then cannot connect. Left unset, ``ray.init`` turns token mode on itself for
+    a new local cluster and refreshes its cached config; an operator's own mode (set
+    before the process started) is kept as set.
+    """
+    env = token_env(environ=environ)
+    if MODE_ENV not in environ:
+        env.pop(MODE_ENV, None)
+    return env
