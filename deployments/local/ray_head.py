@@ -18,6 +18,7 @@ from typing import Any
 
 from deployments import ray_touches, serve_env
 from deployments.config import ConfigError, ServeConfig, sizing
+from deployments.http import proxy_gate
 from deployments.local import ray_token
 from deployments.local.ray_params import ray_params_set
 from deployments.local.serve_start import ProxiesReady, start_serve
@@ -82,6 +83,8 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
         logger.info(line)
     # Ray would write ~/.ray/auth_token with the umask's mode: the token is ours, 0600.
     os.environ.update(ray_token.local_start_env())
+    for line in proxy_gate_env(config.http_options.host):
+        logger.info(line)
     if cpus > (os.cpu_count() or 1):
         logger.info("dsv4: offering Ray %s logical CPUs on %s cores: the replicas share them "
                     "(VLLM_CPU_OMP_THREADS_BIND=nobind)", cpus, os.cpu_count())
@@ -94,6 +97,21 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
     if on_ray_up is not None:
         on_ray_up()
     return LocalServe(cpus, _start_serve(config, wait_for_proxies))
+
+
+def proxy_gate_env(host: str) -> list[str]:
+    """Gate Serve's proxy routes (``/-/routes``) with the edge's keys, before Ray starts
+    (the proxy actors inherit the env); an operator's own callback is kept and named."""
+    if not ray_touches.present("serve.proxy_callback"):
+        return ["dsv4: this Ray lacks serve.proxy_callback (deployments/ray_touches/): "
+                "Serve's proxy answers /-/routes without a key. Fix: install the pinned Ray."]
+    own = os.environ.get(proxy_gate.CALLBACK_ENV)
+    if own and own != proxy_gate.CALLBACK:
+        return [f"dsv4: {proxy_gate.CALLBACK_ENV}={own} kept from the environment: "
+                "Serve's proxy answers /-/routes without a key unless it gates them"]
+    os.environ.update(proxy_gate.proxy_env(host))
+    return [f"dsv4: Serve's proxy routes (/-/routes) need a key as the edge's do "
+            f"({proxy_gate.CALLBACK_ENV}); /-/healthz stays open for probes"]
 
 
 @contextlib.contextmanager

@@ -170,4 +170,34 @@ TOUCHES: tuple[RayTouch, ...] = (
                                   "stats socket {{ config.socket_path }} mode 666")),
         required=False,
     ),
+    RayTouch(
+        name="serve.proxy_callback",
+        target="ray.serve._private.http_util:configure_http_middlewares "
+               "(RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH), called by ProxyActor.__init__",
+        used_in=("deployments.http.proxy_gate:proxy_middlewares",
+                 "deployments.local.ray_head:start_cluster"),
+        why="Serve's proxy answers GET /-/routes (every application's name and route) "
+            "itself, before any replica's key check: beyond loopback nothing may answer "
+            "without a key (issue 52)",
+        how="the local start sets the env var to deployments.http.proxy_gate."
+            "proxy_middlewares (inherited by the proxy actors); it returns one Starlette "
+            "middleware that runs the edge's key check on the proxy's /-/ paths except "
+            "/-/healthz (KubeRay's readiness probe); absent = /-/routes stays keyless (doctor)",
+        upstream="an env var read by Ray 2.60's serve/_private/constants.py and "
+                 "http_util.py; not in the Serve docs, no public proxy middleware option",
+        affected="ray 2.60.0 (pinned)",
+        removal="when Serve takes proxy middlewares or an auth hook in http_options, or "
+                "gates its /-/ routes itself",
+        probe=every(symbols("ray.serve._private.constants",
+                            "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"),
+                    source_mentions("ray.serve._private.proxy",
+                                    "ProxyActor.__ray_actor_class__.__init__",
+                                    "configure_http_middlewares(http_options)"),
+                    source_mentions("ray.serve._private.http_util",
+                                    "configure_http_middlewares",
+                                    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"),
+                    source_mentions("ray.serve._private.http_util", "start_asgi_http_server",
+                                    "_apply_middlewares(app, http_options.middlewares)")),
+        required=False,
+    ),
 )
