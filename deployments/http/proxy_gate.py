@@ -22,20 +22,15 @@ import os
 from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from deployments import serve_env
 from deployments.config import AuthConfig
 from deployments.http.auth import KeyStore
 from deployments.http.keycheck import AuthMiddleware
 
-CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-CALLBACK = "deployments.http.proxy_gate.proxy_middlewares"
-HOST_ENV = "DSV4_PROXY_HOST"
+CALLBACK_ENV, CALLBACK = serve_env.PROXY_CALLBACK_ENV, serve_env.PROXY_CALLBACK
+HOST_ENV = serve_env.PROXY_HOST_ENV
 PROXY_PREFIX = "/-/"
 OPEN_PATHS = frozenset({"/-/healthz"})
-
-
-def proxy_env(host: str) -> dict[str, str]:
-    """The env that gates Serve's proxy routes: set before Ray starts (inherited)."""
-    return {CALLBACK_ENV: CALLBACK, HOST_ENV: host}
 
 
 def gated(scope: Scope) -> bool:

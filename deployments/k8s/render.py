@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from deployments import serve_env
 from deployments.config import (
     AppArgs,
     ConfigError,
@@ -268,9 +269,12 @@ def render_manifest(preset: Preset, params: Mapping[str, Any]) -> dict[str, Any]
     security = container_security_context()
     head, workers = head_group(params, name, image_ref(params, preset)), \
         worker_groups(preset, args, params)
-    for group in (head, *workers):  # any pod may hold a replica (the store) or Ray's proxy
+    # any pod may hold a replica (the store) or Ray's proxy (its /-/routes: the key;
+    # no DSV4_PROXY_HOST there, so it counts as reachable)
+    for group in (head, *workers):
         for container in group["template"]["spec"]["containers"]:
-            container["env"] += store_env(args, params) + ingress_env(args)
+            container["env"] += store_env(args, params) + ingress_env(args) + [
+                {"name": k, "value": v} for k, v in serve_env.proxy_gate_env().items()]
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",

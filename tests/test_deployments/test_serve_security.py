@@ -88,6 +88,13 @@ def test_api_keys_live_without_wrong_right_and_rotated(serve_stack: Stack,
                 error = resp.json()["error"]
                 assert error["type"] == "authentication_error" and "Bearer" in error["message"]
                 assert resp.headers["www-authenticate"] == "Bearer"
+        # Serve's proxy's own route table needs the same key; its health check stays
+        # open for probes (KubeRay's readiness probe)
+        proxy = f"http://127.0.0.1:{serve_stack.config.http_options.port}"
+        assert httpx.get(f"{proxy}/-/routes", timeout=30).status_code == 401
+        assert httpx.get(f"{proxy}/-/routes", headers={"Authorization": f"Bearer {KEY}"},
+                         timeout=30).status_code == 200
+        assert httpx.get(f"{proxy}/-/healthz", timeout=30).status_code == 200
         # the right key through the official client, as README shows it
         client = openai.OpenAI(base_url=serve_stack.url, api_key=KEY, max_retries=0)
         out = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
