@@ -61,7 +61,7 @@ test-fast: setup
 # not in `make test`/CI. Node loss is in CI.
 test-faults: setup
 	DSV4_FULL_FAULTS=1 $(BIN)/python -m pytest -v -s tests/test_deployments/test_run_cli.py tests/test_deployments/test_multinode.py \
-	  tests/test_deployments/test_responses_live.py
+	  tests/test_deployments/test_responses_live.py tests/test_deployments/test_multinode_store_faults.py
 
 # The edge's differential test at 10,000 generated bodies per protocol (`make test` runs
 # 200): the edge's verdict against vLLM's own request models' parse (no engine; ~20 min
