@@ -32,6 +32,7 @@ base_done=$(date +%s)
 cache=(--layers)
 [ "${NO_CACHE:-0}" = 1 ] && cache=(--no-cache)
 podman build --pull=never "${cache[@]}" --target cpu \
+  --ulimit nofile=16384:16384 --ulimit nproc=32768:32768 \
   --timestamp "$SOURCE_DATE_EPOCH" --build-arg SOURCE_DATE_EPOCH="$SOURCE_DATE_EPOCH" \
   --build-arg CPU_BASE="$BASE_IMAGE" \
   --secret id=ca,src="$CA_BUNDLE" --volume "$WHEELS:/wheels:ro" \
