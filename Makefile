@@ -95,7 +95,7 @@ test: setup
 # CI runs `make test`, the full suite.
 test-fast: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow and not releases"
+	$(BIN)/python -m pytest -q -m "not slow and not releases and not network"
 
 # The single-node fault steps that cost one more engine boot (a replica of
 # `dsv4-serve run` killed and replaced; a Responses chain across a replaced replica):
