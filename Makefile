@@ -64,6 +64,25 @@ $(LOCK_VENV)/bin/uv:
 	$(PY) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/python -m pip install --quiet "uv==$(UV_VERSION)"
 
+# Import-check each GPU stack on this (CPU) host: a fresh Python 3.12 venv per stack,
+# installed from its lock (--no-deps --require-hashes: gpu-v41-034 overrides a pin of
+# vLLM's) plus this package, then vLLM, the V4 model class, the plugin entry point, nixl
+# and Ray Serve LLM's server modules imported without a GPU (scripts/check_stack.py);
+# rows in benchmarks/results/stack_imports.json, venvs deleted. Not in CI: several GB of
+# CUDA wheels per stack. HEAVY wraps the import runs (e.g. HEAVY="flock LOCKFILE").
+CHECK_STACKS ?= gpu gpu-v41 gpu-v41-034
+STACK_VENV ?= /tmp/dsv4-stack
+PY312 ?= python3.12
+HEAVY ?=
+check-stacks:
+	@failed=; for s in $(CHECK_STACKS); do v=$(STACK_VENV)-$$s; rm -rf $$v; \
+	  $(PY312) -m venv $$v && \
+	  nice $$v/bin/python -m pip install --quiet --no-deps --require-hashes -r $(LOCKS)/$$s.txt && \
+	  nice $$v/bin/python -m pip install --quiet --no-deps --no-build-isolation . && \
+	  $(HEAVY) $$v/bin/python scripts/check_stack.py $$s || failed="$$failed $$s"; \
+	  rm -rf $$v build; done; \
+	  if [ -n "$$failed" ]; then echo "check-stacks: failed:$$failed"; exit 1; fi
+
 run: setup
 	$(BIN)/dsv4-serve run
 
@@ -76,7 +95,7 @@ test: setup
 # CI runs `make test`, the full suite.
 test-fast: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow and not releases"
+	$(BIN)/python -m pytest -q -m "not slow and not releases and not network"
 
 # The single-node fault steps that cost one more engine boot (a replica of
 # `dsv4-serve run` killed and replaced; a Responses chain across a replaced replica):

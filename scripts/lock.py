@@ -19,9 +19,10 @@ import json
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCKS = ROOT / "scripts" / "locks"

@@ -121,7 +121,7 @@ class DSv4Section(_Strict):
     # A replica never reads it: it probes its own GPU (deployments.serving.server.
     # probe_node) and takes its type's expected_layouts entry.
     node_types: dict[str, NodeSpec] = Field(default_factory=dict)
-    # The vLLM the replicas' image runs (pyproject extra gpu: 0.29.0, gpu-v41: 0.34.0):
+    # The vLLM the replicas' image runs (stack gpu: 0.29.0, gpu-v41: 0.33.0, gpu-v41-034: 0.34.0):
     # what `plan` predicts with unless --vllm-version says otherwise. Unset: the
     # platform's default stack (dsv4_patch.rules.DEFAULT_VLLM).
     vllm_version: str | None = Field(default=None, pattern=r"^\d+\.\d+\.\d+")
