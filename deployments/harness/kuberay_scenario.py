@@ -29,7 +29,11 @@ from deployments.harness.kuberay_pods import cluster_plans, worker_plan
 from deployments.harness.kv_poll import TRANSIENT, kv_report
 
 APPS_PATH = "/api/serve/applications/"
-PLUGIN_LINE = "resolves to fp8_ds_mla"
+# What the plugin logs in every engine process about auto (dsv4_patch/patches/kv_dtype.py:
+# "... resolves to fp8_ds_mla", or on a release that already resolves auto like upstream
+# 0.30+, "... skipped: ... (auto -> fp8_ds_mla)"), and what vLLM logs of the cache it made.
+PLUGIN_LINE = r"dsv4_patch: .*auto.*fp8_ds_mla"
+ENGINE_LINE = "Using DeepSeek's fp8_ds_mla KV cache format"
 HEAD_READY_S, WORKER_READY_S, RUNNING_S, AGREE_S = 240.0, 420.0, 600.0, 300.0
 
 
@@ -149,6 +153,12 @@ def replace_dead(cluster: Cluster, service: Mapping[str, Any], token: str,
     return alive
 
 
+def grep_logs(cluster: Cluster, pod: str, pattern: str) -> str:
+    """The first line matching ``pattern`` in the Ray logs inside the pod's container."""
+    return cluster.exec(pod, "bash", "-c", f"grep -rhoE \"{pattern}.{{0,80}}\" "
+                        "/tmp/ray/session_latest/logs/ | head -n 1").strip()
+
+
 def scenario(manifest: Path, run: Run) -> None:
     """The whole story; ``run`` fills as it goes (kept on failure for the message)."""
     service = rayservice(manifest)
@@ -162,10 +172,8 @@ def scenario(manifest: Path, run: Run) -> None:
         rep = wait_for("kv-spec agreement", agreement(serve, key, len(workers)), AGREE_S)
         before = {r["node_id"] for r in rep["replicas"]}
         run.facts["agree_before"] = {"state": rep["state"], "nodes": len(before)}
-        run.facts["plugin_log"] = {
-            w: cluster.exec(w, "bash", "-c", f"grep -rh '{PLUGIN_LINE}' "
-                            "/tmp/ray/session_latest/logs | head -1").strip()
-            for w in workers}
+        run.facts["plugin_log"] = {w: grep_logs(cluster, w, PLUGIN_LINE) for w in workers}
+        run.facts["engine_log"] = {w: grep_logs(cluster, w, ENGINE_LINE) for w in workers}
         victim, start = workers[0], time.monotonic()
         cluster.kill(victim)
         workers = wait_for("the killed worker replaced", lambda: (
