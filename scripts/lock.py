@@ -78,6 +78,10 @@ def uv_command(uv: str, spec: dict[str, Any], tmp: Path, find_links: list[str]) 
         cmd += ["--overrides", str(over)]
     if "constraints" in spec:
         cmd += ["--constraints", str(LOCKS / f"{spec['constraints']}.txt")]
+    if spec.get("pins"):
+        pins = tmp / "pins.txt"
+        pins.write_text("\n".join(spec["pins"]) + "\n")
+        cmd += ["--constraints", str(pins)]
     for link in find_links if spec.get("find_links") else []:
         cmd += ["--find-links", link]
     return cmd

@@ -81,7 +81,8 @@ def wanted(stack: str) -> list[Requirement]:
                  for r in project["optional-dependencies"][e]]
     overrides = [Requirement(r) for r in spec.get("overrides", [])]
     replaced = {canonicalize_name(r.name) for r in overrides}
-    return [r for r in reqs if canonicalize_name(r.name) not in replaced] + overrides
+    pins = [Requirement(r) for r in spec.get("pins", [])]
+    return [r for r in reqs if canonicalize_name(r.name) not in replaced] + overrides + pins
 
 
 def test_every_stack_has_its_lock_and_nothing_else_is_there():
@@ -131,6 +132,16 @@ def test_each_stack_installs_a_vllm_and_ray_the_rules_know(stack: str):
     assert ray is not None and entries["ray"][0] == ray.group(1), (
         f"{stack}: ray {entries['ray'][0]}, but deployments/ray_touches/ is written for "
         f"{probes.AFFECTED}")
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_no_lock_pairs_the_monolithic_cuda_python_with_cuda_bindings(stack: str):
+    """cuda-python 12.6.2.post1 and older carry their own cuda/bindings files, which would
+    overwrite cuda-bindings' (vLLM's V4.1 model import then fails); from 12.6.3 on it is a
+    meta-package of the same cuda-bindings release."""
+    entries = locked(stack)
+    if "cuda-python" in entries and "cuda-bindings" in entries:
+        assert entries["cuda-python"][0] == entries["cuda-bindings"][0], stack
 
 
 def test_gpu_v41_034_puts_flashinfer_074_in_place_of_vllm_0340s_unpublished_pin():
