@@ -13,6 +13,10 @@ FROM ${CPU_BASE} AS cpu
 # Reproducible: pip compiles .pyc files hash-checked (no build-time mtimes) when this is
 # set; buildah --timestamp sets every file's and the image's time.
 ARG SOURCE_DATE_EPOCH
+# In the image config, so every later step's cache key has it: a layer cached under another
+# SOURCE_DATE_EPOCH keeps that build's file times (buildah stamps a layer when it makes
+# it), and a warm build would differ from a cold one (seen: a COPY layer reused so).
+LABEL org.dsv4-serve.source-date-epoch=${SOURCE_DATE_EPOCH}
 # The Python of Ray's images lives in /home/ray/anaconda3: the manifests put
 # dsv4-haproxy there (deployments/k8s/params.py IMAGE_BIN_DIR), so one manifest shape
 # fits both images. Here it is a venv of Debian's Python 3.11.
