@@ -53,7 +53,7 @@ from deployments.control.enforcement import (
     take_verdict,
 )
 from deployments.control.prediction import predict, self_problem
-from deployments.control.summary import layer_role, summarize_workers
+from deployments.control.summary import summarize_workers
 from deployments.control.wire import ReplicaSpec, ReplicaVerdict, answer_kv_page_spec
 from dsv4_patch import rules
 
@@ -183,13 +183,6 @@ def v41_standin_spec(replica_id: str, rank: int | None, node: str, *,
         expected_layout=expected, versions={"vllm": vllm, "ray": None, "dsv4_serve": None},
         node=here, kv_cache_dtype_requested="auto", kv_cache_dtype_engine="auto",
         prediction=prediction, **kv.fields())
-
-
-def count_layer_kinds(rows: list[dict[str, Any]]) -> dict[str, int]:
-    """How many C4 and C128 main caches the rows hold (a self-check of the shape)."""
-    main = [r for r in rows if layer_role(r["layer"])[1] == rules.MAIN]
-    return {"c4": sum(r["compress_ratio"] == 4 for r in main),
-            "c128": sum(r["compress_ratio"] == 128 for r in main)}
 
 
 def standin_spec(replica_id: str, rank: int | None, *, dtype: str = "fp8_ds_mla",
