@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
-from ray.serve.metrics import Gauge
 
 from deployments.control.controller import KVSpecController
 from deployments.control.wire import (
@@ -30,6 +29,7 @@ from deployments.control.wire import (
     State,
 )
 from deployments.logs import get_logger
+from deployments.observe import series
 from deployments.pd import compat
 
 logger = get_logger("pd")
@@ -39,18 +39,12 @@ POOLS = ("prefill", "decode")
 
 class _PDMetrics:
     def __init__(self, application: str):
-        tags = ("pd_application",)
         self._tags = {"pd_application": application}
-        self.compatible = Gauge("dsv4_pd_compatible", "1 if every prefill replica is "
-                                "KV-compatible with every decode replica", tag_keys=tags)
-        self.verdict = Gauge("dsv4_pd_verdict", "0 not_checked, 1 compatible, 2 partial, "
-                             "3 incompatible", tag_keys=tags)
-        self.pairs = Gauge("dsv4_pd_allowed_pairs", "(decode, prefill) replica pairs "
-                           "allowed to transfer KV", tag_keys=tags)
-        self.blocked = Gauge("dsv4_pd_blocked_prefill_replicas", "prefill replicas no "
-                             "decode replica routes to", tag_keys=tags)
-        self.stranded = Gauge("dsv4_pd_stranded_decode_replicas", "decode replicas with no "
-                              "compatible prefill replica (they prefill locally)", tag_keys=tags)
+        self.compatible = series.make(series.PD_COMPATIBLE)
+        self.verdict = series.make(series.PD_VERDICT)
+        self.pairs = series.make(series.PD_PAIRS)
+        self.blocked = series.make(series.PD_BLOCKED)
+        self.stranded = series.make(series.PD_STRANDED)
         for gauge in (self.compatible, self.verdict, self.pairs, self.blocked, self.stranded):
             gauge.set_default_tags(dict(self._tags))
 
