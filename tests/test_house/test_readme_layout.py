@@ -22,7 +22,8 @@ def layout_entries() -> dict[str, str]:
     block = re.search(r"## Layout\n+```\n(.*?)```", text, re.S)
     assert block, "README.md has no ## Layout block"
     entries: dict[str, str] = {}
-    top = key = None
+    top: str | None = None
+    key = ""
     for line in block.group(1).splitlines():
         if m := re.match(r"^(\w+)/\s", line):
             top = key = m.group(1)
