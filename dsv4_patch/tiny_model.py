@@ -223,7 +223,7 @@ def write_model(path: Path, digest: str) -> None:
         stamp = {"name": TINY_MODEL_NAME, "format_version": FORMAT_VERSION,
                  "input_digest": digest}
         (tmp / STAMP_FILE).write_bytes(_dump(stamp))
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o755)  # noqa: S103  # an executable script of our own
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
             os.rename(path, old / "model")

@@ -200,7 +200,7 @@ class DSv4ServerMixin:
         problem = self_problem(spec)
         if problem and self._settings.policy is Policy.ENFORCE:
             raise KVLayoutMismatch(
-                f"replica {self._replica_id} (rank {self._rank}): {problem}. Refusing to "
+                f"replica {self._replica_id} (rank {self._rank}): {problem}. Refusing to "  # noqa: S608  # an error message, not SQL
                 "serve under dsv4.policy=enforce (a rolling update stops here; the old "
                 "replicas keep serving). Fix: make the engine build what the config "
                 "declares, or set dsv4.policy: warn to start it for inspection."
