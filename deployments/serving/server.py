@@ -72,12 +72,13 @@ from deployments.serving import boot, engine_metrics
 from deployments.serving.engine_wait import AfterEngineSpawn, freeze_heap
 from deployments.serving.resolve import (
     apply_override,
-    model_config,
     node_id,
     probe_node,
+    read_model_config,
     resolve_for_replica,
     source_of,
     versions,
+    with_overrides,
 )
 from dsv4_patch import rules
 from dsv4_patch.node import layout_contradiction, table_decision
@@ -129,7 +130,8 @@ class DSv4ServerMixin:
         llm_config.update_engine_kwargs(worker_extension_cls=WORKER_EXTENSION)
         self._node = probe_node(self._settings, llm_config.engine_kwargs)
         self._expected = self._settings.expected_for(self._node.as_dict())
-        cfg, _ = model_config(base_config)
+        self._model_config = read_model_config(base_config)  # the one read of config.json
+        cfg, _ = with_overrides(*self._model_config, base_config)
         self._family = rules.family_of(cfg) if cfg else None
         ahead = None if self._family is rules.Family.V41 else table_decision(self._node)
         self._resolution = resolve_for_replica(llm_config, self._settings, self._node, self._family,
@@ -169,13 +171,13 @@ class DSv4ServerMixin:
         layout = rules.Layout(self._expected) if self._expected in \
             {m.value for m in rules.Layout} else self._resolution.layout
         node = self._node.as_dict()
-        base_cfg, why = model_config(base)
+        base_cfg, why = with_overrides(*self._model_config, base)
         deployment = predict(base_cfg, layout, self._requested, vllm,
                              source=source_of(base, vllm, why), node=node,
                              engine=base.engine_kwargs)
         if self._override is None:
             return deployment, None
-        own_cfg, why = model_config(own)
+        own_cfg, why = with_overrides(*self._model_config, own)
         return deployment, predict(own_cfg, self._resolution.layout, self._requested,
                                    vllm, source=source_of(own, vllm, why) + " + override "
                                    f"rank {self._rank}", node=node,

@@ -122,3 +122,24 @@ def test_one_check_of_the_worker_extension() -> None:
                 found.append(f"{rel}:{node.lineno} refuses worker_extension_cls itself: "
                              "call deployments.config.llm.ours_or_unset")
     assert not found, "\n".join(found)
+
+
+def test_one_reader_of_config_json() -> None:
+    """A product function that names ``config.json`` and parses JSON is a second reader:
+    read it through ``deployments.plan.model_configs.read_config_json`` (flat once)."""
+    reader = "deployments/plan/model_configs.py"
+    found = []
+    for path in python_files("deployments"):
+        rel = path.relative_to(REPO).as_posix()
+        if rel == reader:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            text = "\n".join(ast.unparse(stmt) for stmt in body)
+            if "config.json" in text and ("json.load" in text or "flatten_config" in text):
+                found.append(f"{rel}:{node.lineno} {node.name} reads config.json itself")
+    assert not found, "\n".join(found)
+    text = (REPO / reader).read_text()
+    assert "def read_config_json" in text and "flatten_config" in text
