@@ -17,9 +17,8 @@ configured policy: ``warn`` keeps serving, ``drain`` reports itself through
 ``enforce`` fails ``check_health`` so Serve replaces it (bounded by the controller).
 
 The replica is also the application's HTTP ingress (``deployments.http.front``): Serve
-builds its ASGI app through ``__serve_build_asgi_app__`` once the engine is up --
-vLLM's own OpenAI app, hardened by our edge, plus ``GET /v1/kv-spec``. The other ways
-in (its own port, HAProxy) open, drain and close through ``deployments.doors.lifecycle``.
+builds its ASGI app (vLLM's, hardened by our edge, plus ``GET /v1/kv-spec``) through
+``__serve_build_asgi_app__``; its other doors are ``deployments.doors.lifecycle``'s.
 """
 
 from __future__ import annotations
@@ -134,8 +133,8 @@ class DSv4ServerMixin:
         cfg, _ = with_overrides(*self._model_config, base_config)
         self._family = rules.family_of(cfg) if cfg else None
         ahead = None if self._family is rules.Family.V41 else table_decision(self._node)
-        self._resolution = resolve_for_replica(llm_config, self._settings, self._node, self._family,
-                                        ahead)
+        self._resolution = resolve_for_replica(llm_config, self._settings, self._node,
+                                               self._family, ahead)
         while_engine_starts = AfterEngineSpawn()
         layout_check = None if ahead is None else while_engine_starts.submit(
             "the layout check", partial(layout_contradiction, self._node, ahead))
