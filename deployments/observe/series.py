@@ -45,7 +45,8 @@ class Series:
     help: str
     tags: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
-    where: str = "controller"  # controller | pd_controller | replica (its process) | ray_serve
+    # controller | pd_controller | replica (the serving replica's process) | ray_serve
+    where: str = "controller"
 
     def exported(self) -> tuple[str, ...]:
         """The sample names Prometheus scrapes from Ray's metrics agent."""
@@ -172,9 +173,24 @@ PD_STRANDED = _pd("dsv4_pd_stranded_decode_replicas", "decode replicas with no c
 CONTROLLER_SERIES = (AGREE, RUNNING, ANSWERED, ODD, DRAINED, STALE, AGE, CHECKS,
                      REPLACEMENTS, REPLICA_INFO, AS_PREDICTED, PAGE_BYTES, BYTES_PER_TOKEN,
                      CAPACITY_TOKENS, ENGINE_CAPACITY_TOKENS, BUDGET_BYTES)
-PD_SERIES = (PD_COMPATIBLE, PD_VERDICT, PD_PAIRS, PD_BLOCKED, PD_STRANDED)
 REPLICA_SERIES = (STAGE, TTFT, STAGE_TOTAL, TTFT_TOTAL, IN_FLIGHT, REFUSED, KEY_FILE_STALE,
                   KEY_FILE_KEYS, KEY_FILE_REFUSED, RESPONSES_RECORDS, RESPONSES_ERRORS)
+
+# ------------------------------------------------ the P/D controller: the output canary
+PD_CANARY_FAILED = Series("dsv4_pd_canary_failed_pairs", Kind.GAUGE, "(decode, prefill) "
+                          "replica pairs whose latest output canary failed: excluded from "
+                          "routing until a clean one (deployments.pd.canary)", PD_TAGS,
+                          where="pd_controller")
+PD_CANARY_PASSED = Series("dsv4_pd_canary_passed_pairs", Kind.GAUGE, "(decode, prefill) "
+                          "replica pairs whose latest output canary passed", PD_TAGS,
+                          where="pd_controller")
+PD_CANARY_MAX_DELTA = Series("dsv4_pd_canary_max_logprob_delta", Kind.GAUGE, "largest "
+                             "per-token logprob difference (nats) of the latest canaries, "
+                             "through the pair vs scored on the decode replica alone",
+                             PD_TAGS, where="pd_controller")
+PD_SERIES = (PD_COMPATIBLE, PD_VERDICT, PD_PAIRS, PD_BLOCKED, PD_STRANDED, PD_CANARY_FAILED,
+             PD_CANARY_PASSED, PD_CANARY_MAX_DELTA)
+
 ALL = CONTROLLER_SERIES + REPLICA_SERIES + PD_SERIES
 
 # Ray Serve's own series the dashboard reads (Serve creates them; ``make`` never does).
