@@ -106,7 +106,7 @@ def ray_start(head: bool, params: Mapping[str, str], limits: Mapping[str, Any],
     if not head:
         full.setdefault("address", f"{head_fqdn}:{GCS_PORT}")
     else:
-        full.setdefault("dashboard-host", "0.0.0.0")
+        full.setdefault("dashboard-host", "0.0.0.0")  # noqa: S104  # KubeRay's default, inside the pod
     full.setdefault("metrics-export-port", "8080")
     full["block"] = "true"
     full.setdefault("dashboard-agent-listen-port", str(AGENT_PORT))
@@ -218,7 +218,7 @@ def _mounts(plan: PodPlan, spec: Mapping[str, Any], container: Mapping[str, Any]
     volumes = {v["name"]: v for v in spec.get("volumes", [])}
     for mount in container.get("volumeMounts", []):
         volume, path = volumes[mount["name"]], mount["mountPath"]
-        if "emptyDir" in volume and path == "/dev/shm":
+        if "emptyDir" in volume and path == "/dev/shm":  # noqa: S108  # a mount path, not a file
             limit = volume["emptyDir"].get("sizeLimit") or plan.ray.memory or 0
             plan.shm_bytes = int(quantity(limit))
         elif "emptyDir" in volume:
