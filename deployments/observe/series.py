@@ -45,7 +45,8 @@ class Series:
     help: str
     tags: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
-    where: str = "controller"  # controller | replica (the serving replica's process) | ray_serve
+    # controller | pd_controller | replica (the serving replica's process) | ray_serve
+    where: str = "controller"
 
     def exported(self) -> tuple[str, ...]:
         """The sample names Prometheus scrapes from Ray's metrics agent."""
@@ -149,7 +150,23 @@ CONTROLLER_SERIES = (AGREE, RUNNING, ANSWERED, ODD, DRAINED, STALE, AGE, CHECKS,
                      CAPACITY_TOKENS, ENGINE_CAPACITY_TOKENS, BUDGET_BYTES)
 REPLICA_SERIES = (STAGE, TTFT, STAGE_TOTAL, TTFT_TOTAL, IN_FLIGHT, REFUSED, KEY_FILE_STALE,
                   KEY_FILE_KEYS, KEY_FILE_REFUSED)
-ALL = CONTROLLER_SERIES + REPLICA_SERIES
+
+# ------------------------------------------------ the P/D controller: the output canary
+PD_TAGS = ("pd_application",)
+PD_CANARY_FAILED = Series("dsv4_pd_canary_failed_pairs", Kind.GAUGE, "(decode, prefill) "
+                          "replica pairs whose latest output canary failed: excluded from "
+                          "routing until a clean one (deployments.pd.canary)", PD_TAGS,
+                          where="pd_controller")
+PD_CANARY_PASSED = Series("dsv4_pd_canary_passed_pairs", Kind.GAUGE, "(decode, prefill) "
+                          "replica pairs whose latest output canary passed", PD_TAGS,
+                          where="pd_controller")
+PD_CANARY_MAX_DELTA = Series("dsv4_pd_canary_max_logprob_delta", Kind.GAUGE, "largest "
+                             "per-token logprob difference (nats) of the latest canaries, "
+                             "through the pair vs scored on the decode replica alone",
+                             PD_TAGS, where="pd_controller")
+PD_SERIES = (PD_CANARY_FAILED, PD_CANARY_PASSED, PD_CANARY_MAX_DELTA)
+
+ALL = CONTROLLER_SERIES + REPLICA_SERIES + PD_SERIES
 
 # Ray Serve's own series the dashboard reads (Serve creates them; ``make`` never does).
 # The queueing/routing stage: how long a request waited in a Serve router (Serve's proxy
