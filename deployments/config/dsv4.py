@@ -11,6 +11,7 @@ from pydantic import (
     model_validator,
 )
 
+from deployments.config.autoscaling import AutoscalingSection
 from deployments.config.base import Policy, _Strict
 from dsv4_patch import rules
 
@@ -126,6 +127,8 @@ class DSv4Section(_Strict):
     # platform's default stack (dsv4_patch.rules.DEFAULT_VLLM).
     vllm_version: str | None = Field(default=None, pattern=r"^\d+\.\d+\.\d+")
     replica_overrides: list[ReplicaOverride] = Field(default_factory=list)
+    # When llm.deployment_config.autoscaling_config is set: the policy Serve scales by.
+    autoscaling: AutoscalingSection = Field(default_factory=AutoscalingSection)
 
     @property
     def stale_bound_s(self) -> float:

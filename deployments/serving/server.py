@@ -66,7 +66,7 @@ from deployments.http.listener import ReplicaListener
 from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
 from deployments.responses.replica import ReplicaStore, bind_store
-from deployments.serving import boot, dataplane, engine_metrics, haproxy_target
+from deployments.serving import autoscale, boot, dataplane, engine_metrics, haproxy_target
 from deployments.serving.engine_wait import AfterEngineSpawn, freeze_heap
 from deployments.serving.resolve import (
     apply_override,
@@ -346,6 +346,16 @@ class DSv4ServerMixin:
         stats = await super().record_routing_stats() or {}  # type: ignore[misc]  # a mixin: the superclass that defines it is Ray Serve LLM's LLMServer
         held = {HTTP_IN_FLIGHT_STAT: self._edge.in_flight} if self._edge is not None else {}
         return dict(stats) | drain_stats(self._verdict) | held
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What ``autoscale.KVPressurePolicy`` scales on: KV usage, waiting and running as
+        vLLM's stat logger last set them here, and whether the KV-spec check drained us
+        (empty before the engine's first step: the policy then holds)."""
+        load = engine_metrics.engine_load()
+        if load is None:
+            return {}
+        drained = bool(drain_stats(self._verdict)[DRAIN_STAT])
+        return autoscale.stats(*load, drained=drained)
 
     async def check_health(self) -> None:
         """Engine health first; then, if our verdict says so, fail so Serve replaces us.
