@@ -13,6 +13,7 @@ from pydantic import (
 
 from deployments.config.autoscaling import AutoscalingSection
 from deployments.config.base import Policy, _Strict
+from deployments.config.routing import RoutingSection
 from dsv4_patch import rules
 
 # -------------------------------------------------------------------- dsv4 part
@@ -129,6 +130,8 @@ class DSv4Section(_Strict):
     replica_overrides: list[ReplicaOverride] = Field(default_factory=list)
     # When llm.deployment_config.autoscaling_config is set: the policy Serve scales by.
     autoscaling: AutoscalingSection = Field(default_factory=AutoscalingSection)
+    # Session affinity (x-session-id) in Serve's router and HAProxy.
+    routing: RoutingSection = Field(default_factory=RoutingSection)
 
     @property
     def stale_bound_s(self) -> float:

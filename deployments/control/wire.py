@@ -28,7 +28,9 @@ from pydantic import Field
 
 from deployments.control.replica_wire import (
     DRAIN_STAT,
+    ENGINE_DEAD_STAT,
     HTTP_IN_FLIGHT_STAT,
+    KV_USAGE_STAT,
     SCHEMA_VERSION,
     Action,
     LayerEntry,
@@ -49,7 +51,9 @@ from deployments.control.replica_wire import (
 
 __all__ = [
     "DRAIN_STAT",
+    "ENGINE_DEAD_STAT",
     "HTTP_IN_FLIGHT_STAT",
+    "KV_USAGE_STAT",
     "SCHEMA_VERSION",
     "Action",
     "Expected",

@@ -88,7 +88,7 @@ def pool_router(pool: str, deployment_config: dict[str, Any],
         logger.info("dsv4: http.ingress=haproxy: HAProxy picks the decode replica; a drained "
                     "or engine-dead one fails its /-/healthz and leaves HAProxy's rotation")
         return deployment_config
-    return with_kv_router(deployment_config)
+    return with_kv_router(deployment_config, parsed.dsv4.routing)
 
 
 def build_pd_app(parsed: PDAppArgs) -> Application:

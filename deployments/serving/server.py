@@ -53,7 +53,9 @@ from deployments.control.prediction import (
 from deployments.control.summary import KVLayoutMismatch, ReplicaKV, summarize_workers
 from deployments.control.wire import (
     DRAIN_STAT,
+    ENGINE_DEAD_STAT,
     HTTP_IN_FLIGHT_STAT,
+    KV_USAGE_STAT,
     Prediction,
     ReplicaSpec,
     ReplicaVerdict,
@@ -150,6 +152,7 @@ class DSv4ServerMixin:
         while_engine_starts.close()
         self._prediction, self._own_prediction = self._predictions(base_config, llm_config)
         self._verdict = ReplicaVerdict()
+        self._engine_dead = False
         self._kv: ReplicaKV | None = None
         boot.keep_telemetry_off_boot_path()
         engine_metrics.install()  # before the engine builds its stat loggers
@@ -345,7 +348,10 @@ class DSv4ServerMixin:
         """Ray Serve LLM's routing stats plus whether the KV-spec router must skip us."""
         stats = await super().record_routing_stats() or {}  # type: ignore[misc]  # a mixin: the superclass that defines it is Ray Serve LLM's LLMServer
         held = {HTTP_IN_FLIGHT_STAT: self._edge.in_flight} if self._edge is not None else {}
-        return dict(stats) | drain_stats(self._verdict) | held
+        load = engine_metrics.engine_load()
+        engine = {ENGINE_DEAD_STAT: self._engine_dead} | (
+            {KV_USAGE_STAT: load[0]} if load is not None else {})
+        return dict(stats) | drain_stats(self._verdict) | held | engine
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """What ``autoscale.KVPressurePolicy`` scales on: KV usage, waiting and running as
@@ -373,9 +379,11 @@ class DSv4ServerMixin:
         try:
             await super().check_health()  # type: ignore[misc]  # a mixin: the superclass that defines it is Ray Serve LLM's LLMServer
         except Exception:
+            self._engine_dead = True  # the affinity router skips us (routing stats)
             if self._listener is not None:  # a dead engine takes no new connections
                 self._listener.engine_dead()
             raise
+        self._engine_dead = False
         if self._listener is not None:  # healthy again (a passing failure): reopen
             await self._listener.open_for("engine")
         raise_if_enforced(self._verdict)
