@@ -151,9 +151,9 @@ SCALE_WAITING = Series("dsv4_autoscale_waiting_per_replica", Kind.GAUGE, "reques
                        "waiting in vLLM per undrained replica, as the policy last saw it",
                        SCALE_TAGS, where="serve_controller")
 SCALE_REASON = Series("dsv4_autoscale_decision", Kind.GAUGE, "1 for the reason of the "
-                      "policy's current decision (kv_pressure, queue_pressure, quiet, hold, "
-                      "no_metrics, bounds), 0 for the others", (*SCALE_TAGS, "reason"),
-                      where="serve_controller")
+                      "policy's current decision (kv_pressure, queue_pressure, "
+                      "ongoing_requests, quiet, hold, no_metrics, bounds), 0 for the others",
+                      (*SCALE_TAGS, "reason"), where="serve_controller")
 SCALE_CHANGES = Series("dsv4_autoscale_changes_total", Kind.COUNTER, "target changes the "
                        "policy decided, by direction (up|down) and reason",
                        (*SCALE_TAGS, "direction", "reason"), where="serve_controller")

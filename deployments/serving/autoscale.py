@@ -34,7 +34,8 @@ KV_USAGE = "dsv4_kv_usage"
 WAITING = "dsv4_waiting"
 RUNNING = "dsv4_running"
 DRAINED = "dsv4_drained"
-REASONS = ("kv_pressure", "queue_pressure", "quiet", "hold", "no_metrics", "bounds")
+REASONS = ("kv_pressure", "queue_pressure", "ongoing_requests", "quiet", "hold",
+           "no_metrics", "bounds")
 
 
 def stats(kv_usage: float, waiting: float, running: float, drained: bool) -> dict[str, float]:
@@ -60,9 +61,11 @@ def newest(raw: dict[str, dict[Any, list[Any]]] | None) -> dict[str, ReplicaLoad
 class KVPressurePolicy:
     """Built by Serve's controller with ``AutoscalingSection.policy_kwargs``."""
 
-    def __init__(self, gang_size: int = 1, **settings: Any) -> None:
+    def __init__(self, gang_size: int = 1, target_ongoing_requests: float | None = None,
+                 **settings: Any) -> None:
         self.settings = AutoscalingSection(**settings)
         self.gang_size = gang_size
+        self.target_ongoing = target_ongoing_requests
         self._last: tuple[int, str] | None = None
         self._metrics: dict[str, Any] | None = None
 
@@ -73,7 +76,7 @@ class KVPressurePolicy:
                           lowest=int(ctx.capacity_adjusted_min_replicas),
                           highest=int(ctx.capacity_adjusted_max_replicas))
         state = PolicyState.from_dict(ctx.policy_state or {})
-        decision = decide(obs, self.settings, state, self.gang_size)
+        decision = decide(obs, self.settings, state, self.gang_size, self.target_ongoing)
         if self._last != (decision.target, decision.reason):
             self._report(ctx, obs, decision)
             self._last = (decision.target, decision.reason)
@@ -116,7 +119,9 @@ def with_autoscaling_policy(deployment_config: dict[str, Any], section: Autoscal
                             gang_size: int) -> dict[str, Any]:
     """``deployment_config`` with the ``kv_pressure`` policy in its autoscaling config,
     when it autoscales and ``dsv4.autoscaling.policy`` says so; a policy the user set
-    there is an error (one of the two would be ignored)."""
+    there is an error (one of the two would be ignored). The user's
+    ``target_ongoing_requests`` goes to the policy too (a third pressure), so it is not
+    a setting accepted and ignored."""
     scaling = deployment_config.get("autoscaling_config")
     if scaling is None or section.policy != "kv_pressure":
         return deployment_config
@@ -126,5 +131,6 @@ def with_autoscaling_policy(deployment_config: dict[str, Any], section: Autoscal
             "policy=kv_pressure: expected one policy. Fix: remove autoscaling_config.policy, "
             "or set dsv4.autoscaling.policy: serve_default to keep yours.")
     policy = {"policy_function": POLICY_FUNCTION,
-              "policy_kwargs": section.policy_kwargs(gang_size)}
+              "policy_kwargs": section.policy_kwargs(gang_size) | {
+                  "target_ongoing_requests": scaling.get("target_ongoing_requests")}}
     return deployment_config | {"autoscaling_config": dict(scaling) | {"policy": policy}}

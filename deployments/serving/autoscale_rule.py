@@ -10,7 +10,9 @@ The rule (settings: ``deployments.config.autoscaling``):
   requests; Serve's default counts it), and drained ones stay in the target: they are
   kept up to inspect, not replaced by scaling;
 - up, when the undrained replicas' mean KV usage >= ``kv_usage_up`` or their waiting
-  requests per replica >= ``waiting_up``, for ``upscale_delay_s``: to
+  requests per replica >= ``waiting_up`` (or, when the user set Serve's
+  ``target_ongoing_requests``, their running + waiting per replica >= it, as Serve's
+  default policy would), for ``upscale_delay_s``: to
   ``ceil(capacity * pressure / threshold)``, at least one more, at most ``max_step_up``
   more; never below a target already raised (a replica still booting is not capacity);
 - down, one replica, when the KV in use would fit one replica fewer under
@@ -77,7 +79,7 @@ class Observation:
 @dataclass(frozen=True)
 class Decision:
     target: int
-    reason: str  # kv_pressure | queue_pressure | quiet | hold | no_metrics | bounds
+    reason: str  # kv_pressure|queue_pressure|ongoing_requests|quiet|hold|no_metrics|bounds
     capacity: int  # undrained replicas
     kv_usage: float  # mean over undrained replicas with a sample
     waiting_per_replica: float
@@ -85,8 +87,10 @@ class Decision:
 
 
 def decide(obs: Observation, settings: AutoscalingSection, state: PolicyState,
-           gang_size: int = 1) -> Decision:
-    """The target replica count for ``obs`` (see the module docstring)."""
+           gang_size: int = 1, target_ongoing: float | None = None) -> Decision:
+    """The target replica count for ``obs`` (see the module docstring); a
+    ``target_ongoing`` (the user's ``autoscaling_config.target_ongoing_requests``) is a
+    third pressure: requests running and waiting per undrained replica over it."""
     serving = {k: v for k, v in obs.loads.items() if not v.drained}
     drained = len(obs.loads) - len(serving)
     capacity = max(obs.running - drained, 0)
@@ -95,7 +99,11 @@ def decide(obs: Observation, settings: AutoscalingSection, state: PolicyState,
                         replace(state, pressure_since=None, quiet_since=None), gang_size)
     kv = sum(v.kv_usage for v in serving.values()) / len(serving)
     waiting = sum(v.waiting for v in serving.values()) / len(serving)
-    pressure = max(kv / settings.kv_usage_up, waiting / settings.waiting_up)
+    ongoing = sum(v.running + v.waiting for v in serving.values()) / len(serving)
+    pressures = {"kv_pressure": kv / settings.kv_usage_up,
+                 "queue_pressure": waiting / settings.waiting_up,
+                 "ongoing_requests": ongoing / target_ongoing if target_ongoing else 0.0}
+    pressure = max(pressures.values())
     if pressure >= 1.0:
         since = state.pressure_since if state.pressure_since is not None else obs.now
         state = replace(state, pressure_since=since, quiet_since=None)
@@ -104,7 +112,7 @@ def decide(obs: Observation, settings: AutoscalingSection, state: PolicyState,
         base = max(capacity, 1)
         wanted = max(base + 1, math.ceil(base * pressure))
         wanted = min(wanted, base + settings.max_step_up * gang_size) + drained
-        reason = "kv_pressure" if kv / settings.kv_usage_up >= pressure else "queue_pressure"
+        reason = max(pressures, key=lambda name: pressures[name])
         decision = _bounded(obs, max(wanted, obs.target), reason, capacity, kv, waiting,
                             state, gang_size)
         if decision.target > obs.target:
@@ -114,7 +122,8 @@ def decide(obs: Observation, settings: AutoscalingSection, state: PolicyState,
     fewer = capacity - gang_size
     left = len(serving) - gang_size  # the KV in use, spread over one gang fewer
     quiet = fewer >= 1 and left > 0 and sum(v.waiting for v in serving.values()) == 0 \
-        and kv * len(serving) / left < settings.kv_usage_down
+        and kv * len(serving) / left < settings.kv_usage_down \
+        and (not target_ongoing or ongoing * len(serving) / left < target_ongoing)
     if not quiet or obs.target > obs.running:  # busy, or a change still under way
         return _bounded(obs, obs.target, "hold", capacity,
                         kv, waiting, replace(state, quiet_since=None), gang_size)
@@ -133,6 +142,7 @@ def _bounded(obs: Observation, target: int, reason: str, capacity: int, kv: floa
     """Whole gangs, inside Serve's (capacity-adjusted) bounds."""
     target = math.ceil(target / gang_size) * gang_size
     bounded = min(max(target, obs.lowest), obs.highest)
-    if bounded != target and reason in ("kv_pressure", "queue_pressure", "quiet"):
+    if bounded != target and reason in ("kv_pressure", "queue_pressure", "ongoing_requests",
+                                        "quiet"):
         reason = "bounds"
     return Decision(bounded, reason, capacity, kv, waiting, state)

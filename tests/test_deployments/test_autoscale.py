@@ -182,3 +182,16 @@ def test_a_user_policy_and_ours_are_not_both_taken() -> None:
     assert autoscale.with_autoscaling_policy(
         mine, AutoscalingSection(policy="serve_default"), 1) is mine
     assert autoscale.with_autoscaling_policy({"num_replicas": 2}, S, 1) == {"num_replicas": 2}
+
+
+def test_the_users_target_ongoing_requests_is_a_third_pressure() -> None:
+    """Serve's target_ongoing_requests, when set, is honoured, not accepted and ignored:
+    8 running per replica over a target of 4 adds replicas, and holds a step down."""
+    busy = {f"r{i}": ReplicaLoad(0.1, 0.0, 8.0) for i in range(2)}
+    d = decide(Observation(0, 2, 2, busy, 1, 8), S, PolicyState(), target_ongoing=4)
+    assert (d.target, d.reason) == (4, "ongoing_requests")
+    calm = {f"r{i}": ReplicaLoad(0.05, 0.0, 3.0) for i in range(2)}
+    assert decide(Observation(400, 2, 2, calm, 1, 8), S, PolicyState(quiet_since=0.0),
+                  target_ongoing=4).reason == "hold"  # 6 on 1 replica > 4
+    assert decide(Observation(400, 2, 2, calm, 1, 8), S,
+                  PolicyState(quiet_since=0.0)).reason == "quiet"
