@@ -40,6 +40,7 @@ from deployments.serving.builder import (
     with_boot_callback,
     with_http_engine_settings,
 )
+from deployments.serving.autoscale import with_autoscaling_policy
 from deployments.serving.llm_build import server_deployment_name
 from deployments.serving.names import DECODE_PREFIX
 from deployments.serving.router import with_kv_router
@@ -66,6 +67,9 @@ def pool_configs(parsed: PDAppArgs) -> tuple[LLMConfig, LLMConfig]:
                 "compared them. Fix: remove it (the first checked request does the NIXL "
                 "handshake).")
         data["deployment_config"] = pool_router(pool, data["deployment_config"], parsed)
+        # Each pool autoscales on its own replicas' KV usage and queue (no DP in P/D).
+        data["deployment_config"] = with_autoscaling_policy(
+            data["deployment_config"], parsed.dsv4.autoscaling, gang_size=1)
         # The decode replicas answer HTTP (queue bounds); both pools boot without the
         # download task for a local model directory.
         data = serving_config(data, parsed.http) if pool == "decode" else \
