@@ -31,6 +31,7 @@ from deployments.pd import route
 from deployments.pd.controller import PDController
 from deployments.pd.server import DSv4PDDecodeServer, DSv4PDPrefillServer
 from deployments.plan.kv_figures import plan_pool_capacities
+from deployments.serving.autoscale import with_autoscaling_policy
 from deployments.serving.builder import (
     controller_deployment,
     ingress_bind_kwargs,
@@ -40,7 +41,6 @@ from deployments.serving.builder import (
     with_boot_callback,
     with_http_engine_settings,
 )
-from deployments.serving.autoscale import with_autoscaling_policy
 from deployments.serving.llm_build import server_deployment_name
 from deployments.serving.names import DECODE_PREFIX
 from deployments.serving.router import with_kv_router

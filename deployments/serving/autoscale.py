@@ -34,6 +34,9 @@ KV_USAGE = "dsv4_kv_usage"
 WAITING = "dsv4_waiting"
 RUNNING = "dsv4_running"
 DRAINED = "dsv4_drained"
+# Ray's agent drops a gauge not set for two export intervals (~20 s): the series are set
+# again this often while the decision stands.
+KEEP_ALIVE_S = 5.0
 REASONS = ("kv_pressure", "queue_pressure", "ongoing_requests", "quiet", "hold",
            "no_metrics", "bounds")
 
@@ -67,6 +70,7 @@ class KVPressurePolicy:
         self.gang_size = gang_size
         self.target_ongoing = target_ongoing_requests
         self._last: tuple[int, str] | None = None
+        self._last_set = 0.0
         self._metrics: dict[str, Any] | None = None
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
@@ -77,18 +81,20 @@ class KVPressurePolicy:
                           highest=int(ctx.capacity_adjusted_max_replicas))
         state = PolicyState.from_dict(ctx.policy_state or {})
         decision = decide(obs, self.settings, state, self.gang_size, self.target_ongoing)
-        if self._last != (decision.target, decision.reason):
-            self._report(ctx, obs, decision)
-            self._last = (decision.target, decision.reason)
+        changed = self._last != (decision.target, decision.reason)
+        if changed or obs.now - self._last_set >= KEEP_ALIVE_S:
+            self._report(ctx, obs, decision, changed)
+            self._last, self._last_set = (decision.target, decision.reason), obs.now
         return decision.target, decision.state.to_dict()
 
-    def _report(self, ctx: Any, obs: Observation, decision: Decision) -> None:
-        """A log line and the series, when the target or its reason changes."""
-        logger.info("dsv4: autoscale %s/%s: %d -> %d replicas (%s; capacity %d undrained of "
-                    "%d running, KV usage %.2f, waiting %.1f per replica)", ctx.app_name,
-                    ctx.deployment_name, obs.target, decision.target, decision.reason,
-                    decision.capacity, obs.running, decision.kv_usage,
-                    decision.waiting_per_replica)
+    def _report(self, ctx: Any, obs: Observation, decision: Decision, changed: bool) -> None:
+        """The series (each change, and every ``KEEP_ALIVE_S``), a log line per change."""
+        if changed:
+            logger.info("dsv4: autoscale %s/%s: %d -> %d replicas (%s; capacity %d undrained of "
+                        "%d running, KV usage %.2f, waiting %.1f per replica)", ctx.app_name,
+                        ctx.deployment_name, obs.target, decision.target, decision.reason,
+                        decision.capacity, obs.running, decision.kv_usage,
+                        decision.waiting_per_replica)
         try:
             metrics = self._series()
         except Exception:  # a metrics failure must not stop scaling; logged each time
@@ -101,7 +107,7 @@ class KVPressurePolicy:
         metrics["waiting"].set(decision.waiting_per_replica, tags=tags)
         for reason in REASONS:
             metrics["reason"].set(float(reason == decision.reason), tags=tags | {"reason": reason})
-        if decision.target != obs.target:
+        if changed and decision.target != obs.target:
             direction = "up" if decision.target > obs.target else "down"
             metrics["changes"].inc(1, tags=tags | {"direction": direction,
                                                    "reason": decision.reason})

@@ -195,3 +195,29 @@ def test_the_users_target_ongoing_requests_is_a_third_pressure() -> None:
                   target_ongoing=4).reason == "hold"  # 6 on 1 replica > 4
     assert decide(Observation(400, 2, 2, calm, 1, 8), S,
                   PolicyState(quiet_since=0.0)).reason == "quiet"
+
+
+def test_series_are_set_at_each_change_and_kept_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's agent drops a gauge not set for two export intervals: the policy sets its
+    series again every KEEP_ALIVE_S while the decision stands, and logs only changes."""
+    from deployments.serving import autoscale
+
+    sets: list[float] = []
+
+    class Gauge:
+        def set(self, value: float, tags: dict[str, str]) -> None:
+            sets.append(value)
+
+        def inc(self, value: float, tags: dict[str, str]) -> None:
+            sets.append(-1.0)
+
+    policy = autoscale.KVPressurePolicy()
+    monkeypatch.setattr(policy, "_series", lambda: dict.fromkeys(
+        ("target", "capacity", "kv", "waiting", "reason", "changes"), Gauge()))
+    state: dict[str, object] = {}
+    calls = []
+    for now in (0.0, 0.1, 0.2, autoscale.KEEP_ALIVE_S + 0.1):
+        sets.clear()
+        _target, state = policy(ray_context({}, 2, [], state, now=now))
+        calls.append(len(sets))
+    assert calls[0] > 0 and calls[1] == calls[2] == 0 and calls[3] == calls[0]
