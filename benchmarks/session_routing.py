@@ -202,7 +202,7 @@ def step_part(args: argparse.Namespace, workdir: Path, policy: str) -> dict[str,
 
         threads = [threading.Thread(target=stream, daemon=True)
                    for _ in range(args.step_concurrency)]
-        start = time.monotonic()
+        start, step_epoch = time.monotonic(), time.time()
         for t in threads:
             t.start()
         serving_s = None
@@ -216,12 +216,22 @@ def step_part(args: argparse.Namespace, workdir: Path, policy: str) -> dict[str,
             except OSError:
                 pass
             time.sleep(2)
-        return {"policy": policy, "seconds_to_second_replica": serving_s,
-                "log_lines": [ln for ln in run.log.read_text(errors="replace").splitlines()
-                              if "autoscale" in ln][-5:]}
+        return {"policy": policy, "step_epoch_s": step_epoch,
+                "seconds_to_second_replica": serving_s, "controller_log": decisions()}
     finally:
         stop.set()
         run.stop()
+
+
+def decisions() -> list[str]:
+    """Serve controller log lines about scaling (ours: ``dsv4: autoscale``; Serve's
+    default: ``Upscaling``) of the newest local Ray session, with their timestamps."""
+    logs = Path("/tmp/ray/session_latest/logs/serve")
+    out = []
+    for path in sorted(logs.glob("controller_*.log")) if logs.exists() else []:
+        out += [ln[:300] for ln in path.read_text(errors="replace").splitlines()
+                if "dsv4: autoscale" in ln or "Upscaling" in ln or "Downscaling" in ln]
+    return out[-8:]
 
 
 def pct(values: list[float], q: float) -> float:
@@ -259,7 +269,7 @@ def rows_of(sessions: dict[str, Any], steps: list[dict[str, Any]]) -> list[list[
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--sessions", type=int, default=4)
+    parser.add_argument("--sessions", type=int, default=3)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--system-words", type=int, default=300)
     parser.add_argument("--turn-words", type=int, default=300)
