@@ -279,10 +279,21 @@ def main() -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/dsv4-bench-session"))
     args = parser.parse_args()
     parts = args.parts.split(",")
-    sessions = sessions_part(args, args.workdir) if "sessions" in parts else \
-        {"ttft": {}, "replicas": {}}
-    steps = [step_part(args, args.workdir, p) for p in ("kv_pressure", "serve_default")] \
-        if "step" in parts else []
+    sessions: dict[str, Any] = {"ttft": {}, "replicas": {}}
+    steps: list[dict[str, Any]] = []
+    if "sessions" in parts:
+        sessions = sessions_part(args, args.workdir)
+        write(args, sessions, steps)  # each part's figures kept if a later one overruns
+    for policy in ("kv_pressure", "serve_default") if "step" in parts else ():
+        steps.append(step_part(args, args.workdir, policy))
+        write(args, sessions, steps)
+    print(json.dumps(rows_of(sessions, steps), indent=1))
+    return 0
+
+
+def write(args: argparse.Namespace, sessions: dict[str, Any],
+          steps: list[dict[str, Any]]) -> None:
+    """The result file (``benchmarks/results/session_routing.json``)."""
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                             cwd=REPO, check=False).stdout.strip()
     hits = [r[6] for r in rows_of(sessions, steps) if r[6]]
@@ -311,8 +322,6 @@ def main() -> int:
          if not amx else "") + f"prefix hits/queries per arm: {hits}.")
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result["rows"], indent=1))
-    return 0
 
 
 if __name__ == "__main__":
