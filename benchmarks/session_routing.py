@@ -119,11 +119,12 @@ def ttft(http: httpx.Client, url: str, prompt: str, session: str | None) -> floa
     start = time.perf_counter()
     with http.stream("POST", f"{url}/completions", json=body, headers=headers) as resp:
         resp.raise_for_status()
-        for line in resp.iter_lines():
+        lines, first = resp.iter_lines(), float("nan")
+        for line in lines:
             if line.startswith("data: "):
                 first = time.perf_counter() - start
                 break
-        for _ in resp.iter_lines():
+        for _ in lines:  # the rest of the stream, on the same iterator
             pass
     return first
 
