@@ -8,13 +8,13 @@ streams OpenAI-shaped SSE chunks (``k`` tokens each) at a paced rate, with no en
 
 Arms, each its own session of processes (``benchmarks.arm_procs``):
 
-* ``port``: the stand-in app on the replicas' own port (``deployments.http.listener``:
+* ``port``: the stand-in app on the replicas' own port (``deployments.doors.listener``:
   uvicorn with the port's bounds and held-request tracking), one process.
 * ``proxy``: the same app as a Serve deployment (``serve.ingress``) behind Serve's HTTP
   proxy on a private local Ray: client -> proxy actor -> replica actor.
 * ``haproxy``: the same deployment behind the door the KubeRay presets ship
   (``http.ingress: haproxy``): Ray's HAProxy, run as ``dsv4-haproxy``, forwarding to the
-  replica's own port on its app loop (``deployments.serving.haproxy_target``):
+  replica's own port on its app loop (``deployments.doors.haproxy_target``):
   client -> HAProxy -> replica actor.
 * ``haproxy-ray``: the same with ``DSV4_HAPROXY_TARGET=ray``: HAProxy forwards to Ray's
   direct-ingress server on Serve's loop, which hands each chunk across threads.
@@ -101,7 +101,7 @@ async def stream(tokens: int, rate: float, chunk: int) -> Any:
 
 def serve_port_arm(port: int, edge: bool) -> None:
     """The ``port`` arm's one process: the app on a replica port, until SIGTERM."""
-    from deployments.http.listener import ReplicaListener
+    from deployments.doors.listener import ReplicaListener
 
     async def run() -> None:
         listener = ReplicaListener(standin_app(edge), "127.0.0.1", port)
@@ -142,7 +142,7 @@ def serve_proxy_arm(port: int, edge: bool, haproxy: str | None = None) -> None:
             # As a DSv4 replica does behind HAProxy: the app on its own port too.
             if haproxy and serve_env.haproxy_target() == "replica":
                 from deployments.config.http import ReplicaPortLimits
-                from deployments.serving import haproxy_target
+                from deployments.doors import haproxy_target
 
                 self._own = asyncio.get_running_loop().create_task(
                     haproxy_target.open_port(app, ReplicaPortLimits(), 5.0))

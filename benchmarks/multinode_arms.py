@@ -12,11 +12,11 @@ the load starts), so Serve's autoscaler runs and collects its metrics the whole 
   ``proxy_location: HeadOnly``): what an autoscaled or multi-node app uses today;
 * ``mn-haproxy`` -- ``http.ingress: haproxy``, what the KubeRay presets ship: Ray 2.60's
   HAProxy ingress on ``--port`` forwarding to each replica's own port on its app loop
-  (``deployments.serving.haproxy_target``: Ray's direct-ingress port, from ``--port`` +
+  (``deployments.doors.haproxy_target``: Ray's direct-ingress port, from ``--port`` +
   10, plus the range's span), HAProxy run as ``dsv4-haproxy`` (stats
   ``--port`` + 2 and Prometheus ``--port`` + 3 on loopback), Serve's fallback proxy
   ``--port`` + 1; with an API key (the edge demands one whenever replicas listen
-  themselves); drain by ``/-/healthz`` (``deployments.serving.dataplane``), no
+  themselves); drain by ``/-/healthz`` (``deployments.doors.dataplane``), no
   ``KVSpecRouter`` (Ray refuses one under HAProxy);
 * ``mn-haproxy-1`` -- the same door with one replica on one worker node
   (``--nodes 1``): as many engines as plain vLLM, so c=1 and c=6 compare doors, not

@@ -8,8 +8,9 @@ Floors, bottom to top (a module imports only from its own floor or below):
    ``dsv4-serve doctor``).
 2. ``config/``: every config model, validated before Ray starts.
 3. ``control/`` (the KV-spec controller and its typed wire), ``http/`` (the edge in
-   front of vLLM's OpenAI app), ``plan/`` (preflight without GPUs), ``k8s/`` (KubeRay
-   manifests).
+   front of vLLM's OpenAI app), ``doors/`` (every way a request reaches a replica: its own
+   port, HAProxy, Serve's data plane, and how each closes), ``plan/`` (preflight without
+   GPUs), ``k8s/`` (KubeRay manifests).
 4. ``serving/``: the server replica and the one-pool application.
 5. ``pd/``: the prefill/decode pattern, built on ``serving``.
 6. ``app``: ``deployments.app:build_app``, the ``import_path`` users write.

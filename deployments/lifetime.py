@@ -3,7 +3,7 @@
 For the processes we start or exec that would otherwise outlive a parent killed
 without a chance to stop them (SIGKILL, the OOM killer, a lost node): the local
 cluster's head under ``dsv4-serve run`` (``deployments.local.cluster``) and HAProxy
-under ``dsv4-haproxy`` (``deployments.http.haproxy``). The signal follows the parent
+under ``dsv4-haproxy`` (``deployments.doors.haproxy``). The signal follows the parent
 *thread* that started the child, so the parent must start it from a thread that lives
 as long as the child should. Elsewhere than Linux it does nothing.
 """

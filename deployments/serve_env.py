@@ -118,7 +118,7 @@ def replicas_listen() -> bool:
 
 # ``http.ingress: haproxy`` (issue 34): Ray 2.60's HAProxy ingress on http_options.port,
 # forwarding to each ingress replica's direct-ingress port, HAProxy itself run through
-# ``dsv4-haproxy`` (deployments/http/haproxy.py: its stats page and Prometheus exporter
+# ``dsv4-haproxy`` (deployments/doors/haproxy.py: its stats page and Prometheus exporter
 # on 127.0.0.1, the admin socket mode 600). Serve's proxy stays up on
 # RAY_SERVE_FALLBACK_PROXY_HTTP_PORT (8500) as HAProxy's backup server.
 HAPROXY_FLAG = "RAY_SERVE_ENABLE_HA_PROXY"
@@ -157,7 +157,7 @@ def haproxy_env(binary: str) -> dict[str, str]:
 # raises it (a value already in the environment wins and is named).
 #
 # Session affinity: HAProxy hashes Serve's session header (x-session-id) onto the replica
-# ports, consistently and with bounded loads (deployments/http/haproxy.py adds both), so a
+# ports, consistently and with bounded loads (deployments/doors/haproxy.py adds both), so a
 # conversation's turns find their prefix in one replica's KV cache; requests without it
 # go round robin (Ray's default is leastconn). A drained or engine-dead replica fails the
 # health check HAProxy polls and leaves the ring.
@@ -283,8 +283,8 @@ def haproxy_ports_beside(door: int, replicas: int) -> dict[str, str]:
 
 # Under HAProxy each ingress replica answers on a port of its own beside Ray's
 # direct-ingress port, its Ray port plus the span of Ray's range (``replica_port_for``):
-# ``dsv4-haproxy`` points HAProxy's servers there (deployments.http.haproxy) and the
-# replica binds it (deployments.serving.haproxy_target). Serve's allocator hands out
+# ``dsv4-haproxy`` points HAProxy's servers there (deployments.doors.haproxy) and the
+# replica binds it (deployments.doors.haproxy_target). Serve's allocator hands out
 # range(MIN, MAX) (Ray 2.60 node_port_manager), so these ports run from MAX to
 # 2*MAX-MIN-1: 31000-31999 at Ray's defaults.
 DIRECT_RANGE_DEFAULTS = (30000, 31000)

@@ -17,7 +17,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from dsv4_patch import __version__, registry, rules
-from dsv4_patch.node import NodeInfo, canonicalize, probe_node
+from dsv4_patch.node import NodeInfo, probe_node, resolve_on_node
 from dsv4_patch.patch import APPLIED, Patch, Verdict, not_here, target_module
 from dsv4_patch.version import vllm_version
 
@@ -154,15 +154,15 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     if node.platform == "cpu":
         out["cpu_path"] = cpu_path()
     try:
-        canon = canonicalize({"kv_cache_dtype": args.kv_cache_dtype}, node)
+        resolved = resolve_on_node({"kv_cache_dtype": args.kv_cache_dtype}, node)
     except (rules.LayoutError, rules.KVCacheDtypeError) as exc:
         out["resolution"] = {"requested": args.kv_cache_dtype, "error": str(exc)}
         return out
-    res = canon.resolution
+    res = resolved.resolution
     out["layout"] = {
-        "layout": canon.decision.layout.value,
-        "backend": canon.decision.backend,
-        "reason": canon.decision.reason,
+        "layout": resolved.decision.layout.value,
+        "backend": resolved.decision.backend,
+        "reason": resolved.decision.reason,
     }
     out["resolution"] = {
         "requested": args.kv_cache_dtype,
@@ -171,7 +171,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
         "storage": res.storage.value,
         "reason": res.reason,
         "stock_vllm_crashes": rules.stock_vllm_crashes_on(
-            out["vllm_version"], canon.decision.layout, args.kv_cache_dtype
+            out["vllm_version"], resolved.decision.layout, args.kv_cache_dtype
         ),
     }
     return out

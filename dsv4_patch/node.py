@@ -1,7 +1,7 @@
 """What this node is (platform, compute capability, attention backend) and what
 ``kv_cache_dtype`` becomes on it, decided before an engine is built.
 
-``probe_node`` asks vLLM's platform layer (imported lazily); ``canonicalize`` asks
+``probe_node`` asks vLLM's platform layer (imported lazily); ``resolve_on_node`` asks
 the installed vLLM's own attention-class selector (``dsv4_patch.selector``) for the
 layout, then resolves the dtype with the pure ``rules``. The planner, without vLLM,
 predicts the same from ``rules.detect_layout``'s per-release tables.
@@ -116,7 +116,7 @@ def probe_node(
 
 
 @dataclass(frozen=True)
-class Canonicalization:
+class NodeResolution:
     """The decisions behind the dtype the engine is built with (``resolution.engine_dtype``)."""
 
     decision: rules.LayoutDecision
@@ -133,8 +133,8 @@ class Canonicalization:
         )
 
 
-def canonicalize(engine_kwargs: dict[str, Any], node: NodeInfo,
-                 decision: rules.LayoutDecision | None = None) -> Canonicalization:
+def resolve_on_node(engine_kwargs: dict[str, Any], node: NodeInfo,
+                 decision: rules.LayoutDecision | None = None) -> NodeResolution:
     """Resolve ``kv_cache_dtype`` for ``node``; never mutates ``engine_kwargs``.
 
     Only ``auto`` on fp8_ds_mla is rewritten (to ``fp8``): that is the one
@@ -147,7 +147,7 @@ def canonicalize(engine_kwargs: dict[str, Any], node: NodeInfo,
         decision = installed_layout(node.platform, node.capability, node.attention_backend)
     requested = engine_kwargs.get("kv_cache_dtype")
     resolution = rules.resolve_kv_cache_dtype(decision.layout, requested)
-    return Canonicalization(decision, resolution)
+    return NodeResolution(decision, resolution)
 
 
 def table_decision(node: NodeInfo) -> rules.LayoutDecision | None:

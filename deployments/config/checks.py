@@ -1,10 +1,10 @@
-"""The policy rules of an ``AppArgs``: ``check(args) -> list[Problem]``, pure.
+"""The policy rules of an ``AppArgs``: ``check(args) -> list[Finding]``, pure.
 
 The config models (``deployments.config``) check structure: types, ranges,
 unknown keys, rules about one field. The rules here tie sections together (the
 declared node against the expected layout and the dtype, the replica's shape
 against its node, replica overrides against the replica count) and say what is
-wrong as a ``Problem`` instead of raising, so each caller decides:
+wrong as a ``Finding`` instead of raising, so each caller decides:
 ``build_app`` and the config loader refuse a config with an error problem
 (``deployments.config.parse_app_args``), while ``dsv4-serve plan`` and
 ``dsv4-serve k8s`` report them next to what the fleet would run.
@@ -30,7 +30,7 @@ UNPLANNABLE = frozenset({"layout-undecidable", "kv-cache-dtype-refused",
 
 
 @dataclass(frozen=True)
-class Problem:
+class Finding:
     """One finding about a config; ``error`` refuses it."""
 
     severity: str  # "error" | "warning"
@@ -42,11 +42,11 @@ class Problem:
         return self.severity == ERROR
 
 
-def errors(problems: list[Problem]) -> list[Problem]:
+def errors(problems: list[Finding]) -> list[Finding]:
     return [p for p in problems if p.is_error]
 
 
-def check(args: AppArgs) -> list[Problem]:
+def check(args: AppArgs) -> list[Finding]:
     """Every policy problem of one application's args, errors first."""
     found = [*_parallel_problems(args), *_layout_problems(args), *_shape_problems(args),
              *_override_problems(args), *_http_engine_problems(args),
@@ -54,11 +54,11 @@ def check(args: AppArgs) -> list[Problem]:
     return sorted(found, key=lambda p: not p.is_error)
 
 
-def _error(code: str, message: str) -> Problem:
-    return Problem(ERROR, code, message)
+def _error(code: str, message: str) -> Finding:
+    return Finding(ERROR, code, message)
 
 
-def _http_engine_problems(args: AppArgs) -> list[Problem]:
+def _http_engine_problems(args: AppArgs) -> list[Finding]:
     """Engine settings that would contradict the edge (``app_args.apply_http_to_engine``):
     a default token limit above ``http.max_tokens``, a Responses store env var that
     says otherwise than ``http.responses_store``."""
@@ -85,7 +85,7 @@ def _http_engine_problems(args: AppArgs) -> list[Problem]:
     return found
 
 
-def _replica_port_problems(args: AppArgs) -> list[Problem]:
+def _replica_port_problems(args: AppArgs) -> list[Finding]:
     """``http.replica_port`` bypasses Serve's proxy, so Serve's autoscaler, which counts
     the requests Serve routes, would not see that traffic: a fixed replica count only."""
     if args.http.replica_port is None:
@@ -108,7 +108,7 @@ def _replica_port_problems(args: AppArgs) -> list[Problem]:
         "max_replicas, or remove http.replica_port (Serve's proxy then routes every request).")]
 
 
-def _ingress_problems(args: AppArgs) -> list[Problem]:
+def _ingress_problems(args: AppArgs) -> list[Finding]:
     """``http.ingress: haproxy``: one door per app. A P/D app may use it: HAProxy picks
     the decode replica (the ingress), whose handle to the prefill pool keeps its own
     router (``deployments.pd.route``)."""
@@ -124,7 +124,7 @@ def _ingress_problems(args: AppArgs) -> list[Problem]:
     return []
 
 
-def _parallel_problems(args: AppArgs) -> list[Problem]:
+def _parallel_problems(args: AppArgs) -> list[Finding]:
     """data_parallel_size > 1 is Ray Serve LLM's DP-attention pattern, EP included.
 
     Ray 2.60 (ray.llm._internal.serve.serving_patterns.data_parallel.dp_server.DPServer)
@@ -145,7 +145,7 @@ def _parallel_problems(args: AppArgs) -> list[Problem]:
     return []
 
 
-def _layout_problems(args: AppArgs) -> list[Problem]:
+def _layout_problems(args: AppArgs) -> list[Finding]:
     """Predict the node's layout and the dtype resolution before Ray starts."""
     node, ek = args.dsv4.node, args.llm.engine_kwargs
     if ek.attention_backend and node.attention_backend and (
@@ -175,7 +175,7 @@ def _layout_problems(args: AppArgs) -> list[Problem]:
     return found
 
 
-def _shape_problems(args: AppArgs) -> list[Problem]:
+def _shape_problems(args: AppArgs) -> list[Finding]:
     """One replica = one engine (or a DP gang of them) = the bundles of its node(s)."""
     if args.dsv4.node.platform == "cpu":
         return _cpu_problems(args)
@@ -211,7 +211,7 @@ def _shape_problems(args: AppArgs) -> list[Problem]:
     return found
 
 
-def _cpu_block_size(where: str, block_size: Any) -> list[Problem]:
+def _cpu_block_size(where: str, block_size: Any) -> list[Finding]:
     """vLLM's CPU platform forces DeepSeek-V4 to 256-token blocks; say so instead."""
     if block_size is None or block_size == rules.DSV4_BLOCK_SIZE:
         return []
@@ -222,7 +222,7 @@ def _cpu_block_size(where: str, block_size: Any) -> list[Problem]:
         f"block_size or set {rules.DSV4_BLOCK_SIZE}.")]
 
 
-def _cpu_problems(args: AppArgs) -> list[Problem]:
+def _cpu_problems(args: AppArgs) -> list[Finding]:
     """What a CPU node cannot run: GPU bundles, other block sizes, engines across nodes.
 
     vLLM's CPU platform has no Ray device key (``CpuPlatform.ray_device_key == ""``),
@@ -286,7 +286,7 @@ def _cpu_problems(args: AppArgs) -> list[Problem]:
     return found
 
 
-def _override_problems(args: AppArgs) -> list[Problem]:
+def _override_problems(args: AppArgs) -> list[Finding]:
     top = args.llm.deployment_config.max_replicas
     found = []
     for i, override in enumerate(args.dsv4.replica_overrides):

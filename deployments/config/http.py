@@ -49,7 +49,7 @@ class AuthConfig(_Strict):
 class ReplicaPortLimits(_Strict):
     """Waits and connections on each replica's own uvicorn (``http.replica_port``, or the
     replica's own port behind HAProxy): they come before any key is checked
-    (``deployments.http.listener_guard``)."""
+    (``deployments.doors.guard``)."""
 
     header_timeout_s: float = Field(
         default=15.0, gt=0, le=300, description="a connection must send a request's full "
@@ -96,7 +96,7 @@ class HTTPEdge(_Strict):
     kv_spec_refresh_interval_s: float = Field(default=1.0, ge=0, le=3600)
     # Each ingress replica answers HTTP itself on http_options.host:replica_port, a port
     # all replicas on the machine share (SO_REUSEPORT: the kernel spreads connections),
-    # so a request crosses no proxy (deployments/http/listener.py, docs/serving.md).
+    # so a request crosses no proxy (deployments/doors/listener.py, docs/serving.md).
     # Serve's proxy keeps http_options.port as a second door to the same edge. For one
     # machine (the local run); None = Serve's proxy is the only door.
     replica_port: int | None = Field(default=None, ge=1, le=65535)

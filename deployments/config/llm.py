@@ -84,13 +84,19 @@ class EngineKwargs(_Open):
     @field_validator("worker_extension_cls")
     @classmethod
     def _ours_or_unset(cls, value: str | None) -> str | None:
-        if value not in (None, WORKER_EXTENSION):
-            raise ValueError(
-                f"worker_extension_cls={value!r}: the KV-spec controller needs "
-                f"{WORKER_EXTENSION!r} in every worker. Fix: remove the key "
-                "(dsv4-serve sets it)."
-            )
-        return value
+        return ours_or_unset(value)
+
+
+def ours_or_unset(worker_extension_cls: str | None) -> str | None:
+    """The one check of ``engine_kwargs.worker_extension_cls`` (the config and a replica
+    built from a bare ``LLMConfig``): unset or ours, else ValueError."""
+    if worker_extension_cls not in (None, WORKER_EXTENSION):
+        raise ValueError(
+            f"worker_extension_cls={worker_extension_cls!r}: the KV-spec controller needs "
+            f"{WORKER_EXTENSION!r} in every worker. Fix: remove the key "
+            "(dsv4-serve sets it)."
+        )
+    return worker_extension_cls
 
 
 class AutoscalingConfig(_Open):

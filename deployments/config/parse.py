@@ -22,7 +22,7 @@ def args_model(args: Mapping[str, Any]) -> type[AppArgs]:
     return AppArgs
 
 
-def refuse_problems(problems: list[checks.Problem], where: str,
+def refuse_problems(problems: list[checks.Finding], where: str,
                     label: str | None = None) -> None:
     """Raise ConfigError listing every error problem of ``check`` (warnings pass)."""
     found = checks.errors(problems)

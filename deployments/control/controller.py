@@ -40,9 +40,9 @@ from deployments.control.report import log_change
 from deployments.control.verdict import NoAnswer, decide
 from deployments.control.wire import (
     Expected,
+    FleetFinding,
     FleetReport,
     KVCapacityPlan,
-    Problem,
     ReplicaSpec,
     ReplicaVerdict,
     State,
@@ -138,7 +138,7 @@ class KVSpecController:
             deployment=self._server.deployment_name, application=self._server.app_name,
             expected=Expected(layout=self._settings.expected_layout.value, reference="none"),
             kv_capacity=self._capacity,
-            problems=[Problem(kind="not_checked", message="no check has completed since the "
+            problems=[FleetFinding(kind="not_checked", message="no check has completed since the "
                               "controller started")])
 
     def current(self) -> FleetReport:
@@ -149,7 +149,7 @@ class KVSpecController:
         report = self._report.model_copy(update={"age_s": age})
         if age <= self._settings.stale_bound_s:
             return report
-        stale = Problem(kind="stale", message=(
+        stale = FleetFinding(kind="stale", message=(
             f"no check completed in {age:.0f} s (bound {self._settings.stale_bound_s:.0f} s): "
             "the verdict below is from then and may be wrong"))
         return report.model_copy(update={
@@ -311,7 +311,7 @@ class KVSpecController:
                 self._running(), self._collect())
             report = decide(specs, gaps, running, self._settings.expected_layout.value)
             if status_error:
-                report.problems.append(Problem(kind="status", message=status_error))
+                report.problems.append(FleetFinding(kind="status", message=status_error))
                 if report.state is State.AGREE:
                     report.state, report.agree = State.INCOMPLETE, False
             replaced = plan_actions(self._book, report, specs, self._policy_override, started)

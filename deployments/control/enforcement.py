@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deployments.config.dsv4 import node_type_key
-from deployments.control.summary import KVLayoutMismatch
 from deployments.control.wire import (
     DRAIN_STAT,
     Action,
+    FleetFinding,
     FleetReport,
-    Problem,
     ReplicaSpec,
     ReplicaVerdict,
     VerdictMessage,
@@ -20,6 +19,10 @@ from deployments.control.wire import (
 from deployments.logs import get_logger
 
 logger = get_logger("kvspec")
+
+
+class KVLayoutMismatch(RuntimeError):
+    """A replica's node or workers contradict its config, or enforce names it odd."""
 
 
 # ------------------------------------------------------------------ enforcement
@@ -127,7 +130,7 @@ def plan_actions(book: EnforceBook, report: FleetReport, specs: Sequence[Replica
         if note:
             row.reason = f"{row.reason}; {note}"
             report.odd_replicas[row.id] = row.reason
-            report.problems.append(Problem(kind="enforce_exhausted", replica=row.id,
+            report.problems.append(FleetFinding(kind="enforce_exhausted", replica=row.id,
                                            message=f"replica {row.id}: {note}"))
     return replaced
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from deployments.control.summary import COMPARED, PREDICTED, SHOWN_LAYERS, layer_role
 from deployments.control.wire import (
+    FleetFinding,
     LayerDifference,
     LayerEntry,
     Prediction,
-    Problem,
     ReplicaSpec,
 )
 from dsv4_patch import rules
@@ -186,7 +186,7 @@ def layout_problem(layers: Sequence[LayerEntry], expected_layout: str) -> str | 
     return None
 
 
-def judge_alone(spec: ReplicaSpec, own: bool = False) -> list[Problem]:
+def judge_alone(spec: ReplicaSpec, own: bool = False) -> list[FleetFinding]:
     """What a replica tells about itself alone: split ranks, layout, its prediction.
 
     The one judge of a single replica: the controller asks it against the deployment's
@@ -195,21 +195,21 @@ def judge_alone(spec: ReplicaSpec, own: bool = False) -> list[Problem]:
     """
     problems = []
     if spec.ranks_disagreeing:
-        problems.append(Problem(
+        problems.append(FleetFinding(
             kind="intra_replica", replica=spec.replica_id, field="layers",
             message=f"replica {spec.replica_id}: worker ranks {spec.ranks_disagreeing} "
                     f"report other specs than rank {spec.workers[0].rank} for the same "
                     "layers (one engine, two KV layouts)"))
     bad = layout_problem(spec.layers, spec.expected_layout)
     if bad:
-        problems.append(Problem(kind="expected", replica=spec.replica_id, field="cache_dtype",
+        problems.append(FleetFinding(kind="expected", replica=spec.replica_id, field="cache_dtype",
                                 message=f"replica {spec.replica_id}: {bad} (its "
                                         f"expected_layout is {spec.expected_layout})"))
     found = _against_prediction(spec, own)
     return problems + ([found] if found else [])
 
 
-def _against_prediction(spec: ReplicaSpec, own: bool) -> Problem | None:
+def _against_prediction(spec: ReplicaSpec, own: bool) -> FleetFinding | None:
     pred = (spec.own_prediction or spec.prediction) if own else spec.prediction
     if pred.layers is None:
         return None
@@ -219,7 +219,7 @@ def _against_prediction(spec: ReplicaSpec, own: bool) -> Problem | None:
     if own:
         text = (f"the engine built other KV caches than its own config predicts "
                 f"({pred.source}): {describe_differences(diffs)}")
-        return Problem(kind="prediction", replica=spec.replica_id, field=diffs[0].field,
+        return FleetFinding(kind="prediction", replica=spec.replica_id, field=diffs[0].field,
                        layers=diffs, message=text)
     mine = spec.own_prediction
     if spec.is_canary and mine is not None and mine.layers is not None and \
@@ -228,7 +228,7 @@ def _against_prediction(spec: ReplicaSpec, own: bool) -> Problem | None:
                f"({(spec.override or {}).get('reason', 'canary')}): a canary, odd on purpose")
     else:
         why = "its own config does not explain it either"
-    return Problem(
+    return FleetFinding(
         kind="prediction", replica=spec.replica_id, field=diffs[0].field, layers=diffs,
         message=(f"replica {spec.replica_id} (rank {spec.rank}) differs from the KV spec "
                  f"predicted for the deployment ({spec.prediction.source}) at "

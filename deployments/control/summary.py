@@ -36,10 +36,6 @@ _INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 SHOWN_LAYERS = 4  # layer differences spelled out in a message (all are in `layers`)
 
 
-class KVLayoutMismatch(RuntimeError):
-    """A replica's node or workers contradict its config, or enforce names it odd."""
-
-
 class WorkerSpecError(ValueError):
     """A worker's answer to ``dsv4_kv_specs`` is not what the extension returns."""
 

@@ -13,9 +13,9 @@ from deployments.control.prediction import (
 )
 from deployments.control.wire import (
     Expected,
+    FleetFinding,
     FleetReport,
     NodeGroup,
-    Problem,
     ReplicaRow,
     ReplicaSpec,
     ReplicaStatus,
@@ -50,14 +50,14 @@ def majority_reference(group: Sequence[ReplicaSpec]) -> ReplicaSpec:
     return ranked[0]
 
 
-def _judge_peers(group: Sequence[ReplicaSpec]) -> tuple[ReplicaSpec, list[Problem]]:
+def _judge_peers(group: Sequence[ReplicaSpec]) -> tuple[ReplicaSpec, list[FleetFinding]]:
     ref = majority_reference(group)
     problems = []
     for spec in group:
         if spec.fingerprint == ref.fingerprint:
             continue
         diffs = peer_differences(spec.layers, ref.layers)
-        problems.append(Problem(
+        problems.append(FleetFinding(
             kind="mismatch", replica=spec.replica_id,
             field=diffs[0].field if diffs else "layers", layers=diffs,
             message=(f"replica {spec.replica_id} (rank {spec.rank}) differs from its peers "
@@ -78,7 +78,7 @@ def decide(specs: Sequence[ReplicaSpec], no_answers: Sequence[NoAnswer], running
     ``disagree`` if anyone is odd; ``incomplete`` if nothing is odd but some
     RUNNING replica did not answer; ``agree`` only when all answered and conform.
     """
-    problems: list[Problem] = []
+    problems: list[FleetFinding] = []
     odd: dict[str, str] = {}
     for spec in specs:
         found = judge_alone(spec)
@@ -101,13 +101,13 @@ def decide(specs: Sequence[ReplicaSpec], no_answers: Sequence[NoAnswer], running
     if len(expected.node_groups) > 1:
         expected.note = _mixed_note(expected.node_groups, expected.note)
     for gap in no_answers:
-        problems.append(Problem(kind="no_answer", replica=gap.replica, message=gap.message))
+        problems.append(FleetFinding(kind="no_answer", replica=gap.replica, message=gap.message))
     missing = (running or 0) - len(specs) - len(no_answers)
     if missing > 0:
-        problems.append(Problem(kind="silent", message=f"{missing} RUNNING replica(s) did "
+        problems.append(FleetFinding(kind="silent", message=f"{missing} RUNNING replica(s) did "
                                 "not answer kv_page_spec"))
     if running == 0 or (running is None and not specs):
-        problems.append(Problem(kind="no_replicas", message="no RUNNING replica to compare"))
+        problems.append(FleetFinding(kind="no_replicas", message="no RUNNING replica to compare"))
     if odd:
         state = State.DISAGREE
     elif no_answers or missing > 0 or not specs or running == 0:

@@ -57,6 +57,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "Action",
     "Expected",
+    "FleetFinding",
     "FleetReport",
     "KVCapacityPlan",
     "LayerDifference",
@@ -70,7 +71,6 @@ __all__ = [
     "PDRouteMessage",
     "PDVerdict",
     "Prediction",
-    "Problem",
     "ReplicaRow",
     "ReplicaSpec",
     "ReplicaSpecBrief",
@@ -97,7 +97,9 @@ class LayerDifference(_Wire):
     reference: Any
 
 
-class Problem(_Wire):
+class FleetFinding(_Wire):
+    """One finding of the controller's check, about the fleet or one replica."""
+
     kind: str = Field(description="prediction | mismatch | expected | intra_replica | "
                       "no_answer | silent | no_replicas | status | enforce_exhausted")
     replica: str | None = None
@@ -252,7 +254,7 @@ class FleetReport(_Wire):
     answered: int = 0
     replicas: list[ReplicaRow] = Field(default_factory=list)
     odd_replicas: dict[str, str] = Field(default_factory=dict)
-    problems: list[Problem] = Field(default_factory=list)
+    problems: list[FleetFinding] = Field(default_factory=list)
     checked_at: float | None = None
     check_seconds: float | None = None
     check_cpu_seconds: float | None = Field(default=None, description="CPU seconds the "

@@ -46,9 +46,14 @@ from typing import Any, cast
 from ray import serve
 
 from deployments import resources
-from deployments.control.enforcement import drain_stats, raise_if_enforced, take_verdict
+from deployments.control.enforcement import (
+    KVLayoutMismatch,
+    drain_stats,
+    raise_if_enforced,
+    take_verdict,
+)
 from deployments.control.prediction import predict, self_problem
-from deployments.control.summary import KVLayoutMismatch, layer_role, summarize_workers
+from deployments.control.summary import layer_role, summarize_workers
 from deployments.control.wire import ReplicaSpec, ReplicaVerdict, answer_kv_page_spec
 from dsv4_patch import rules
 

@@ -24,17 +24,14 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from deployments.config import HTTPEdge
 from deployments.http import routes
 from deployments.http.bounds import STORE_SETTING, body_problem
-from deployments.http.problem import (
-    ASGIApp,
-    Message,
-    Receive,
+from deployments.http.refusal import (
     Refusal,
     RefusingMiddleware,
-    Scope,
-    Send,
     header,
     logger,
 )

@@ -34,7 +34,7 @@ from deployments.http import timing
 from deployments.http.admission import AdmissionMiddleware, BackgroundTasks, Slots
 from deployments.http.auth import KeyStore
 from deployments.http.keycheck import AuthMiddleware
-from deployments.http.problem import logger
+from deployments.http.refusal import logger
 from deployments.http.route_gate import RouteMiddleware
 from deployments.http.scrub import ScrubMiddleware
 from deployments.http.stream_limit import StreamLimitMiddleware

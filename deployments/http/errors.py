@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from deployments.http.problem import error_payload, protocol_of
+from deployments.http.refusal import error_payload, protocol_of
 
 # Bounds on what a 400 echoes back: pydantic repeats the offending input in every
 # error, and a hostile body must not turn into a large (or unserializable) answer.

@@ -44,23 +44,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments import serve_env
 from deployments.config import HTTPEdge
 from deployments.http.auth import KeyStore
 from deployments.http.edge import Edge, edge_stack, middleware
 from deployments.http.errors import openai_http_error, openai_validation_error
-from deployments.http.problem import (
-    ASGIApp,
-    Message,
-    Receive,
+from deployments.http.public import public_report
+from deployments.http.refusal import (
     Refusal,
-    Scope,
-    Send,
     mark_public_error,
     refuse,
 )
-from deployments.http.public import public_report
 from deployments.http.routes import KV_SPEC_ROUTE
 from deployments.logs import get_logger
 

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import hashlib
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from deployments.http.auth import KeyStore, bearer_token
-from deployments.http.problem import (
-    ASGIApp,
-    Receive,
+from deployments.http.refusal import (
     Refusal,
     RefusingMiddleware,
-    Scope,
-    Send,
     header,
     logger,
 )

@@ -9,16 +9,14 @@ matched ``Route`` goes into the scope (``ROUTE_KEY``) for the middlewares behind
 
 from __future__ import annotations
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from deployments.http import routes
 from deployments.http.bounds import STORE_SETTING
 from deployments.http.keycheck import is_preflight
-from deployments.http.problem import (
-    ASGIApp,
-    Receive,
+from deployments.http.refusal import (
     Refusal,
     RefusingMiddleware,
-    Scope,
-    Send,
     header,
     logger,
     route_path,

@@ -3,7 +3,7 @@
 Every 5xx body the app sends, and every server-error event inside a stream (OpenAI's
 ``data: {"error": ...}``, Anthropic's ``event: error`` / ``data: {"type": "error"}``,
 the Responses API's ``{"type": "error", "code": ...}``), leaves with only a request id
-in the route's own protocol (``deployments.http.problem``); what it said goes to the
+in the route's own protocol (``deployments.http.refusal``); what it said goes to the
 log. An exception that escapes the app becomes such a 500. Ray's errors name pids and
 IPs, vLLM's catch-all handler returns ``str(exc)`` and its Anthropic stream quotes
 pydantic's message: none of it reaches a client. The edge's own refusals are marked
@@ -17,15 +17,12 @@ import re
 import uuid
 from typing import Any
 
-from deployments.http.problem import (
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from deployments.http.refusal import (
     ANTHROPIC_CLIENT_KINDS,
     PUBLIC_ERROR_KEY,
-    ASGIApp,
-    Message,
     Protocol,
-    Receive,
-    Scope,
-    Send,
     error_payload,
     header,
     internal_error_body,

@@ -11,13 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from deployments.http.problem import (
-    ASGIApp,
-    Message,
-    Receive,
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from deployments.http.refusal import (
     Refusal,
-    Scope,
-    Send,
     header,
     logger,
     refuse,

@@ -135,6 +135,17 @@ REFUSED = Series("dsv4_serve_requests_refused_total", Kind.COUNTER, "requests th
                  "answered itself with an error, by reason (keys, routes, bounds, "
                  "body_deadline, overload, drain, stream_limit...)", ("reason",), (), "replica")
 
+# ------------------------------------------ the serving replica: its API key file
+KEY_FILE_STALE = Series("dsv4_api_key_file_stale", Kind.GAUGE, "1 while an edit of the API "
+                        "key file is refused and the last good keys still serve", (), (),
+                        "replica")
+KEY_FILE_KEYS = Series("dsv4_api_key_file_keys", Kind.GAUGE, "keys from the API key file in "
+                       "use (0 with a missing or empty file: requests fail closed)", (), (),
+                       "replica")
+KEY_FILE_REFUSED = Series("dsv4_api_key_file_refused_edits_total", Kind.COUNTER, "API key "
+                          "file edits refused (short key, not UTF-8, unreadable)", (), (),
+                          "replica")
+
 # ---------------------------------- Serve's controller: the kv_pressure autoscaling policy
 # Set by deployments.serving.autoscale at each decision that differs from the last.
 SCALE_TAGS = ("application", "llm_deployment")
@@ -163,7 +174,8 @@ AUTOSCALE_SERIES = (SCALE_TARGET, SCALE_CAPACITY, SCALE_KV, SCALE_WAITING, SCALE
 CONTROLLER_SERIES = (AGREE, RUNNING, ANSWERED, ODD, DRAINED, STALE, AGE, CHECKS,
                      REPLACEMENTS, REPLICA_INFO, AS_PREDICTED, PAGE_BYTES, BYTES_PER_TOKEN,
                      CAPACITY_TOKENS, ENGINE_CAPACITY_TOKENS, BUDGET_BYTES)
-REPLICA_SERIES = (STAGE, TTFT, STAGE_TOTAL, TTFT_TOTAL, IN_FLIGHT, REFUSED)
+REPLICA_SERIES = (STAGE, TTFT, STAGE_TOTAL, TTFT_TOTAL, IN_FLIGHT, REFUSED, KEY_FILE_STALE,
+                  KEY_FILE_KEYS, KEY_FILE_REFUSED)
 ALL = CONTROLLER_SERIES + REPLICA_SERIES + AUTOSCALE_SERIES
 
 # Ray Serve's own series the dashboard reads (Serve creates them; ``make`` never does).

@@ -26,6 +26,7 @@ from ray.serve.deployment import Application
 from ray.serve.llm import LLMConfig, build_llm_deployment
 
 from deployments.config.pd import PDAppArgs
+from deployments.doors.lifecycle import listening_ingress
 from deployments.logs import get_logger
 from deployments.pd import route
 from deployments.pd.controller import PDController
@@ -44,7 +45,6 @@ from deployments.serving.builder import (
 from deployments.serving.llm_build import server_deployment_name
 from deployments.serving.names import DECODE_PREFIX
 from deployments.serving.router import with_kv_router
-from deployments.serving.server import listening_ingress
 
 logger = get_logger("pd")
 

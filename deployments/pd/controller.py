@@ -21,12 +21,12 @@ from ray.serve.metrics import Gauge
 
 from deployments.control.controller import KVSpecController
 from deployments.control.wire import (
+    FleetFinding,
     FleetReport,
     PDPool,
     PDReport,
     PDRouteMessage,
     PDVerdict,
-    Problem,
     State,
 )
 from deployments.logs import get_logger
@@ -154,7 +154,7 @@ class PDController:
         for p in pd.blocked_prefill:
             odd.setdefault(p, "P/D: " + pd.message)
         if pd.verdict is not PDVerdict.COMPATIBLE:
-            problems.append(Problem(kind="pd", message=f"P/D {pd.verdict.value}: {pd.message}",
+            problems.append(FleetFinding(kind="pd", message=f"P/D {pd.verdict.value}: {pd.message}",
                                     field=",".join(sorted({d.field for d in pd.differences}))
                                     or None))
         state = compat.combined_state(compat.pool_state([r.state for r in

@@ -4,7 +4,7 @@
 ``PDPrefillServer`` / ``PDDecodeServer`` (``ray.serve.llm.deployment``: the decode
 replica runs the prefill remotely with ``max_tokens=1`` and ``do_remote_decode``, then
 decodes locally with the returned ``kv_transfer_params``) under
-``deployments.serving.server.DSv4ServerMixin`` (canonicalized ``kv_cache_dtype``, self-check,
+``deployments.serving.server.DSv4ServerMixin`` (resolved ``kv_cache_dtype``, self-check,
 ``kv_page_spec``). Each also reports a
 ``wire.TransferSpec``: its live connector (from the engine workers) and the model's
 identity by content, for ``deployments.pd.compat``.

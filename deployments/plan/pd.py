@@ -16,7 +16,7 @@ import dataclasses
 import math
 from typing import Any
 
-from deployments.config.checks import Problem
+from deployments.config.checks import Finding
 from dsv4_patch import rules
 
 PROMPTS = (1024, 8192, 32768)
@@ -68,7 +68,7 @@ def rows(pd: dict[str, Any] | None) -> list[tuple[str, str]]:
                 f"from {p['vllm_version_from']})" for n, p in pd["pools"].items()))]
 
 
-def problems(pd: dict[str, Any] | None) -> list[Problem]:
+def problems(pd: dict[str, Any] | None) -> list[Finding]:
     """The pools' vLLM releases: refused when their NIXL connector versions differ."""
     if not pd:
         return []
@@ -80,11 +80,11 @@ def problems(pd: dict[str, Any] | None) -> list[Problem]:
              f"(from {decode['vllm_version_from']})")
     mismatch = rules.nixl_mismatch(prefill["vllm_version"], decode["vllm_version"])
     if mismatch:
-        return [Problem("error", "pd-nixl-version", f"{names}: {mismatch[:-1]} (set "
+        return [Finding("error", "pd-nixl-version", f"{names}: {mismatch[:-1]} (set "
                         "pd.prefill.vllm_version and pd.decode.vllm_version, or "
                         "dsv4.vllm_version alone, to the release both images run).")]
     differing = _rule_differences(prefill["vllm_version"], decode["vllm_version"])
-    return [Problem("warning", "pd-vllm-differs", (
+    return [Finding("warning", "pd-vllm-differs", (
         f"{names}: both speak NIXL_CONNECTOR_VERSION {prefill['nixl_connector_version']}, "
         "so the handshake can pass; the DeepSeek rules keyed by release differ in "
         f"{differing or 'nothing'}, and the releases may still differ in what no rule "

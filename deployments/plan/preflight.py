@@ -24,8 +24,8 @@ from deployments.config import AppArgs, checks, load_serve_config, refuse_proble
 from deployments.config.sizing import Parallel
 from deployments.plan import pd as pd_plan
 from deployments.plan.capacity import capacity, engine_extra
+from deployments.plan.findings import find_problems, fleet_problems
 from deployments.plan.model_configs import find_model_config
-from deployments.plan.problems import find_problems, fleet_problems
 from deployments.plan.report import (
     NodeCapacity,
     PlanReport,

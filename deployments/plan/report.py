@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from deployments.config.checks import Problem
+from deployments.config.checks import Finding
 from deployments.plan.capacity import Capacity
 from dsv4_patch import rules
 
@@ -60,7 +60,7 @@ class ReplicaPlan:
     # Every node type's capacity (one entry unless dsv4.node_types lists several).
     node_capacities: list[NodeCapacity] = field(default_factory=list)
     mix: dict[str, Any] | None = None  # several node types: ratios between them
-    problems: list[Problem] = field(default_factory=list)
+    problems: list[Finding] = field(default_factory=list)
 
     @property
     def refused(self) -> bool:
@@ -71,7 +71,7 @@ class ReplicaPlan:
 class PlanReport:
     config: str
     applications: list[ReplicaPlan]
-    problems: list[Problem]
+    problems: list[Finding]
 
     @property
     def refused(self) -> bool:

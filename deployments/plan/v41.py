@@ -6,13 +6,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from deployments.config import AppArgs, NodeSpec, checks
-from deployments.config.checks import Problem
+from deployments.config.checks import Finding
 from deployments.config.dsv4 import node_type_key
 from deployments.config.sizing import Parallel
 from deployments.control.prediction import node_record_fields
 from deployments.plan import pd as pd_plan
 from deployments.plan.capacity import engine_extra, v41_capacity
-from deployments.plan.problems import _capacity_problems, _override_problems
+from deployments.plan.findings import _capacity_problems, _override_problems
 from deployments.plan.report import NodeCapacity, ReplicaPlan, capability_text
 from deployments.plan.weights import WeightEstimate, estimate_weights
 from dsv4_patch import rules
@@ -131,9 +131,9 @@ def mix_summary(nodes: Sequence[NodeCapacity]) -> dict[str, Any] | None:
                            for n in nodes})}
 
 
-def _v41_layout_problems(nodes: Sequence[NodeCapacity]) -> list[Problem]:
+def _v41_layout_problems(nodes: Sequence[NodeCapacity]) -> list[Finding]:
     """A node type whose V4.1 record contradicts its expected layout would refuse to start."""
-    return [Problem("error", "layout-contradicts-expectation", (
+    return [Finding("error", "layout-contradicts-expectation", (
         f"DeepSeek-V4.1 on {n.node_type} ({capability_text(n.node)}, {n.backend}) stores "
         f"{n.layout} ({n.capacity.kv_bytes_per_token:g} B per context token, {n.numerics}) "
         f"but dsv4 expects {n.expected_layout} there: such replicas refuse to start. Fix: "
@@ -145,11 +145,11 @@ V41_STACK_FIX = ("install the V4.1 stack (pip install 'dsv4-serve[gpu-v41]': ray
                  "--vllm-version 0.33.0")
 
 
-def v41_problems(args: AppArgs, model_cfg: Mapping[str, Any], version: str) -> list[Problem]:
+def v41_problems(args: AppArgs, model_cfg: Mapping[str, Any], version: str) -> list[Finding]:
     """DeepSeek-V4.1 refusals: a stack without V4.1, P/D pools whose nodes write other bytes."""
     found = []
     if rules.parse_version(version)[:2] < rules.FIRST_V41_VLLM:
-        found.append(Problem("error", "v41-needs-vllm-030", (
+        found.append(Finding("error", "v41-needs-vllm-030", (
             f"model {plan_model(args)} is DeepSeek-V4.1 (DeepseekV41ForCausalLM) but the "
             f"planned stack runs vLLM {version}, which has no V4.1 (first: 0.30; ray[llm] "
             f"2.60.0 pins vllm 0.29.0). Fix: {V41_STACK_FIX}.")))
@@ -159,7 +159,7 @@ def v41_problems(args: AppArgs, model_cfg: Mapping[str, Any], version: str) -> l
         try:
             rules.build(node_setup(args, node, version), model_cfg)
         except (rules.LayoutError, rules.KVCacheDtypeError) as exc:
-            found.append(Problem("error", "v41-node", f"{where}: {exc}"))
+            found.append(Finding("error", "v41-node", f"{where}: {exc}"))
     if hasattr(args, "pd"):
         found += _pd_node_problems(args, model_cfg, version)
     return found
@@ -170,7 +170,7 @@ def plan_model(args: AppArgs) -> str:
     return str(loading.model_source or loading.model_id)
 
 
-def _pd_node_problems(args: Any, model_cfg: Mapping[str, Any], version: str) -> list[Problem]:
+def _pd_node_problems(args: Any, model_cfg: Mapping[str, Any], version: str) -> list[Finding]:
     """Each pool's record on its own node under its own vLLM (``pd.<pool>.vllm_version``)."""
     prefill, decode = args.pool_node("prefill"), args.pool_node("decode")
     requested = args.llm.engine_kwargs.kv_cache_dtype
@@ -183,7 +183,7 @@ def _pd_node_problems(args: Any, model_cfg: Mapping[str, Any], version: str) -> 
     if not diffs:
         return []
     named = "; ".join(f"{f}: prefill {p!r}, decode {d!r}" for f, p, d in diffs)
-    return [Problem("error", "pd-node-record", (
+    return [Finding("error", "pd-node-record", (
         f"P/D pools write other KV bytes (prefill node {prefill.platform} "
         f"{prefill.compute_capability} on vLLM {releases[0]}, decode node "
         f"{decode.platform} {decode.compute_capability} on vLLM {releases[1]}): {named}. "

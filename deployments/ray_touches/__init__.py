@@ -26,18 +26,20 @@ importable objects (``used_in``: ``"deployments.local.drain:drain"``), which
 ``tests/test_deployments/test_ray_touches.py`` resolves, so a moved caller fails a test.
 
 ``probes``: ``RayTouch`` and the probe builders; ``served``: the touches of the served app
-(replicas, controller, builders); ``local``: those of the local cluster (head, drain, nodes).
+(replicas, controller, builders); ``doors``: those of the replica's doors (the proxy's
+bind, direct ingress and HAProxy, the data plane, the stopping flag); ``local``: those
+of the local cluster (head, drain, nodes).
 """
 
 from __future__ import annotations
 
-from deployments.ray_touches import local, served
+from deployments.ray_touches import doors, local, served
 from deployments.ray_touches.probes import RayTouch, call_site_problem
 
 __all__ = ["TOUCHES", "RayTouch", "call_site_problem", "present", "probe_all", "render",
            "require"]
 
-TOUCHES: tuple[RayTouch, ...] = (*served.TOUCHES, *local.TOUCHES)
+TOUCHES: tuple[RayTouch, ...] = (*served.TOUCHES, *doors.TOUCHES, *local.TOUCHES)
 
 
 def probe_all() -> list[dict[str, str | bool]]:

@@ -100,7 +100,7 @@ def server_config(parsed: AppArgs) -> dict[str, Any]:
     if parsed.http.ingress == "haproxy":
         # Ray 2.60 refuses a custom request router on an ingress deployment under HAProxy
         # (serve._private.build_app): a drained replica fails the health check HAProxy
-        # polls instead (deployments.serving.dataplane).
+        # polls instead (deployments.doors.dataplane).
         logger.info("dsv4: http.ingress=haproxy: HAProxy picks the replica; a drained or "
                     "engine-dead replica fails its /-/healthz and leaves HAProxy's rotation")
     else:  # the KV-spec router keeps requests off replicas the controller drains

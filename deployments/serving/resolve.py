@@ -18,7 +18,7 @@ from ray.serve.llm import LLMConfig
 
 from deployments.config import DSv4Section
 from deployments.config.dsv4 import node_type_key
-from deployments.control.summary import KVLayoutMismatch
+from deployments.control.enforcement import KVLayoutMismatch
 from deployments.logs import get_logger
 from dsv4_patch import node as node_info
 from dsv4_patch import rules
@@ -55,7 +55,7 @@ def probe_node(settings: DSv4Section, engine_kwargs: dict[str, Any]) -> NodeInfo
     return node_info.probe_node(backend, settings.node.compute_capability)
 
 
-def canonicalize(
+def resolve_for_replica(
     llm_config: LLMConfig, settings: DSv4Section, node: NodeInfo,
     family: rules.Family | None = None, decision: rules.LayoutDecision | None = None,
 ) -> rules.Resolution:
@@ -71,19 +71,20 @@ def canonicalize(
     expected = settings.expected_for(node.as_dict())
     if family is rules.Family.V41:
         return _v41_resolution(llm_config, expected, node)
-    canon = node_info.canonicalize(llm_config.engine_kwargs, node, decision)
-    if canon.decision.layout.value != expected:
+    resolved = node_info.resolve_on_node(llm_config.engine_kwargs, node, decision)
+    if resolved.decision.layout.value != expected:
         raise KVLayoutMismatch(
             f"dsv4.expected_layout={expected!r} but this replica's node "
-            f"({node.as_dict()}) stores {canon.decision.layout.value}: {canon.decision.reason}. "
+            f"({node.as_dict()}) stores {resolved.decision.layout.value}: "
+            f"{resolved.decision.reason}. "
             f"Fix: schedule this deployment on nodes that give {expected}, or "
-            f"set expected_layout: {canon.decision.layout.value} for the whole fleet "
+            f"set expected_layout: {resolved.decision.layout.value} for the whole fleet "
             "(or expected_layouts per node type)."
         )
     # update_engine_kwargs also updates the engine config Ray Serve LLM cached at build time.
-    llm_config.update_engine_kwargs(kv_cache_dtype=canon.resolution.engine_dtype)
-    logger.info("dsv4: %s (node %s)", canon.describe(), node.as_dict())
-    return canon.resolution
+    llm_config.update_engine_kwargs(kv_cache_dtype=resolved.resolution.engine_dtype)
+    logger.info("dsv4: %s (node %s)", resolved.describe(), node.as_dict())
+    return resolved.resolution
 
 
 def _v41_resolution(llm_config: LLMConfig, expected: str, node: NodeInfo) -> rules.Resolution:

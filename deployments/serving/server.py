@@ -18,7 +18,8 @@ configured policy: ``warn`` keeps serving, ``drain`` reports itself through
 
 The replica is also the application's HTTP ingress (``deployments.http.front``): Serve
 builds its ASGI app through ``__serve_build_asgi_app__`` once the engine is up --
-vLLM's own OpenAI app, hardened by our edge, plus ``GET /v1/kv-spec``.
+vLLM's own OpenAI app, hardened by our edge, plus ``GET /v1/kv-spec``. The other ways
+in (its own port, HAProxy) open, drain and close through ``deployments.doors.lifecycle``.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm import LLMConfig, LLMServer
 from ray.serve.llm.deployment import DPServer
-from ray.serve.metrics import Counter, Gauge
 
 from deployments import ray_touches
 from deployments.config import WORKER_EXTENSION, DSv4Section, HTTPEdge, Policy
+from deployments.config.llm import ours_or_unset
 from deployments.config.responses import ResponsesStore as StoreSettings
 from deployments.control.enforcement import (
+    KVLayoutMismatch,
     drain_stats,
     others_serving,
     raise_if_enforced,
@@ -50,7 +52,7 @@ from deployments.control.prediction import (
     prediction_differences,
     self_problem,
 )
-from deployments.control.summary import KVLayoutMismatch, ReplicaKV, summarize_workers
+from deployments.control.summary import ReplicaKV, summarize_workers
 from deployments.control.wire import (
     DRAIN_STAT,
     ENGINE_DEAD_STAT,
@@ -62,24 +64,23 @@ from deployments.control.wire import (
     TransferSpec,
     answer_kv_page_spec,
 )
+from deployments.doors.lifecycle import Doors, listening_ingress
 from deployments.http import edge, front
-from deployments.http.auth import KeyFileStatus, KeyFileWatcher
-from deployments.http.listener import ReplicaListener
+from deployments.http.key_metrics import key_file_metrics
 from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
 from deployments.responses.replica import ReplicaStore, bind_store
-from deployments.serving import autoscale, boot, dataplane, engine_metrics, haproxy_target
+from deployments.serving import autoscale, boot, engine_metrics
 from deployments.serving.engine_wait import AfterEngineSpawn, freeze_heap
 from deployments.serving.resolve import (
     apply_override,
-    canonicalize,
     model_config,
     node_id,
     probe_node,
+    resolve_for_replica,
     source_of,
     versions,
 )
-from deployments.serving.stopping import serve_stopping
 from dsv4_patch import rules
 from dsv4_patch.node import layout_contradiction, table_decision
 from dsv4_patch.worker_ext import KV_SPECS_METHOD
@@ -90,7 +91,7 @@ __all__ = ["DSv4DPServer", "DSv4Server", "KVLayoutMismatch"]
 
 
 class DSv4ServerMixin:
-    """Canonicalizes the KV dtype before the engine is built and can prove the KV layout.
+    """Resolves the KV dtype before the engine is built and can prove the KV layout.
 
     A mixin so the same checks wrap Ray Serve LLM's ``LLMServer`` (one engine per
     replica) and its ``DPServer`` (DP attention: one replica per DP rank).
@@ -115,12 +116,7 @@ class DSv4ServerMixin:
         ctx = serve.get_replica_context()
         self._replica_id = ctx.replica_id.unique_id
         self._asgi_app: Any = None
-        self._listener: ReplicaListener | None = None
-        behind_haproxy = http is not None and self._http.ingress == "haproxy"
-        self._own_port_behind_haproxy = behind_haproxy and haproxy_target.wanted()
-        self._dataplane = dataplane.install() if behind_haproxy else None
-        self._behind: asyncio.Task[None] | None = None  # opens the port behind HAProxy
-        self._drain_timeout_s = drain_timeout_s
+        self._doors = Doors(self._http, http is not None, drain_timeout_s)
         self._responses = StoreSettings.model_validate(responses or {})
         self._store: ReplicaStore | None = None
         self._app_name = ctx.app_name
@@ -131,19 +127,14 @@ class DSv4ServerMixin:
         llm_config = llm_config.model_copy(deep=True)
         self._override = apply_override(llm_config, self._settings, self._rank)
         self._requested = llm_config.engine_kwargs.get("kv_cache_dtype", "auto")
-        extension = llm_config.engine_kwargs.get("worker_extension_cls", WORKER_EXTENSION)
-        if extension != WORKER_EXTENSION:
-            raise ValueError(
-                f"engine_kwargs.worker_extension_cls={extension!r}; expected "
-                f"{WORKER_EXTENSION!r}. Fix: remove it (dsv4-serve sets it)."
-            )
+        ours_or_unset(llm_config.engine_kwargs.get("worker_extension_cls"))
         llm_config.update_engine_kwargs(worker_extension_cls=WORKER_EXTENSION)
         self._node = probe_node(self._settings, llm_config.engine_kwargs)
         self._expected = self._settings.expected_for(self._node.as_dict())
         cfg, _ = model_config(base_config)
         self._family = rules.family_of(cfg) if cfg else None
         ahead = None if self._family is rules.Family.V41 else table_decision(self._node)
-        self._resolution = canonicalize(llm_config, self._settings, self._node, self._family,
+        self._resolution = resolve_for_replica(llm_config, self._settings, self._node, self._family,
                                         ahead)
         while_engine_starts = AfterEngineSpawn()
         layout_check = None if ahead is None else while_engine_starts.submit(
@@ -238,46 +229,13 @@ class DSv4ServerMixin:
             app, self._edge, self._kv_spec_report if self._kv_spec is not None else None)
         if self._http.responses_store:  # before the first request: the fleet's store
             self._store = bind_store(app, self._responses, self._app_name)
-        if self._http.replica_port is not None:
-            await self._open_listener(self._http.replica_port)
-        elif self._own_port_behind_haproxy:  # once Serve's own server has its port
-            self._behind = asyncio.get_running_loop().create_task(self._open_behind_haproxy())
+        await self._doors.open(self._asgi_app, front.proxy_host)
         return self._asgi_app
-
-    async def _open_behind_haproxy(self) -> None:
-        """The port HAProxy reaches this replica on (``haproxy_target``); a failure is
-        logged here and fails the replica's health check (Serve replaces it)."""
-        try:
-            self._listener = await haproxy_target.open_port(
-                self._asgi_app, self._http.replica_port_limits, self._drain_timeout_s)
-        except Exception:
-            logger.exception("dsv4: the port behind HAProxy did not open; HAProxy marks "
-                             "this replica down and Serve replaces it")
-            raise
-
-    async def _open_listener(self, port: int) -> None:
-        """``http.replica_port``: answer HTTP here too, on the proxy's host (``listener``)."""
-        host = front.proxy_host()
-        if host is None:
-            raise RuntimeError(
-                f"http.replica_port={port}: the address Serve's proxy binds is unknown (or "
-                "Serve's direct ingress is on), so the replica cannot bind the same one. "
-                "Fix: remove http.replica_port, or unset RAY_SERVE_ENABLE_DIRECT_INGRESS/"
-                "RAY_SERVE_ENABLE_HA_PROXY.")
-        self._listener = ReplicaListener(self._asgi_app, host, port,
-                                         self._http.replica_port_limits)
-        await self._listener.start()  # a verdict comes later; drain then closes it
-        stopping = serve_stopping()  # Serve began stopping us: close the port at once
-        if stopping is not None:
-            self._listener.watch(stopping, self._drain_timeout_s)
 
     async def dsv4_close_listener(self) -> None:
         """Shutdown: stop taking connections on the replica's own port, let held
         requests finish (up to the deployment's graceful shutdown time)."""
-        if self._behind is not None and not self._behind.done():
-            self._behind.cancel()
-        if self._listener is not None:
-            await self._listener.stop(self._drain_timeout_s)
+        await self._doors.close()
 
     async def _kv_spec_report(self, refresh: bool) -> tuple[Any, str]:
         """The controller's report for ``GET /v1/kv-spec``: refreshes coalesced, rate-limited."""
@@ -325,24 +283,11 @@ class DSv4ServerMixin:
                 "action": self._verdict.action.value}
 
     async def _follow_drain(self, message: dict[str, Any]) -> None:
-        """A drained replica takes no new connections on its own port (or from HAProxy)
-        either, unless no other replica would be left to take them (fail open, like the
-        router)."""
+        """The doors follow the verdict (``Doors.follow_drain``); whether another
+        replica would still serve is asked only of a drained one."""
         drained = bool(drain_stats(self._verdict)[DRAIN_STAT])
-        if self._dataplane is not None:
-            self._dataplane.follow(drained and others_serving(
-                message, self._replica_id, self._settings.policy.value))
-        if self._listener is None or self._http.ingress == "haproxy":  # the gate drains
-            return
-        if drained and others_serving(message, self._replica_id, self._settings.policy.value) \
-                and self._listener.others_listening():  # the last one on this node stays
-            self._listener.pause()
-        elif not self._listener.listening:
-            if drained:
-                logger.warning("dsv4: drained, but no other replica serves: keeping "
-                               "%s open rather than refusing every client",
-                               self._listener.address)
-            await self._listener.resume()
+        await self._doors.follow_drain(drained, drained and others_serving(
+            message, self._replica_id, self._settings.policy.value))
 
     async def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve LLM's routing stats plus whether the KV-spec router must skip us."""
@@ -372,20 +317,15 @@ class DSv4ServerMixin:
         """
         if self._edge is not None:
             self._edge.keys.refresh()
-        if self._behind is not None and self._behind.done() and not self._behind.cancelled() \
-                and self._behind.exception() is not None:
-            raise RuntimeError("the port behind HAProxy did not open (logged above); "
-                               "HAProxy cannot reach this replica") from self._behind.exception()
+        self._doors.raise_if_broken()
         try:
             await super().check_health()  # type: ignore[misc]  # a mixin: the superclass that defines it is Ray Serve LLM's LLMServer
         except Exception:
             self._engine_dead = True  # the affinity router skips us (routing stats)
-            if self._listener is not None:  # a dead engine takes no new connections
-                self._listener.engine_dead()
+            self._doors.engine_dead()
             raise
         self._engine_dead = False
-        if self._listener is not None:  # healthy again (a passing failure): reopen
-            await self._listener.open_for("engine")
+        await self._doors.engine_healthy()
         raise_if_enforced(self._verdict)
 
 
@@ -402,50 +342,6 @@ def _start_edge(settings: HTTPEdge, serving_replicas: int) -> edge.Edge:
     if replica_edge.keys.file_configured:
         replica_edge.keys.watch(key_file_metrics())
     return replica_edge
-
-
-def key_file_metrics() -> KeyFileWatcher:
-    """Prometheus series of this replica's API key file (``deployments.http.auth``).
-
-    ``dsv4_api_key_file_stale`` is the one to alert on: 1 while an edit is refused
-    and the last good keys still serve (the replica's log has the reason).
-    """
-    stale = Gauge("dsv4_api_key_file_stale", "1 while an edit of the API key file is "
-                  "refused and the last good keys still serve")
-    keys = Gauge("dsv4_api_key_file_keys", "keys from the API key file in use (0 with a "
-                 "missing or empty file: requests fail closed)")
-    refused = Counter("dsv4_api_key_file_refused_edits_total", "API key file edits refused "
-                      "(short key, not UTF-8, unreadable)")
-    seen = 0
-
-    def watch(status: KeyFileStatus) -> None:
-        nonlocal seen
-        stale.set(1 if status.state == "stale" else 0)
-        keys.set(status.keys)
-        if status.refused > seen:
-            refused.inc(status.refused - seen)
-            seen = status.refused
-
-    return watch
-
-
-def listening_ingress(cls: type) -> type:
-    """``serve.ingress()(cls)`` whose shutdown first closes the replica's own port.
-
-    Serve's ingress wrapper runs the ASGI app's lifespan shutdown (vLLM's drops
-    ``app.state``) before the class's ``__del__``; requests held on ``http.replica_port``,
-    which Serve does not count while it drains, must finish before that.
-    """
-    wrapped = serve.ingress()(cls)
-
-    class ListeningIngress(wrapped):  # type: ignore[misc, valid-type]  # subclassing a class serve.ingress builds at runtime
-        async def __del__(self) -> None:
-            await self.dsv4_close_listener()
-            await super().__del__()
-
-    for attr in ("__name__", "__qualname__", "__module__", "__doc__"):
-        setattr(ListeningIngress, attr, getattr(cls, attr))
-    return ListeningIngress
 
 
 class DSv4Server(DSv4ServerMixin, LLMServer):

@@ -208,7 +208,7 @@ def _probe_layer(module: ModuleType) -> Verdict:
                    f"inline (line {line}), so auto fails")
 
 
-def canonicalize_cache_config(cache_config: Any) -> None:
+def resolve_cache_config(cache_config: Any) -> None:
     """Decide ``cache_config.cache_dtype`` like upstream 0.30+ before the inline assert runs.
 
     fp8_ds_mla is the only layout of the 0.20-0.22 layer (FlashMLA / ROCm Aiter). A value
@@ -238,7 +238,7 @@ def _patch_layer(module: ModuleType) -> str:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         cache_config = signature.bind(self, *args, **kwargs).arguments.get("cache_config")
         if cache_config is not None:
-            canonicalize_cache_config(cache_config)
+            resolve_cache_config(cache_config)
         original(self, *args, **kwargs)
 
     cls.__init__ = mark(__init__, original)

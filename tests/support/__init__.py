@@ -20,7 +20,7 @@ and fixtures); may import ``deployments`` (the harnesses benchmarks share are
 - ``v41_pages``: V4.1-Flash's config and the page sizes vLLM's spec classes give it.
 - ``house``: the repository as files, for the checks in ``tests/test_house/``.
 - ``edge_app``: the edge's harness (a stand-in app hardened as a replica hardens vLLM's).
-- ``replica_port``: helpers for the replicas' own port (``deployments.http.listener``).
+- ``replica_port``: helpers for the replicas' own port (``deployments.doors.listener``).
 - ``redis_server``: a real redis/valkey server on 127.0.0.1 for the session.
 - ``promql``: a small PromQL parser (dashboard queries name real metrics).
 - ``vllm_series``, ``vllm_fields``: vLLM's Prometheus series and request-model fields,

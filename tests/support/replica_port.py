@@ -1,4 +1,4 @@
-"""Helpers for tests of the replicas' own port (``deployments.http.listener``): real
+"""Helpers for tests of the replicas' own port (``deployments.doors.listener``): real
 uvicorn servers on real loopback sockets, driven from the test's event loop."""
 
 from __future__ import annotations

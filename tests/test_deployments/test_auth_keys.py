@@ -196,14 +196,16 @@ SERIES: dict[str, _Series] = {}
 def test_the_watcher_drives_the_replica_metrics(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """``key_file_metrics`` (the replica's Prometheus series) follows every status."""
-    from deployments.serving import server
+    from ray.serve import metrics
 
-    monkeypatch.setattr(server, "Gauge", _Series)
-    monkeypatch.setattr(server, "Counter", _Series)
+    from deployments.http import key_metrics
+
+    monkeypatch.setattr(metrics, "Gauge", _Series)
+    monkeypatch.setattr(metrics, "Counter", _Series)
     path = tmp_path / "keys"
     path.write_text(f"{GOOD}\n{NEW}\n")
     keys = store(path)
-    keys.watch(server.key_file_metrics())
+    keys.watch(key_metrics.key_file_metrics())
     path.write_text("short\n")
     assert keys.matches(GOOD)
     assert SERIES["dsv4_api_key_file_stale"].values == [0, 1]

@@ -526,7 +526,8 @@ def test_the_edge_is_small_parts_without_module_state() -> None:
     from pathlib import Path
 
     folder = Path(auth.__file__).parent
-    for path in sorted(folder.glob("*.py")):
+    doors = folder.parent / "doors"  # the edge parts that moved with the doors keep the rule
+    for path in sorted([*folder.glob("*.py"), *doors.glob("*.py")]):
         if path.name.startswith("listener"):  # the replica port's server, not the edge
             continue
         text = path.read_text()

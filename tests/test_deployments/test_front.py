@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from starlette.middleware.cors import CORSMiddleware
 
 from deployments.config import HTTPEdge
+from deployments.doors.lifecycle import Doors
 from deployments.http.edge import Edge
 from deployments.http.errors import openai_validation_error
 from deployments.http.front import KV_SPEC_ROUTE, harden
@@ -122,7 +123,8 @@ def test_the_pd_decode_replica_serves_rays_prefill_first_routes_behind_our_edge(
     server.engine = _AppOnlyEngine()
     server._http = HTTPEdge()
     server._edge = _edge()  # what the replica's __init__ builds (``server._start_edge``)
-    server._own_port_behind_haproxy = False  # Serve's proxy is the door (HTTPEdge's default)
+    server._doors = Doors(server._http, answers_http=True, drain_timeout_s=1.0)
+    assert not server._doors.own_port_behind_haproxy  # Serve's proxy is the door (default)
 
     async def kv_spec() -> None:
         raise AssertionError("not called")

@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from deployments import serve_env
+from deployments.doors import haproxy
 from deployments.harness.haproxy_config import app_backend, ray_rendered_config
-from deployments.http import haproxy
 
 
 def test_replica_servers_move_to_their_own_ports_and_nothing_else_does(

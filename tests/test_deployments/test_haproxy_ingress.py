@@ -22,7 +22,7 @@ from deployments.config import (
     parse_app_args,
 )
 from deployments.config.checks import check
-from deployments.serving.dataplane import DRAINED_MESSAGE, DataplaneGate
+from deployments.doors.dataplane import DRAINED_MESSAGE, DataplaneGate
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,6 +11,7 @@ import pytest
 from deployments.control import wire
 from deployments.control.enforcement import (
     EnforceBook,
+    KVLayoutMismatch,
     drain_stats,
     raise_if_enforced,
     take_verdict,
@@ -23,7 +24,6 @@ from deployments.control.prediction import (
     self_problem,
 )
 from deployments.control.summary import (
-    KVLayoutMismatch,
     WorkerSpecError,
     fingerprint,
     summarize_workers,

@@ -1,4 +1,4 @@
-"""The replica's own HTTP door (``deployments.http.listener``) and its config rules.
+"""The replica's own HTTP door (``deployments.doors.listener``) and its config rules.
 
 Real uvicorn servers on real loopback sockets, two "replicas" sharing one port; the
 live stack (tests/conftest.py) serves every other test through the same door.
@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from deployments.config import DEFAULT_CONFIG, ConfigError, load_serve_config
-from deployments.http.listener import ReplicaListener, reuse_port_socket
+from deployments.doors.listener import ReplicaListener, reuse_port_socket
 from deployments.local.deploy import base_url, refuse_busy_ports
 from tests.support.replica_port import free_port, get, in_thread, named_app
 
@@ -154,7 +154,7 @@ def test_free_ports_pass(tmp_path: Path) -> None:
 def test_behind_haproxy_health_is_serves_answer_and_every_request_is_counted() -> None:
     """The port HAProxy reaches: ``/-/healthz`` (no key) answers what Serve's data-plane
     health says; every other request is counted in while held, out however it ends."""
-    from deployments.http.behind_haproxy import HEALTH_PATH, BehindHAProxy
+    from deployments.doors.behind_haproxy import HEALTH_PATH, BehindHAProxy
     from tests.support.replica_port import get_response
 
     async def scenario() -> None:
@@ -219,7 +219,7 @@ def test_behind_haproxy_mounts_the_app_at_its_route_prefix_as_serve_does() -> No
     would through Serve (FastAPI routes under ``root_path``); a path outside is a 404."""
     from fastapi import FastAPI
 
-    from deployments.http.behind_haproxy import HEALTH_PATH, BehindHAProxy
+    from deployments.doors.behind_haproxy import HEALTH_PATH, BehindHAProxy
     from tests.support.replica_port import get_response
 
     api = FastAPI()

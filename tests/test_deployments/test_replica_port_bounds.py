@@ -2,7 +2,7 @@
 closes the port at once and ends held streams with an error event, a dead engine's
 share closed, one server per replica however ``resume`` races.
 
-Real uvicorn servers on real loopback sockets (``deployments.http.listener``).
+Real uvicorn servers on real loopback sockets (``deployments.doors.listener``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from deployments.config.http import ReplicaPortLimits
-from deployments.http import listener as listener_module
-from deployments.http.listener import ReplicaListener, listeners_on
+from deployments.doors import listener as listener_module
+from deployments.doors.listener import ReplicaListener, listeners_on
 from tests.support.replica_port import (
     closed_within,
     fastapi_stream_app,
@@ -235,6 +235,7 @@ def replica_on(listener: ReplicaListener, check_health: Any = None) -> Any:
     ``check_health`` is ``check_health`` (what LLMServer's raises for a dead engine)."""
     from deployments.config import DSv4Section, HTTPEdge
     from deployments.control.wire import ReplicaVerdict
+    from deployments.doors.lifecycle import Doors
     from deployments.serving.server import DSv4ServerMixin
 
     class Engine:
@@ -246,9 +247,10 @@ def replica_on(listener: ReplicaListener, check_health: Any = None) -> Any:
         pass
 
     replica: Any = object.__new__(Replica)
-    replica._listener, replica._edge, replica._verdict = listener, None, ReplicaVerdict()
-    replica._replica_id, replica._dataplane = "r0", None  # the replica port, not HAProxy
-    replica._http, replica._behind = HTTPEdge(replica_port=listener.port), None
+    replica._edge, replica._verdict, replica._replica_id = None, ReplicaVerdict(), "r0"
+    replica._http = HTTPEdge(replica_port=listener.port)  # the replica port, not HAProxy
+    replica._doors = Doors(replica._http, answers_http=True, drain_timeout_s=1.0)
+    replica._doors.listener = listener
     replica._settings = DSv4Section.model_validate({"policy": "drain"})
     return replica
 

@@ -790,14 +790,14 @@ def test_choose_prefers_native_only_in_auto_mode() -> None:
 
 MODE_PROBE = """
 import json, torch
-from dsv4_patch.patches.cpu import kernels, ops as cpu_ops
+from dsv4_patch.patches.cpu import attention_kernels, ops as cpu_ops
 predicted = cpu_ops.probe()
 results = cpu_ops.install()
 x = torch.randn(3, 2, 512)  # float32: ours takes it, the native kernel does not
 pos, cs = torch.tensor([0, 7, 300]), torch.randn(512, 64)
 try:
     via_op = torch.ops._C.inverse_gptj_rope_o_proj_cpu(x, pos, cs, 64)
-    dispatch = "ours" if torch.equal(via_op, kernels.inverse_gptj_rope_o_proj_cpu(
+    dispatch = "ours" if torch.equal(via_op, attention_kernels.inverse_gptj_rope_o_proj_cpu(
         x, pos, cs, 64)) else "other"
 except (NotImplementedError, RuntimeError) as exc:
     dispatch = "native: " + str(exc).splitlines()[0]

@@ -4,7 +4,7 @@ installed vLLM's own class that confirms or contradicts it."""
 from __future__ import annotations
 
 from dsv4_patch import rules
-from dsv4_patch.node import NodeInfo, canonicalize, layout_contradiction, table_decision
+from dsv4_patch.node import NodeInfo, layout_contradiction, resolve_on_node, table_decision
 
 CPU = NodeInfo("cpu", None, None)
 
@@ -20,8 +20,8 @@ def test_a_cpu_node_is_decided_from_the_table_a_gpu_node_is_not() -> None:
 def test_the_table_decision_resolves_the_dtype_as_vllm_s_own_does() -> None:
     decided = table_decision(CPU)
     for requested in (None, "auto", "fp8", "fp8_ds_mla"):
-        ahead = canonicalize({"kv_cache_dtype": requested}, CPU, decided).resolution
-        asked = canonicalize({"kv_cache_dtype": requested}, CPU).resolution
+        ahead = resolve_on_node({"kv_cache_dtype": requested}, CPU, decided).resolution
+        asked = resolve_on_node({"kv_cache_dtype": requested}, CPU).resolution
         assert (ahead.engine_dtype, ahead.cache_dtype_str) == \
             (asked.engine_dtype, asked.cache_dtype_str), requested
 

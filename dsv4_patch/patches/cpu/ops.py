@@ -32,24 +32,28 @@ import torch
 
 from dsv4_patch.patch import Patch, PatchError, Verdict
 from dsv4_patch.patches.cpu import fakes
-from dsv4_patch.patches.cpu.gate import cpu_gate
-from dsv4_patch.patches.cpu.kernels import (
-    biased_topk_cpu,
+from dsv4_patch.patches.cpu.attention_kernels import (
     bmm_cpu,
-    compress_norm_rope_store_cpu,
-    compress_norm_rope_store_indexer_cpu,
     convert_weight_packed,
     flash_mla_with_kvcache_cpu,
+    fused_qnorm_rope_kv_insert_cpu,
+    inverse_gptj_rope_o_proj_cpu,
+)
+from dsv4_patch.patches.cpu.compress_kernels import (
+    compress_norm_rope_store_cpu,
+    compress_norm_rope_store_indexer_cpu,
     fp8_paged_mqa_logits_cpu,
     fused_indexer_q_rope_quant_cpu,
-    fused_qnorm_rope_kv_insert_cpu,
+    save_partial_states_cpu,
+    topk_transform_512_cpu,
+)
+from dsv4_patch.patches.cpu.gate import cpu_gate
+from dsv4_patch.patches.cpu.hc_moe_kernels import (
+    biased_topk_cpu,
     hash_topk_cpu,
     hc_head_fused_cpu,
     hc_post_fused_cpu,
     hc_pre_fused_cpu,
-    inverse_gptj_rope_o_proj_cpu,
-    save_partial_states_cpu,
-    topk_transform_512_cpu,
 )
 from dsv4_patch.record import PatchRecord, PatchResult
 

@@ -6,14 +6,14 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from deployments.config import AppArgs, Policy, checks
-from deployments.config.checks import Problem
+from deployments.config.checks import Finding
 from deployments.plan import pd as pd_plan
 from deployments.plan.capacity import GIB
 from deployments.plan.report import ReplicaPlan, capability_text
 from dsv4_patch import rules
 
 
-def find_problems(plan: ReplicaPlan, args: AppArgs, shape: rules.ModelShape) -> list[Problem]:
+def find_problems(plan: ReplicaPlan, args: AppArgs, shape: rules.ModelShape) -> list[Finding]:
     """Every problem of one application, errors first."""
     # The policy rules, except the layout contradiction: planned below, with its cost.
     policy = [p for p in checks.check(args)
@@ -29,7 +29,7 @@ def find_problems(plan: ReplicaPlan, args: AppArgs, shape: rules.ModelShape) -> 
     return sorted(found, key=lambda p: p.severity != "error")
 
 
-def _layout_problems(plan: ReplicaPlan) -> list[Problem]:
+def _layout_problems(plan: ReplicaPlan) -> list[Finding]:
     if plan.layout == plan.expected_layout:
         return []
     cap, alt = plan.capacity, plan.fp8_ds_mla_capacity
@@ -50,14 +50,14 @@ def _layout_problems(plan: ReplicaPlan) -> list[Problem]:
             "them with fp8_ds_mla replicas would run different page layouts and numerics. "
             "Fix: unset attention_backend (FlashMLA stores fp8_ds_mla), or set "
             f"expected_layout: {plan.layout} for a fleet that is entirely this node type.")
-    return [Problem("error", "layout-contradicts-expectation", msg)]
+    return [Finding("error", "layout-contradicts-expectation", msg)]
 
 
-def _stock_crash(plan: ReplicaPlan) -> list[Problem]:
+def _stock_crash(plan: ReplicaPlan) -> list[Finding]:
     layout = rules.Layout(plan.layout)
     if not rules.stock_vllm_crashes_on(plan.vllm_version, layout, plan.kv_cache_dtype):
         return []
-    return [Problem(
+    return [Finding(
         "warning", "stock-vllm-crash",
         f"stock vLLM {plan.vllm_version} (0.20-0.29 assert 'DeepseekV4 fp8_ds_mla layout "
         "only supports fp8 kv-cache, got auto', vllm-project/vllm#47174) would crash "
@@ -70,22 +70,22 @@ def _stock_crash(plan: ReplicaPlan) -> list[Problem]:
     )]
 
 
-def _capacity_problems(plan: ReplicaPlan, args: AppArgs) -> list[Problem]:
+def _capacity_problems(plan: ReplicaPlan, args: AppArgs) -> list[Finding]:
     cap, found = plan.capacity, []
     node = args.dsv4.node
     if node.platform != "cpu" and node.gpu_memory_gib is None:
-        found.append(Problem("warning", "capacity-unknown",
+        found.append(Finding("warning", "capacity-unknown",
                              "dsv4.node.gpu_memory_gib is not set, so KV capacity is not "
                              "estimated. Fix: set it to the GPU memory nvidia-smi reports."))
     if cap.kv_budget_per_gpu_bytes is not None and cap.kv_budget_per_gpu_bytes <= 0:
-        found.append(Problem(
+        found.append(Finding(
             "error", "weights-do-not-fit",
             f"weights need {cast(float, cap.weights_per_gpu_bytes) / GIB:.1f} GiB per GPU, "
             "more than gpu_memory_gib x gpu_memory_utilization leaves. Fix: more GPUs per replica "
             "(tensor/pipeline/expert parallel) or larger GPUs."))
     tokens, limit = cap.kv_tokens_per_engine, plan.max_model_len
     if tokens is not None and limit and tokens < limit:
-        found.append(Problem(
+        found.append(Finding(
             "error", "max-model-len-does-not-fit",
             f"max_model_len={limit} but one engine's KV pool holds {tokens:,} tokens: a "
             "full-length request cannot be scheduled. Fix: lower max_model_len or add "
@@ -94,7 +94,7 @@ def _capacity_problems(plan: ReplicaPlan, args: AppArgs) -> list[Problem]:
     # A P/D app's prefill and decode replica share a node (deployments.plan.pd).
     idle = room - int(plan.parallel["gpus_per_replica"]) * (2 if plan.pd else 1)
     if node.platform != "cpu" and node.gpus_per_node and idle > 0:
-        found.append(Problem(
+        found.append(Finding(
             "warning", "idle-gpus",
             f"a replica uses {plan.parallel['gpus_per_replica']} of the "
             f"{node.gpus_per_node * node.nodes_per_replica} GPUs of its node(s); {idle} "
@@ -103,7 +103,7 @@ def _capacity_problems(plan: ReplicaPlan, args: AppArgs) -> list[Problem]:
 
 
 def _override_problems(plan: ReplicaPlan, args: AppArgs,
-                       shape: rules.ModelShape) -> list[Problem]:
+                       shape: rules.ModelShape) -> list[Finding]:
     """Replica overrides that change the page spec make replicas disagree."""
     found = []
     severity = "error" if args.dsv4.policy is Policy.ENFORCE else "warning"
@@ -123,16 +123,16 @@ def _override_problems(plan: ReplicaPlan, args: AppArgs,
         if diffs:
             consequence = ("the KV-spec controller fails its health check"
                            if severity == "error" else "the controller reports it")
-            found.append(Problem(
+            found.append(Finding(
                 severity, "replicas-disagree",
                 f"replica rank {override.rank} ({override.reason}) would disagree with the "
                 f"fleet: {', '.join(diffs)}; {consequence}."))
     return found
 
 
-def fleet_problems(plans: Sequence[ReplicaPlan]) -> list[Problem]:
+def fleet_problems(plans: Sequence[ReplicaPlan]) -> list[Finding]:
     """Applications serving the same model with different page specs would disagree."""
-    found: list[Problem] = []
+    found: list[Finding] = []
     by_model: dict[str, Any] = {}
     for plan in plans:
         by_model.setdefault(plan.model, []).append(plan)
@@ -141,7 +141,7 @@ def fleet_problems(plans: Sequence[ReplicaPlan]) -> list[Problem]:
         if len(specs) > 1:
             detail = "; ".join(f"{p.application}: {p.capacity.storage}, block {p.block_size}"
                                for p in group)
-            found.append(Problem(
+            found.append(Finding(
                 "error", "replicas-disagree",
                 f"{model} is served with different KV page specs ({detail}): clients and "
                 "P/D transfers would see different layouts. Fix: one layout per model."))

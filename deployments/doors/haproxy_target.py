@@ -4,7 +4,7 @@ Why (issue 34, docs/benchmarks.md §2h): Ray 2.60's direct-ingress server runs o
 Serve's event loop while the app runs on the user-code thread, so every streamed chunk
 crosses threads (``call_soon_threadsafe`` per ASGI message) and a second loop: ~0.1
 CPU-ms per token, the whole serving path's excess over vLLM's own API server. The
-replica's own listener (``deployments.http.listener``, already the local default's
+replica's own listener (``deployments.doors.listener``, already the local default's
 door) serves the app where it runs.
 
 How: once Serve's direct-ingress server has its port (``Replica._http_port``, set as
@@ -15,7 +15,7 @@ there (under the app's route prefix, ``Replica._route_prefix``, as Serve mounts 
 server gave HAProxy and Serve is kept:
 
 * ``/-/healthz`` is Serve's data-plane answer (``Replica._dataplane_health_check``,
-  with our drain gate, ``deployments.serving.dataplane``), run on Serve's loop;
+  with our drain gate, ``deployments.doors.dataplane``), run on Serve's loop;
 * each request is counted in Serve's ongoing requests (``ReplicaMetricsManager``, on
   Serve's loop: two hops per request, none per token), which Serve's autoscaler and
   its graceful drain read;
@@ -35,10 +35,10 @@ from typing import Any
 
 from deployments import ray_touches, serve_env
 from deployments.config.http import ReplicaPortLimits
-from deployments.http.behind_haproxy import BehindHAProxy
-from deployments.http.listener import ReplicaListener
+from deployments.doors.behind_haproxy import BehindHAProxy
+from deployments.doors.listener import ReplicaListener
+from deployments.doors.stopping import serve_stopping, this_replica
 from deployments.logs import get_logger
-from deployments.serving.stopping import serve_stopping, this_replica
 
 logger = get_logger("server")
 

@@ -1,7 +1,7 @@
 """The app as HAProxy reaches a replica's own port: Serve's health answer, Serve's count.
 
 Why: behind HAProxy the replica serves the hardened app on a port of its own
-(``deployments.serving.haproxy_target``) instead of Serve's direct-ingress server. Two
+(``deployments.doors.haproxy_target``) instead of Serve's direct-ingress server. Two
 things HAProxy and Serve relied on that server for must still hold there:
 
 * HAProxy's health check (``GET /-/healthz``, no key) decides the rotation: it must

@@ -2,7 +2,7 @@
 
 Two doors use it: ``http.replica_port``, one port all the app's replicas on a machine
 share (below), and the replica's own port behind HAProxy
-(``deployments.serving.haproxy_target``: one port per replica, ``shared=False``).
+(``deployments.doors.haproxy_target``: one port per replica, ``shared=False``).
 
 Why (issue 25, docs/benchmarks.md §2g): through Serve's HTTP proxy every request and
 every streamed chunk crosses a second Python process (the proxy) as its own Ray object:
@@ -26,8 +26,8 @@ new connection to one of them. So a request crosses no proxy: client -> replica.
 * Shutdown (``watch`` + ``stop``): the replica tells the listener how to see that Serve
   began stopping it; the port closes then, not at ``__del__``, and the held requests
   get what is left of the deployment's graceful shutdown time. At its end they are cut
-  with an error event (``listener_guard.HeldRequests``) before Serve's ``ray.kill``.
-* Bounds before any key (``listener_guard``, ``http.replica_port_limits``): a header
+  with an error event (``guard.HeldRequests``) before Serve's ``ray.kill``.
+* Bounds before any key (``guard``, ``http.replica_port_limits``): a header
   deadline, an idle deadline, a connection cap.
 * Who can connect: the socket binds ``http_options.host``, the address Serve's proxy
   binds, so the edge's loopback rule (keys beyond loopback) judges the same address.
@@ -47,7 +47,7 @@ from collections.abc import Callable
 from typing import Any
 
 from deployments.config.http import ReplicaPortLimits
-from deployments.http.listener_guard import HeldRequests, limited_protocol
+from deployments.doors.guard import HeldRequests, limited_protocol
 from deployments.logs import get_logger
 
 logger = get_logger("listener")

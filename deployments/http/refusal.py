@@ -11,19 +11,14 @@ internal) in the route's own shape, as a body or as a stream event.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Literal
+
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deployments.http import timing
 from deployments.logs import get_logger
 
 logger = get_logger("edge")
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 Protocol = Literal["openai", "anthropic"]
 # Why the edge refused: the label refusals are counted by.

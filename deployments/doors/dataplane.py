@@ -8,7 +8,7 @@ whose ``/-/healthz`` on their direct-ingress port answers 200 (checked every
 Serve answers that path from ``Replica._dataplane_health_check``: 503 while the replica
 shuts down or its user health check (the engine) fails, never for a KV-spec drain.
 
-How: this replica's ``Replica`` instance (reached as ``deployments.serving.stopping``
+How: this replica's ``Replica`` instance (reached as ``deployments.doors.stopping``
 reaches it) gets an instance-level wrapper of that method: Serve's own answer first,
 then 503 "DRAINED" while ``DataplaneGate.drained`` is set. The server sets it from its
 verdict, failing open like the router: never when no other replica would serve. Ray
@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from deployments.doors.stopping import touched_replica
 from deployments.logs import get_logger
-from deployments.serving.stopping import touched_replica
 
 logger = get_logger("server")
 
