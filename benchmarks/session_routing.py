@@ -313,14 +313,17 @@ def write(args: argparse.Namespace, sessions: dict[str, Any],
                     "seconds_to_second_replica"],
         "rows": rows_of(sessions, steps),
         "notes": "",
-        "raw": {"sessions": sessions, "steps": steps},
     }
+    (args.workdir / "raw.json").write_text(json.dumps({"sessions": sessions, "steps": steps}))
     amx = any(f.startswith("amx") for f in result["host"]["flags"])
     result["notes"] = (
         ("This host has no AMX: vLLM turns DeepSeek-V4 prefix caching off on x86 without "
          "AMX (vllm/platforms/cpu.py), so hits/queries are 0/0 and affinity cannot lower "
          "TTFT through the cache here; the TTFT columns compare routing only. "
-         if not amx else "") + f"prefix hits/queries per arm: {hits}.")
+         if not amx else "") + f"prefix hits/queries per arm: {hits}. Serve controller's "
+        "scaling lines per load-step arm (decision times; step_epoch_s = load start): "
+        + json.dumps([{k: st[k] for k in ("policy", "step_epoch_s", "controller_log")}
+                      for st in steps]))
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=1) + "\n")
 
