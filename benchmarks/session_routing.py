@@ -272,8 +272,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sessions", type=int, default=3)
     parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--system-words", type=int, default=300)
-    parser.add_argument("--turn-words", type=int, default=300)
+    parser.add_argument("--system-words", type=int, default=60)  # ~5.7 tokens a word
+    parser.add_argument("--turn-words", type=int, default=50)  # ~290 tokens > 256
     parser.add_argument("--step-concurrency", type=int, default=16)
     parser.add_argument("--step-timeout-s", type=float, default=300)
     parser.add_argument("--parts", default="sessions,step")
