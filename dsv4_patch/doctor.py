@@ -204,6 +204,9 @@ def release_status(version: str | None, node: NodeInfo) -> str:
             + f"; NIXL_CONNECTOR_VERSION {rel.nixl_connector_version}; "
             f"gpu_memory_utilization default "
             f"{rules.default_gpu_memory_utilization(version, node.platform):g}")
+    hazard = rules.nixl_region_dedup_hazard(version)
+    if hazard:
+        text += f"; WARNING (DeepSeek-V4.1 P/D): {hazard}"
     return text
 
 

@@ -38,6 +38,8 @@ from deployments.logs import get_logger
 HMA_CONNECTORS = ("NixlConnector",)
 ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 POOLS = ("prefill", "decode")
+# vLLM 0.32 config/kv_transfer.py: KVTransferConfig.kv_load_failure_policy.
+LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 logger = get_logger("config")
 
@@ -69,6 +71,24 @@ class PoolSection(_Strict):
         return value
 
 
+class CanarySection(_Strict):
+    """The P/D output canary (``deployments.pd.canary``): a pair joins the routing
+    whitelist only after a fixed greedy request through it scores the same as on the
+    decode replica alone, and leaves it when a later canary does not."""
+
+    enabled: bool = Field(default=True, description="run the output canary per (prefill, "
+                          "decode) pair; off: pairs are judged by their specs alone")
+    period_s: float = Field(default=300.0, ge=5.0, description="seconds between canaries of "
+                            "one pair; a failing pair is excluded within one period")
+    prompt_tokens: int = Field(default=700, ge=300, description="canary prompt length: "
+                               "several KV blocks, across the C4/C128 compression boundaries")
+    max_tokens: int = Field(default=8, ge=2, le=64, description="tokens decoded per canary")
+    tolerance: float | None = Field(default=None, gt=0, description="largest per-token "
+                                    "logprob difference (nats) that passes; None: the "
+                                    "platform's measured bound (deployments.pd.canary)")
+    timeout_s: float = Field(default=120.0, gt=0, description="one canary's deadline")
+
+
 class PDSection(_Strict):
     """The two pools, the connector they share, and our compatibility check."""
 
@@ -82,6 +102,7 @@ class PDSection(_Strict):
         "replica prefills on its own engine (no transfer)")
     prefill: PoolSection = Field(default_factory=PoolSection)
     decode: PoolSection = Field(default_factory=PoolSection)
+    canary: CanarySection = Field(default_factory=CanarySection)
 
     @field_validator("kv_transfer_config")
     @classmethod
@@ -98,6 +119,13 @@ class PDSection(_Strict):
                 f"kv_transfer_config.kv_role={value['kv_role']!r}: the role is per pool "
                 "(prefill kv_producer, decode kv_consumer) and dsv4-serve sets it. Fix: "
                 "remove kv_role.")
+        policy = value.get("kv_load_failure_policy", "fail")
+        if policy not in LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"kv_transfer_config.kv_load_failure_policy={policy!r}: vLLM 0.32's "
+                f"KVTransferConfig takes {list(LOAD_FAILURE_POLICIES)} (vllm#52276: a failed "
+                "receive answered 200 with garbage). Fix: fail (the request errors) or "
+                "recompute (the decode engine recomputes the missing blocks).")
         return value
 
     @model_validator(mode="after")
@@ -123,7 +151,11 @@ class PDSection(_Strict):
         return self.prefill if name == "prefill" else self.decode
 
     def transfer_config(self, pool: str) -> dict[str, Any]:
-        return copy.deepcopy(self.kv_transfer_config) | {"kv_role": ROLES[pool]}
+        """vLLM's ``kv_transfer_config`` of one pool. ``kv_load_failure_policy`` is written
+        down (``fail``, vLLM 0.32's default, when unset): a failed receive must end the
+        request with an error, never a 200 over pages that did not arrive."""
+        return {"kv_load_failure_policy": "fail"} | copy.deepcopy(self.kv_transfer_config) \
+            | {"kv_role": ROLES[pool]}
 
 
 class PDAppArgs(AppArgs):

@@ -68,7 +68,20 @@ def describe_pd(report: FleetReport) -> list[str]:
     lines = [f"  P/D: {pd.verdict.value}; pools: {pools or 'none checked'}"]
     lines += [f"    decode {d} takes KV from prefill {ids or 'none (prefills locally)'}"
               for d, ids in pd.allowed.items()]
+    for c in pd.canaries:
+        head = (f"    canary decode {c.decode_replica} <- prefill {c.prefill_replica}: "
+                f"{'passed' if c.passed else 'FAILED (pair excluded)'} ({c.mode.value}, "
+                f"max logprob delta {_nats(c.max_delta)} of {c.tolerance:g}, "
+                f"{c.external_tokens}/{c.prompt_tokens} prompt tokens over the connector, "
+                f"{c.seconds:.1f} s)")
+        lines.append(head if c.passed and not c.reason else f"{head}: {c.reason}"
+                     + ("" if c.passed else f"; deltas {[round(d, 3) for d in c.deltas]}, "
+                        f"tokens {c.tokens}"))
     return lines
+
+
+def _nats(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def log_change(prev: FleetReport, report: FleetReport) -> None:

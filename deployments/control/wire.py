@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from deployments.control.canary_wire import CanaryMode, CanaryRequest, CanaryResult
 from deployments.control.replica_wire import (
     DRAIN_STAT,
     ENGINE_DEAD_STAT,
@@ -56,6 +57,9 @@ __all__ = [
     "KV_USAGE_STAT",
     "SCHEMA_VERSION",
     "Action",
+    "CanaryMode",
+    "CanaryRequest",
+    "CanaryResult",
     "Expected",
     "FleetFinding",
     "FleetReport",
@@ -172,6 +176,10 @@ class PDReport(_Wire):
     blocked_prefill: list[str] = Field(default_factory=list, description="prefill replicas "
                                        "no decode replica routes to")
     differences: list[PDDifference] = Field(default_factory=list)
+    canaries: list[CanaryResult] = Field(default_factory=list, description="the latest "
+                                         "output canary of each (decode, prefill) pair")
+    canary_totals: dict[str, int] = Field(default_factory=dict, description="canaries run "
+                                          "and failed since the controller started")
     message: str = ""
     checked_at: float | None = None
 

@@ -192,5 +192,5 @@ def main(argv: list[str] | None = None) -> int:
     # Ray stops it only on a graceful shutdown, so a run killed hard (or its node's
     # worker lost) would leave HAProxy holding the door's port for the next run.
     lifetime.die_with_parent(os.getppid(), signal.SIGTERM)
-    os.execv(binary, [binary, *args])
+    os.execv(binary, [binary, *args])  # noqa: S606  # execs Ray's HAProxy binary, a fixed path
     return 0  # not reached: execv replaces this process

@@ -105,6 +105,7 @@ def build_pd_app(parsed: PDAppArgs) -> Application:
         prefill=prefill,
         decode=server_deployment_name(DSv4PDDecodeServer, decode_config, DECODE_PREFIX),
         dsv4_prefill=parsed.pool_dsv4("prefill"), dsv4_decode=parsed.pool_dsv4("decode"),
+        canary=parsed.pd.canary.model_dump(mode="json"),
         kv_capacity={pool: plan.model_dump(mode="json") for pool, plan in plan_pool_capacities(
             parsed.llm.model_loading_config.model_id, parsed).items()})
     decode_replicas = parsed.pool_deployment_config("decode").max_replicas
@@ -117,7 +118,9 @@ def build_pd_app(parsed: PDAppArgs) -> Application:
                               parsed.pool_deployment_config("decode").drain_timeout_s,
                               parsed.responses))
     logger.info("dsv4: P/D app: %s prefill + %s decode replica(s), connector %s, compat "
-                "check %s", parsed.pool_deployment_config("prefill").max_replicas,
-                decode_replicas, parsed.pd.kv_transfer_config.get("kv_connector"),
-                "on" if parsed.pd.compat_check else "OFF")
+                "check %s, output canary %s", parsed.pool_deployment_config("prefill")
+                .max_replicas, decode_replicas, parsed.pd.kv_transfer_config.get(
+                    "kv_connector"), "on" if parsed.pd.compat_check else "OFF",
+                f"every {parsed.pd.canary.period_s:g} s" if parsed.pd.canary.enabled
+                else "OFF")
     return decode

@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
-from ray.serve.metrics import Gauge
 
+from deployments.control.canary_wire import CanaryBatch
 from deployments.control.controller import KVSpecController
 from deployments.control.wire import (
     FleetFinding,
@@ -30,7 +30,9 @@ from deployments.control.wire import (
     State,
 )
 from deployments.logs import get_logger
+from deployments.observe import series
 from deployments.pd import compat
+from deployments.pd.canary_watch import CanaryWatch
 
 logger = get_logger("pd")
 
@@ -39,19 +41,17 @@ POOLS = ("prefill", "decode")
 
 class _PDMetrics:
     def __init__(self, application: str):
-        tags = ("pd_application",)
         self._tags = {"pd_application": application}
-        self.compatible = Gauge("dsv4_pd_compatible", "1 if every prefill replica is "
-                                "KV-compatible with every decode replica", tag_keys=tags)
-        self.verdict = Gauge("dsv4_pd_verdict", "0 not_checked, 1 compatible, 2 partial, "
-                             "3 incompatible", tag_keys=tags)
-        self.pairs = Gauge("dsv4_pd_allowed_pairs", "(decode, prefill) replica pairs "
-                           "allowed to transfer KV", tag_keys=tags)
-        self.blocked = Gauge("dsv4_pd_blocked_prefill_replicas", "prefill replicas no "
-                             "decode replica routes to", tag_keys=tags)
-        self.stranded = Gauge("dsv4_pd_stranded_decode_replicas", "decode replicas with no "
-                              "compatible prefill replica (they prefill locally)", tag_keys=tags)
-        for gauge in (self.compatible, self.verdict, self.pairs, self.blocked, self.stranded):
+        self.compatible = series.make(series.PD_COMPATIBLE)
+        self.verdict = series.make(series.PD_VERDICT)
+        self.pairs = series.make(series.PD_PAIRS)
+        self.blocked = series.make(series.PD_BLOCKED)
+        self.stranded = series.make(series.PD_STRANDED)
+        self.canary_failed = series.make(series.PD_CANARY_FAILED)
+        self.canary_passed = series.make(series.PD_CANARY_PASSED)
+        self.canary_delta = series.make(series.PD_CANARY_MAX_DELTA)
+        for gauge in (self.compatible, self.verdict, self.pairs, self.blocked, self.stranded,
+                      self.canary_failed, self.canary_passed, self.canary_delta):
             gauge.set_default_tags(dict(self._tags))
 
     def record(self, pd: PDReport) -> None:
@@ -62,6 +62,11 @@ class _PDMetrics:
         self.pairs.set(sum(len(v) for v in pd.allowed.values()))
         self.blocked.set(len(pd.blocked_prefill))
         self.stranded.set(sum(not v for v in pd.allowed.values()))
+        self.canary_failed.set(sum(not c.passed for c in pd.canaries))
+        self.canary_passed.set(sum(c.passed for c in pd.canaries))
+        deltas = [c.max_delta for c in pd.canaries if c.max_delta is not None]
+        if deltas:
+            self.canary_delta.set(max(deltas))
 
 
 async def _pool_controller(server: DeploymentHandle | str, dsv4: dict[str, Any],
@@ -77,7 +82,8 @@ class PDController:
 
     async def __init__(self, prefill: DeploymentHandle, decode: DeploymentHandle | str,  # type: ignore[misc]  # Serve awaits an async __init__
                        dsv4_prefill: dict[str, Any], dsv4_decode: dict[str, Any],
-                       kv_capacity: dict[str, dict[str, Any]] | None = None):
+                       kv_capacity: dict[str, dict[str, Any]] | None = None,
+                       canary: dict[str, Any] | None = None):
         """``decode`` may be the decode deployment's name: its replicas are the HTTP
         ingress and bind this controller (for ``/v1/kv-spec``), so they cannot be bound
         here too (``deployments.pd.builder``). ``kv_capacity``: ``plan``'s figures per
@@ -92,12 +98,16 @@ class PDController:
         self._pd = PDReport(verdict=PDVerdict.NOT_CHECKED, message="no P/D check yet")
         self._lock = asyncio.Lock()
         self._metrics = _PDMetrics(self._decode._server.app_name)
+        self._canary = CanaryWatch(canary)
+        self._by_specs: PDReport | None = None  # the last verdict before the canary gate
         self._loop_task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
         while True:
             try:
                 await self.judge()
+                if await self._run_canaries():  # a failing pair leaves in this pass
+                    await self.judge()
             except Exception:
                 logger.exception("dsv4: P/D check failed; retrying in %ss", self._period)
             await asyncio.sleep(self._period)
@@ -112,6 +122,9 @@ class PDController:
                      for name, c in self._pools.items()}
             report = compat.judge(self._pools["prefill"].specs, self._decode.specs, pools,
                                      checked_at=started)
+            self._by_specs = report
+            if self._canary.settings.enabled:
+                report = self._canary.gate(report)
             if self._decode.specs:
                 await self._push(report, started)
             if (report.verdict, report.allowed) != (self._pd.verdict, self._pd.allowed):
@@ -120,6 +133,28 @@ class PDController:
             self._pd = report
             self._metrics.record(report)
             return report
+
+    async def _run_canaries(self) -> bool:
+        """The due canaries of the pairs the specs allow, each decode replica running its
+        own in turn; outside the lock, so ``/v1/kv-spec`` never waits for a canary."""
+        report = self._by_specs
+        if not self._canary.settings.enabled or report is None or not report.allowed:
+            return False
+        due = self._canary.due(report.allowed, time.time())
+        if not due:
+            return False
+        batch = CanaryBatch(requests=self._canary.requests(due))
+        most = max(len(v) for v in batch.requests.values())
+        bound = most * self._canary.settings.timeout_s + 10.0
+        try:
+            answers = await self._decode._server.broadcast(
+                "run_canaries", batch.model_dump(mode="json")).results_async(
+                timeout_s=bound, return_exceptions=True)
+        except Exception as exc:  # the decode pool is (re)starting: the pairs stay out
+            logger.warning("dsv4: P/D canaries of %d pair(s) not run: %r", len(due), exc)
+            return False
+        self._canary.take(answers)
+        return True
 
     async def _push(self, report: PDReport, checked_at: float) -> None:
         message = PDRouteMessage(checked_at=checked_at, verdict=report.verdict,

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import importlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from ray.serve.request_router import PendingRequest, RunningReplica
 
@@ -34,6 +35,9 @@ class Route:
     allowed: frozenset[str] | None = None
     verdict: PDVerdict = PDVerdict.NOT_CHECKED
     checked_at: float | None = None
+    # Canary request id -> the one prefill replica it must go to (whitelisted or not:
+    # a pair is canaried before it joins the whitelist).
+    pins: dict[str, str] = field(default_factory=dict)
 
     def may_transfer(self) -> bool:
         """True when a request may go through a prefill replica at all."""
@@ -57,6 +61,23 @@ def take(message: PDRouteMessage, decode_replica: str) -> Route:
     ROUTE.allowed, ROUTE.verdict, ROUTE.checked_at = allowed, message.verdict, \
         message.checked_at
     return ROUTE
+
+
+CANARY_PREFIX = "dsv4-canary-"
+
+
+def pinned(pending: Any, route: Route) -> str | None:
+    """The prefill replica a canary request is pinned to, or None for any other request.
+
+    The decode replica's canary sets the request id of its ``CompletionRequest``; Ray's
+    P/D orchestrator deep-copies the request for the prefill call, so the id reaches
+    the handle call's first argument, which this router sees.
+    """
+    args = getattr(pending, "args", None) or ()
+    request_id = getattr(args[0], "request_id", None) if args else None
+    if not isinstance(request_id, str) or not request_id.startswith(CANARY_PREFIX):
+        return None
+    return route.pins.get(request_id)
 
 
 def live_route() -> Route:
@@ -92,6 +113,11 @@ class PDPrefillRouter(KVSpecRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         route = live_route()
+        pin = pinned(pending_request, route)
+        if pin is not None:
+            logger.debug("dsv4: canary request pinned to prefill replica %s", pin)
+            only = [r for r in self.curr_replicas.values() if r.replica_id.unique_id == pin]
+            return [only] if only else []  # gone: the canary waits, then times out
         if not route.check:
             return await super().choose_replicas(candidate_replicas, pending_request)
         pool = [r for r in self.curr_replicas.values()

@@ -27,10 +27,12 @@ from typing import Any
 from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.deployment import LLMServer, PDDecodeServer, PDPrefillServer
 
+from deployments.control.canary_wire import CanaryBatch
 from deployments.control.wire import PDRouteMessage, TransferSpec
 from deployments.logs import get_logger
 from deployments.pd import compat
 from deployments.pd import route as pd_route
+from deployments.pd.canary_run import PDCanaryMixin
 from deployments.serving.server import DSv4ServerMixin
 from dsv4_patch.worker_ext import KV_TRANSFER_METHOD
 
@@ -99,8 +101,9 @@ class DSv4PDPrefillServer(PDTransferMixin, DSv4ServerMixin, PDPrefillServer):
     _pool = "prefill"
 
 
-class DSv4PDDecodeServer(PDTransferMixin, DSv4ServerMixin, PDDecodeServer):
-    """A decode replica (``kv_consumer``) that orchestrates the remote prefill."""
+class DSv4PDDecodeServer(PDCanaryMixin, PDTransferMixin, DSv4ServerMixin, PDDecodeServer):
+    """A decode replica (``kv_consumer``) that orchestrates the remote prefill and runs
+    the output canaries of its pairs (``deployments.pd.canary_run``)."""
 
     _pool = "decode"
 
@@ -114,6 +117,12 @@ class DSv4PDDecodeServer(PDTransferMixin, DSv4ServerMixin, PDDecodeServer):
         """Take the controller's whitelist of prefill replicas for this decode replica."""
         route = pd_route.take(PDRouteMessage.model_validate(message), self._replica_id)
         return {"replica_id": self._replica_id, "allowed": sorted(route.allowed or ())}
+
+    async def run_canaries(self, message: dict[str, Any]) -> list[dict[str, Any]]:
+        """The controller's canaries addressed to this replica, one after another."""
+        batch = CanaryBatch.model_validate(message)
+        return [await self.run_canary(r.model_dump(mode="json"))
+                for r in batch.requests.get(self._replica_id, [])]
 
     async def pd_route_state(self) -> dict[str, Any]:
         """What this replica would do with a request now (tests and operators)."""

@@ -47,7 +47,8 @@ def summary(args: Any, kv_bytes_per_token: float, block_size: int,
                            rules.release_rules(version).nixl_connector_version}
     return {"connector": args.pd.kv_transfer_config.get("kv_connector"),
             "bytes_moved_per_request": moved, "pools": pools,
-            "compat_check": args.pd.compat_check}
+            "compat_check": args.pd.compat_check,
+            "canary": args.pd.canary.enabled}
 
 
 def rows(pd: dict[str, Any] | None) -> list[tuple[str, str]]:
@@ -90,6 +91,20 @@ def problems(pd: dict[str, Any] | None) -> list[Finding]:
         f"{differing or 'nothing'}, and the releases may still differ in what no rule "
         f"tracks. {_runtime(pd['compat_check'])} Fix: run both pools on one vLLM "
         "release."))]
+
+
+def region_dedup_findings(pd: dict[str, Any] | None) -> list[Finding]:
+    """DeepSeek-V4.1 P/D on a release whose NIXL regions dedup by base address alone."""
+    if not pd:
+        return []
+    found = []
+    for release in sorted({p["vllm_version"] for p in pd["pools"].values()}):
+        hazard = rules.nixl_region_dedup_hazard(release)
+        if hazard:
+            canary = "on" if pd.get("canary", True) else "OFF: nothing guards it"
+            found.append(Finding("warning", "pd-nixl-region-dedup",
+                                 f"DeepSeek-V4.1 P/D: {hazard} (pd.canary is {canary})"))
+    return found
 
 
 def _runtime(compat_check: bool) -> str:

@@ -101,7 +101,7 @@ def plan_v41_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any],
               if p.code not in checks.UNPLANNABLE | {"layout-contradicts-expectation"}]
     found = [*policy, *_v41_layout_problems(nodes), *_capacity_problems(plan, args),
              *_override_problems(plan, args, shape), *v41_problems(args, model_cfg, version),
-             *pd_plan.problems(plan.pd)]
+             *pd_plan.problems(plan.pd), *pd_plan.region_dedup_findings(plan.pd)]
     plan.problems = sorted(found, key=lambda p: p.severity != "error")
     return plan
 

@@ -34,6 +34,29 @@ TOUCHES: tuple[RayTouch, ...] = (
         loads_llm=True,
     ),
     RayTouch(
+        name="llm.pd_canary_engine",
+        target=f"{_LLM}.engines.vllm.vllm_engine:VLLMEngine._engine_client, "
+               f"{_LLM}.serving_patterns.prefill_decode.pd_server:"
+               "PDOrchestratorMixin._get_connector_backend and PDDecodeServer._prefill_handle",
+        used_in=("deployments.pd.canary_run:PDCanaryMixin",),
+        why="the P/D output canary runs on the decode replica: the prompt prefilled on one "
+            "pinned prefill replica the way Ray's orchestrator sends a user's, then decoded "
+            "and scored on the replica's own engine with per-token logprobs and "
+            "num_cached_tokens, which the OpenAI responses do not carry together",
+        how="prepare_prefill_request + the prefill handle's completions (pinned by request "
+            "id, deployments.pd.route.pinned); AsyncLLM.generate twice on the decode engine",
+        upstream="Ray 2.60 exposes neither the engine client nor the connector backend; "
+                 "no P/D output check upstream (vLLM's are CI tests)",
+        removal="when Ray Serve LLM exposes the engine client or a per-pair P/D health check",
+        probe=every(source_mentions(f"{_LLM}.engines.vllm.vllm_engine", "VLLMEngine.start",
+                                    "self._engine_client ="),
+                    attr_chain(f"{_LLM}.serving_patterns.prefill_decode.pd_server",
+                               "PDOrchestratorMixin._get_connector_backend"),
+                    source_mentions(f"{_LLM}.serving_patterns.prefill_decode.pd_server",
+                                    "PDDecodeServer.__init__", "self._prefill_handle =")),
+        pd_only=True,
+    ),
+    RayTouch(
         name="llm.pd_direct_ingress_routes",
         target=f"{_LLM}.serving_patterns.prefill_decode.pd_server:"
                "PDOrchestratorMixin.__serve_build_asgi_app__",

@@ -17,9 +17,8 @@ configured policy: ``warn`` keeps serving, ``drain`` reports itself through
 ``enforce`` fails ``check_health`` so Serve replaces it (bounded by the controller).
 
 The replica is also the application's HTTP ingress (``deployments.http.front``): Serve
-builds its ASGI app through ``__serve_build_asgi_app__`` once the engine is up --
-vLLM's own OpenAI app, hardened by our edge, plus ``GET /v1/kv-spec``. The other ways
-in (its own port, HAProxy) open, drain and close through ``deployments.doors.lifecycle``.
+builds its ASGI app (vLLM's, hardened by our edge, plus ``GET /v1/kv-spec``) through
+``__serve_build_asgi_app__``; its other doors are ``deployments.doors.lifecycle``'s.
 """
 
 from __future__ import annotations
@@ -74,12 +73,13 @@ from deployments.serving import autoscale, boot, engine_metrics
 from deployments.serving.engine_wait import AfterEngineSpawn, freeze_heap
 from deployments.serving.resolve import (
     apply_override,
-    model_config,
     node_id,
     probe_node,
+    read_model_config,
     resolve_for_replica,
     source_of,
     versions,
+    with_overrides,
 )
 from dsv4_patch import rules
 from dsv4_patch.node import layout_contradiction, table_decision
@@ -131,11 +131,12 @@ class DSv4ServerMixin:
         llm_config.update_engine_kwargs(worker_extension_cls=WORKER_EXTENSION)
         self._node = probe_node(self._settings, llm_config.engine_kwargs)
         self._expected = self._settings.expected_for(self._node.as_dict())
-        cfg, _ = model_config(base_config)
+        self._model_config = read_model_config(base_config)  # the one read of config.json
+        cfg, _ = with_overrides(*self._model_config, base_config)
         self._family = rules.family_of(cfg) if cfg else None
         ahead = None if self._family is rules.Family.V41 else table_decision(self._node)
-        self._resolution = resolve_for_replica(llm_config, self._settings, self._node, self._family,
-                                        ahead)
+        self._resolution = resolve_for_replica(llm_config, self._settings, self._node,
+                                               self._family, ahead)
         while_engine_starts = AfterEngineSpawn()
         layout_check = None if ahead is None else while_engine_starts.submit(
             "the layout check", partial(layout_contradiction, self._node, ahead))
@@ -172,13 +173,13 @@ class DSv4ServerMixin:
         layout = rules.Layout(self._expected) if self._expected in \
             {m.value for m in rules.Layout} else self._resolution.layout
         node = self._node.as_dict()
-        base_cfg, why = model_config(base)
+        base_cfg, why = with_overrides(*self._model_config, base)
         deployment = predict(base_cfg, layout, self._requested, vllm,
                              source=source_of(base, vllm, why), node=node,
                              engine=base.engine_kwargs)
         if self._override is None:
             return deployment, None
-        own_cfg, why = model_config(own)
+        own_cfg, why = with_overrides(*self._model_config, own)
         return deployment, predict(own_cfg, self._resolution.layout, self._requested,
                                    vllm, source=source_of(own, vllm, why) + " + override "
                                    f"rank {self._rank}", node=node,
@@ -203,7 +204,7 @@ class DSv4ServerMixin:
         problem = self_problem(spec)
         if problem and self._settings.policy is Policy.ENFORCE:
             raise KVLayoutMismatch(
-                f"replica {self._replica_id} (rank {self._rank}): {problem}. Refusing to "
+                f"replica {self._replica_id} (rank {self._rank}): {problem}. Refusing to "  # noqa: S608  # an error message, not SQL
                 "serve under dsv4.policy=enforce (a rolling update stops here; the old "
                 "replicas keep serving). Fix: make the engine build what the config "
                 "declares, or set dsv4.policy: warn to start it for inspection."
@@ -234,8 +235,12 @@ class DSv4ServerMixin:
 
     async def dsv4_close_listener(self) -> None:
         """Shutdown: stop taking connections on the replica's own port, let held
-        requests finish (up to the deployment's graceful shutdown time)."""
+        requests finish (up to the deployment's graceful shutdown time), then close the
+        Responses store (its poller, its connections)."""
         await self._doors.close()
+        if self._store is not None:  # its poller and connections end with the replica
+            store, self._store = self._store, None
+            await store.close()
 
     async def _kv_spec_report(self, refresh: bool) -> tuple[Any, str]:
         """The controller's report for ``GET /v1/kv-spec``: refreshes coalesced, rate-limited."""

@@ -66,6 +66,7 @@ from dsv4_patch.rules.releases import (
     NEWEST_RELEASE,
     default_gpu_memory_utilization,
     nixl_mismatch,
+    nixl_region_dedup_hazard,
     release_rules,
 )
 from dsv4_patch.rules.versions import parse_version
@@ -77,7 +78,8 @@ __all__ = [
     "EngineSetup", "Family", "KVCacheDtypeError", "Layout", "LayoutDecision", "LayoutError",
     "ModelShape", "Resolution", "Storage", "UpstreamDecision", "V41Cache", "V41Topology",
     "build", "default_gpu_memory_utilization", "detect_layout", "family_of", "flatten_config",
-    "kv_bytes_per_token", "nixl_mismatch", "padded_page_bytes", "page_alignment",
+    "kv_bytes_per_token", "nixl_mismatch", "nixl_region_dedup_hazard", "padded_page_bytes",
+    "page_alignment",
     "page_breakdown", "parse_capability", "parse_version", "plugin_allowed", "predict_layers",
     "predictable", "release_rules", "resolve_kv_cache_dtype", "state_bytes",
     "stock_vllm_crashes_on", "upstream_resolver_decision", "v41_bytes_per_token", "v41_caches",

@@ -48,6 +48,12 @@ class ReleaseRules:
     v41_rocm_mxfp4_indexer: bool = False
     # nvidia/flashinfer_sparse.py and mla/indexer.py on SM12x: [128] before vllm#59203.
     v41_sm120_block: int = 128
+    # nixl/base_worker.py::register_kv_caches dedups NIXL regions by ``base_addr`` alone
+    # (``seen_base_addresses``), so V4.1's compressor state cache sharing a base with an
+    # SWA cache is registered with the wrong length on both sides (vllm#57661, fix
+    # vllm#57662). Read in the wheels: 0.30-0.33 key on base_addr; 0.34 keys on
+    # (base_addr, block_len). Before 0.30 there is no V4.1 (rules.FIRST_V41_VLLM).
+    nixl_region_dedup_by_base: bool = False
 
 
 _ROWS = (
@@ -57,12 +63,13 @@ _ROWS = (
     ReleaseRules((0, 26), nixl_connector_version=5),
     ReleaseRules((0, 28), nixl_connector_version=7),
     ReleaseRules((0, 29), nixl_connector_version=9),
-    ReleaseRules((0, 30), nixl_connector_version=11),
-    ReleaseRules((0, 31), nixl_connector_version=13, v41_mega=True, v41_preferred_resolver=True),
+    ReleaseRules((0, 30), nixl_connector_version=11, nixl_region_dedup_by_base=True),
+    ReleaseRules((0, 31), nixl_connector_version=13, v41_mega=True, v41_preferred_resolver=True,
+                 nixl_region_dedup_by_base=True),
     ReleaseRules((0, 32), nixl_connector_version=14, v41_mega=True, v41_preferred_resolver=True,
-                 v41_rocm_mxfp4_indexer=True),
+                 v41_rocm_mxfp4_indexer=True, nixl_region_dedup_by_base=True),
     ReleaseRules((0, 33), nixl_connector_version=15, v41_mega=True, v41_preferred_resolver=True,
-                 v41_rocm_mxfp4_indexer=True,
+                 v41_rocm_mxfp4_indexer=True, nixl_region_dedup_by_base=True,
                  v41_rocm_backend="ROCM_FLASHMLA_SPARSE_DSV41"),
     ReleaseRules((0, 34), nixl_connector_version=16, extensible_kv_cache=True,
                  default_block_size=64, v41_mega=True, v41_preferred_resolver=True,
@@ -100,3 +107,15 @@ def nixl_mismatch(release_a: str, release_b: str) -> str | None:
     return (f"vLLM {release_a} speaks NIXL_CONNECTOR_VERSION {a}, vLLM {release_b} speaks "
             f"{b}: the version is part of NIXL's compatibility hash, so every handshake "
             "between the pools fails. Fix: run both pools on one vLLM release.")
+
+
+def nixl_region_dedup_hazard(release: str) -> str | None:
+    """Why DeepSeek-V4.1 P/D on ``release`` can decode wrong pages with equal specs, or None."""
+    if not release_rules(release).nixl_region_dedup_by_base:
+        return None
+    return (f"vLLM {release}'s NIXL connector registers KV regions deduplicated by base "
+            "address alone (vllm#57661, fix vllm#57662): DeepSeek-V4.1's compressor state "
+            "cache shares a base with an SWA cache and is sent truncated, with the same "
+            "wrong lengths on both sides, so spec checks agree while answers are wrong. "
+            "The P/D output canary (pd.canary) guards it: a pair whose output differs is "
+            "excluded. Fix: vLLM 0.34+, or keep pd.canary on.")

@@ -16,7 +16,6 @@ serving a byte-identical copy of the model at another path is compatible by our 
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import tempfile
@@ -27,49 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.support.pd_stack import deploy, pd_args
 from tests.support.stack import ODD_ENGINE_KWARGS, Stack
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-PD_CONFIG = REPO / "configs" / "local-cpu-pd.yaml"
 FULL = os.environ.get("DSV4_FULL_PD") == "1"
 PROMPT = " ".join(["hello world"] * 350)  # ~700 tokens: several 256-token blocks
 SCRAPE_TIMEOUT_S = 60.0
 SOURCE = "prompt_tokens_by_source_total"  # vllm:prompt_tokens_by_source, Ray-prefixed
-
-
-def pd_args(**changes: Any) -> dict[str, Any]:
-    raw = yaml.safe_load(PD_CONFIG.read_text())["applications"][0]["args"]
-    args = copy.deepcopy(raw)
-    for pool in ("prefill", "decode"):
-        args["pd"][pool] |= changes.pop(pool, {})
-    args["pd"] |= changes
-    return args
-
-
-def deploy(stack: Stack, name: str, args: dict[str, Any]) -> str:
-    """Deploy one P/D app next to the session stack; return its OpenAI base URL."""
-    import ray
-
-    from deployments.config import ServeApplication
-    from deployments.local import deploy as deploying
-    from deployments.local import ray_head
-
-    entry = ServeApplication(name=name, route_prefix=f"/{name}",
-                             import_path="deployments.app:build_app", args=args)
-    config = stack.config.model_copy(update={"applications": [entry]})
-    needed, deadline = ray_head.logical_cpus_needed(config), time.monotonic() + 60
-    while (free := ray.available_resources().get("CPU", 0)) < needed:  # a deleted app's
-        assert time.monotonic() < deadline, (  # actors release theirs as they exit
-            f"{free} logical CPUs free; the P/D app needs {needed} (both pools at their "
-            "max): another test's app is still deployed")
-        time.sleep(1)
-    deploying.deploy(config)
-    return deploying.base_url(config, f"/{name}")
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import itertools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -254,3 +255,17 @@ def v4_differences(version: str) -> list[str]:
 def test_v4_rules_agree_with_the_release_cell_by_cell(version: str) -> None:
     found = v4_differences(version)
     assert not found, f"{len(found)} cells differ:\n" + "\n".join(found[:15])
+
+
+NIXL_WORKER = "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py"
+
+
+@pytest.mark.parametrize("version", rs.FIXED_RELEASES)
+def test_nixl_region_dedup_is_the_wheels(version: str) -> None:
+    """vllm#57661: ``register_kv_caches`` reuses a region when only the base address
+    matches (0.30-0.33), or when base address and block length match (0.34)."""
+    text = rs.source(version, NIXL_WORKER)
+    by_base = re.search(r"if base_addr in seen_base_addresses\b", text) is not None
+    by_base_and_len = "region_key = (base_addr, block_len)" in text
+    assert by_base != by_base_and_len, version
+    assert rules.release_rules(version).nixl_region_dedup_by_base is by_base

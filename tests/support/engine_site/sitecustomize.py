@@ -13,6 +13,8 @@ switched on by its own environment variable:
 - ``DSV4_TEST_REPORT_SPECS=1``: each worker prints its KV cache specs and plugin
   record when vLLM collects them (tests/support/spec_report.py), for releases whose run ends
   before a worker extension could be asked (the release end-to-end checks).
+- ``DSV4_TEST_PD_FAULTS=<file>``: KV-transfer faults in vLLM's NIXL pull connector,
+  chosen at run time by the file's contents (tests/support/pd_faults.py).
 """
 
 import os
@@ -35,3 +37,10 @@ if os.environ.get("DSV4_TEST_REPORT_SPECS") == "1":
 
     when_imported(spec_report.RUNNER_MODULE, spec_report.install_into)
     when_imported(spec_report.ATTENTION_MODULE, spec_report.install_layer_report)
+
+if os.environ.get("DSV4_TEST_PD_FAULTS"):
+    from dsv4_patch.import_hooks import when_imported
+    from tests.support import pd_faults
+
+    when_imported(pd_faults.WORKER_MODULE, pd_faults.install_worker)
+    when_imported(pd_faults.SCHEDULER_MODULE, pd_faults.install_scheduler)

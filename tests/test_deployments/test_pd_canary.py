@@ -1,0 +1,157 @@
+"""The P/D output canary end to end: one pair of engines, clean canaries and four faults.
+
+One P/D app (``configs/local-cpu-pd.yaml``, NIXL over DRAM) with the suite's scaled
+dummy weights in both pools (same seed, so the canary's outputs depend on the context)
+and the engine-site fault hooks (tests/support/pd_faults.py), switched by a file at run
+time: one boot serves every case. The canaries run on the decode replica (its
+``run_canary``) from the controller's own loop, which must exclude the pair within one
+period, route user requests to local prefill, and let the pair rejoin after a clean
+canary.
+
+``make test-pd`` only (``DSV4_FULL_PD=1``): a pair of engines beyond the session stack
+does not fit ``make test``'s 60-minute budget. ``DSV4_PD_CANARY_CLEAN_S`` sets how long
+clean canaries run (default 120 s); ``DSV4_PD_CANARY_OUT`` writes the measurements as
+JSON (``python -m benchmarks.pd_canary`` turns them into benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.pd_stack import REPO, deploy, pd_args
+from tests.support.stack import Stack
+
+FULL = os.environ.get("DSV4_FULL_PD") == "1"
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not FULL, reason="make test-pd (DSV4_FULL_PD=1): a pair of "
+                                 "engines beyond the session stack")]
+
+APP = "pdcanary"
+CLEAN_S = float(os.environ.get("DSV4_PD_CANARY_CLEAN_S", "120"))
+FAULTS = ("drop_region", "truncate_region", "fail_receive", "stale_params")
+PERIOD_S = 5.0
+RESULTS: dict[str, Any] = {"clean": [], "faults": {}}
+
+
+@pytest.fixture(scope="module")
+def canary_app(serve_stack: Stack) -> Iterator[tuple[str, Path]]:
+    from ray import serve
+
+    from deployments.local import client
+
+    fault_file = Path(tempfile.mkdtemp(prefix="dsv4-pd-faults-")) / "fault.json"
+    fault_file.write_text("{}")
+    args = pd_args()
+    env = args["llm"]["runtime_env"]["env_vars"]
+    site = [str(REPO / "tests" / "support" / "engine_site"), str(REPO)]
+    env |= {"PYTHONPATH": os.pathsep.join([*site, os.environ.get("PYTHONPATH", "")]),
+            "DSV4_TEST_SCALED_DUMMY_WEIGHTS": "1", "DSV4_TEST_PD_FAULTS": str(fault_file)}
+    args["pd"]["canary"] = {"period_s": PERIOD_S, "prompt_tokens": 300}
+    args["dsv4"]["controller_period_s"] = 5
+    url = deploy(serve_stack, APP, args)
+    try:
+        client.wait_for_verdict(url, timeout_s=240)
+        yield url, fault_file
+    finally:
+        serve.delete(APP)
+        out = os.environ.get("DSV4_PD_CANARY_OUT")
+        if out:
+            Path(out).write_text(json.dumps(RESULTS, indent=1))
+
+
+def report(url: str) -> dict[str, Any]:
+    from deployments.local import client
+
+    _, body = client.http_json(f"{url}/kv-spec")
+    return body["pd"]
+
+
+def wait_pd(url: str, pred: Any, timeout_s: float = 90.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    pd = report(url)
+    while not pred(pd) and time.monotonic() < deadline:
+        time.sleep(1)
+        pd = report(url)
+    assert pred(pd), pd
+    return pd
+
+
+def decode_handle(url: str) -> Any:
+    from ray import serve
+
+    name = report(url)["pools"]["decode"]["deployment"]
+    return serve.get_deployment_handle(name, app_name=APP)
+
+
+def pair(url: str) -> tuple[str, str]:
+    pd = wait_pd(url, lambda p: any(p["allowed"].values()), 240)
+    [(decode, [prefill])] = pd["allowed"].items()
+    return decode, prefill
+
+
+def test_a_pair_joins_only_after_a_clean_canary_and_clean_canaries_pass(
+        canary_app: tuple[str, Path]) -> None:
+    """The controller's own canaries, every period, for ``CLEAN_S`` seconds: none fails."""
+    url, _ = canary_app
+    _, prefill = pair(url)
+    seen: dict[float, dict[str, Any]] = {}
+    deadline = time.monotonic() + CLEAN_S
+    while time.monotonic() < deadline:
+        pd = report(url)
+        for c in pd["canaries"]:
+            seen.setdefault(c["at"], c)
+        assert pd["canary_totals"].get("failed", 0) == 0, pd  # a false positive
+        time.sleep(2)
+    first = min(seen.values(), key=lambda c: c["at"])
+    assert first["passed"] and first["mode"] == "output" and \
+        first["prefill_replica"] == prefill, first
+    for c in seen.values():
+        assert c["external_tokens"] >= c["prompt_tokens"] - 256, c  # arrived over NIXL
+    RESULTS["clean"] = [{k: c[k] for k in ("passed", "max_delta", "seconds",
+                                           "external_tokens", "prompt_tokens", "reason")}
+                        for c in seen.values()]
+    RESULTS["clean_totals"] = report(url)["canary_totals"]
+    deltas = [c["max_delta"] for c in seen.values()]
+    seconds = [c["seconds"] for c in seen.values()]
+    print(f"{RESULTS['clean_totals']} canaries, {len(seen)} seen: max delta "
+          f"{max(deltas):.4f} nats, {sum(seconds) / len(seconds):.1f} s each")
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_fault_is_caught_and_the_pair_excluded_until_clean(
+        canary_app: tuple[str, Path], fault: str) -> None:
+    from deployments.local import client
+
+    url, fault_file = canary_app
+    decode, prefill = pair(url)  # clean again after the previous case
+    handle = decode_handle(url)
+    fault_file.write_text(json.dumps({"fault": fault, "region": 0}))
+    started = time.monotonic()
+    try:
+        pd = wait_pd(url, lambda p: not p["allowed"].get(decode) and any(
+            not c["passed"] for c in p["canaries"]), 150)
+        detected_s = time.monotonic() - started
+        [bad] = [c for c in pd["canaries"] if not c["passed"]]
+        assert bad["reason"] and pd["verdict"] in ("partial", "incompatible"), pd
+        state = handle.pd_route_state.remote().result(timeout_s=30)
+        assert state["allowed"] == [] and not state["may_transfer"], state
+        status, body = client.http_json(f"{url}/completions", "POST", {
+            "model": "dsv4-tiny", "prompt": "hello", "max_tokens": 2,
+            "temperature": 0}, timeout=120)
+        assert status == 200, body  # answered by local prefill, not through the pair
+        RESULTS["faults"][fault] = {
+            "caught": not bad["passed"], "reason": bad["reason"],
+            "max_delta": bad["max_delta"], "finish_reason": bad["finish_reason"],
+            "external_tokens": bad["external_tokens"], "seconds": bad["seconds"],
+            "excluded_after_s": round(detected_s, 1)}
+    finally:
+        fault_file.write_text("{}")
+    wait_pd(url, lambda p: prefill in p["allowed"].get(decode, []), 150)
