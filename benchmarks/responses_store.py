@@ -21,7 +21,7 @@ from typing import Any
 
 from deployments.responses.redis_store import RedisStore
 from deployments.responses.sqlite import SQLiteStore
-from deployments.responses.store import owner_of
+from deployments.responses.store import Quota, owner_of
 
 BODY = json.dumps({"id": "resp_x", "output": [{"text": "x" * 4000}]})
 
@@ -58,7 +58,7 @@ def _redis(n: int) -> dict[str, str] | None:
                             stdout=subprocess.DEVNULL)
     try:
         time.sleep(0.5)
-        store = RedisStore(f"redis://127.0.0.1:{port}/0", None, "bench", 3600, 10 * n, 2.0)
+        store = RedisStore(f"redis://127.0.0.1:{port}/0", None, "bench", Quota(3600, 10 * n), 2.0)
         return asyncio.run(_measure(store, n))
     finally:
         proc.kill()
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1000)
     n = parser.parse_args().n
     with tempfile.TemporaryDirectory() as tmp:
-        store = SQLiteStore(Path(tmp) / "r.sqlite3", 3600, 10 * n, 2.0)
+        store = SQLiteStore(Path(tmp) / "r.sqlite3", Quota(3600, 10 * n), 2.0)
         print("sqlite:", asyncio.run(_measure(store, n)))
     print("redis:", _redis(n) or "no redis-server on PATH")
 

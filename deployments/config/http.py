@@ -83,6 +83,12 @@ class HTTPEdge(_Strict):
     max_in_flight: int = Field(default=256, ge=1)
     # vLLM's own default ``max_logprobs``: the engine refuses more, the edge says so first.
     max_logprobs: int = Field(default=20, ge=0, le=1 << 20)
+    # Prompt logprobs (``prompt_logprobs``, or ``echo`` with logprobs) are built per prompt
+    # token on the replica's event loop: at most this many entries, prompt tokens x
+    # (k + 1), the prompt's tokens bounded at the edge by its UTF-8 bytes (a token is at
+    # least one byte; token-id prompts are counted exactly). 2**18: k=20 on ~12 KB of
+    # prompt text, k=1 on ~128 KB, k=0 (each token's own logprob) on 256 KB.
+    max_prompt_logprobs: int = Field(default=1 << 18, ge=1, le=1 << 30)
     # A body that has not fully arrived by then is refused (408): a slow upload must not
     # hold a connection or a slot.
     body_timeout_s: float = Field(default=30.0, gt=0, le=3600)

@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from deployments.config.base import _Strict
 
-DEFAULT_PASSWORD_ENV = "DSV4_RESPONSES_STORE_PASSWORD"
+DEFAULT_PASSWORD_ENV = "DSV4_RESPONSES_STORE_PASSWORD"  # noqa: S105  # the name of an env var, not a password
 THIRTY_DAYS_S = 30 * 24 * 3600.0
 
 
@@ -27,15 +27,25 @@ class ResponsesStore(_Strict):
         "redis: a Redis/Valkey server every replica reaches (multi-node, KubeRay)")
     sqlite_path: str | None = Field(
         default=None, min_length=1, description="the SQLite file; default "
-        "<tmp>/dsv4-serve/responses/<app>.sqlite3 (the local run directory)")
+        "$XDG_STATE_HOME (or ~/.local/state)/dsv4-serve/responses/<app>.sqlite3: this "
+        "user's; its directory must be 0700 and the file 0600, owned by this user")
     url: str | None = Field(
         default=None, description="redis://host:port/db (or rediss://); no password in "
         "it: the password comes from password_env")
     password_env: str = Field(default=DEFAULT_PASSWORD_ENV, min_length=1)
-    key_prefix: str = Field(default="dsv4:responses", min_length=1, max_length=200)
-    # OpenAI keeps stored responses 30 days; oldest evicted first beyond either bound.
+    # No braces: each key's records share the Redis Cluster hash tag {<owner>}.
+    key_prefix: str = Field(default="dsv4:responses", min_length=1, max_length=200,
+                            pattern=r"^[^{}]+$")
+    # OpenAI keeps stored responses 30 days. Quotas are per API key (keyless: one key):
+    # beyond its records or bytes a key's own oldest records go, never another key's, so
+    # the fleet holds at most (keys x max_bytes_per_key) -- size Redis's maxmemory above
+    # it. 128 MiB a key holds ~1,000 long conversations (100 KiB a record) or 16 at the
+    # largest record; 8 MiB a record is above DeepSeek-V4's 1M-token context as text
+    # (~4 bytes a token) with its JSON; larger is refused (413), nothing stored.
     max_age_s: float = Field(default=THIRTY_DAYS_S, gt=0)
-    max_count: int = Field(default=100_000, ge=1)
+    max_records_per_key: int = Field(default=10_000, ge=1)
+    max_bytes_per_key: int = Field(default=128 << 20, ge=1024)
+    max_record_bytes: int = Field(default=8 << 20, ge=1024)
     # Every store call has this deadline; past it the request fails with a 503.
     timeout_s: float = Field(default=2.0, gt=0, le=60)
     # How often a replica running background responses looks for a cancel made elsewhere.
@@ -66,6 +76,11 @@ class ResponsesStore(_Strict):
         if self.backend == "sqlite" and self.url is not None:
             raise ValueError("responses.url is set but responses.backend=sqlite would ignore "
                              "it. Fix: set backend: redis, or remove url.")
+        if self.max_record_bytes > self.max_bytes_per_key:
+            raise ValueError(f"responses.max_record_bytes={self.max_record_bytes} is above "
+                             f"responses.max_bytes_per_key={self.max_bytes_per_key}: such a "
+                             "record could never be kept. Fix: lower max_record_bytes or "
+                             "raise max_bytes_per_key.")
         if self.backend == "redis" and self.sqlite_path is not None:
             raise ValueError("responses.sqlite_path is set but responses.backend=redis would "
                              "ignore it. Fix: remove sqlite_path.")

@@ -198,6 +198,9 @@ class ReplicaListener:
             await asyncio.sleep(0.01)
         self._server, self._task = server, task
         self._inode = os.fstat(sock.fileno()).st_ino
+        if self._closed_for:  # closed (drain, engine dead, stopping) while it started
+            self.close_for(next(iter(self._closed_for)))
+            return
         logger.info("dsv4: this replica answers HTTP itself on %s (%s; no proxy hop)",
                     self.address, "shared with the app's other replicas on this machine"
                     if self._shared else f"{self._setting}, its own")
@@ -259,7 +262,7 @@ class ReplicaListener:
         balancer in front deregisters the replica meanwhile: it fails the health check
         while the port still answers) ``begin_stop`` with what Serve has left, at most."""
         async def poll() -> None:
-            while not stopping():
+            while not stopping():  # noqa: ASYNC110  # polls Serve's flag; no event to await
                 await asyncio.sleep(poll_s)
             if hold_s > 0:
                 logger.info("dsv4: Serve is stopping this replica; %s keeps answering "

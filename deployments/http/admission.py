@@ -5,11 +5,13 @@ A request on an admitted route (every POST, and the GETs that cost:
 read and holds it until the app is done: an upload in progress holds a slot, so a key
 holder cannot park any number of slow uploads. Full: **503 + Retry-After**. The body
 must arrive within ``http.body_timeout_s`` (**408**) and stay within
-``http.max_body_bytes`` (**413**); then ``bounds.body_problem`` judges it (**400**
-naming the field) and the app gets it replayed, with the client's own later
-messages (so a disconnect still aborts the generation).
+``http.max_body_bytes`` (**413**); then ``parsed.judge`` judges it on the values vLLM's
+request model makes of it (**400** naming the field) and the app gets it replayed
+(re-encoded with those values when they differ from what was sent), with the client's
+own later messages (so a disconnect still aborts the generation).
 
-A Responses request with ``background: true`` (store on) returns at once while vLLM
+A Responses request whose ``background`` vLLM reads as true (``true``, ``1``, ``"yes"``
+...) with the store on returns at once while vLLM
 runs the generation in a task (``OpenAIServingResponses.background_tasks``, keyed by
 the response id = the request's ``request_id``, which the edge assigns): its slot is
 held until that task ends, and the task is cancelled at ``http.stream_max_s``.
@@ -28,7 +30,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deployments.config import HTTPEdge
 from deployments.http import routes
-from deployments.http.bounds import STORE_SETTING, body_problem
+from deployments.http.bounds import STORE_SETTING
+from deployments.http.parsed import judge
 from deployments.http.refusal import (
     Refusal,
     RefusingMiddleware,
@@ -87,11 +90,11 @@ class AdmissionMiddleware(RefusingMiddleware):
                 await self.app(scope, receive, send)
                 return
             raw = await read_body(scope, receive, self.settings)
-            problem = body_problem(raw, self.settings, route)
-            if problem:
-                raise Refusal(400, problem[1], "invalid_request_error", "bounds",
-                              param=problem[0])
-            raw, background_id = self._assign_id(route, raw)
+            judged = judge(raw, self.settings, route)
+            if judged.problem:
+                raise Refusal(400, judged.problem[1], "invalid_request_error", "bounds",
+                              param=judged.problem[0])
+            raw, background_id = self._assign_id(route, judged.raw, judged.body)
             started = time.monotonic()
             await self.app(scope, replay(raw, receive), send)
             task = self._background(background_id)
@@ -106,15 +109,13 @@ class AdmissionMiddleware(RefusingMiddleware):
             if held:
                 self.slots.give()
 
-    def _assign_id(self, route: routes.Route, raw: bytes) -> tuple[bytes, str | None]:
+    def _assign_id(self, route: routes.Route, raw: bytes,
+                   body: object) -> tuple[bytes, str | None]:
         """With the store on, a Responses create gets its id from the edge (a client's
-        ``request_id`` is refused); returns the id of a background run, else None."""
+        ``request_id`` is refused); returns the id of a background run, else None.
+        ``body`` holds vLLM's coerced values (``background`` a bool when it coerces)."""
         if not (route.stateful and route.body and self.settings.responses_store
                 and route.path == routes.RESPONSES_ROUTE):
-            return raw, None
-        try:
-            body = json.loads(raw)
-        except ValueError:
             return raw, None
         if not isinstance(body, dict):
             return raw, None

@@ -2,9 +2,9 @@
 
 Each check runs in time linear in the body (``json_depth`` is one regex pass and one
 scan; the rest walk the parsed body once) and judges a field as vLLM's pydantic
-request models will read it (``engine_int``). ``body_problem`` is the whole judgement
-for one route (``deployments.http.routes``); ``deployments.http.edge`` turns a problem
-into a 400 naming the field.
+request models will read it (``engine_int``). ``deployments.http.parsed.judge`` is the
+whole judgement for one route (``deployments.http.routes``): bytes first
+(``bytes_problem``), then the parsed body with vLLM's coerced values (``parsed_problem``).
 """
 
 from __future__ import annotations
@@ -102,6 +102,56 @@ def limit_problem(body: Any, limits: HTTPEdge,
     return None
 
 
+# The chat template's own text around the messages (role markers, a system preamble),
+# in tokens: added to a chat prompt's byte count, an upper bound of its tokens.
+TEMPLATE_TOKENS = 1024
+
+
+def prompt_tokens_at_most(body: dict[str, Any], route: routes.Route) -> int:
+    """An upper bound of the prompt tokens vLLM will score, linear in the body: a token
+    is at least one UTF-8 byte of text; a token-id list counts its ids; a chat prompt
+    is its messages' JSON (more bytes than their text) plus the template's tokens."""
+    if route.prompts == "prompt":  # completions: text, token ids, or lists of either
+        stack, total = [body.get("prompt")], 0
+        while stack:
+            value = stack.pop()
+            if isinstance(value, str):
+                total += len(value.encode("utf-8", "surrogatepass"))
+            elif isinstance(value, list):
+                ids = sum(1 for v in value if isinstance(v, int))
+                total += ids
+                stack.extend(v for v in value if not isinstance(v, int))
+        return total
+    conversations = body.get("messages")
+    count = len(conversations) if route.prompts == "messages" and \
+        isinstance(conversations, list) else 1
+    text = json.dumps(conversations, ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return len(text) + TEMPLATE_TOKENS * max(1, count)
+
+
+def prompt_logprobs_problem(body: dict[str, Any], limits: HTTPEdge,
+                            route: routes.Route) -> tuple[str, str] | None:
+    """(param, message) when the prompt logprobs asked for (``prompt_logprobs``, else
+    ``echo`` with the route's logprobs field, as vLLM's ``to_sampling_params`` reads
+    them) would build more than ``http.max_prompt_logprobs`` entries."""
+    if route.echo_logprobs is None:
+        return None
+    param, k = "prompt_logprobs", engine_int(body.get("prompt_logprobs"))
+    if k is None and body.get("echo") is True:
+        param, k = "echo", engine_int(body.get(route.echo_logprobs))
+    if k is None or k < 0:  # -1 (the vocabulary) is refused by http.max_logprobs/vLLM
+        return None
+    tokens = prompt_tokens_at_most(body, route)
+    entries, budget = tokens * (k + 1), limits.max_prompt_logprobs
+    if entries <= budget:
+        return None
+    return param, (f"prompt logprobs with k={k} over a prompt of up to {tokens} tokens "
+                   f"(counted as its UTF-8 bytes, an upper bound) are up to {entries} "
+                   f"entries, above this server's limit http.max_prompt_logprobs={budget}. "
+                   f"Fix: ask for a smaller k, or score at most {budget // (k + 1)} bytes "
+                   "of prompt per request.")
+
+
 def forbidden_path(body: Any) -> str | None:
     """The path of the first key only the server may set, at any depth, else None.
 
@@ -174,27 +224,30 @@ def encoding_problem(raw: bytes) -> str | None:
             "the body as UTF-8.")
 
 
-def body_problem(raw: bytes, settings: HTTPEdge,
-                 route: routes.Route) -> tuple[str | None, str] | None:
-    """(param, message) for the first thing wrong with a body before vLLM reads it.
-
-    Order: encoding, nesting (both on bytes, linear), then the parsed fields: fields only
-    the server may set, the route's bounds, chat ``messages``, the Responses store rules.
-    A body that is not JSON is left to the request schema (its 400 gives the position).
-    """
+def bytes_problem(raw: bytes, settings: HTTPEdge) -> str | None:
+    """The message for a body refused on its bytes (encoding, nesting: both linear)."""
     encoding = encoding_problem(raw)
     if encoding:
-        return None, encoding
+        return encoding
     depth = json_depth(raw)
     if depth > settings.max_json_depth:
-        return None, (f"the body nests {depth} levels deep, above this server's limit "
-                      f"http.max_json_depth={settings.max_json_depth}. Fix: flatten the "
-                      "request.")
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        return None
+        return (f"the body nests {depth} levels deep, above this server's limit "
+                f"http.max_json_depth={settings.max_json_depth}. Fix: flatten the "
+                "request.")
+    return None
+
+
+def parsed_problem(body: Any, settings: HTTPEdge,
+                   route: routes.Route) -> tuple[str | None, str] | None:
+    """(param, message) for the first thing wrong with a parsed body whose judged fields
+    hold vLLM's coerced values (``deployments.http.parsed``).
+
+    Order: fields only the server may set, the route's bounds, chat ``messages``, the
+    Responses store rules.
+    """
     problem = forbidden_problem(body) or limit_problem(body, settings, route)
+    if problem is None and isinstance(body, dict):
+        problem = prompt_logprobs_problem(body, settings, route)
     if problem is None and route.stateful:
         problem = state_problem(body, settings.responses_store)
     if problem:

@@ -28,6 +28,9 @@ from deployments.http.bounds import FORBIDDEN_FIELDS
 
 Kind = Literal["bounded", "refused", "store", "free"]
 STORE_FIELDS = ("store", "background", "previous_response_id")
+# The type vLLM's ResponsesRequest declares for each store field (``Optional`` dropped):
+# the edge judges the field after the same lax coercion (``deployments.http.parsed``).
+STORE_TYPES = {"store": "bool", "background": "bool", "previous_response_id": "str"}
 
 _SIZE = "bounded by http.max_body_bytes and http.max_json_depth"
 _FLAG = "a switch or a choice among fixed values: costs nothing"
@@ -71,7 +74,8 @@ FREE: dict[str, str] = {
     "repetition_detection": _FLAG, "priority": (
         "read only under vLLM's priority scheduling (dsv4-serve runs FCFS)"),
     # what the answer carries
-    "echo": _OUTPUT, "logprobs": _OUTPUT + " (chat: a switch; completions: bounded)",
+    "echo": _OUTPUT + " (with logprobs: http.max_prompt_logprobs)",
+    "logprobs": _OUTPUT + " (chat: a switch; completions: bounded)",
     "logprob_token_ids": _SIZE, "stream": _FLAG, "stream_options.*": _FLAG,
     "stream_interval": "chunks per stream: the stream limits hold it",
     "skip_special_tokens": _FLAG, "spaces_between_special_tokens": _FLAG,
@@ -119,12 +123,31 @@ def decide(route: routes.Route, path: str) -> Decision | None:
     if path in route.bounds:
         return Decision("bounded", f"at most http.{route.bounds[path]}",
                         route.bounds[path], "int")
+    if path == "echo" and route.echo_logprobs is not None:
+        return Decision("bounded", "with echo, the prompt logprobs count against "
+                        "http.max_prompt_logprobs (prompt tokens x k)",
+                        "max_prompt_logprobs", "bool")
     if path == route.prompts:
         return Decision("bounded", "its prompts count against http.max_prompts",
                         "max_prompts", "list length")
     if path.rsplit(".", 1)[-1] in FORBIDDEN_FIELDS:
         return Decision("refused", "set only by dsv4-serve's own P/D path, at any depth")
     if route.stateful and path in STORE_FIELDS:
-        return Decision("store", "refused while http.responses_store is off")
+        return Decision("store", "refused while http.responses_store is off",
+                        coerced=STORE_TYPES[path])
     why = _free(path)
     return Decision("free", why) if why is not None else None
+
+
+def judged(route: routes.Route) -> dict[str, str]:
+    """Every field path of ``route`` the edge judges on a value, with the type vLLM's
+    model coerces it to (``int``, ``bool``, ``str``): its bounds and store gates."""
+    paths = [*route.bounds, *(STORE_FIELDS if route.stateful else ()),
+             *(("echo",) if route.echo_logprobs is not None else ())]
+    out = {}
+    for path in paths:
+        decision = decide(route, path)
+        if decision is not None and decision.coerced in ("int", "bool", "str"):
+            out[path] = decision.coerced
+    return out
+

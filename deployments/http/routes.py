@@ -46,6 +46,9 @@ class Route:
     stateful: bool = False  # Responses: store/background/previous_response_id rules
     # A GET that costs (a controller call, a held stream): it takes an in-flight slot.
     costly_get: bool = False
+    # The field vLLM takes as the prompt logprobs' k when ``echo`` is true and
+    # ``prompt_logprobs`` is unset (``to_sampling_params``); None: no prompt logprobs.
+    echo_logprobs: str | None = None
 
     @property
     def body(self) -> bool:
@@ -67,13 +70,15 @@ _CHAT_BOUNDS = {"n": CHOICES, "max_tokens": TOKENS, "max_completion_tokens": TOK
                 "top_logprobs": LOGPROBS, "prompt_logprobs": LOGPROBS, **_REPETITION}
 
 _ROUTES = (
-    Route(CHAT_ROUTE, "POST", _CHAT_BOUNDS, chat_messages=True),
+    Route(CHAT_ROUTE, "POST", _CHAT_BOUNDS, chat_messages=True, echo_logprobs="top_logprobs"),
     # ``messages`` is a list of conversations: one generation each.
-    Route(CHAT_BATCH_ROUTE, "POST", {**_CHAT_BOUNDS, "best_of": CHOICES}, prompts="messages"),
+    Route(CHAT_BATCH_ROUTE, "POST", {**_CHAT_BOUNDS, "best_of": CHOICES}, prompts="messages",
+          echo_logprobs="top_logprobs"),
     Route(COMPLETIONS_ROUTE, "POST",
           {"n": CHOICES, "best_of": CHOICES, "max_tokens": TOKENS, "min_tokens": TOKENS,
            "thinking_token_budget": TOKENS, "logprobs": LOGPROBS,
-           "prompt_logprobs": LOGPROBS, **_REPETITION}, prompts="prompt"),
+           "prompt_logprobs": LOGPROBS, **_REPETITION}, prompts="prompt",
+          echo_logprobs="logprobs"),
     # thinking_token_budget: vLLM 0.34+.
     Route(RESPONSES_ROUTE, "POST", {"max_output_tokens": TOKENS, "top_logprobs": LOGPROBS,
                                     "thinking_token_budget": TOKENS}, stateful=True),

@@ -45,7 +45,7 @@ RAY_UID, RAY_GID = 1000, 100
 API_KEYS_DIR = "/etc/dsv4-serve/api-keys"
 # Writable directories on a read-only root filesystem: Ray's session dir and
 # spilling (/tmp), vLLM/torch/FlashInfer/Triton caches under the home directory.
-WRITABLE_DIRS = {"tmp": "/tmp", "home-cache": "/home/ray/.cache",
+WRITABLE_DIRS = {"tmp": "/tmp", "home-cache": "/home/ray/.cache",  # noqa: S108  # a pod's emptyDir mount, not a temp file
                  "home-config": "/home/ray/.config", "home-triton": "/home/ray/.triton"}
 SECRET_NAMES = re.compile(r"TOKEN|SECRET|PASSWORD|API_KEY", re.I)
 

@@ -32,12 +32,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from deployments import lifetime, serve_env
+from deployments.local import ray_token
 
 logger = logging.getLogger("dsv4_serve.cluster")
 
@@ -108,13 +108,10 @@ def auth_env(token_path: Path) -> dict[str, str]:
     turns token auth on whenever ``~/.ray/auth_token`` exists (any earlier local
     cluster on the machine writes it), while a driver given an explicit address
     never does -- and then cannot connect. Secure by default: token on, and the
-    token is ours, not the machine-wide file. The driver and every process of the
-    cluster (inherited environment) read the same file.
+    token is ours, not the machine-wide file (``ray_token``: checked, 0600). The driver
+    and every process of the cluster (inherited environment) read the same file.
     """
-    if not token_path.exists():
-        token_path.touch(mode=0o600)
-        token_path.write_text(uuid.uuid4().hex)
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+    return ray_token.token_env(token_path, {})
 
 
 def free_port() -> int:
@@ -228,7 +225,7 @@ class LocalCluster:
                f"--autoscaling-config={config}", "--include-dashboard=false",
                "--disable-usage-stats", *head_log_monitor_flags()]
         with open(log_path, "wb") as log:
-            head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+            head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,  # noqa: S603  # ray start, fixed arguments
                                     start_new_session=True, stdin=subprocess.DEVNULL,
                                     preexec_fn=_die_with_parent(os.getpid()))
         cluster = cls(spec, address, head, log_path, Path(config))

@@ -28,7 +28,7 @@ from http import HTTPStatus
 from typing import Any
 
 from deployments.logs import get_logger
-from deployments.responses.store import ResponsesStore, StoreError
+from deployments.responses.store import QuotaExceeded, ResponsesStore, StoreError
 from deployments.responses.views import OWNER, Key, OwnedView
 from dsv4_patch.responses_touch import READ as TOUCH
 
@@ -86,13 +86,15 @@ class StoreBinding:
         self.messages.load(key, messages)
 
     async def _save(self, key: Key, force: bool = False) -> None:
+        """What vLLM wrote for ``key`` (or all of it, with ``force``), in one write."""
         messages = self.messages.take(key, force)
-        if messages is not None:
-            await self.store.put_messages(*key, _dump_messages(messages))
         response = self.responses.take(key, force)
-        if response is not None:
-            await self.store.put_response(*key, response.model_dump_json(), response.status,
-                                          keep_cancelled=True)
+        if messages is None and response is None:
+            return
+        await self.store.put_record(
+            *key, None if messages is None else _dump_messages(messages),
+            None if response is None else response.model_dump_json(),
+            None if response is None else response.status, keep_cancelled=True)
 
     def _forget(self, key: Key) -> None:
         self.responses.drop(key)
@@ -104,6 +106,10 @@ class StoreBinding:
         self.messages.discard(key)
 
     def _failed(self, op: str, exc: StoreError) -> Any:
+        if isinstance(exc, QuotaExceeded):  # the client's record, not the store's health
+            return self.serving.create_error_response(
+                str(exc), err_type="BadRequestError", param="store",
+                status_code=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
         self.on_error(op)
         logger.error("dsv4: Responses store %s failed: %s", op, exc)
         return self.serving.create_error_response(
@@ -120,10 +126,15 @@ class StoreBinding:
                 await self._load((owner, previous))
         except StoreError as exc:
             return self._failed("read", exc)
-        result = await self._create(request, raw_request)
         key = (owner, request.request_id)
-        if previous is not None:
-            self._forget((owner, previous))
+        try:
+            result = await self._create(request, raw_request)
+        except BaseException:  # cancelled (client gone, stream_max_s) or failed
+            self._abandon(key)
+            raise
+        finally:
+            if previous is not None:
+                self._forget((owner, previous))
         if isinstance(result, self._error_type):
             self._abandon(key)
             return result
@@ -143,7 +154,7 @@ class StoreBinding:
             finally:
                 self._forget(key)
             return result
-        return self._stream(key, result)
+        return _Stream(self._stream(key, result), lambda: self._abandon(key))
 
     async def _stream(self, key: Key, events: AsyncIterator[Any]) -> AsyncIterator[Any]:
         """Pass vLLM's events on; save the response before ``response.completed``."""
@@ -243,8 +254,38 @@ class StoreBinding:
             except StoreError as exc:
                 self.on_error("poll")
                 logger.warning("dsv4: Responses store poll failed: %s", exc)
+            except Exception:  # a bug must not end cancels silently: logged, next round
+                self.on_error("poll")
+                logger.exception("dsv4: Responses store poll failed unexpectedly; polling "
+                                 "goes on")
             await asyncio.sleep(self.cancel_poll_s)
             since_size += self.cancel_poll_s
+
+
+class _Stream:
+    """A stream's events whose ``abandon`` runs however it ends: finished, closed, or
+    dropped before its first event (an async generator never started runs no
+    ``finally``; vLLM's ``msg_store`` copy would stay forever)."""
+
+    def __init__(self, events: AsyncIterator[Any], abandon: Callable[[], None]) -> None:
+        self._events, self._abandon = events, abandon
+
+    def __aiter__(self) -> _Stream:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self._events.__anext__()
+        except BaseException:
+            self._abandon()
+            raise
+
+    async def aclose(self) -> None:
+        self._abandon()
+        await self._events.aclose()  # type: ignore[attr-defined]  # an async generator
+
+    def __del__(self) -> None:
+        self._abandon()
 
 
 def _dump_messages(messages: Any) -> str:
@@ -259,6 +300,8 @@ def _error_event(completed: Any, exc: StoreError) -> Any:
     from openai.types.responses import ResponseErrorEvent
 
     return ResponseErrorEvent(
-        type="error", code="store_unavailable", param=None,
+        type="error", param=None,
+        code="store_quota" if isinstance(exc, QuotaExceeded) else "store_unavailable",
         sequence_number=getattr(completed, "sequence_number", 0),
-        message=f"the Responses store is unavailable ({exc}); this response was not stored.")
+        message=str(exc) if isinstance(exc, QuotaExceeded) else
+        f"the Responses store is unavailable ({exc}); this response was not stored.")

@@ -1,4 +1,4 @@
-"""What every Responses store backend offers, and the owner a record is filed under.
+"""What every Responses store backend offers, the owner a record is filed under, its quota.
 
 A record is one stored response: its JSON (vLLM's ``ResponsesResponse``), the input
 messages vLLM continues a conversation from (its ``msg_store`` entry), and its status,
@@ -32,6 +32,31 @@ class StoreError(RuntimeError):
     an id, a key or a record."""
 
 
+class QuotaExceeded(StoreError):
+    """One record is larger than ``responses.max_record_bytes``: refused (a 4xx), nothing
+    written; the message names the limit and the fix."""
+
+
+@dataclass(frozen=True)
+class Quota:
+    """What one key (owner) may keep. Beyond ``max_records_per_key`` or
+    ``max_bytes_per_key`` the key's own oldest records go (never another key's); a
+    record above ``max_record_bytes`` is refused. Records older than ``max_age_s`` go,
+    by the store's clock."""
+
+    max_age_s: float = 30 * 24 * 3600.0
+    max_records_per_key: int = 10_000
+    max_bytes_per_key: int = 128 << 20
+    max_record_bytes: int = 8 << 20
+
+    def too_large(self, size: int) -> QuotaExceeded:
+        return QuotaExceeded(
+            f"this response and its input messages are {size} bytes, above the store's "
+            f"limit responses.max_record_bytes={self.max_record_bytes}; nothing was stored. "
+            "Fix: send store: false (and the whole conversation as input), shorten the "
+            "conversation, or ask the operator to raise responses.max_record_bytes.")
+
+
 @dataclass(frozen=True)
 class Record:
     """One stored response as the store holds it (plain JSON text)."""
@@ -58,6 +83,14 @@ class ResponsesStore(Protocol):
 
     async def put_messages(self, owner: str, response_id: str, messages: str) -> None:
         """Store the input messages a follow-up continues from."""
+        ...
+
+    async def put_record(self, owner: str, response_id: str, messages: str | None,
+                         response: str | None, status: str | None,
+                         keep_cancelled: bool = False) -> bool:
+        """One atomic write of what is given (None: keep what is stored): all of it, or
+        nothing (``QuotaExceeded``, ``StoreError``); with ``keep_cancelled`` a stored
+        cancel wins (False)."""
         ...
 
     async def statuses(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], str]:

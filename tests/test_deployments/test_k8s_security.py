@@ -217,3 +217,22 @@ def test_render_refuses_an_insecure_manifest(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(params))
     with pytest.raises(ConfigError, match=r"not secure:(.|\n)*only the KubeRay operator's pods"):
         render_all(path)
+
+
+def test_params_say_who_reaches_metrics_as_the_policy_does(docs: Docs) -> None:
+    """k8s/params.yaml's words about the metrics port match the NetworkPolicy rendered
+    from it (issue 52: the words said "only from this namespace", the policy admitted
+    ``metrics_namespace``)."""
+    from deployments.k8s.params import METRICS_PORT
+
+    params = yaml.safe_load((REPO / "k8s" / "params.yaml").read_text())
+    comments = " ".join(line.lstrip("# ").strip() for line in
+                        (REPO / "k8s" / "params.yaml").read_text().splitlines()
+                        if line.startswith("#"))
+    words = comments[comments.index(f"({METRICS_PORT})"):][:160]
+    assert "metrics_namespace" in words and "this namespace" not in words, words
+    [rule] = [r for r in kind(docs, "NetworkPolicy")["spec"]["ingress"]
+              if {p["port"] for p in r.get("ports", [])} == {METRICS_PORT}]
+    namespaces = [f["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+                  for f in rule["from"]]
+    assert namespaces == [params["metrics_namespace"]]

@@ -247,3 +247,25 @@ def test_behind_haproxy_mounts_the_app_at_its_route_prefix_as_serve_does() -> No
         await listener.stop(1.0)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("why", ["drain", "engine", "stop"])
+def test_closed_while_starting_stays_closed(why: str) -> None:
+    """The port closed while ``start()`` runs (drained, engine dead, stopping) must not
+    open when uvicorn comes up: it once served until the next verdict."""
+    async def scenario() -> None:
+        port = free_port()
+        listener = ReplicaListener(named_app("a"), "127.0.0.1", port)
+        starting = asyncio.ensure_future(listener.start())
+        while not listener._lock.locked():
+            await asyncio.sleep(0)
+        await asyncio.sleep(0)  # inside the start: uvicorn is coming up
+        listener.close_for(why)
+        await starting
+        assert not listener.listening
+        await asyncio.sleep(0.2)
+        with pytest.raises(OSError):
+            await in_thread(get, port, "/", 1.0)
+        await listener.stop(5.0)
+
+    asyncio.run(scenario())

@@ -11,60 +11,21 @@ other within the poll, another key gets vLLM's own 404, a dead store is a 503.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, TypeVar
 
 import pytest
 
 from deployments.responses.binding import StoreBinding
 from deployments.responses.redis_store import RedisStore
 from deployments.responses.sqlite import SQLiteStore
-from deployments.responses.store import ResponsesStore, owner_of
+from deployments.responses.store import Quota
 from deployments.responses.views import OWNER
 from tests.support.redis_server import PASSWORD, RedisServer
-
-T = TypeVar("T")
-A, B = owner_of("a" * 64), owner_of("b" * 64)
-
-
-def _response(rid: str, status: str) -> Any:
-    from vllm.entrypoints.openai.responses.protocol import ResponsesResponse
-
-    return ResponsesResponse.model_validate({
-        "id": rid, "created_at": 1, "model": "m", "output": [], "status": status,
-        "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "top_p": 1.0,
-        "temperature": 1.0, "background": status in ("queued", "in_progress"),
-        "max_output_tokens": 16, "service_tier": "auto", "truncation": "disabled"})
-
-
-def _replica(store: ResponsesStore) -> StoreBinding:
-    """vLLM's class with the state its Responses paths read; the generation stood in."""
-    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
-
-    serving = object.__new__(OpenAIServingResponses)
-    serving.response_store, serving.msg_store, serving.event_store = {}, {}, {}
-    serving.response_store_lock = asyncio.Lock()
-    serving.background_tasks = {}
-    serving.use_harmony = False
-
-    async def generate(request: Any, *args: Any, **kwargs: Any) -> None:
-        await asyncio.Event().wait()  # an engine would generate here until cancelled
-    serving._run_background_request = generate
-    serving._run_background_request_stream = generate
-    binding = StoreBinding(serving, store, cancel_poll_s=0.2)
-    binding.install()
-    return binding
-
-
-def _as(owner: str, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-    """Run ``coro`` as a request of ``owner`` (what ``OwnerScope`` sets)."""
-    token = OWNER.set(owner)
-    try:
-        return asyncio.ensure_future(coro)
-    finally:
-        OWNER.reset(token)
+from tests.support.responses_stores import A, B
+from tests.support.responses_stores import as_owner as _as
+from tests.support.responses_stores import replica as _replica
+from tests.support.responses_stores import response as _response
 
 
 async def _start_background(one: StoreBinding, rid: str) -> asyncio.Task[None]:
@@ -82,7 +43,7 @@ async def _start_background(one: StoreBinding, rid: str) -> asyncio.Task[None]:
 
 def test_state_made_on_one_replica_is_served_and_cancelled_on_another(tmp_path: Path) -> None:
     async def body() -> None:
-        store = SQLiteStore(tmp_path / "r.sqlite3", 3600, 100, 2.0)
+        store = SQLiteStore(tmp_path / "r.sqlite3", Quota(3600, 100), 2.0)
         one, two = _replica(store), _replica(store)
         task = await _start_background(one, "resp_bg")
         got = await _as(A, two.serving.retrieve_responses("resp_bg", None, False))
@@ -114,7 +75,7 @@ def test_state_made_on_one_replica_is_served_and_cancelled_on_another(tmp_path: 
 
 def test_a_dead_store_is_a_503_and_then_recovers(redis_server: RedisServer) -> None:
     async def body() -> None:
-        store = RedisStore(redis_server.url, PASSWORD, "binding", 3600, 100, 0.5)
+        store = RedisStore(redis_server.url, PASSWORD, "binding", Quota(3600, 100), 0.5)
         one, two = _replica(store), _replica(store)
         task = await _start_background(one, "resp_x")
         redis_server.stop()

@@ -6,13 +6,12 @@ several processes on one SQLite file, and a Redis server killed mid-run then bac
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -21,37 +20,11 @@ from deployments.responses import store as store_mod
 from deployments.responses.open import open_store
 from deployments.responses.redis_store import RedisStore
 from deployments.responses.sqlite import SQLiteStore
-from deployments.responses.store import StoreError, owner_of
+from deployments.responses.store import Quota, StoreError, owner_of
 from tests.support.redis_server import PASSWORD, RedisServer
+from tests.support.responses_stores import A, B, make, redis_store, run
 
-T = TypeVar("T")
-A, B = owner_of("a" * 64), owner_of("b" * 64)
-
-
-def run(coro: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run(coro)
-
-
-def sqlite_store(tmp_path: Path, **kw: Any) -> SQLiteStore:
-    return SQLiteStore(tmp_path / "r.sqlite3", kw.get("max_age_s", 3600.0),
-                       kw.get("max_count", 1000), 2.0)
-
-
-_prefixes = iter(range(1_000_000))
-
-
-def redis_store(server: RedisServer, **kw: Any) -> RedisStore:
-    return RedisStore(server.url, PASSWORD, f"t{next(_prefixes)}:{time.time_ns()}",
-                      kw.get("max_age_s", 3600.0), kw.get("max_count", 1000), 1.0)
-
-
-@pytest.fixture(params=["sqlite", "redis"])
-def make(request: pytest.FixtureRequest, tmp_path: Path) -> Callable[..., Any]:
-    if request.param == "sqlite":
-        return lambda **kw: sqlite_store(tmp_path, **kw)
-    server = request.getfixturevalue("redis_server")
-    return lambda **kw: redis_store(server, **kw)
-
+__all__ = ["make"]  # the fixture, both backends
 
 def test_owner_digest_is_checked() -> None:
     assert owner_of(None) == store_mod.LOCAL_OWNER
@@ -128,8 +101,9 @@ def test_sqlite_is_shared_by_processes(tmp_path: Path) -> None:
     code = (
         "import asyncio, sys\n"
         "from deployments.responses.sqlite import SQLiteStore\n"
+        "from deployments.responses.store import Quota\n"
         "async def main():\n"
-        "    s = SQLiteStore(sys.argv[1], 3600, 10000, 5.0)\n"
+        "    s = SQLiteStore(sys.argv[1], Quota(3600, 10000), 5.0)\n"
         "    for i in range(50):\n"
         "        await s.put_response('local', f'{sys.argv[2]}-{i}', '{}', 'completed')\n"
         "    await s.close()\n"
@@ -138,16 +112,15 @@ def test_sqlite_is_shared_by_processes(tmp_path: Path) -> None:
     procs = [subprocess.Popen([sys.executable, "-c", code, str(path), f"p{n}"])
              for n in range(4)]
     assert [p.wait(120) for p in procs] == [0, 0, 0, 0]
-    s = SQLiteStore(path, 3600, 10000, 2.0)
+    s = SQLiteStore(path, Quota(3600, 10000), 2.0)
     assert run(s.size()) == 200
 
 
 def test_sqlite_unwritable_is_a_named_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    s = SQLiteStore(blocker / "sub" / "r.sqlite3", 3600, 10, 1.0)
-    with pytest.raises((StoreError, OSError)):
-        run(s.put_response(A, "r", "{}", "completed"))
+    with pytest.raises(OSError):  # refused at start, the path named
+        SQLiteStore(blocker / "sub" / "r.sqlite3", Quota(3600, 10), 1.0)
 
 
 def test_redis_killed_mid_run_then_back(redis_server: RedisServer) -> None:
@@ -178,7 +151,7 @@ def test_redis_killed_mid_run_then_back(redis_server: RedisServer) -> None:
 
 def test_redis_refuses_a_wrong_password(redis_server: RedisServer) -> None:
     async def body() -> None:
-        s = RedisStore(redis_server.url, "wrong", "p", 3600, 10, 1.0)
+        s = RedisStore(redis_server.url, "wrong", "p", Quota(3600, 10), 1.0)
         try:
             with pytest.raises(StoreError, match="could not read"):
                 await s.get(A, "r")
