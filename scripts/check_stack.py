@@ -140,7 +140,7 @@ def write(stack: str, rows: list[list[object]]) -> None:
                 "venv, then vLLM, the DeepSeek-V4 model class, the dsv4_patch plugin entry "
                 "point, nixl and Ray Serve LLM's server modules imported without a GPU",
         "command": "make check-stacks",
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "commit": commit,
         "host": host(),
         "inputs": inputs,

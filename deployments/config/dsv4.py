@@ -11,7 +11,9 @@ from pydantic import (
     model_validator,
 )
 
+from deployments.config.autoscaling import AutoscalingSection
 from deployments.config.base import Policy, _Strict
+from deployments.config.routing import RoutingSection
 from dsv4_patch import rules
 
 # -------------------------------------------------------------------- dsv4 part
@@ -126,6 +128,10 @@ class DSv4Section(_Strict):
     # platform's default stack (dsv4_patch.rules.DEFAULT_VLLM).
     vllm_version: str | None = Field(default=None, pattern=r"^\d+\.\d+\.\d+")
     replica_overrides: list[ReplicaOverride] = Field(default_factory=list)
+    # When llm.deployment_config.autoscaling_config is set: the policy Serve scales by.
+    autoscaling: AutoscalingSection = Field(default_factory=AutoscalingSection)
+    # Session affinity (x-session-id) in Serve's router and HAProxy.
+    routing: RoutingSection = Field(default_factory=RoutingSection)
 
     @property
     def stale_bound_s(self) -> float:
