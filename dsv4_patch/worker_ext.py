@@ -5,7 +5,7 @@ vLLM mixes it into every worker class, and ``collective_rpc("dsv4_kv_specs")``
 calls it on each rank. Only the workers' specs tell the truth: the front-end and
 engine core keep ``cache_dtype="auto"`` while workers resolve it to fp8_ds_mla.
 Plain dicts only: vLLM spec objects hold ``torch.dtype`` and kill the engine-core
-output thread when sent back through ``collective_rpc`` (docs/design.md, section 3).
+output thread when sent back through ``collective_rpc`` (docs/design.md, section 4).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 
 from deployments.config.base import _Strict
 
-DEFAULT_PASSWORD_ENV = "DSV4_RESPONSES_STORE_PASSWORD"
+DEFAULT_PASSWORD_ENV = "DSV4_RESPONSES_STORE_PASSWORD"  # noqa: S105  # the name of an env var, not a password
 THIRTY_DAYS_S = 30 * 24 * 3600.0
 
 

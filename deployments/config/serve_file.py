@@ -52,7 +52,7 @@ class ServeApplication(_Open):
 # Serve's own default bind address for a config file (ray.serve.schema.HTTPOptionsSchema:
 # what `serve deploy` and KubeRay use when http_options.host is absent). `dsv4-serve run`
 # uses the same, so one file binds one address whichever launcher runs it.
-SERVE_DEFAULT_HOST = "0.0.0.0"
+SERVE_DEFAULT_HOST = "0.0.0.0"  # noqa: S104  # Serve's default, named to refuse it
 
 
 class HTTPOptions(_Open):

@@ -268,21 +268,3 @@ def node_record_fields(hf_config: Mapping[str, Any], node: Mapping[str, Any],
             "page_alignment": rules.page_alignment(storage),
             "block_size": built.block_size,
             "kv_bytes_per_token": built.bytes_per_token, "numerics": built.numerics}
-
-
-def pool_node_differences(hf_config: Mapping[str, Any], prefill_node: Mapping[str, Any],
-                          decode_node: Mapping[str, Any], requested: str | None,
-                          vllm_version: str | None = None,
-                          engine: Mapping[str, Any] | None = None
-                          ) -> list[tuple[str, Any, Any]]:
-    """``(field, prefill, decode)`` where the two pools' nodes write other KV bytes.
-
-    Decided from the declared nodes before any replica exists: NIXL's handshake
-    compares dtype and backend names, not record bytes, so a V4.1 SM90 pool (584 B
-    records, 576 B pages, block 64) and an SM100 pool (528 B / 512 B, block 128, and
-    NVFP4 under mega attention) would pass it. V4 writes one record on SM90 and SM100
-    FlashMLA alike, so such V4 pools agree.
-    """
-    mine = node_record_fields(hf_config, prefill_node, requested, vllm_version, engine)
-    theirs = node_record_fields(hf_config, decode_node, requested, vllm_version, engine)
-    return [(f, mine[f], theirs[f]) for f in mine if mine[f] != theirs[f]]

@@ -48,6 +48,12 @@ _STATS_BIND = re.compile(r"^(?P<indent>\s*)bind\s+\*?:(?P<port>\d+)\s*$")
 _SERVER = re.compile(r"^(?P<head>\s*server\s+\S+\s+)(?P<host>\S+):(?P<port>\d+)"
                      r"(?P<tail>\s.*)?$")
 _SOCKET = re.compile(r"^(?P<head>\s*stats socket\s+\S+\s+)mode\s+\d+(?P<tail>\s.*)?$")
+# Session affinity (serve_env.HAPROXY_TUNING sets Ray's balance to the session header):
+# hash on a consistent ring, so a replica leaving moves only its own sessions, with
+# bounded loads (no server above 150 % of the mean: a busy session's replica sheds new
+# sessions to the next on the ring). Without the header HAProxy balances round robin.
+_BALANCE_HDR = re.compile(r"^(?P<indent>\s*)balance\s+hdr\(")
+SESSION_HASH = ("hash-type consistent", "hash-balance-factor 150")
 
 
 class HAProxyConfigError(ValueError):
@@ -95,6 +101,9 @@ def harden(text: str, environ: Mapping[str, str] | None = None) -> Hardened:
             if change:
                 changes.append(f"{section}: {change}")
         out.append(line)
+        if balance := _BALANCE_HDR.match(line):
+            out += [f"{balance['indent']}{directive}" for directive in SESSION_HASH]
+            changes.append(f"{section}: {', '.join(SESSION_HASH)} (session affinity)")
     missing = [name for name, seen in found.items() if not seen]
     if missing:
         raise HAProxyConfigError(
@@ -183,5 +192,5 @@ def main(argv: list[str] | None = None) -> int:
     # Ray stops it only on a graceful shutdown, so a run killed hard (or its node's
     # worker lost) would leave HAProxy holding the door's port for the next run.
     lifetime.die_with_parent(os.getppid(), signal.SIGTERM)
-    os.execv(binary, [binary, *args])
+    os.execv(binary, [binary, *args])  # noqa: S606  # execs Ray's HAProxy binary, a fixed path
     return 0  # not reached: execv replaces this process

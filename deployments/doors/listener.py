@@ -262,7 +262,7 @@ class ReplicaListener:
         balancer in front deregisters the replica meanwhile: it fails the health check
         while the port still answers) ``begin_stop`` with what Serve has left, at most."""
         async def poll() -> None:
-            while not stopping():
+            while not stopping():  # noqa: ASYNC110  # polls Serve's flag; no event to await
                 await asyncio.sleep(poll_s)
             if hold_s > 0:
                 logger.info("dsv4: Serve is stopping this replica; %s keeps answering "

@@ -99,7 +99,7 @@ class Run:
 def start_run(config: Path, nodes: int, idle_timeout_s: float,
               env: dict[str, str] | None = None) -> Run:
     exe = Path(sys.executable).with_name("dsv4-serve")
-    proc = subprocess.Popen(
+    proc = subprocess.Popen(  # noqa: S603  # our own CLI, fixed arguments
         [str(exe), "run", str(config), "--nodes", str(nodes), "--no-smoke",
          "--node-idle-timeout-s", str(idle_timeout_s)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -53,8 +53,9 @@ from deployments.control.enforcement import (
     take_verdict,
 )
 from deployments.control.prediction import predict, self_problem
-from deployments.control.summary import layer_role, summarize_workers
+from deployments.control.summary import summarize_workers
 from deployments.control.wire import ReplicaSpec, ReplicaVerdict, answer_kv_page_spec
+from deployments.plan.model_configs import read_config_json
 from dsv4_patch import rules
 
 MODELS = resources.configs_dir() / "models" / "deepseek-ai"
@@ -79,7 +80,7 @@ STATE_PAGES = {"c4_state": (32832, 4, 2048), "c4_indexer_state": (8640, 4, 512),
 
 def flash_config(reordered: bool = False) -> dict[str, Any]:
     """DeepSeek-V4-Flash's config.json; ``reordered`` swaps layers 2 (C4) and 3 (C128)."""
-    cfg = json.loads(FLASH_CONFIG.read_text())
+    cfg = read_config_json(FLASH_CONFIG)
     if reordered:
         ratios = list(cfg["compress_ratios"])
         ratios[2], ratios[3] = ratios[3], ratios[2]
@@ -173,7 +174,7 @@ def v41_standin_spec(replica_id: str, rank: int | None, node: str, *,
     here = V41_NODES[node]
     kv = summarize_workers([{"rank": 0, "pid": os.getpid(), "specs": v41_worker_specs(
         here, record_of=V41_NODES[odd_record] if odd_record else None)}])
-    prediction = predict(json.loads(V41_FLASH_CONFIG.read_text()), rules.Layout.FP8_DS_MLA,
+    prediction = predict(read_config_json(V41_FLASH_CONFIG), rules.Layout.FP8_DS_MLA,
                          "auto", vllm, source="DeepSeek-V4.1-Flash config.json (stand-in)",
                          node=here)
     key = f"sm{here['compute_capability'].partition('.')[0]}0"
@@ -183,13 +184,6 @@ def v41_standin_spec(replica_id: str, rank: int | None, node: str, *,
         expected_layout=expected, versions={"vllm": vllm, "ray": None, "dsv4_serve": None},
         node=here, kv_cache_dtype_requested="auto", kv_cache_dtype_engine="auto",
         prediction=prediction, **kv.fields())
-
-
-def count_layer_kinds(rows: list[dict[str, Any]]) -> dict[str, int]:
-    """How many C4 and C128 main caches the rows hold (a self-check of the shape)."""
-    main = [r for r in rows if layer_role(r["layer"])[1] == rules.MAIN]
-    return {"c4": sum(r["compress_ratio"] == 4 for r in main),
-            "c128": sum(r["compress_ratio"] == 128 for r in main)}
 
 
 def standin_spec(replica_id: str, rank: int | None, *, dtype: str = "fp8_ds_mla",

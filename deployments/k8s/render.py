@@ -108,14 +108,15 @@ def _resources(cpu: str, memory: str, gpus: int | None = None) -> dict[str, Any]
 
 
 def head_group(params: Mapping[str, Any], name: str,
-               image: str | None = None) -> dict[str, Any]:
+               image: str | None = None, head: Mapping[str, Any] | None = None
+               ) -> dict[str, Any]:
     """Head: GCS, dashboard, Serve controller and a proxy; no GPU, no Ray CPUs.
 
     ``dashboard-host: 0.0.0.0`` because the KubeRay operator posts serveConfigV2 to
     the dashboard through the head Service; token auth and the NetworkPolicy
-    (operator pods only) are what close it.
+    (operator pods only) are what close it. ``head``: a preset's own size.
     """
-    head = params["head"]
+    head = head or params["head"]
     ports = [{"name": k, "containerPort": v, "protocol": "TCP"} for k, v in HEAD_PORTS.items()]
     spec: dict[str, Any] = {"containers": [{
         "name": "ray-head",
@@ -127,7 +128,7 @@ def head_group(params: Mapping[str, Any], name: str,
     _placement(spec, head)
     _secure_pod(spec, params)
     return {
-        "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0",
+        "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0",  # noqa: S104  # inside the pod; the lint holds it to the pod
                            "metrics-export-port": str(METRICS_PORT)},
         "template": {"metadata": {"labels": _labels(name)}, "spec": spec},
     }
@@ -183,7 +184,7 @@ def worker_group(preset: Preset, args: AppArgs, params: Mapping[str, Any], *,
         "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
         "resources": _resources(worker["cpu"], worker["memory"], node.gpus_per_node),
         "volumeMounts": [
-            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "dshm", "mountPath": "/dev/shm"},  # noqa: S108  # the pod's shared-memory mount
             {"name": "model-cache", "mountPath": params["model_cache_mount"]},
         ],
     }
@@ -197,7 +198,7 @@ def worker_group(preset: Preset, args: AppArgs, params: Mapping[str, Any], *,
     _placement(spec, worker)
     _secure_pod(spec, params)
     return {
-        "groupName": f"gpu-{preset.name}{suffix}",
+        "groupName": f"{'gpu' if node.gpus_per_node else 'cpu'}-{preset.name}{suffix}",
         "replicas": initial,
         "minReplicas": low,
         "maxReplicas": high,
@@ -267,7 +268,7 @@ def render_manifest(preset: Preset, params: Mapping[str, Any]) -> dict[str, Any]
     serve_text, args = gpu_args(preset.config_path)
     name = f"dsv4-{preset.name}"
     security = container_security_context()
-    head, workers = head_group(params, name, image_ref(params, preset)), \
+    head, workers = head_group(params, name, image_ref(params, preset), preset.head), \
         worker_groups(preset, args, params)
     # any pod may hold a replica (the store) or Ray's proxy (its /-/routes: the key;
     # no DSV4_PROXY_HOST there, so it counts as reachable)

@@ -225,7 +225,7 @@ class LocalCluster:
                f"--autoscaling-config={config}", "--include-dashboard=false",
                "--disable-usage-stats", *head_log_monitor_flags()]
         with open(log_path, "wb") as log:
-            head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+            head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,  # noqa: S603  # ray start, fixed arguments
                                     start_new_session=True, stdin=subprocess.DEVNULL,
                                     preexec_fn=_die_with_parent(os.getpid()))
         cluster = cls(spec, address, head, log_path, Path(config))

@@ -31,7 +31,7 @@ def refuse_busy_ports(config: ServeConfig, timeout_s: float = 0.5) -> None:
     hand the old program half of the new run's connections.
     """
     host = config.http_options.host
-    probe = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    probe = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # noqa: S104  # compares a bind address
     ports = [("http_options.port", config.http_options.port)]
     ports += [(f"{app.where}.http.replica_port", port) for app, port in config.replica_ports()]
     if config.ingress() == "haproxy":

@@ -45,7 +45,8 @@ class Series:
     help: str
     tags: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
-    # controller | pd_controller | replica (the serving replica's process) | ray_serve
+    # controller | pd_controller | replica (the serving replica's process) |
+    # serve_controller (Serve's own controller, where an autoscaling policy runs) | ray_serve
     where: str = "controller"
 
     def exported(self) -> tuple[str, ...]:
@@ -145,14 +146,63 @@ KEY_FILE_REFUSED = Series("dsv4_api_key_file_refused_edits_total", Kind.COUNTER,
                           "file edits refused (short key, not UTF-8, unreadable)", (), (),
                           "replica")
 
+# --------------------------------------- the serving replica: the Responses store
+RESPONSES_RECORDS = Series("dsv4_responses_store_records", Kind.GAUGE, "Responses records "
+                           "in the shared store", (), (), "replica")
+RESPONSES_ERRORS = Series("dsv4_responses_store_errors_total", Kind.COUNTER, "Responses "
+                          "store calls that failed or timed out (the request got a 503)",
+                          ("op",), (), "replica")
+
+# --------------------------------------------- the P/D controller: one P/D app
+PD_TAGS = ("pd_application",)
+
+
+def _pd(name: str, help: str) -> Series:
+    return Series(name, Kind.GAUGE, help, PD_TAGS, where="pd_controller")
+
+
+PD_COMPATIBLE = _pd("dsv4_pd_compatible", "1 if every prefill replica is KV-compatible with "
+                   "every decode replica")
+PD_VERDICT = _pd("dsv4_pd_verdict", "0 not_checked, 1 compatible, 2 partial, 3 incompatible")
+PD_PAIRS = _pd("dsv4_pd_allowed_pairs", "(decode, prefill) replica pairs allowed to transfer "
+              "KV")
+PD_BLOCKED = _pd("dsv4_pd_blocked_prefill_replicas", "prefill replicas no decode replica "
+                "routes to")
+PD_STRANDED = _pd("dsv4_pd_stranded_decode_replicas", "decode replicas with no compatible "
+                 "prefill replica (they prefill locally)")
+
+# ---------------------------------- Serve's controller: the kv_pressure autoscaling policy
+# Set by deployments.serving.autoscale at each decision that differs from the last.
+SCALE_TAGS = ("application", "llm_deployment")
+SCALE_TARGET = Series("dsv4_autoscale_target_replicas", Kind.GAUGE, "replicas the "
+                      "kv_pressure policy asks Serve for (drained ones included)",
+                      SCALE_TAGS, where="serve_controller")
+SCALE_CAPACITY = Series("dsv4_autoscale_capacity_replicas", Kind.GAUGE, "replicas the "
+                        "policy counts as capacity: running and not drained",
+                        SCALE_TAGS, where="serve_controller")
+SCALE_KV = Series("dsv4_autoscale_kv_usage", Kind.GAUGE, "mean KV cache usage (0..1) of "
+                  "the undrained replicas, as the policy last saw it", SCALE_TAGS,
+                  where="serve_controller")
+SCALE_WAITING = Series("dsv4_autoscale_waiting_per_replica", Kind.GAUGE, "requests "
+                       "waiting in vLLM per undrained replica, as the policy last saw it",
+                       SCALE_TAGS, where="serve_controller")
+SCALE_REASON = Series("dsv4_autoscale_decision", Kind.GAUGE, "1 for the reason of the "
+                      "policy's current decision (kv_pressure, queue_pressure, "
+                      "ongoing_requests, quiet, hold, no_metrics, bounds), 0 for the others",
+                      (*SCALE_TAGS, "reason"), where="serve_controller")
+SCALE_CHANGES = Series("dsv4_autoscale_changes_total", Kind.COUNTER, "target changes the "
+                       "policy decided, by direction (up|down) and reason",
+                       (*SCALE_TAGS, "direction", "reason"), where="serve_controller")
+AUTOSCALE_SERIES = (SCALE_TARGET, SCALE_CAPACITY, SCALE_KV, SCALE_WAITING, SCALE_REASON,
+                    SCALE_CHANGES)
+
 CONTROLLER_SERIES = (AGREE, RUNNING, ANSWERED, ODD, DRAINED, STALE, AGE, CHECKS,
                      REPLACEMENTS, REPLICA_INFO, AS_PREDICTED, PAGE_BYTES, BYTES_PER_TOKEN,
                      CAPACITY_TOKENS, ENGINE_CAPACITY_TOKENS, BUDGET_BYTES)
 REPLICA_SERIES = (STAGE, TTFT, STAGE_TOTAL, TTFT_TOTAL, IN_FLIGHT, REFUSED, KEY_FILE_STALE,
-                  KEY_FILE_KEYS, KEY_FILE_REFUSED)
+                  KEY_FILE_KEYS, KEY_FILE_REFUSED, RESPONSES_RECORDS, RESPONSES_ERRORS)
 
 # ------------------------------------------------ the P/D controller: the output canary
-PD_TAGS = ("pd_application",)
 PD_CANARY_FAILED = Series("dsv4_pd_canary_failed_pairs", Kind.GAUGE, "(decode, prefill) "
                           "replica pairs whose latest output canary failed: excluded from "
                           "routing until a clean one (deployments.pd.canary)", PD_TAGS,
@@ -164,9 +214,10 @@ PD_CANARY_MAX_DELTA = Series("dsv4_pd_canary_max_logprob_delta", Kind.GAUGE, "la
                              "per-token logprob difference (nats) of the latest canaries, "
                              "through the pair vs scored on the decode replica alone",
                              PD_TAGS, where="pd_controller")
-PD_SERIES = (PD_CANARY_FAILED, PD_CANARY_PASSED, PD_CANARY_MAX_DELTA)
+PD_SERIES = (PD_COMPATIBLE, PD_VERDICT, PD_PAIRS, PD_BLOCKED, PD_STRANDED, PD_CANARY_FAILED,
+             PD_CANARY_PASSED, PD_CANARY_MAX_DELTA)
 
-ALL = CONTROLLER_SERIES + REPLICA_SERIES + PD_SERIES
+ALL = CONTROLLER_SERIES + REPLICA_SERIES + PD_SERIES + AUTOSCALE_SERIES
 
 # Ray Serve's own series the dashboard reads (Serve creates them; ``make`` never does).
 # The queueing/routing stage: how long a request waited in a Serve router (Serve's proxy

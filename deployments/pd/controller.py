@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 from ray.serve.handle import DeploymentHandle
-from ray.serve.metrics import Gauge
 
 from deployments.control.canary_wire import CanaryBatch
 from deployments.control.controller import KVSpecController
@@ -42,18 +41,12 @@ POOLS = ("prefill", "decode")
 
 class _PDMetrics:
     def __init__(self, application: str):
-        tags = ("pd_application",)
         self._tags = {"pd_application": application}
-        self.compatible = Gauge("dsv4_pd_compatible", "1 if every prefill replica is "
-                                "KV-compatible with every decode replica", tag_keys=tags)
-        self.verdict = Gauge("dsv4_pd_verdict", "0 not_checked, 1 compatible, 2 partial, "
-                             "3 incompatible", tag_keys=tags)
-        self.pairs = Gauge("dsv4_pd_allowed_pairs", "(decode, prefill) replica pairs "
-                           "allowed to transfer KV", tag_keys=tags)
-        self.blocked = Gauge("dsv4_pd_blocked_prefill_replicas", "prefill replicas no "
-                             "decode replica routes to", tag_keys=tags)
-        self.stranded = Gauge("dsv4_pd_stranded_decode_replicas", "decode replicas with no "
-                              "compatible prefill replica (they prefill locally)", tag_keys=tags)
+        self.compatible = series.make(series.PD_COMPATIBLE)
+        self.verdict = series.make(series.PD_VERDICT)
+        self.pairs = series.make(series.PD_PAIRS)
+        self.blocked = series.make(series.PD_BLOCKED)
+        self.stranded = series.make(series.PD_STRANDED)
         self.canary_failed = series.make(series.PD_CANARY_FAILED)
         self.canary_passed = series.make(series.PD_CANARY_PASSED)
         self.canary_delta = series.make(series.PD_CANARY_MAX_DELTA)

@@ -52,14 +52,20 @@ MODEL_KEYS = ("hidden_size", "num_hidden_layers", "moe_intermediate_size", "n_ro
               "vocab_size")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    """A DeepSeek-V4/V4.1 ``config.json`` (nested or flat) with every key the planner
-    reads, flat."""
+def read_config_json(path: Path) -> dict[str, Any]:
+    """A model's ``config.json``, flat as vLLM's model code sees it: the one read of the
+    file (plan, doctor, k8s and the replica's byte-model prediction all come here)."""
     try:
         raw = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"cannot read model config {path}: {exc}") from exc
-    cfg = rules.flatten_config(raw)
+    return rules.flatten_config(raw)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A DeepSeek-V4/V4.1 ``config.json`` (nested or flat) with every key the planner
+    reads, flat."""
+    cfg = read_config_json(path)
     missing = [key for key in MODEL_KEYS if key not in cfg]
     if missing:
         raise ConfigError(

@@ -16,6 +16,7 @@ from starlette.middleware import Middleware
 
 from deployments.config.responses import ResponsesStore as StoreSettings
 from deployments.logs import get_logger
+from deployments.observe import series
 from deployments.responses.binding import StoreBinding
 from deployments.responses.open import open_store
 from deployments.responses.views import OwnerScope
@@ -38,12 +39,7 @@ class ReplicaStore:
 def store_metrics() -> tuple[Any, Any]:
     """``dsv4_responses_store_records`` (the store's size, as this replica last read it)
     and ``dsv4_responses_store_errors_total`` by operation (read, write, poll)."""
-    from ray.serve.metrics import Counter, Gauge
-
-    size = Gauge("dsv4_responses_store_records", "Responses records in the shared store")
-    errors = Counter("dsv4_responses_store_errors_total", "Responses store calls that "
-                     "failed or timed out (the request got a 503)", tag_keys=("op",))
-    return size, errors
+    return series.make(series.RESPONSES_RECORDS), series.make(series.RESPONSES_ERRORS)
 
 
 def bind_store(app: Any, settings: StoreSettings, app_name: str) -> ReplicaStore:

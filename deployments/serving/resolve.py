@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from deployments.config import DSv4Section
 from deployments.config.dsv4 import node_type_key
 from deployments.control.enforcement import KVLayoutMismatch
 from deployments.logs import get_logger
+from deployments.plan.model_configs import config_json_path, read_config_json
 from dsv4_patch import node as node_info
 from dsv4_patch import rules
 from dsv4_patch.node import NodeInfo
@@ -125,17 +125,17 @@ def node_id() -> str | None:
     return ray.get_runtime_context().get_node_id()
 
 
-def model_config(llm_config: LLMConfig) -> tuple[dict[str, Any] | None, str | None]:
-    """The model's ``config.json`` with the engine's ``hf_overrides`` applied, or why not.
+def read_model_config(llm_config: LLMConfig) -> tuple[dict[str, Any] | None, str | None]:
+    """The model's ``config.json`` (flat, ``plan.model_configs.read_config_json``), or why not.
 
     A local directory is read directly; a Hub id from the local Hub cache (the
     engine has downloaded it by the time predictions matter, and nothing here
-    may hit the network from a replica).
+    may hit the network from a replica). Read once per replica start.
     """
     source = str(llm_config.model_loading_config.model_source or
                  llm_config.model_loading_config.model_id)
-    path = Path(source) / "config.json"
-    if not path.is_file():
+    path, _ = config_json_path(source)
+    if path is None:
         try:
             from huggingface_hub import try_to_load_from_cache
 
@@ -145,7 +145,14 @@ def model_config(llm_config: LLMConfig) -> tuple[dict[str, Any] | None, str | No
         if not isinstance(cached, str):
             return None, f"model_source {source!r} has no config.json locally or in the Hub cache"
         path = Path(cached)
-    cfg = json.loads(path.read_text())
+    return read_config_json(path), None
+
+
+def with_overrides(cfg: dict[str, Any] | None, why: str | None,
+                   llm_config: LLMConfig) -> tuple[dict[str, Any] | None, str | None]:
+    """``cfg`` with ``llm_config``'s ``hf_overrides`` applied, or why not."""
+    if cfg is None:
+        return None, why
     overrides = llm_config.engine_kwargs.get("hf_overrides") or {}
     if not isinstance(overrides, dict):
         return None, f"engine_kwargs.hf_overrides is a {type(overrides).__name__}, not a dict"

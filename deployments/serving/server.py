@@ -17,9 +17,8 @@ configured policy: ``warn`` keeps serving, ``drain`` reports itself through
 ``enforce`` fails ``check_health`` so Serve replaces it (bounded by the controller).
 
 The replica is also the application's HTTP ingress (``deployments.http.front``): Serve
-builds its ASGI app through ``__serve_build_asgi_app__`` once the engine is up --
-vLLM's own OpenAI app, hardened by our edge, plus ``GET /v1/kv-spec``. The other ways
-in (its own port, HAProxy) open, drain and close through ``deployments.doors.lifecycle``.
+builds its ASGI app (vLLM's, hardened by our edge, plus ``GET /v1/kv-spec``) through
+``__serve_build_asgi_app__``; its other doors are ``deployments.doors.lifecycle``'s.
 """
 
 from __future__ import annotations
@@ -55,7 +54,9 @@ from deployments.control.prediction import (
 from deployments.control.summary import ReplicaKV, summarize_workers
 from deployments.control.wire import (
     DRAIN_STAT,
+    ENGINE_DEAD_STAT,
     HTTP_IN_FLIGHT_STAT,
+    KV_USAGE_STAT,
     Prediction,
     ReplicaSpec,
     ReplicaVerdict,
@@ -68,16 +69,17 @@ from deployments.http.key_metrics import key_file_metrics
 from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
 from deployments.responses.replica import ReplicaStore, bind_store
-from deployments.serving import boot, engine_metrics
+from deployments.serving import autoscale, boot, engine_metrics
 from deployments.serving.engine_wait import AfterEngineSpawn, freeze_heap
 from deployments.serving.resolve import (
     apply_override,
-    model_config,
     node_id,
     probe_node,
+    read_model_config,
     resolve_for_replica,
     source_of,
     versions,
+    with_overrides,
 )
 from dsv4_patch import rules
 from dsv4_patch.node import layout_contradiction, table_decision
@@ -129,11 +131,12 @@ class DSv4ServerMixin:
         llm_config.update_engine_kwargs(worker_extension_cls=WORKER_EXTENSION)
         self._node = probe_node(self._settings, llm_config.engine_kwargs)
         self._expected = self._settings.expected_for(self._node.as_dict())
-        cfg, _ = model_config(base_config)
+        self._model_config = read_model_config(base_config)  # the one read of config.json
+        cfg, _ = with_overrides(*self._model_config, base_config)
         self._family = rules.family_of(cfg) if cfg else None
         ahead = None if self._family is rules.Family.V41 else table_decision(self._node)
-        self._resolution = resolve_for_replica(llm_config, self._settings, self._node, self._family,
-                                        ahead)
+        self._resolution = resolve_for_replica(llm_config, self._settings, self._node,
+                                               self._family, ahead)
         while_engine_starts = AfterEngineSpawn()
         layout_check = None if ahead is None else while_engine_starts.submit(
             "the layout check", partial(layout_contradiction, self._node, ahead))
@@ -141,6 +144,7 @@ class DSv4ServerMixin:
         while_engine_starts.close()
         self._prediction, self._own_prediction = self._predictions(base_config, llm_config)
         self._verdict = ReplicaVerdict()
+        self._engine_dead = False
         self._kv: ReplicaKV | None = None
         boot.keep_telemetry_off_boot_path()
         engine_metrics.install()  # before the engine builds its stat loggers
@@ -169,13 +173,13 @@ class DSv4ServerMixin:
         layout = rules.Layout(self._expected) if self._expected in \
             {m.value for m in rules.Layout} else self._resolution.layout
         node = self._node.as_dict()
-        base_cfg, why = model_config(base)
+        base_cfg, why = with_overrides(*self._model_config, base)
         deployment = predict(base_cfg, layout, self._requested, vllm,
                              source=source_of(base, vllm, why), node=node,
                              engine=base.engine_kwargs)
         if self._override is None:
             return deployment, None
-        own_cfg, why = model_config(own)
+        own_cfg, why = with_overrides(*self._model_config, own)
         return deployment, predict(own_cfg, self._resolution.layout, self._requested,
                                    vllm, source=source_of(own, vllm, why) + " + override "
                                    f"rank {self._rank}", node=node,
@@ -200,7 +204,7 @@ class DSv4ServerMixin:
         problem = self_problem(spec)
         if problem and self._settings.policy is Policy.ENFORCE:
             raise KVLayoutMismatch(
-                f"replica {self._replica_id} (rank {self._rank}): {problem}. Refusing to "
+                f"replica {self._replica_id} (rank {self._rank}): {problem}. Refusing to "  # noqa: S608  # an error message, not SQL
                 "serve under dsv4.policy=enforce (a rolling update stops here; the old "
                 "replicas keep serving). Fix: make the engine build what the config "
                 "declares, or set dsv4.policy: warn to start it for inspection."
@@ -294,7 +298,20 @@ class DSv4ServerMixin:
         """Ray Serve LLM's routing stats plus whether the KV-spec router must skip us."""
         stats = await super().record_routing_stats() or {}  # type: ignore[misc]  # a mixin: the superclass that defines it is Ray Serve LLM's LLMServer
         held = {HTTP_IN_FLIGHT_STAT: self._edge.in_flight} if self._edge is not None else {}
-        return dict(stats) | drain_stats(self._verdict) | held
+        load = engine_metrics.engine_load()
+        engine = {ENGINE_DEAD_STAT: self._engine_dead} | (
+            {KV_USAGE_STAT: load[0]} if load is not None else {})
+        return dict(stats) | drain_stats(self._verdict) | held | engine
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What ``autoscale.KVPressurePolicy`` scales on: KV usage, waiting and running as
+        vLLM's stat logger last set them here, and whether the KV-spec check drained us
+        (empty before the engine's first step: the policy then holds)."""
+        load = engine_metrics.engine_load()
+        if load is None:
+            return {}
+        drained = bool(drain_stats(self._verdict)[DRAIN_STAT])
+        return autoscale.stats(*load, drained=drained)
 
     async def check_health(self) -> None:
         """Engine health first; then, if our verdict says so, fail so Serve replaces us.
@@ -309,8 +326,10 @@ class DSv4ServerMixin:
         try:
             await super().check_health()  # type: ignore[misc]  # a mixin: the superclass that defines it is Ray Serve LLM's LLMServer
         except Exception:
+            self._engine_dead = True  # the affinity router skips us (routing stats)
             self._doors.engine_dead()
             raise
+        self._engine_dead = False
         await self._doors.engine_healthy()
         raise_if_enforced(self._verdict)
 

@@ -117,24 +117,6 @@ def _resolve_rows(requested: str | None, value: str | None) -> Resolution:
     )
 
 
-def engine_resolver_result(use_fp8_ds_mla_layout: bool, kv_cache_dtype: str) -> tuple[str, str]:
-    """What the in-engine resolver must return: ``(cache_dtype_str, torch dtype name)``.
-
-    The contract of vLLM's ``_resolve_dsv4_kv_cache_dtype`` after PR #55134:
-    packed -> ("fp8_ds_mla", "uint8"); plain fp8 -> (value, "float8_e4m3fn");
-    plain auto/bfloat16 -> (value, "bfloat16"). Raises KVCacheDtypeError as
-    ``resolve_kv_cache_dtype`` does.
-    """
-    layout = Layout.FP8_DS_MLA if use_fp8_ds_mla_layout else Layout.PLAIN_ROWS
-    res = resolve_kv_cache_dtype(layout, kv_cache_dtype)
-    torch_name = {
-        Storage.FP8_DS_MLA: "uint8",
-        Storage.FP8_ROWS: "float8_e4m3fn",
-        Storage.BF16_ROWS: "bfloat16",
-    }[res.storage]
-    return res.cache_dtype_str, torch_name
-
-
 @dataclass(frozen=True)
 class UpstreamDecision:
     """What the fixed upstream resolver (vLLM 0.30-0.33) decides for one input.

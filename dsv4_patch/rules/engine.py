@@ -43,6 +43,7 @@ from dsv4_patch.rules.family import (
     V41Cache,
     V41Topology,
     family_of,
+    is_mxfp8_node,
     resolve_v41_kv_cache_dtype,
     v41_bytes_per_token,
     v41_caches,
@@ -229,7 +230,7 @@ def v41_node_record(setup: EngineSetup, fits: bool = True) -> KVRecord:
                           "run vLLM 0.30 or newer (the gpu-v41 extra).")
     choice = v41_attention(setup, fits)
     cap = setup.capability
-    mxfp8 = setup.platform == "cuda" and cap is not None and cap[0] == 10
+    mxfp8 = is_mxfp8_node(setup.platform, cap)
     if release_rules(setup.release).v41_preferred_resolver:
         dtype, torch_name = resolve_v41_kv_cache_dtype(choice.packed, setup.kv_cache_dtype,
                                                        choice.preferred, mxfp8)

@@ -39,11 +39,6 @@ def flatten_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def is_nested(cfg: Mapping[str, Any]) -> bool:
-    """Whether ``cfg`` is in the published nested V4.1 layout."""
-    return isinstance(cfg.get("text_config"), Mapping)
-
-
 def parse_capability(value: Any) -> tuple[int, int] | None:
     """A compute capability from ``"9.0"``, ``9.0``, ``"sm_90"``, ``[9, 0]`` or ``(10, 0)``.
 

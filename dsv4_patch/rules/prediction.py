@@ -18,7 +18,7 @@ from dsv4_patch.rules.versions import parse_version
 # backend pins it; the CPU platform forces it): vllm/platforms/cpu.py and the DSv4
 # attention backends' get_supported_kernel_block_sizes (vLLM 0.30-0.32).
 DSV4_BLOCK_SIZE = 256
-# The first vLLM release with DeepSeek-V4 (docs/design.md, section 1b).
+# The first vLLM release with DeepSeek-V4 (docs/design.md, section 2).
 FIRST_DSV4_VLLM = (0, 20)
 DSV4_ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 

