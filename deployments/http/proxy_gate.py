@@ -33,11 +33,17 @@ PROXY_PREFIX = "/-/"
 OPEN_PATHS = frozenset({"/-/healthz"})
 
 
+def route(scope: Scope) -> str:
+    """The path as Serve's proxy matches it: ``path`` past ``root_path`` (Ray 2.60
+    ``ProxyRequest.route_path``), so a root path cannot hide ``/-/routes`` from the gate."""
+    path, root = str(scope.get("path", "")), str(scope.get("root_path", ""))
+    return path[len(root):]
+
+
 def gated(scope: Scope) -> bool:
-    """A request for one of the proxy's own routes other than the probes' health check."""
-    path = str(scope.get("path", ""))
-    return (scope["type"] == "http" and path.startswith(PROXY_PREFIX)
-            and path not in OPEN_PATHS)
+    """One of the proxy's own routes other than the probes' health check."""
+    return (scope["type"] in ("http", "websocket") and route(scope).startswith(PROXY_PREFIX)
+            and route(scope) not in OPEN_PATHS)
 
 
 class ProxyRoutesGate:
@@ -48,7 +54,12 @@ class ProxyRoutesGate:
         self.checked = AuthMiddleware(app, keys, bind_host)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await (self.checked if gated(scope) else self.app)(scope, receive, send)
+        if not gated(scope):
+            await self.app(scope, receive, send)
+        elif scope["type"] == "websocket":  # no proxy route speaks WebSocket: refused
+            await send({"type": "websocket.close", "code": 1008})
+        else:
+            await self.checked(scope, receive, send)
 
 
 def proxy_middlewares(environ: dict[str, str] | None = None) -> list[Middleware]:

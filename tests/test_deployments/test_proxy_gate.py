@@ -62,6 +62,18 @@ def test_routes_need_a_key_and_healthz_stays_open(host: str) -> None:
     assert client.get("/v1/models").status_code == 200
 
 
+def test_a_root_path_or_a_websocket_does_not_get_past_the_gate() -> None:
+    from starlette.websockets import WebSocketDisconnect
+
+    client = _proxy({"DSV4_API_KEYS": KEY, proxy_gate.HOST_ENV: "127.0.0.1"})
+    scope = {"type": "http", "path": "/api/-/routes", "root_path": "/api"}
+    assert proxy_gate.route(scope) == "/-/routes" and proxy_gate.gated(scope)
+    assert not proxy_gate.gated(scope | {"path": "/api/-/healthz"})
+    with pytest.raises(WebSocketDisconnect) as closed, client.websocket_connect("/-/routes"):
+        pass
+    assert closed.value.code == 1008
+
+
 def test_beyond_loopback_without_keys_nobody_lists_the_routes() -> None:
     assert _proxy({proxy_gate.HOST_ENV: "0.0.0.0"}).get("/-/routes").status_code == 401
     assert _proxy({}).get("/-/routes").status_code == 401  # host unknown: fail closed
