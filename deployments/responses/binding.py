@@ -29,7 +29,7 @@ from typing import Any
 
 from deployments.logs import get_logger
 from deployments.responses.store import QuotaExceeded, ResponsesStore, StoreError
-from deployments.responses.views import OWNER, Key, OwnedView
+from deployments.responses.views import OWNER, Key, OwnedView, mark_store_error_public
 from dsv4_patch.responses_touch import READ as TOUCH
 
 logger = get_logger("responses")
@@ -112,6 +112,7 @@ class StoreBinding:
                 status_code=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
         self.on_error(op)
         logger.error("dsv4: Responses store %s failed: %s", op, exc)
+        mark_store_error_public()  # names the store and the fix, nothing internal
         return self.serving.create_error_response(
             f"the Responses store is unavailable ({exc}); nothing was stored. Retry later.",
             err_type="ServiceUnavailableError", status_code=HTTPStatus.SERVICE_UNAVAILABLE)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any, Generic, TypeVar
 
+from deployments.http.refusal import mark_public_error
 from deployments.responses.store import LOCAL_OWNER, owner_of
 
 V = TypeVar("V")
@@ -23,6 +24,17 @@ Key = tuple[str, str]
 
 # The owner of the request being served (copied into the tasks it starts).
 OWNER: ContextVar[str] = ContextVar("dsv4_responses_owner", default=LOCAL_OWNER)
+# The request's ASGI scope (set by ``OwnerScope``): a store failure marks its 503 public,
+# so the edge's scrub lets "the ... Responses store is unavailable" reach the client.
+REQUEST_SCOPE: ContextVar[dict[str, Any] | None] = ContextVar("dsv4_responses_scope",
+                                                               default=None)
+
+
+def mark_store_error_public() -> None:
+    """The store's 503 names only the store and the fix: let it out as written."""
+    scope = REQUEST_SCOPE.get()
+    if scope is not None:
+        mark_public_error(scope)
 # Where the edge's auth middleware leaves the SHA-256 hex of the request's API key.
 DIGEST_STATE_KEY = "dsv4_key_digest"
 
@@ -121,7 +133,9 @@ class OwnerScope:
             return
         state = scope.get("state") or {}
         token = OWNER.set(owner_of(state.get(DIGEST_STATE_KEY)))
+        scoped = REQUEST_SCOPE.set(scope)
         try:
             await self.app(scope, receive, send)
         finally:
+            REQUEST_SCOPE.reset(scoped)
             OWNER.reset(token)

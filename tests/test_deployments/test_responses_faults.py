@@ -150,3 +150,30 @@ def test_sqlite_locked_by_another_process_is_a_503(tmp_path: Path) -> None:
         assert (await _turn(binding, "resp_2", None)).status == "completed"
         await store.close()
     asyncio.run(body())
+
+
+def test_the_store_503_reaches_the_client_through_the_edge_scrub() -> None:
+    """The edge scrubs every 5xx to a request id; a store failure's 503 names the store
+    and the fix (nothing internal), so it goes out as written (live: the 2-node run)."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from deployments.http.scrub import ScrubMiddleware
+    from deployments.responses.views import OwnerScope, mark_store_error_public
+
+    said = "the Responses store is unavailable (the Redis Responses store could not read)"
+
+    async def failing(request: Request) -> JSONResponse:
+        if request.query_params.get("store") == "1":
+            mark_store_error_public()
+        return JSONResponse({"error": {"message": said, "code": 503}}, status_code=503)
+
+    app = ScrubMiddleware(OwnerScope(Starlette(routes=[Route("/v1/responses", failing)])))
+    client = TestClient(app)
+    public = client.get("/v1/responses?store=1")
+    assert public.status_code == 503 and public.json()["error"]["message"] == said
+    other = client.get("/v1/responses")  # any other 5xx is still scrubbed
+    assert other.status_code == 503 and "Redis" not in other.text
