@@ -49,8 +49,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from deployments import serve_env
 from deployments.config import HTTPEdge
 from deployments.http.auth import KeyStore
-from deployments.http.edge import Edge, edge_stack, middleware
+from deployments.http.edge import Edge, edge_stack, in_flight_share, middleware
 from deployments.http.errors import openai_http_error, openai_validation_error
+from deployments.http.key_metrics import key_file_metrics
 from deployments.http.public import public_report
 from deployments.http.refusal import (
     Refusal,
@@ -232,3 +233,18 @@ def harden(app: FastAPI, edge: Edge, kv_spec: KVSpecSource | None = None) -> Fas
     app.add_middleware(PublicModelCards)
     app.user_middleware[:0] = middleware(edge_stack(edge, background_tasks(app)))
     return app
+
+
+def start_edge(settings: HTTPEdge, serving_replicas: int) -> Edge:
+    """This replica's edge, with its share of ``http.max_in_flight`` in its settings.
+
+    Refuses (the deployment fails with the message) before the engine boots.
+    """
+    settings, note = in_flight_share(settings, serving_replicas)
+    if note:
+        logger.info("dsv4: this replica admits %d generation requests at once "
+                    "(http.max_in_flight%s)", settings.max_in_flight, note)
+    replica_edge = Edge.start(settings, proxy_host(), limit_note=note)
+    if replica_edge.keys.file_configured:
+        replica_edge.keys.watch(key_file_metrics())
+    return replica_edge

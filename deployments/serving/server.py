@@ -62,8 +62,7 @@ from deployments.control.wire import (
     answer_kv_page_spec,
 )
 from deployments.doors.lifecycle import Doors, listening_ingress
-from deployments.http import edge, front
-from deployments.http.key_metrics import key_file_metrics
+from deployments.http import front
 from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
 from deployments.responses.replica import ReplicaStore, bind_store
@@ -106,7 +105,7 @@ class DSv4ServerMixin:
         # ``http`` is given to the replicas that answer HTTP (the ingress); a P/D
         # prefill replica is called only by decode replicas and has no edge.
         self._http = HTTPEdge.model_validate(http or {})
-        self._edge = _start_edge(self._http, serving_replicas) if http is not None else None
+        self._edge = front.start_edge(self._http, serving_replicas) if http is not None else None
         if self._edge is not None:
             self._http = self._edge.settings
         self._kv_spec = kv_spec_controller
@@ -314,21 +313,6 @@ class DSv4ServerMixin:
             raise
         await self._doors.engine_healthy()
         raise_if_enforced(self._verdict)
-
-
-def _start_edge(settings: HTTPEdge, serving_replicas: int) -> edge.Edge:
-    """This replica's edge, with its share of ``http.max_in_flight`` in its settings.
-
-    Refuses (the deployment fails with the message) before the engine boots.
-    """
-    settings, note = edge.in_flight_share(settings, serving_replicas)
-    if note:
-        logger.info("dsv4: this replica admits %d generation requests at once "
-                    "(http.max_in_flight%s)", settings.max_in_flight, note)
-    replica_edge = edge.Edge.start(settings, front.proxy_host(), limit_note=note)
-    if replica_edge.keys.file_configured:
-        replica_edge.keys.watch(key_file_metrics())
-    return replica_edge
 
 
 class DSv4Server(DSv4ServerMixin, LLMServer):

@@ -122,7 +122,7 @@ def test_the_pd_decode_replica_serves_rays_prefill_first_routes_behind_our_edge(
         "model_id": "m"}))
     server.engine = _AppOnlyEngine()
     server._http = HTTPEdge()
-    server._edge = _edge()  # what the replica's __init__ builds (``server._start_edge``)
+    server._edge = _edge()  # what the replica's __init__ builds (``front.start_edge``)
     server._doors = Doors(server._http, answers_http=True, drain_timeout_s=1.0)
     assert not server._doors.own_port_behind_haproxy  # Serve's proxy is the door (default)
 
