@@ -8,6 +8,9 @@ Read statically (ast); nothing is imported. What is checked:
   ``series.make`` for a series the catalogue lists. The one exception is named below.
 * one resolution of ``kv_cache_dtype: auto``: no module outside ``dsv4_patch/rules/``
   compares a dtype-named value with ``"auto"`` (``rules.build`` and its resolvers do).
+* one place orders every layer in front of vLLM's handler: only
+  ``deployments/http/edge.py`` adds to an app's ``user_middleware`` or builds a
+  Starlette ``Middleware``; elsewhere the list may only be filtered.
 * one check of ``engine_kwargs.worker_extension_cls``: the literal key is compared in
   ``deployments/config/llm.py`` only.
 """
@@ -197,3 +200,57 @@ def test_the_auto_scan_sees_a_hand_mapping() -> None:
     assert not auto_mappings('x = replicas == "auto"\n')
     # The rules' own mapping is what the scan sees (so an empty result elsewhere is real).
     assert auto_mappings((REPO / "dsv4_patch/rules/dtypes.py").read_text())
+
+
+LAYER_PLACE = "deployments/http/edge.py"
+
+
+def layer_placements(source: str) -> list[tuple[int, str]]:
+    """(line, code) for each way ``source`` puts a middleware into an app: ``add_middleware``,
+    ``Middleware(...)``, ``user_middleware`` grown (insert/append/extend/slice) or replaced
+    by anything but a filter of itself."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else \
+                node.func.id if isinstance(node.func, ast.Name) else ""
+            grows = name in ("insert", "append", "extend") and \
+                isinstance(node.func, ast.Attribute) and "user_middleware" in \
+                ast.unparse(node.func.value)
+            if name in ("add_middleware", "Middleware") or grows:
+                found.append((node.lineno, ast.unparse(node)[:80]))
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if not any("user_middleware" in ast.unparse(t) for t in targets):
+                continue
+            value = node.value
+            is_filter = isinstance(node, ast.Assign) and isinstance(value, ast.ListComp) \
+                and isinstance(value.elt, ast.Name) and all(
+                    isinstance(t, ast.Attribute) for t in targets) and all(
+                    isinstance(g.target, ast.Name) and g.target.id == value.elt.id
+                    for g in value.generators)
+            if not is_filter:
+                found.append((node.lineno, ast.unparse(node)[:80]))
+    return found
+
+
+def test_one_place_orders_the_layers() -> None:
+    """``front.harden`` and the Responses store place their layers through
+    ``edge.place``/``place_innermost`` (order: ``edge_stack``); nowhere else adds one."""
+    found = []
+    for path in python_files("deployments"):
+        rel = path.relative_to(REPO).as_posix()
+        if rel != LAYER_PLACE:
+            found += [f"{rel}:{line} places a middleware itself: {code}"
+                      for line, code in layer_placements(path.read_text())]
+    assert not found, "\n".join(found)
+    assert layer_placements((REPO / LAYER_PLACE).read_text()), "the scan sees nothing in edge.py"
+
+
+def test_the_layer_scan_sees_each_way_in() -> None:
+    for code in ("app.add_middleware(X)\n", "app.user_middleware.append(m)\n",
+                 "app.user_middleware[:0] = layers\n", "app.user_middleware += [m]\n",
+                 "m = Middleware(X)\n", "app.user_middleware = [m, *app.user_middleware]\n"):
+        assert layer_placements(code), code
+    assert not layer_placements(
+        "app.user_middleware = [m for m in app.user_middleware if m.cls is not C]\n")
