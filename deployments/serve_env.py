@@ -155,7 +155,14 @@ def haproxy_env(binary: str) -> dict[str, str]:
 # and carried the node's rate over 64 streams on 0.22 of a core. Each node's HAProxy
 # carries that node's share of the traffic; an ingress that carries several nodes'
 # raises it (a value already in the environment wins and is named).
-HAPROXY_TUNING: dict[str, str] = {"RAY_SERVE_HAPROXY_NBTHREAD": "1"}
+#
+# Session affinity: HAProxy hashes Serve's session header (x-session-id) onto the replica
+# ports, consistently and with bounded loads (deployments/doors/haproxy.py adds both), so a
+# conversation's turns find their prefix in one replica's KV cache; requests without it
+# go round robin (Ray's default is leastconn). A drained or engine-dead replica fails the
+# health check HAProxy polls and leaves the ring.
+HAPROXY_TUNING: dict[str, str] = {"RAY_SERVE_HAPROXY_NBTHREAD": "1",
+                                  "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": "hdr(x-session-id)"}
 
 
 def ingress_tuning() -> dict[str, str]:

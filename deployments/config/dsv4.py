@@ -11,7 +11,9 @@ from pydantic import (
     model_validator,
 )
 
+from deployments.config.autoscaling import AutoscalingSection
 from deployments.config.base import Policy, _Strict
+from deployments.config.routing import RoutingSection
 from dsv4_patch import rules
 
 # -------------------------------------------------------------------- dsv4 part
@@ -121,11 +123,15 @@ class DSv4Section(_Strict):
     # A replica never reads it: it probes its own GPU (deployments.serving.server.
     # probe_node) and takes its type's expected_layouts entry.
     node_types: dict[str, NodeSpec] = Field(default_factory=dict)
-    # The vLLM the replicas' image runs (pyproject extra gpu: 0.29.0, gpu-v41: 0.34.0):
+    # The vLLM the replicas' image runs (stack gpu: 0.29.0, gpu-v41: 0.33.0, gpu-v41-034: 0.34.0):
     # what `plan` predicts with unless --vllm-version says otherwise. Unset: the
     # platform's default stack (dsv4_patch.rules.DEFAULT_VLLM).
     vllm_version: str | None = Field(default=None, pattern=r"^\d+\.\d+\.\d+")
     replica_overrides: list[ReplicaOverride] = Field(default_factory=list)
+    # When llm.deployment_config.autoscaling_config is set: the policy Serve scales by.
+    autoscaling: AutoscalingSection = Field(default_factory=AutoscalingSection)
+    # Session affinity (x-session-id) in Serve's router and HAProxy.
+    routing: RoutingSection = Field(default_factory=RoutingSection)
 
     @property
     def stale_bound_s(self) -> float:

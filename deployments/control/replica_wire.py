@@ -18,6 +18,10 @@ SCHEMA_VERSION = 2
 DRAIN_STAT = "dsv4_kv_drain"
 # Routing stat: HTTP requests this replica's edge holds now, through either door.
 HTTP_IN_FLIGHT_STAT = "dsv4_http_in_flight"
+# Routing stats for session affinity (serving.affinity): vLLM's last KV usage (0..1),
+# and 1 while the replica's last engine health check failed.
+KV_USAGE_STAT = "dsv4_kv_usage"
+ENGINE_DEAD_STAT = "dsv4_engine_dead"
 
 
 class _Wire(BaseModel):

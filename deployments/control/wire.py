@@ -29,7 +29,9 @@ from pydantic import Field
 from deployments.control.canary_wire import CanaryMode, CanaryRequest, CanaryResult
 from deployments.control.replica_wire import (
     DRAIN_STAT,
+    ENGINE_DEAD_STAT,
     HTTP_IN_FLIGHT_STAT,
+    KV_USAGE_STAT,
     SCHEMA_VERSION,
     Action,
     LayerEntry,
@@ -50,7 +52,9 @@ from deployments.control.replica_wire import (
 
 __all__ = [
     "DRAIN_STAT",
+    "ENGINE_DEAD_STAT",
     "HTTP_IN_FLIGHT_STAT",
+    "KV_USAGE_STAT",
     "SCHEMA_VERSION",
     "Action",
     "CanaryMode",

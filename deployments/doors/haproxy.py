@@ -48,6 +48,12 @@ _STATS_BIND = re.compile(r"^(?P<indent>\s*)bind\s+\*?:(?P<port>\d+)\s*$")
 _SERVER = re.compile(r"^(?P<head>\s*server\s+\S+\s+)(?P<host>\S+):(?P<port>\d+)"
                      r"(?P<tail>\s.*)?$")
 _SOCKET = re.compile(r"^(?P<head>\s*stats socket\s+\S+\s+)mode\s+\d+(?P<tail>\s.*)?$")
+# Session affinity (serve_env.HAPROXY_TUNING sets Ray's balance to the session header):
+# hash on a consistent ring, so a replica leaving moves only its own sessions, with
+# bounded loads (no server above 150 % of the mean: a busy session's replica sheds new
+# sessions to the next on the ring). Without the header HAProxy balances round robin.
+_BALANCE_HDR = re.compile(r"^(?P<indent>\s*)balance\s+hdr\(")
+SESSION_HASH = ("hash-type consistent", "hash-balance-factor 150")
 
 
 class HAProxyConfigError(ValueError):
@@ -95,6 +101,9 @@ def harden(text: str, environ: Mapping[str, str] | None = None) -> Hardened:
             if change:
                 changes.append(f"{section}: {change}")
         out.append(line)
+        if balance := _BALANCE_HDR.match(line):
+            out += [f"{balance['indent']}{directive}" for directive in SESSION_HASH]
+            changes.append(f"{section}: {', '.join(SESSION_HASH)} (session affinity)")
     missing = [name for name, seen in found.items() if not seen]
     if missing:
         raise HAProxyConfigError(

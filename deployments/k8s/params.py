@@ -156,8 +156,8 @@ def stack_problems(preset: Preset, args: AppArgs, params: Mapping[str, Any]) -> 
         where = f"stacks.{preset.stack}" if preset.stack else "the default image"
         return [f"dsv4.vllm_version={declared!r} but the preset's pods run {where} with "
                 f"vLLM {image_vllm}: plan's prediction would not be what runs. Fix: set "
-                "presets.<name>.stack in k8s/params.yaml to a stack of that vLLM (gpu-v41 "
-                "for DeepSeek-V4.1)"]
+                "presets.<name>.stack in k8s/params.yaml to a stack of that vLLM (gpu-v41-034 "
+                "or gpu-v41 for DeepSeek-V4.1)"]
     return []
 
 

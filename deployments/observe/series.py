@@ -45,7 +45,8 @@ class Series:
     help: str
     tags: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
-    # controller | pd_controller | replica (the serving replica's process) | ray_serve
+    # controller | pd_controller | replica (the serving replica's process) |
+    # serve_controller (Serve's own controller, where an autoscaling policy runs) | ray_serve
     where: str = "controller"
 
     def exported(self) -> tuple[str, ...]:
@@ -170,6 +171,31 @@ PD_BLOCKED = _pd("dsv4_pd_blocked_prefill_replicas", "prefill replicas no decode
 PD_STRANDED = _pd("dsv4_pd_stranded_decode_replicas", "decode replicas with no compatible "
                  "prefill replica (they prefill locally)")
 
+# ---------------------------------- Serve's controller: the kv_pressure autoscaling policy
+# Set by deployments.serving.autoscale at each decision that differs from the last.
+SCALE_TAGS = ("application", "llm_deployment")
+SCALE_TARGET = Series("dsv4_autoscale_target_replicas", Kind.GAUGE, "replicas the "
+                      "kv_pressure policy asks Serve for (drained ones included)",
+                      SCALE_TAGS, where="serve_controller")
+SCALE_CAPACITY = Series("dsv4_autoscale_capacity_replicas", Kind.GAUGE, "replicas the "
+                        "policy counts as capacity: running and not drained",
+                        SCALE_TAGS, where="serve_controller")
+SCALE_KV = Series("dsv4_autoscale_kv_usage", Kind.GAUGE, "mean KV cache usage (0..1) of "
+                  "the undrained replicas, as the policy last saw it", SCALE_TAGS,
+                  where="serve_controller")
+SCALE_WAITING = Series("dsv4_autoscale_waiting_per_replica", Kind.GAUGE, "requests "
+                       "waiting in vLLM per undrained replica, as the policy last saw it",
+                       SCALE_TAGS, where="serve_controller")
+SCALE_REASON = Series("dsv4_autoscale_decision", Kind.GAUGE, "1 for the reason of the "
+                      "policy's current decision (kv_pressure, queue_pressure, "
+                      "ongoing_requests, quiet, hold, no_metrics, bounds), 0 for the others",
+                      (*SCALE_TAGS, "reason"), where="serve_controller")
+SCALE_CHANGES = Series("dsv4_autoscale_changes_total", Kind.COUNTER, "target changes the "
+                       "policy decided, by direction (up|down) and reason",
+                       (*SCALE_TAGS, "direction", "reason"), where="serve_controller")
+AUTOSCALE_SERIES = (SCALE_TARGET, SCALE_CAPACITY, SCALE_KV, SCALE_WAITING, SCALE_REASON,
+                    SCALE_CHANGES)
+
 CONTROLLER_SERIES = (AGREE, RUNNING, ANSWERED, ODD, DRAINED, STALE, AGE, CHECKS,
                      REPLACEMENTS, REPLICA_INFO, AS_PREDICTED, PAGE_BYTES, BYTES_PER_TOKEN,
                      CAPACITY_TOKENS, ENGINE_CAPACITY_TOKENS, BUDGET_BYTES)
@@ -191,7 +217,7 @@ PD_CANARY_MAX_DELTA = Series("dsv4_pd_canary_max_logprob_delta", Kind.GAUGE, "la
 PD_SERIES = (PD_COMPATIBLE, PD_VERDICT, PD_PAIRS, PD_BLOCKED, PD_STRANDED, PD_CANARY_FAILED,
              PD_CANARY_PASSED, PD_CANARY_MAX_DELTA)
 
-ALL = CONTROLLER_SERIES + REPLICA_SERIES + PD_SERIES
+ALL = CONTROLLER_SERIES + REPLICA_SERIES + PD_SERIES + AUTOSCALE_SERIES
 
 # Ray Serve's own series the dashboard reads (Serve creates them; ``make`` never does).
 # The queueing/routing stage: how long a request waited in a Serve router (Serve's proxy

@@ -32,6 +32,7 @@ from deployments.pd import route
 from deployments.pd.controller import PDController
 from deployments.pd.server import DSv4PDDecodeServer, DSv4PDPrefillServer
 from deployments.plan.kv_figures import plan_pool_capacities
+from deployments.serving.autoscale import with_autoscaling_policy
 from deployments.serving.builder import (
     controller_deployment,
     ingress_bind_kwargs,
@@ -66,6 +67,9 @@ def pool_configs(parsed: PDAppArgs) -> tuple[LLMConfig, LLMConfig]:
                 "compared them. Fix: remove it (the first checked request does the NIXL "
                 "handshake).")
         data["deployment_config"] = pool_router(pool, data["deployment_config"], parsed)
+        # Each pool autoscales on its own replicas' KV usage and queue (no DP in P/D).
+        data["deployment_config"] = with_autoscaling_policy(
+            data["deployment_config"], parsed.dsv4.autoscaling, gang_size=1)
         # The decode replicas answer HTTP (queue bounds); both pools boot without the
         # download task for a local model directory.
         data = serving_config(data, parsed.http) if pool == "decode" else \
@@ -88,7 +92,7 @@ def pool_router(pool: str, deployment_config: dict[str, Any],
         logger.info("dsv4: http.ingress=haproxy: HAProxy picks the decode replica; a drained "
                     "or engine-dead one fails its /-/healthz and leaves HAProxy's rotation")
         return deployment_config
-    return with_kv_router(deployment_config)
+    return with_kv_router(deployment_config, parsed.dsv4.routing)
 
 
 def build_pd_app(parsed: PDAppArgs) -> Application:

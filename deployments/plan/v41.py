@@ -140,9 +140,9 @@ def _v41_layout_problems(nodes: Sequence[NodeCapacity]) -> list[Finding]:
         f"set expected_layouts: {{{n.node_type}: {n.layout}}}, or change the node's "
         "attention_backend / kv_cache_dtype.")) for n in nodes if n.layout != n.expected_layout]
 
-V41_STACK_FIX = ("install the V4.1 stack (pip install 'dsv4-serve[gpu-v41]': ray[llm] 2.60.0 "
-                 "over vllm 0.33.0; image build arg DSV4_EXTRA=gpu-v41) and plan with "
-                 "--vllm-version 0.33.0")
+V41_STACK_FIX = ("install a V4.1 stack (pip install 'dsv4-serve[gpu-v41]': ray[serve] 2.60.0 "
+                 "over vllm 0.33.0, or the image build arg DSV4_EXTRA=gpu-v41-034: vllm "
+                 "0.34.0) and plan with --vllm-version 0.33.0 or 0.34.0")
 
 
 def v41_problems(args: AppArgs, model_cfg: Mapping[str, Any], version: str) -> list[Finding]:

@@ -169,6 +169,30 @@ TOUCHES: tuple[RayTouch, ...] = (
                             "TPU_ACCELERATOR_VALUES", "infer_hardware_kind_from_bundles")),
     ),
     RayTouch(
+        name="llm.engine_gauges",
+        target="vllm.v1.metrics.ray_wrappers:RayPrometheusStatLogger._gauge_cls and "
+               "RayKVConnectorProm._gauge_cls (RayGaugeWrapper)",
+        used_in=("deployments.serving.engine_metrics:install",
+                 "deployments.serving.engine_metrics:gauge_class"),
+        why="vLLM sets its engine gauges (kv_cache_usage_perc, num_requests_running/"
+            "waiting, ...) only when the engine steps and Ray's agent drops a gauge not set "
+            "for two export intervals: ~20 s into idle the KV and queue series vanish, the "
+            "dashboard's panels go empty and an autoscaler reading them is blind",
+        how="in the replica, before the engine starts, both _gauge_cls become KeptGauge: "
+            "each set goes to Ray at once and is set again at every keep-alive of the "
+            "engine-metrics flush thread (every 5 s)",
+        upstream="none filed: Ray's agent expiring unset gauges is intended "
+                 "(ray/_private/telemetry); vLLM could re-set its gauges when idle",
+        removal="when vLLM's Ray stat logger keeps its gauges alive itself",
+        probe=every(attr_chain("vllm.v1.metrics.ray_wrappers",
+                               "RayPrometheusStatLogger._gauge_cls"),
+                    attr_chain("vllm.v1.metrics.ray_wrappers",
+                               "RayKVConnectorProm._gauge_cls"),
+                    attr_chain("vllm.v1.metrics.ray_wrappers", "RayGaugeWrapper.set")),
+        required=False,
+        loads_llm=True,
+    ),
+    RayTouch(
         name="llm.engine_histograms",
         target="vllm.v1.metrics.ray_wrappers:RayPrometheusStatLogger._histogram_cls "
                "(RayHistogramWrapper; RayPrometheusMetric's tag helpers), the stat logger "

@@ -27,6 +27,7 @@ from deployments.config.responses import ResponsesStore
 from deployments.control.controller import KVSpecController
 from deployments.logs import get_logger
 from deployments.plan.kv_figures import plan_capacity
+from deployments.serving.autoscale import with_autoscaling_policy
 from deployments.serving.boot import LocalModelCallback
 from deployments.serving.names import CONTROLLER_DRAIN_S, CONTROLLER_NAME
 from deployments.serving.router import with_kv_router
@@ -103,7 +104,11 @@ def server_config(parsed: AppArgs) -> dict[str, Any]:
         logger.info("dsv4: http.ingress=haproxy: HAProxy picks the replica; a drained or "
                     "engine-dead replica fails its /-/healthz and leaves HAProxy's rotation")
     else:  # the KV-spec router keeps requests off replicas the controller drains
-        config_dict["deployment_config"] = with_kv_router(config_dict["deployment_config"])
+        config_dict["deployment_config"] = with_kv_router(config_dict["deployment_config"],
+                                                          parsed.dsv4.routing)
+    # Autoscaling on KV usage and queue depth (dsv4.autoscaling), in whole DP gangs.
+    config_dict["deployment_config"] = with_autoscaling_policy(
+        config_dict["deployment_config"], parsed.dsv4.autoscaling, dp_size(config_dict))
     return serving_config(config_dict, parsed.http)
 
 

@@ -1,4 +1,4 @@
-"""vLLM's engine histograms, kept in the replica and exported as totals.
+"""vLLM's engine histograms and gauges, kept in the replica and exported by one thread.
 
 Ray Serve LLM logs engine metrics (``log_engine_metrics``, on by default) through vLLM's
 ``RayPrometheusStatLogger``, whose histograms are ``ray.util.metrics.Histogram``. Ray
@@ -17,13 +17,22 @@ every ``FLUSH_S`` into three Ray gauges with the series names and labels Ray exp
 before, ``<name>_bucket{le}``, ``<name>_sum``, ``<name>_count``: the same samples for
 dashboards and ``histogram_quantile``, exact sums, gauge-typed. The agent then handles
 a few numbers per histogram per export, whatever the token rate.
+
+``KeptGauge`` takes the place of vLLM's ``RayGaugeWrapper`` (the ``llm.engine_gauges``
+touch): vLLM sets ``kv_cache_usage_perc``, ``num_requests_running/waiting`` and the rest
+only when its engine steps, and Ray's agent drops a gauge not set for two export
+intervals, so an idle fleet's KV and queue panels went empty ~20 s after the last
+request. Each set goes to Ray at once and is remembered; the same flush thread sets every
+remembered value again each keep-alive, so an idle replica keeps exporting its last
+state (0 running, 0 waiting: vLLM's last step reports the counts after it freed the
+finished requests).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from ray.util import metrics as ray_metrics
 
@@ -38,6 +47,13 @@ FLUSH_S = 1.0  # well inside Ray's ~10 s export interval: an export sees <= 1 s 
 # reported for two export intervals (~20 s), and an idle replica sets nothing in between.
 KEEP_EVERY = 5
 TOUCH = "llm.engine_histograms"
+GAUGE_TOUCH = "llm.engine_gauges"
+
+
+class _Kept(Protocol):
+    """What the flush thread sets: everything changed, or everything (keep-alive)."""
+
+    def set(self, unchanged_too: bool) -> None: ...
 
 
 class _Family:
@@ -83,20 +99,71 @@ class _Family:
             self.count.set(count, tags=tags)
 
 
+GAUGES: dict[str, _GaugeFamily] = {}  # by exported name (vllm_kv_cache_usage_perc, ...)
+
+
+def engine_load() -> tuple[float, float, float] | None:
+    """(KV usage 0..1, mean over engines; waiting; running) as vLLM last set them in this
+    replica, or None before the engine's first step (what autoscaling reads)."""
+    kv = GAUGES.get("vllm_kv_cache_usage_perc")
+    if kv is None or not kv.values():
+        return None
+    usage = kv.values()
+    waiting, running = (sum(f.values()) if (f := GAUGES.get(name)) else 0.0
+                        for name in ("vllm_num_requests_waiting", "vllm_num_requests_running"))
+    return sum(usage) / len(usage), waiting, running
+
+
+class _GaugeFamily:
+    """One vLLM gauge: the Ray gauge, and the last value of each label set, set again
+    at each keep-alive (vLLM sets its engine gauges only while the engine steps)."""
+
+    def __init__(self, name: str, documentation: str, tag_keys: tuple[str, ...]) -> None:
+        self.gauge = ray_metrics.Gauge(name, description=documentation, tag_keys=tag_keys)
+        self._lock = threading.Lock()
+        self._last: dict[tuple[tuple[str, str], ...], float] = {}
+        GAUGES[name] = self
+
+    def values(self) -> list[float]:
+        """The last value of each label set (one per engine of the replica)."""
+        with self._lock:
+            return list(self._last.values())
+
+    def record(self, value: float, tags: dict[str, str]) -> None:
+        """Set now (a change is exported at the next export) and remember it."""
+        key = tuple(sorted(tags.items()))
+        with self._lock:
+            first = not self._last
+            self._last[key] = value
+        self.gauge.set(value, tags=tags)
+        if first:
+            FLUSHER.add(self)
+
+    def set(self, unchanged_too: bool) -> None:
+        """At a keep-alive, every label set's last value again (changes went at once)."""
+        if not unchanged_too:
+            return
+        with self._lock:
+            last = list(self._last.items())
+        for key, value in last:
+            self.gauge.set(value, tags=dict(key))
+
+
 class _Flusher:
-    """Every family's totals into its gauges, every ``FLUSH_S``, on one daemon thread."""
+    """Every family's state into its gauges, every ``FLUSH_S``, on one daemon thread:
+    histogram totals when they change, and everything at each keep-alive."""
 
     def __init__(self, thread: bool = True) -> None:
         self._lock = threading.Lock()
-        self._families: dict[int, _Family] = {}
+        self._families: dict[int, _Kept] = {}
         self._thread: threading.Thread | None = None
         self._start_thread = thread  # False: flushed only by calls (tests)
 
-    def add(self, family: _Family) -> None:
+    def add(self, family: _Kept) -> None:
         with self._lock:
             self._families.setdefault(id(family), family)
             if self._thread is None and self._start_thread:
-                self._thread = threading.Thread(target=self._run, name="dsv4-engine-histograms",
+                self._thread = threading.Thread(target=self._run, name="dsv4-engine-metrics",
                                                 daemon=True)
                 self._thread.start()
 
@@ -115,7 +182,7 @@ class _Flusher:
             try:
                 self.flush(unchanged_too=rounds % KEEP_EVERY == 0)
             except Exception:  # a metrics bug must not stop the next flush; logged each time
-                logger.exception("dsv4: exporting vLLM's engine histograms failed")
+                logger.exception("dsv4: exporting vLLM's engine metrics failed")
 
 
 FLUSHER = _Flusher()
@@ -153,9 +220,56 @@ def histogram_class() -> type:
     return BucketHistogram
 
 
+def gauge_class() -> type:
+    """``KeptGauge``, on the installed vLLM's ``RayPrometheusMetric`` like the histograms."""
+    from vllm.v1.metrics.ray_wrappers import RayPrometheusMetric
+
+    class KeptGauge(RayPrometheusMetric):
+        """``RayGaugeWrapper``'s API (``labels``, ``set``, ``set_to_current_time``)."""
+
+        def __init__(self, name: str, documentation: str | None = "",
+                     labelnames: list[str] | None = None,
+                     multiprocess_mode: str | None = "") -> None:
+            del multiprocess_mode  # Ray's series are per worker already (as vLLM's wrapper)
+            super().__init__()
+            tag_keys = self._get_tag_keys(labelnames)
+            name = self._get_sanitized_opentelemetry_name(name)
+            self._family = _GaugeFamily(name, documentation or "", tag_keys)
+            self.metric = self._family.gauge  # what vLLM's _build_tags reads the tag keys of
+
+        def set(self, value: float) -> None:
+            self._family.record(float(value), self._tags)
+
+        def set_to_current_time(self) -> None:
+            self.set(time.time())
+
+    return KeptGauge
+
+
+def _install_gauges() -> None:
+    """vLLM's Ray stat loggers build their gauges as ``KeptGauge`` (idempotent)."""
+    from vllm.v1.metrics import ray_wrappers
+
+    if not ray_touches.present(GAUGE_TOUCH):
+        logger.warning("dsv4: vLLM's Ray gauges are not where dsv4-serve expects them (ray "
+                       "touch %s): engine gauges vanish from the scrape ~20 s into idle",
+                       GAUGE_TOUCH)
+        return
+    if getattr(ray_wrappers.RayPrometheusStatLogger._gauge_cls, "dsv4_kept", False):
+        return
+    cls = gauge_class()
+    cls.dsv4_kept = True  # type: ignore[attr-defined]  # marks ours (idempotent install)
+    ray_wrappers.RayPrometheusStatLogger._gauge_cls = cls
+    ray_wrappers.RayKVConnectorProm._gauge_cls = cls
+    logger.info("dsv4: vLLM's engine gauges are set again every %g s while idle (Ray's "
+                "agent drops a gauge not set for two export intervals)", FLUSH_S * KEEP_EVERY)
+
+
 def install() -> bool:
     """Before the engine starts: vLLM's Ray stat logger builds its histograms as
-    ``BucketHistogram``. False (logged) when the touch is absent in this Ray/vLLM."""
+    ``BucketHistogram`` and its gauges as ``KeptGauge``. False (logged) when the
+    histogram touch is absent in this Ray/vLLM."""
+    _install_gauges()
     if not ray_touches.present(TOUCH):
         logger.warning("dsv4: vLLM's Ray stat logger is not where dsv4-serve expects it "
                        "(ray touch %s): engine histograms stay Ray histograms, and Ray's "

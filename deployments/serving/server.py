@@ -54,7 +54,9 @@ from deployments.control.prediction import (
 from deployments.control.summary import ReplicaKV, summarize_workers
 from deployments.control.wire import (
     DRAIN_STAT,
+    ENGINE_DEAD_STAT,
     HTTP_IN_FLIGHT_STAT,
+    KV_USAGE_STAT,
     Prediction,
     ReplicaSpec,
     ReplicaVerdict,
@@ -66,7 +68,7 @@ from deployments.http import front
 from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
 from deployments.responses.replica import ReplicaStore, bind_store
-from deployments.serving import boot, engine_metrics
+from deployments.serving import autoscale, boot, engine_metrics
 from deployments.serving.engine_wait import AfterEngineSpawn, freeze_heap
 from deployments.serving.resolve import (
     apply_override,
@@ -141,6 +143,7 @@ class DSv4ServerMixin:
         while_engine_starts.close()
         self._prediction, self._own_prediction = self._predictions(base_config, llm_config)
         self._verdict = ReplicaVerdict()
+        self._engine_dead = False
         self._kv: ReplicaKV | None = None
         boot.keep_telemetry_off_boot_path()
         engine_metrics.install()  # before the engine builds its stat loggers
@@ -294,7 +297,20 @@ class DSv4ServerMixin:
         """Ray Serve LLM's routing stats plus whether the KV-spec router must skip us."""
         stats = await super().record_routing_stats() or {}  # type: ignore[misc]  # a mixin: the superclass that defines it is Ray Serve LLM's LLMServer
         held = {HTTP_IN_FLIGHT_STAT: self._edge.in_flight} if self._edge is not None else {}
-        return dict(stats) | drain_stats(self._verdict) | held
+        load = engine_metrics.engine_load()
+        engine = {ENGINE_DEAD_STAT: self._engine_dead} | (
+            {KV_USAGE_STAT: load[0]} if load is not None else {})
+        return dict(stats) | drain_stats(self._verdict) | held | engine
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What ``autoscale.KVPressurePolicy`` scales on: KV usage, waiting and running as
+        vLLM's stat logger last set them here, and whether the KV-spec check drained us
+        (empty before the engine's first step: the policy then holds)."""
+        load = engine_metrics.engine_load()
+        if load is None:
+            return {}
+        drained = bool(drain_stats(self._verdict)[DRAIN_STAT])
+        return autoscale.stats(*load, drained=drained)
 
     async def check_health(self) -> None:
         """Engine health first; then, if our verdict says so, fail so Serve replaces us.
@@ -309,8 +325,10 @@ class DSv4ServerMixin:
         try:
             await super().check_health()  # type: ignore[misc]  # a mixin: the superclass that defines it is Ray Serve LLM's LLMServer
         except Exception:
+            self._engine_dead = True  # the affinity router skips us (routing stats)
             self._doors.engine_dead()
             raise
+        self._engine_dead = False
         await self._doors.engine_healthy()
         raise_if_enforced(self._verdict)
 

@@ -172,14 +172,17 @@ V41_ROWS = [
     "| 0.31.0-0.32.0 | same | 4-argument resolver, SM100 default FlashMLA mega (nvfp4_ds_mla) "
     "when 8 local heads per `wo_a` group | 13, 14 |",
     "| 0.33.0 | same | ROCm backend renamed `ROCM_FLASHMLA_SPARSE_DSV41`; NIXL worker "
-    "requires nixl >= 1.5.0 | 15 |",
+    "requires nixl >= 1.5.0; `gpu-v41` extra (torch 2.14.0, FlashInfer 0.7.2.post1, nixl "
+    "1.5.1) | 15 |",
     "| 0.34.0 | same | SM120 block 128 → 64 (vllm#59203); LoRA turns mega off (SM100 → "
     "fp8_ds_mla 528 B); default block 16 → 64; `gpu_memory_utilization` 1.0 with the "
-    "extensible KV cache (CUDA/ROCm); `gpu-v41` extra (torch 2.14.0, FlashInfer 0.7.3, "
-    "nixl 1.5.1) | 16 |",
+    "extensible KV cache (CUDA/ROCm); `gpu-v41-034` lock (torch 2.14.0, FlashInfer 0.7.4 "
+    "for its unpublished 0.7.3 pin, nixl 1.5.1) | 16 |",
     "",
-    "The `gpu-v41` extra and the `v41-*` presets (`dsv4.vllm_version`, `k8s/params.yaml`'s",
-    "`gpu-v41` stack) run 0.34.0: on 0.33 SM120 builds V4.1 with 128-token blocks that trip",
+    "The `v41-*` presets (`dsv4.vllm_version`, `k8s/params.yaml`'s `gpu-v41-034` stack) run",
+    "0.34.0, installed from its lock; `pip install 'dsv4-serve[gpu-v41]'` installs 0.33.0,",
+    "since pip cannot install 0.34.0 (docs/deploy-kuberay.md). On 0.33 SM120 builds V4.1",
+    "with 128-token blocks that trip",
     "FlashInfer's block_kv assert (vllm#59203), and LoRA on SM100 keeps mega attention, whose",
     "fused `wo_a` read skips the adapter delta. They move together: 0.33 and 0.34 P/D pools",
     "never complete a NIXL handshake (connector version 15 vs 16; `plan` refuses such pools).",

@@ -132,3 +132,81 @@ def test_a_flush_sets_what_changed_and_a_keepalive_sets_all(
     calls.clear()
     family.set(unchanged_too=True)
     assert sorted(c["engine"] for c in calls) == ["0", "1"]
+
+
+def test_kept_gauge_keeps_the_vllm_wrappers_api() -> None:
+    """Same constructor and methods as ``RayGaugeWrapper`` (installed vLLM)."""
+    from vllm.v1.metrics.ray_wrappers import RayGaugeWrapper
+
+    from deployments.serving.engine_metrics import gauge_class
+
+    ours = gauge_class()
+    for method in ("__init__", "set", "set_to_current_time"):
+        assert inspect.signature(getattr(ours, method)).parameters.keys() == \
+            inspect.signature(getattr(RayGaugeWrapper, method)).parameters.keys(), method
+    assert issubclass(ours, RayGaugeWrapper.__mro__[1])
+
+
+def test_a_gauge_is_set_at_once_and_again_at_each_keepalive_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM sets its gauges only while the engine steps: each set reaches Ray at once, and
+    every label set's last value is set again at a keep-alive (Ray's agent drops a gauge
+    not set for two export intervals), not at the flushes in between."""
+    from deployments.serving import engine_metrics
+
+    flusher = engine_metrics._Flusher(thread=False)
+    monkeypatch.setattr(engine_metrics, "FLUSHER", flusher)
+    gauge = engine_metrics.gauge_class()("vllm:num_requests_running", "test",
+                                         ["model_name", "engine"])
+    calls: list[tuple[float, dict[str, str]]] = []
+    monkeypatch.setattr(gauge._family.gauge, "set",
+                        lambda value, tags: calls.append((value, tags)))
+    busy, other = gauge.labels("m", "0"), gauge.labels(model_name="m", engine="1")
+    busy.set(3)
+    busy.set(0)
+    other.set(1)
+    assert [(v, t["engine"]) for v, t in calls] == [(3.0, "0"), (0.0, "0"), (1.0, "1")]
+    assert len(flusher._families) == 1
+    calls.clear()
+    flusher.flush(unchanged_too=False)
+    assert calls == []
+    flusher.flush(unchanged_too=True)
+    assert sorted((t["engine"], v) for v, t in calls) == [("0", 0.0), ("1", 1.0)]
+    assert all(set(t) == {"model_name", "engine", "ReplicaId"} for _, t in calls)
+
+
+def test_the_flush_thread_keeps_histograms_and_gauges_alive_together(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One thread, one keep-alive period for both kinds (no second mechanism)."""
+    from deployments.serving import engine_metrics
+
+    flusher = engine_metrics._Flusher(thread=False)
+    monkeypatch.setattr(engine_metrics, "FLUSHER", flusher)
+    engine_metrics.gauge_class()("vllm:kv_cache_usage_perc", "t", ["engine"]) \
+        .labels(engine="0").set(0.5)
+    engine_metrics.histogram_class()("vllm:keep_seconds", "t", ["engine"], [1.0]) \
+        .labels(engine="0").observe(0.1)
+    kinds = {type(f).__name__ for f in flusher._families.values()}
+    assert kinds == {"_GaugeFamily", "_Family"}
+    assert engine_metrics.KEEP_EVERY * engine_metrics.FLUSH_S < 10.0  # Ray's export interval
+
+
+def test_install_swaps_the_stat_loggers_gauges_once() -> None:
+    from vllm.v1.metrics import ray_wrappers
+
+    from deployments.serving import engine_metrics
+
+    before = (ray_wrappers.RayPrometheusStatLogger._gauge_cls,
+              ray_wrappers.RayKVConnectorProm._gauge_cls,
+              ray_wrappers.RayPrometheusStatLogger._histogram_cls)
+    try:
+        assert engine_metrics.install()
+        installed = ray_wrappers.RayPrometheusStatLogger._gauge_cls
+        assert getattr(installed, "dsv4_kept", False)
+        assert ray_wrappers.RayKVConnectorProm._gauge_cls is installed
+        assert engine_metrics.install()
+        assert ray_wrappers.RayPrometheusStatLogger._gauge_cls is installed
+    finally:
+        (ray_wrappers.RayPrometheusStatLogger._gauge_cls,
+         ray_wrappers.RayKVConnectorProm._gauge_cls,
+         ray_wrappers.RayPrometheusStatLogger._histogram_cls) = before

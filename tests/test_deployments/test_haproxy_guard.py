@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from deployments import serve_env
 from deployments.doors import haproxy
 from deployments.harness.haproxy_config import app_backend, ray_rendered_config
 
@@ -82,10 +83,21 @@ def test_ray_template_binds_every_interface_and_we_close_it(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("ports", [[], [30000, 30001]])
-def test_haproxy_accepts_the_hardened_config(tmp_path: Path, ports: list[int]) -> None:
+@pytest.mark.parametrize("balance", ["leastconn", "session"])
+def test_haproxy_accepts_the_hardened_config(tmp_path: Path, ports: list[int],
+                                             balance: str) -> None:
+    """Also with session affinity (serve_env.HAPROXY_TUNING's balance, which Ray renders
+    as given: set here on the text, Ray reads its env once at import)."""
     target = tmp_path / "hardened.cfg"
     text = ray_rendered_config(tmp_path, backends=app_backend(ports) if ports else None)
-    target.write_text(haproxy.harden(text).text)
+    assert "balance leastconn" in text
+    if balance == "session":
+        algorithm = serve_env.HAPROXY_TUNING["RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"]
+        text = text.replace("balance leastconn", f"balance {algorithm}")
+    hardened = haproxy.harden(text).text
+    assert ("hash-type consistent" in hardened) is (balance == "session")
+    assert ("hash-balance-factor 150" in hardened) is (balance == "session")
+    target.write_text(hardened)
     (tmp_path / "500.http").write_text("HTTP/1.0 500 Internal Server Error\r\n\r\n")
     real = haproxy.real_binary()
     check = subprocess.run([real, "-c", "-f", str(target)], capture_output=True, text=True,

@@ -367,8 +367,10 @@ def test_dockerfile_base_image_and_install():
     assert re.search(rf"^ARG VLLM_VERSION={re.escape(_pyproject_pin('vllm'))}$", text,
                      flags=re.M)
     assert load_params()["ray_version"] == ray
-    run = re.search(r"^RUN pip install (.*)$", text, flags=re.M)
-    assert run and "--no-deps" in run.group(1) and "/home/ray/dsv4-serve" in run.group(1)
+    runs = re.findall(r"^RUN pip install (.*)$", text, flags=re.M)
+    # The stack from its lock (hashes, the closure: no resolution), then the package.
+    assert any("--no-deps --require-hashes -r /tmp/dsv4-lock.txt" in r for r in runs), runs
+    assert any("--no-deps" in r and "/home/ray/dsv4-serve" in r for r in runs), runs
     assert "vllm.general_plugins" in text  # the build proves the plugin is registered
 
 
@@ -378,7 +380,10 @@ def test_dockerfile_copies_what_the_package_needs():
                for s in line.split()[:-1]]
     # configs/ and k8s/ ship in the wheel as package data (pyproject package-dir).
     assert {"pyproject.toml", "dsv4_patch", "deployments", "configs", "k8s"} <= set(sources)
-    missing = [s for s in sources if not (REPO / s).exists()]
+    # The lock COPY names the stack by build arg: every GPU stack's lock must exist.
+    expanded = [s.replace("${DSV4_EXTRA}", stack) for s in sources
+                for stack in ("gpu", "gpu-v41", "gpu-v41-034")]
+    missing = sorted({s for s in expanded if not (REPO / s).exists()})
     assert missing == [], f"COPY sources missing from the repository: {missing}"
     ignored = (REPO / ".dockerignore").read_text().split()
     assert ".venv" in ignored and not set(sources) & set(ignored)
@@ -411,7 +416,7 @@ def test_mixed_fleet_renders_one_worker_group_per_gpu_type():
 
 def test_v41_presets_run_the_v41_stack_image_on_every_pod():
     params = load_params()
-    v41 = params["stacks"]["gpu-v41"]
+    v41 = params["stacks"]["gpu-v41-034"]
     for name in ("v41-flash-h200", "v41-flash-b200", "v41-flash-mixed"):
         cluster = _load(K8S / f"{name}{MANIFEST_SUFFIX}")["spec"]["rayClusterConfig"]
         pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
@@ -422,22 +427,34 @@ def test_v41_presets_run_the_v41_stack_image_on_every_pod():
         params["image"] + "@")
 
 
-def test_the_v41_stack_is_one_release_everywhere():
-    """pyproject's gpu-v41 extra, the Dockerfile, k8s/params.yaml and the presets name
-    one vLLM and one nixl: 0.33 and 0.34 pools never transfer (NIXL connector 15 vs 16),
-    and vLLM 0.33+'s NIXL worker refuses nixl < 1.5.0 (check_nixl_version)."""
+def _lock_pins(stack: str) -> dict[str, str]:
+    text = (REPO / "scripts" / "locks" / f"{stack}.txt").read_text()
+    return dict(re.findall(r"^([\w.\-]+)==(\S+) ", text, re.M))
+
+
+def test_each_v41_stack_is_one_release_everywhere():
+    """pyproject's gpu-v41 extra, its lock and k8s/params.yaml's gpu-v41 stack name one
+    vLLM; the gpu-v41-034 lock and stack another, and the presets the one their stack
+    runs: 0.33 and 0.34 pools never transfer (NIXL connector 15 vs 16), and vLLM 0.33+'s
+    NIXL worker refuses nixl < 1.5.0 (check_nixl_version). The Dockerfile installs a lock."""
     # Read as text: tomllib is 3.11+, and the project supports 3.10.
     block = re.search(r"^gpu-v41 = \[(.*?)^\]", (REPO / "pyproject.toml").read_text(),
                       re.M | re.S)
     assert block is not None
     pins = dict(re.findall(r'"([\w\-]+)==([\d.]+)"', block.group(1)))
-    stack = load_params()["stacks"]["gpu-v41"]
-    assert pins["vllm"] == stack["vllm_version"]
+    stacks = load_params()["stacks"]
+    assert pins["vllm"] == stacks["gpu-v41"]["vllm_version"] == _lock_pins("gpu-v41")["vllm"]
+    for stack in ("gpu-v41", "gpu-v41-034"):
+        locked = _lock_pins(stack)
+        assert locked["vllm"] == stacks[stack]["vllm_version"], stack
+        assert locked["nixl"] == pins["nixl"], stack
+        assert tuple(int(x) for x in locked["nixl"].split(".")) >= (1, 5, 0)
+    preset_stacks = {p.name: p.stack for p in presets(load_params(), DEFAULT_PARAMS)}
     for name in ("v41-flash-h200", "v41-flash-b200", "v41-flash-mixed"):
         (_, args), = load_serve_config(REPO / "configs" / f"{name}.yaml").ours()
-        assert args.dsv4.vllm_version == pins["vllm"], name
-    assert tuple(int(x) for x in pins["nixl"].split(".")) >= (1, 5, 0)
-    assert f'"nixl=={pins["nixl"]}"' in (REPO / "Dockerfile").read_text()
+        stack = preset_stacks[name]
+        assert stack is not None and args.dsv4.vllm_version == stacks[stack]["vllm_version"]
+    assert "-r /tmp/dsv4-lock.txt" in (REPO / "Dockerfile").read_text()
 
 
 def test_v41_preset_on_the_default_stack_is_not_rendered():

@@ -138,6 +138,40 @@ def test_rank0_canary_is_named_and_drain_sends_it_nothing(app_name: str) -> None
     assert ranks[0]["id"] in {r["id"] for r in report(app_name, refresh=True)["replicas"]}
 
 
+def session_calls(app: str, sessions: int, turns: int) -> dict[str, Counter[int]]:
+    """``turns`` requests per session, interleaved, through a handle with Serve's session
+    id (what Serve's proxy sets from ``x-session-id``): served ranks per session."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(SERVER, app)
+    served: dict[str, Counter[int]] = {f"s{i}": Counter() for i in range(sessions)}
+    for _ in range(turns):
+        responses = {s: handle.options(session_id=s).remote() for s in served}
+        for s, r in responses.items():
+            served[s][r.result(timeout_s=30)["rank"]] += 1
+    return served
+
+
+def test_sessions_stick_to_one_replica_and_never_to_a_drained_one(app_name: str) -> None:
+    """Session affinity (``serving.affinity`` in ``KVSpecRouter``): every turn of a
+    session on one replica, sessions spread over the undrained ones, none on the drained
+    rank 0; requests without a session still spread by power of two."""
+    from ray import serve
+
+    serve.run(standin_app(3, {"policy": "drain"}, reordered=(0,), canaries=(0,),
+                          policy="drain"), name=app_name, route_prefix=None)
+    wait_report(app_name, lambda r: r["state"] == "disagree" and r["answered"] == 3)
+    # The router learns of the drain from the routing stats (period 2 s): until then
+    # both choices may name rank 0. 30 calls in a row without it: (2/3)^30 by chance.
+    deadline = time.monotonic() + 30
+    while calls(app_name, 30)[0] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    served = session_calls(app_name, sessions=12, turns=5)
+    assert all(len(ranks) == 1 and 0 not in ranks for ranks in served.values()), served
+    assert {rank for ranks in served.values() for rank in ranks} == {1, 2}, served
+    assert set(calls(app_name, 40)) == {1, 2}
+
+
 def test_a_wrong_majority_loses_and_the_conforming_replica_serves(app_name: str) -> None:
     from ray import serve
 

@@ -232,3 +232,62 @@ def assert_engine_histograms_whole(scraped: dict[str, Any]) -> None:
         assert all(a[1] <= b[1] for a, b in itertools.pairwise(ordered)), ordered
         assert len(ordered) == len(itl_bounds) + 1, ordered  # and +Inf
         assert (sums[replica] > 0) is (count > 0), (replica, sums)
+
+
+IDLE_S = 30.0  # past two of Ray's ~10 s export intervals, when the agent drops unset gauges
+IDLE_SCRAPE_EVERY_S = 2.5
+HISTOGRAM_PARTS = ("_bucket", "_sum", "_count")
+
+
+def engine_gauges(text: str) -> dict[str, dict[str, float]]:
+    """vLLM's gauges in a scrape (not its counters, not our histogram-total gauges):
+    name -> {ReplicaId: value}, summed over the other labels."""
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type != "gauge" or not family.name.startswith("ray_vllm_") or \
+                family.name.endswith(HISTOGRAM_PARTS):
+            continue
+        for sample in family.samples:
+            per = out.setdefault(sample.name, {})
+            replica = sample.labels.get("ReplicaId", "")
+            per[replica] = per.get(replica, 0.0) + sample.value
+    return out
+
+
+def test_engine_gauges_stay_while_the_fleet_idles(serve_stack: Stack) -> None:
+    """Every vLLM gauge a replica exported under load is in every scrape of an idle
+    fleet, past the two export intervals after which Ray's agent drops a gauge nobody
+    set (``serving.engine_metrics.KeptGauge``), and nothing is running or waiting."""
+    from deployments.local import ray_head
+    from deployments.observe import scrape
+
+    report = wait_agree(serve_stack.url, 2)
+    replicas = {r["id"] for r in report["replicas"]}
+    for _ in range(2):  # a request per connection: the shared port spreads connections
+        keep_busy(serve_stack.url, serve_stack.model, times=2)
+    url = ray_head.metrics_url()
+    deadline = time.monotonic() + SCRAPE_TIMEOUT_S
+    busy: dict[str, dict[str, float]] = {}
+    while time.monotonic() < deadline:
+        busy = engine_gauges(scrape.read(url))
+        running = busy.get("ray_vllm_num_requests_running", {})
+        if replicas <= set(running):
+            break
+        keep_busy(serve_stack.url, serve_stack.model, times=2)
+        time.sleep(2)
+    assert replicas <= set(busy.get("ray_vllm_num_requests_running", {})), busy
+    wanted = {name for name, per in busy.items() if replicas <= set(per)}
+    assert {"ray_vllm_kv_cache_usage_perc", "ray_vllm_num_requests_waiting"} <= wanted, wanted
+    idle_until, scrapes, absent = time.monotonic() + IDLE_S, 0, []
+    while time.monotonic() < idle_until:
+        time.sleep(IDLE_SCRAPE_EVERY_S)
+        idle = engine_gauges(scrape.read(url))
+        scrapes += 1
+        absent += [(scrapes, n, sorted(replicas - set(idle.get(n, {})))) for n in wanted
+                   if not replicas <= set(idle.get(n, {}))]
+    print(f"{scrapes} idle scrapes over {IDLE_S:g} s, {len(wanted)} vLLM gauges each: "
+          f"{sorted(wanted)}")
+    # A scrape takes ~0.5 s here: ~10 over the idle span, the last past two intervals.
+    assert scrapes >= IDLE_S / (IDLE_SCRAPE_EVERY_S + 1) and not absent, (scrapes, absent)
+    for name in ("ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting"):
+        assert all(idle[name][r] == 0 for r in replicas), (name, idle[name])

@@ -1,0 +1,332 @@
+"""Session affinity and KV-pressure autoscaling on the local 2-node autoscaled cluster.
+
+``python -m benchmarks.session_routing`` (heavy: run under the shared lock). Two parts,
+each on its own ``dsv4-serve run configs/local-cpu.yaml --nodes 2`` through Serve's
+proxy (the door whose router is ours, ``serving.router.KVSpecRouter``):
+
+* **sessions** -- 2 replicas (min = max = 2). A multi-turn workload: every request is a
+  shared system prompt, then its session's context, which grows by more than 256 tokens
+  each turn (DeepSeek-V4's prefix-cache hit step), then a question; streamed, a few
+  output tokens. Arms interleaved per round (order alternating): ``today`` (no session
+  header: power of two among the undrained) and ``affinity`` (``x-session-id``). Per arm:
+  TTFT p50/p95 per turn (client-side, first streamed chunk), requests per replica and
+  vLLM's prefix-cache hits/queries per replica (Ray's metrics endpoint, read one export
+  interval after the arm's last request).
+* **step** -- 1 replica (min 1, max 2), then a load step (``--step-concurrency``
+  streams of long completions): seconds from the step to 2 replicas answering the
+  KV-spec check, for ``kv_pressure`` (ours) and ``serve_default`` (Serve's
+  ongoing-requests policy, ``target_ongoing_requests`` 4, its 30 s upscale delay).
+
+On an x86 host without AMX vLLM turns DeepSeek-V4's prefix caching off
+(``vllm/platforms/cpu.py``): hits/queries are then 0/0, and affinity cannot change TTFT
+through the cache; the result's ``notes`` say which it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "local-cpu.yaml"
+RESULT = REPO / "benchmarks" / "results" / "session_routing.json"
+PORT = 8620
+SERVING_LINE = "Serving; Ctrl-C to stop."
+_METRICS = re.compile(r"Prometheus metrics: (\S+)")
+MODEL = "dsv4-tiny"
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
+         "november oscar papa quebec romeo sierra tango uniform victor whiskey xray").split()
+
+
+def words(n: int, seed: str) -> str:
+    """``n`` words, different per ``seed`` (a context no other session shares)."""
+    h = abs(hash(seed)) % len(WORDS)
+    return " ".join(f"{WORDS[(h + i * 7) % len(WORDS)]}{(i * 31 + h) % 97}" for i in range(n))
+
+
+def config(replicas: tuple[int, int], policy: str) -> dict[str, Any]:
+    """``configs/local-cpu.yaml`` behind Serve's proxy on ``PORT``, autoscaling bounds."""
+    raw = copy.deepcopy(yaml.safe_load(CONFIG.read_text()))
+    raw["http_options"]["port"] = PORT
+    args = raw["applications"][0]["args"]
+    args["http"].pop("replica_port", None)
+    low, high = replicas
+    args["llm"]["deployment_config"]["autoscaling_config"] = {
+        "min_replicas": low, "initial_replicas": low, "max_replicas": high,
+        "target_ongoing_requests": 4}
+    args["dsv4"]["autoscaling"] = {"policy": policy}
+    return raw
+
+
+class Run:
+    """One ``dsv4-serve run ... --nodes 2``, stopped by SIGINT to its process group."""
+
+    def __init__(self, cfg: dict[str, Any], workdir: Path, name: str) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        path = workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        self.log = workdir / f"{name}.log"
+        exe = str(Path(sys.executable).with_name("dsv4-serve"))
+        self.proc = subprocess.Popen(
+            [exe, "run", str(path), "--nodes", "2", "--no-smoke", "--node-idle-timeout-s",
+             "600"], stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+            start_new_session=True, env=os.environ.copy())
+        self.url = f"http://127.0.0.1:{PORT}/v1"
+
+    def wait(self, timeout_s: float = 600) -> str:
+        """Until serving; Ray's metrics URL."""
+        end = time.monotonic() + timeout_s
+        while SERVING_LINE not in self.log.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"dsv4-serve run not serving; log {self.log}")
+            time.sleep(2)
+        match = _METRICS.search(self.log.read_text(errors="replace"))
+        assert match, self.log
+        return match.group(1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+
+
+def ttft(http: httpx.Client, url: str, prompt: str, session: str | None) -> float:
+    """Seconds to the first streamed chunk of a completion."""
+    headers = {"x-session-id": session} if session else {}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": True,
+            "temperature": 0.0}
+    start = time.perf_counter()
+    with http.stream("POST", f"{url}/completions", json=body, headers=headers) as resp:
+        resp.raise_for_status()
+        lines, first = resp.iter_lines(), float("nan")
+        for line in lines:
+            if line.startswith("data: "):
+                first = time.perf_counter() - start
+                break
+        for _ in lines:  # the rest of the stream, on the same iterator
+            pass
+    return first
+
+
+def per_replica(metrics_url: str) -> dict[str, dict[str, float]]:
+    """Per replica id: delivered requests, prefix-cache hits and queries (totals)."""
+    from deployments.observe import scrape
+
+    samples = scrape.samples(scrape.read(metrics_url))
+    out: dict[str, dict[str, float]] = {}
+    for name, key, label in (
+            ("ray_dsv4_serve_time_to_first_token_seconds_count", "requests", "replica"),
+            ("ray_vllm_prefix_cache_hits_total", "hits", "ReplicaId"),
+            ("ray_vllm_prefix_cache_queries_total", "queries", "ReplicaId")):
+        for labels, value in samples.get(name, []):
+            rid = labels.get(label, "")
+            out.setdefault(rid, {}).setdefault(key, 0.0)
+            out[rid][key] += value
+    return out
+
+
+def delta(after: dict[str, dict[str, float]],
+          before: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    return {rid: {k: v - before.get(rid, {}).get(k, 0.0) for k, v in vals.items()}
+            for rid, vals in after.items()}
+
+
+def sessions_part(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    run = Run(config((2, 2), "kv_pressure"), workdir, "sessions")
+    try:
+        metrics_url = run.wait()
+        system = words(args.system_words, "system")
+        ttfts: dict[str, dict[int, list[float]]] = {"today": {}, "affinity": {}}
+        replicas: dict[str, list[dict[str, dict[str, float]]]] = {"today": [], "affinity": []}
+        with httpx.Client(timeout=120) as http:
+            ttft(http, run.url, "warm up", None)
+            for rnd in range(args.rounds):
+                for arm in (("today", "affinity") if rnd % 2 == 0 else ("affinity", "today")):
+                    time.sleep(11)  # Ray's export interval: the scrape holds everything before
+                    before = per_replica(metrics_url)
+                    contexts = {s: "" for s in range(args.sessions)}
+                    for turn in range(args.turns):
+                        for s in contexts:
+                            contexts[s] += " " + words(args.turn_words, f"{arm}{rnd}{s}{turn}")
+                            prompt = f"{system}\n{contexts[s]}\nQuestion {turn}:"
+                            key = f"{arm}-{rnd}-{s}" if arm == "affinity" else None
+                            ttfts[arm].setdefault(turn + 1, []).append(
+                                ttft(http, run.url, prompt, key))
+                    time.sleep(11)
+                    replicas[arm].append(delta(per_replica(metrics_url), before))
+        return {"ttft": ttfts, "replicas": replicas}
+    finally:
+        run.stop()
+
+
+def step_part(args: argparse.Namespace, workdir: Path, policy: str) -> dict[str, Any]:
+    """Seconds from a load step to 2 replicas answering, under ``policy``."""
+    run = Run(config((1, 2), policy), workdir, f"step-{policy}")
+    stop = threading.Event()
+    try:
+        run.wait()
+        prompt = words(300, "step")
+
+        def stream() -> None:
+            with httpx.Client(timeout=300) as http:
+                while not stop.is_set():
+                    body = {"model": MODEL, "prompt": prompt, "max_tokens": 300,
+                            "stream": True, "ignore_eos": True}
+                    try:
+                        with http.stream("POST", f"{run.url}/completions", json=body) as r:
+                            for _ in r.iter_lines():
+                                if stop.is_set():
+                                    break
+                    except httpx.HTTPError:
+                        time.sleep(0.5)
+
+        threads = [threading.Thread(target=stream, daemon=True)
+                   for _ in range(args.step_concurrency)]
+        start, step_epoch = time.monotonic(), time.time()
+        for t in threads:
+            t.start()
+        serving_s = None
+        while time.monotonic() - start < args.step_timeout_s:
+            try:
+                with urllib.request.urlopen(f"{run.url}/kv-spec?refresh=true", timeout=10) as r:
+                    rep = json.loads(r.read())
+                if rep.get("answered", 0) >= 2:
+                    serving_s = time.monotonic() - start
+                    break
+            except OSError:
+                pass
+            time.sleep(2)
+        return {"policy": policy, "step_epoch_s": step_epoch,
+                "seconds_to_second_replica": serving_s, "controller_log": decisions()}
+    finally:
+        stop.set()
+        run.stop()
+
+
+def decisions() -> list[str]:
+    """Serve controller log lines about scaling (ours: ``dsv4: autoscale``; Serve's
+    default: ``Upscaling``) of the newest local Ray session, with their timestamps."""
+    logs = Path("/tmp/ray/session_latest/logs/serve")
+    out = []
+    for path in sorted(logs.glob("controller_*.log")) if logs.exists() else []:
+        out += [ln[:300] for ln in path.read_text(errors="replace").splitlines()
+                if "dsv4: autoscale" in ln or "Upscaling" in ln or "Downscaling" in ln]
+    return out[-8:]
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def host() -> dict[str, Any]:
+    text = Path("/proc/cpuinfo").read_text()
+    flags = set(re.search(r"^flags\s*:\s*(.*)$", text, re.M).group(1).split())  # type: ignore[union-attr]
+    model = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
+    return {"cpu_model": model.group(1) if model else platform.processor(),
+            "flags": sorted(f for f in flags if f in {"avx2", "avx512f", "avx512_bf16"}
+                            or f.startswith("amx")), "cores": os.cpu_count()}
+
+
+def rows_of(sessions: dict[str, Any], steps: list[dict[str, Any]]) -> list[list[Any]]:
+    rows: list[list[Any]] = []
+    for arm, per_turn in sessions["ttft"].items():
+        counts = [sorted((v.get("requests", 0.0) for v in rnd.values()), reverse=True)
+                  for rnd in sessions["replicas"][arm]]
+        hits = sum(v.get("hits", 0.0) for rnd in sessions["replicas"][arm] for v in rnd.values())
+        queries = sum(v.get("queries", 0.0) for rnd in sessions["replicas"][arm]
+                      for v in rnd.values())
+        for turn, values in sorted(per_turn.items()):
+            rows.append([f"sessions/{arm}", turn, round(statistics.median(values), 4),
+                         round(pct(values, 0.95), 4), len(values), json.dumps(counts),
+                         f"{hits:g}/{queries:g}", None])
+    for step in steps:
+        rows.append([f"step/{step['policy']}", None, None, None, None, None, None,
+                     step["seconds_to_second_replica"]])
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sessions", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--system-words", type=int, default=60)  # ~5.7 tokens a word
+    parser.add_argument("--turn-words", type=int, default=50)  # ~290 tokens > 256
+    parser.add_argument("--step-concurrency", type=int, default=16)
+    parser.add_argument("--step-timeout-s", type=float, default=300)
+    parser.add_argument("--parts", default="sessions,step")
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/dsv4-bench-session"))
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    sessions: dict[str, Any] = {"ttft": {}, "replicas": {}}
+    steps: list[dict[str, Any]] = []
+    if "sessions" in parts:
+        sessions = sessions_part(args, args.workdir)
+        write(args, sessions, steps)  # each part's figures kept if a later one overruns
+    for policy in ("kv_pressure", "serve_default") if "step" in parts else ():
+        steps.append(step_part(args, args.workdir, policy))
+        write(args, sessions, steps)
+    print(json.dumps(rows_of(sessions, steps), indent=1))
+    return 0
+
+
+def write(args: argparse.Namespace, sessions: dict[str, Any],
+          steps: list[dict[str, Any]]) -> None:
+    """The result file (``benchmarks/results/session_routing.json``)."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=REPO, check=False).stdout.strip()
+    hits = [r[6] for r in rows_of(sessions, steps) if r[6]]
+    result: dict[str, Any] = {
+        "benchmark": "session_routing",
+        "title": "Session affinity and KV-pressure autoscaling (local 2-node cluster)",
+        "what": "TTFT p50/p95 per turn, requests per replica and prefix-cache hits/queries "
+                "of a multi-turn session workload, today's routing vs x-session-id "
+                "affinity; seconds from a load step to a second replica answering, "
+                "kv_pressure vs Serve's default policy",
+        "command": "python -m benchmarks.session_routing " + " ".join(sys.argv[1:]),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit, "host": host(), "inputs": vars(args) | {"workdir": str(args.workdir)},
+        "columns": ["arm", "turn", "ttft_p50_s", "ttft_p95_s", "requests",
+                    "requests_per_replica_by_round", "prefix_hits/queries",
+                    "seconds_to_second_replica"],
+        "rows": rows_of(sessions, steps),
+        "notes": "",
+    }
+    (args.workdir / "raw.json").write_text(json.dumps({"sessions": sessions, "steps": steps}))
+    amx = any(f.startswith("amx") for f in result["host"]["flags"])
+    result["notes"] = (
+        ("This host has no AMX: vLLM turns DeepSeek-V4 prefix caching off on x86 without "
+         "AMX (vllm/platforms/cpu.py), so hits/queries are 0/0 and affinity cannot lower "
+         "TTFT through the cache here; the TTFT columns compare routing only. "
+         if not amx else "") + f"prefix hits/queries per arm: {hits}. Serve controller's "
+        "scaling lines per load-step arm (decision times; step_epoch_s = load start): "
+        + json.dumps([{k: st[k] for k in ("policy", "step_epoch_s", "controller_log")}
+                      for st in steps]))
+    RESULT.parent.mkdir(parents=True, exist_ok=True)
+    RESULT.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

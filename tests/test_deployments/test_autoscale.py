@@ -1,0 +1,223 @@
+"""The ``kv_pressure`` autoscaling policy: the pure decision over sequences of loads and
+clocks (``serving.autoscale_rule``), and the class Serve's controller runs, fed Ray's own
+``AutoscalingContext`` and built from the config Ray parses (``serving.autoscale``)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import pytest
+
+from deployments.config.autoscaling import AutoscalingSection
+from deployments.serving.autoscale_rule import (
+    Observation,
+    PolicyState,
+    ReplicaLoad,
+    decide,
+)
+
+S = AutoscalingSection()
+
+
+def loads(*kv: float, waiting: float = 0.0,
+          drained: tuple[int, ...] = ()) -> dict[str, ReplicaLoad]:
+    return {f"r{i}": ReplicaLoad(k, waiting, 1.0, i in drained) for i, k in enumerate(kv)}
+
+
+def run(steps: Sequence[tuple[float, int, int, dict[str, ReplicaLoad]]],
+        settings: AutoscalingSection = S, lowest: int = 1,
+        highest: int = 8) -> list[tuple[int, str]]:
+    """(now, target, running, loads) per call -> (target, reason) per call, state carried."""
+    state, out = PolicyState(), []
+    for now, target, running, seen in steps:
+        d = decide(Observation(now, target, running, seen, lowest, highest), settings, state)
+        state = PolicyState.from_dict(d.state.to_dict())  # through Serve's dict
+        out.append((d.target, d.reason))
+    return out
+
+
+def test_kv_pressure_scales_up_at_the_first_sample_that_shows_it() -> None:
+    assert run([(0, 2, 2, loads(0.5, 0.6)), (10, 2, 2, loads(0.85, 0.8))]) == \
+        [(2, "hold"), (3, "kv_pressure")]
+
+
+def test_queue_depth_scales_up_before_kv_fills() -> None:
+    assert run([(0, 1, 1, loads(0.3, waiting=5))]) == [(2, "queue_pressure")]
+
+
+def test_proportional_step_bounded_by_max_step_and_max_replicas() -> None:
+    assert run([(0, 2, 2, loads(1.0, 1.0, waiting=20))])[0] == (6, "queue_pressure")
+    assert run([(0, 2, 2, loads(1.0, 1.0, waiting=20))], highest=4)[0] == (4, "bounds")
+
+
+def test_drained_replicas_are_not_capacity_but_stay_in_the_target() -> None:
+    """Two running, one drained: the one serving replica at 0.9 needs a second one; the
+    drained one stays up (kept to inspect) on top. Serve's default counted it."""
+    d = decide(Observation(0, 2, 2, loads(0.9, 0.0, drained=(1,)), 1, 8), S, PolicyState())
+    assert (d.target, d.capacity, d.reason) == (3, 1, "kv_pressure")
+    assert d.kv_usage == pytest.approx(0.9)
+
+
+def test_a_booting_replica_is_not_asked_for_twice() -> None:
+    """Target already raised, the new replica not running yet: same pressure, same target."""
+    assert run([(0, 2, 2, loads(0.9, 0.9)), (10, 3, 2, loads(0.9, 0.9)),
+                (20, 3, 2, loads(0.9, 0.9))]) == \
+        [(3, "kv_pressure"), (3, "kv_pressure"), (3, "kv_pressure")]
+
+
+def test_upscale_delay_needs_pressure_to_last() -> None:
+    slow = S.model_copy(update={"upscale_delay_s": 15.0})
+    assert run([(0, 1, 1, loads(0.9)), (10, 1, 1, loads(0.9)), (20, 1, 1, loads(0.9))],
+               slow) == [(1, "hold"), (1, "hold"), (2, "kv_pressure")]
+    assert run([(0, 1, 1, loads(0.9)), (10, 1, 1, loads(0.1)), (20, 1, 1, loads(0.9))],
+               slow)[-1] == (1, "hold")  # the quiet sample restarted the clock
+
+
+def test_down_only_after_a_quiet_period_one_at_a_time() -> None:
+    quiet = loads(0.1, 0.1, 0.1)
+    steps = [(t, 3, 3, quiet) for t in (0, 100, 299)] + [(300, 3, 3, quiet),
+                                                         (301, 2, 2, loads(0.1, 0.1)),
+                                                         (601, 2, 2, loads(0.1, 0.1))]
+    assert run(steps, lowest=1) == [(3, "hold"), (3, "hold"), (3, "hold"), (2, "quiet"),
+                                    (2, "hold"), (1, "quiet")]
+
+
+def test_never_down_into_scale_up_territory_or_with_requests_waiting() -> None:
+    """0.3 x 2 replicas on 1 = 0.6 >= kv_usage_down: held; anything waiting: held."""
+    assert run([(t, 2, 2, loads(0.3, 0.3)) for t in (0, 400)]) == [(2, "hold")] * 2
+    assert run([(t, 2, 2, loads(0.05, 0.05, waiting=1)) for t in (0, 400)]) == \
+        [(2, "hold")] * 2
+
+
+def test_no_flapping_over_a_load_cycle() -> None:
+    """A 10-minute cycle sampled every 10 s: load ramps to pressure, stays, falls. The
+    target only rises while it is high and only falls (once per delay) after it fell."""
+    steps, target, running, history, state = [], 1, 1, [], PolicyState()
+    for i in range(60 * 2):
+        now = i * 10.0
+        phase = (now % 600) / 600
+        kv = 0.95 if 0.2 <= phase < 0.5 else 0.05
+        d = decide(Observation(now, target, running,
+                               {f"r{j}": ReplicaLoad(kv / max(running, 1) * 1, 0, 1)
+                                for j in range(running)}, 1, 4), S, state)
+        state = d.state
+        history.append((now, target, d.target))
+        if d.target != target:
+            steps.append((now, target, d.target))
+        target, running = d.target, d.target  # replicas come up at once here
+    ups = [s for s in steps if s[2] > s[1]]
+    downs = [s for s in steps if s[2] < s[1]]
+    assert ups and downs
+    for (t1, _, _), (t2, _, _) in itertools.pairwise(steps):
+        assert t2 - t1 >= 10  # never two changes in one tick
+    for now, before, _after in downs:  # every step down >= downscale_delay_s after a change
+        earlier = [t for t, _, _ in steps if t < now]
+        assert not earlier or now - max(earlier) >= S.downscale_delay_s, (now, before)
+
+
+def test_no_metrics_holds() -> None:
+    assert run([(0, 2, 2, {})]) == [(2, "no_metrics")]
+
+
+def test_gangs_round_up_to_whole_gangs() -> None:
+    d = decide(Observation(0, 2, 2, loads(0.9, 0.9), 2, 8), S, PolicyState(), gang_size=2)
+    assert d.target == 4
+
+
+def test_hysteresis_is_validated() -> None:
+    with pytest.raises(ValueError, match=r"kv_usage_down=0\.9 >= kv_usage_up=0\.8"):
+        AutoscalingSection(kv_usage_down=0.9)
+
+
+# ------------------------------------------------------ against Ray's own objects
+
+
+def ray_context(raw: dict[str, dict[object, list[object]]], target: int, running: list[object],
+                state: dict[str, object], now: float = 100.0) -> object:
+    from ray.serve.config import AutoscalingContext
+
+    return AutoscalingContext(
+        deployment_id=None, deployment_name="DSv4Server:m", app_name="dsv4",
+        current_num_replicas=len(running), target_num_replicas=target,
+        running_replicas=running, total_num_requests=0.0, total_queued_requests=0.0,
+        aggregated_metrics=lambda: {}, raw_metrics=lambda: raw,
+        capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4,
+        policy_state=state, last_scale_up_time=None, last_scale_down_time=None,
+        current_time=now, config=None)
+
+
+def test_the_policy_reads_rays_context_and_serve_parses_its_config() -> None:
+    from ray.serve._private.autoscaling_state import _resolve_policy_callable
+    from ray.serve._private.common import DeploymentID, ReplicaID, TimeStampedValue
+    from ray.serve.config import AutoscalingConfig
+
+    from deployments.serving import autoscale
+
+    deployment = autoscale.with_autoscaling_policy(
+        {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}, S, gang_size=1)
+    config = AutoscalingConfig(**deployment["autoscaling_config"])  # Ray's model, pickled
+    policy = _resolve_policy_callable(config.policy)  # what Serve's controller does
+    assert isinstance(policy, autoscale.KVPressurePolicy)
+    assert policy.settings == S
+    ids = [ReplicaID(f"u{i}", DeploymentID("DSv4Server:m", "dsv4")) for i in range(2)]
+    samples = {0: autoscale.stats(0.9, 0, 2, False), 1: autoscale.stats(0.0, 0, 0, True)}
+    raw: dict[str, dict[object, list[object]]] = {}
+    for i, rid in enumerate(ids):
+        for key, value in samples[i].items():
+            raw.setdefault(key, {})[rid] = [TimeStampedValue(90.0, 0.0),
+                                            TimeStampedValue(99.0, value)]
+    target, state = policy(ray_context(raw, 2, ids, {}))
+    assert target == 3 and state["last_change"] == 100.0
+    assert policy(ray_context({}, 2, ids, state))[0] == 2  # no samples: hold
+
+
+def test_a_user_policy_and_ours_are_not_both_taken() -> None:
+    from deployments.serving import autoscale
+
+    with pytest.raises(ValueError, match=r"autoscaling_config\.policy is set"):
+        autoscale.with_autoscaling_policy(
+            {"autoscaling_config": {"policy": {"policy_function": "x:y"}}}, S, 1)
+    mine = {"autoscaling_config": {"policy": {"policy_function": "x:y"}}}
+    assert autoscale.with_autoscaling_policy(
+        mine, AutoscalingSection(policy="serve_default"), 1) is mine
+    assert autoscale.with_autoscaling_policy({"num_replicas": 2}, S, 1) == {"num_replicas": 2}
+
+
+def test_the_users_target_ongoing_requests_is_a_third_pressure() -> None:
+    """Serve's target_ongoing_requests, when set, is honoured, not accepted and ignored:
+    8 running per replica over a target of 4 adds replicas, and holds a step down."""
+    busy = {f"r{i}": ReplicaLoad(0.1, 0.0, 8.0) for i in range(2)}
+    d = decide(Observation(0, 2, 2, busy, 1, 8), S, PolicyState(), target_ongoing=4)
+    assert (d.target, d.reason) == (4, "ongoing_requests")
+    calm = {f"r{i}": ReplicaLoad(0.05, 0.0, 3.0) for i in range(2)}
+    assert decide(Observation(400, 2, 2, calm, 1, 8), S, PolicyState(quiet_since=0.0),
+                  target_ongoing=4).reason == "hold"  # 6 on 1 replica > 4
+    assert decide(Observation(400, 2, 2, calm, 1, 8), S,
+                  PolicyState(quiet_since=0.0)).reason == "quiet"
+
+
+def test_series_are_set_at_each_change_and_kept_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray's agent drops a gauge not set for two export intervals: the policy sets its
+    series again every KEEP_ALIVE_S while the decision stands, and logs only changes."""
+    from deployments.serving import autoscale
+
+    sets: list[float] = []
+
+    class Gauge:
+        def set(self, value: float, tags: dict[str, str]) -> None:
+            sets.append(value)
+
+        def inc(self, value: float, tags: dict[str, str]) -> None:
+            sets.append(-1.0)
+
+    policy = autoscale.KVPressurePolicy()
+    monkeypatch.setattr(policy, "_series", lambda: dict.fromkeys(
+        ("target", "capacity", "kv", "waiting", "reason", "changes"), Gauge()))
+    state: dict[str, object] = {}
+    calls = []
+    for now in (0.0, 0.1, 0.2, autoscale.KEEP_ALIVE_S + 0.1):
+        sets.clear()
+        _target, state = policy(ray_context({}, 2, [], state, now=now))
+        calls.append(len(sets))
+    assert calls[0] > 0 and calls[1] == calls[2] == 0 and calls[3] == calls[0]
