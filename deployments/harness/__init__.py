@@ -12,4 +12,8 @@ floor of ``deployments``; nothing else in ``deployments`` imports it.
 - ``run_process``: ``dsv4-serve run`` as a process (its serving line, its process tree).
 - ``multinode_scenario``: the multi-node story step by step (CI test and benchmark).
 - ``haproxy_config``: the HAProxy config Ray renders (dsv4-haproxy tests, thread benchmark).
+- ``kuberay_pods``: the pods KubeRay's operator makes from a rendered RayService, as plans.
+- ``kuberay_podman``: those plans as podman pods on a private network (``make test-kuberay``).
+- ``kuberay_scenario``: the operator's steps and the checks on top (``make test-kuberay``).
+- ``records``: result files of the runs kept out of CI (``make image``, ``make test-kuberay``).
 """

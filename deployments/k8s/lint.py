@@ -232,7 +232,10 @@ def _group_problems(group: Mapping[str, Any], args: AppArgs) -> list[str]:
     hosts = group.get("numOfHosts", 1)
     limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
     per_pod = int(limits.get("nvidia.com/gpu", 0))
-    if per_pod * hosts != par.gpus_per_replica:
+    if node.platform == "cpu" and per_pod:
+        found.append(f"{group['groupName']}: nvidia.com/gpu {per_pod} on a CPU preset "
+                     "(dsv4.node.platform cpu): the pods would wait for GPUs they never use")
+    if node.platform == "cuda" and per_pod * hosts != par.gpus_per_replica:
         found.append(
             f"{group['groupName']}: nvidia.com/gpu {per_pod} x numOfHosts {hosts} != "
             f"DP {ek.data_parallel_size} x TP {ek.tensor_parallel_size} x PP "

@@ -65,7 +65,8 @@ class Preset:
 
     ``workers`` (a mixed fleet): one worker group per node type of
     ``dsv4.node_types``, each with its own params and bounds. ``stack``: which
-    image of ``params.stacks`` its pods run (None: the default ``image``).
+    image of ``params.stacks`` its pods run (None: the default ``image``). ``head``:
+    the preset's own head size (None: ``params.head``).
     """
 
     name: str
@@ -73,6 +74,7 @@ class Preset:
     worker: Mapping[str, Any]
     workers: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     stack: str | None = None
+    head: Mapping[str, Any] | None = None
 
 
 # The default image's stack (pyproject extra gpu: ray[llm] 2.60.0 pins vLLM 0.29.0).
@@ -128,7 +130,7 @@ def presets(params: Mapping[str, Any], params_path: Path) -> list[Preset]:
                 f"{sorted(params.get('stacks') or {})}. Fix: add it under stacks (image, "
                 "image_digest, vllm_version) or drop the preset's stack.")
         found.append(Preset(name, config, entry.get("worker") or {},
-                            dict(entry.get("workers") or {}), stack))
+                            dict(entry.get("workers") or {}), stack, entry.get("head")))
     return found
 
 
@@ -165,19 +167,24 @@ def stack_problems(preset: Preset, args: AppArgs, params: Mapping[str, Any]) -> 
 
 
 def gpu_args(config_path: Path) -> tuple[str, AppArgs]:
-    """The preset's text and the validated args of its (single) DSv4 application."""
+    """The preset's text and the validated args of its (single) DSv4 application.
+
+    GPU nodes (platform cuda with gpus_per_node), or CPU nodes (platform cpu, no GPUs:
+    the tiny model in the CPU image, what ``make test-kuberay`` runs here).
+    """
     config = load_serve_config(config_path)
     ours = config.ours()
     if len(ours) != 1:
         raise ConfigError(f"{config_path}: {len(ours)} deployments.app:build_app "
-                          "applications; one GPU preset renders one application.")
+                          "applications; one preset renders one application.")
     args = ours[0][1]
     node = args.dsv4.node
-    if node.platform != "cuda" or not node.gpus_per_node:
+    if (node.platform, bool(node.gpus_per_node)) not in (("cuda", True), ("cpu", False)):
         raise ConfigError(
             f"{config_path}: dsv4.node.platform={node.platform!r}, gpus_per_node="
-            f"{node.gpus_per_node}; a RayService preset needs a GPU node. Fix: set "
-            "platform: cuda and gpus_per_node.")
+            f"{node.gpus_per_node}; a RayService preset needs a GPU node (platform: cuda "
+            "and gpus_per_node) or a CPU node (platform: cpu, no gpus_per_node). Fix: set "
+            "one of the two.")
     return config_path.read_text(), args
 
 

@@ -107,14 +107,15 @@ def _resources(cpu: str, memory: str, gpus: int | None = None) -> dict[str, Any]
 
 
 def head_group(params: Mapping[str, Any], name: str,
-               image: str | None = None) -> dict[str, Any]:
+               image: str | None = None, head: Mapping[str, Any] | None = None
+               ) -> dict[str, Any]:
     """Head: GCS, dashboard, Serve controller and a proxy; no GPU, no Ray CPUs.
 
     ``dashboard-host: 0.0.0.0`` because the KubeRay operator posts serveConfigV2 to
     the dashboard through the head Service; token auth and the NetworkPolicy
-    (operator pods only) are what close it.
+    (operator pods only) are what close it. ``head``: a preset's own size.
     """
-    head = params["head"]
+    head = head or params["head"]
     ports = [{"name": k, "containerPort": v, "protocol": "TCP"} for k, v in HEAD_PORTS.items()]
     spec: dict[str, Any] = {"containers": [{
         "name": "ray-head",
@@ -196,7 +197,7 @@ def worker_group(preset: Preset, args: AppArgs, params: Mapping[str, Any], *,
     _placement(spec, worker)
     _secure_pod(spec, params)
     return {
-        "groupName": f"gpu-{preset.name}{suffix}",
+        "groupName": f"{'gpu' if node.gpus_per_node else 'cpu'}-{preset.name}{suffix}",
         "replicas": initial,
         "minReplicas": low,
         "maxReplicas": high,
@@ -266,7 +267,7 @@ def render_manifest(preset: Preset, params: Mapping[str, Any]) -> dict[str, Any]
     serve_text, args = gpu_args(preset.config_path)
     name = f"dsv4-{preset.name}"
     security = container_security_context()
-    head, workers = head_group(params, name, image_ref(params, preset)), \
+    head, workers = head_group(params, name, image_ref(params, preset), preset.head), \
         worker_groups(preset, args, params)
     for group in (head, *workers):  # any pod may hold a replica (the store) or Ray's proxy
         for container in group["template"]["spec"]["containers"]:

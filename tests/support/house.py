@@ -8,7 +8,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # The folders of the fixed layout (README "Layout"); nothing else is ours to check.
-SOURCE_DIRS = ("deployments", "dsv4_patch", "configs", "tests", "k8s", "docs", "benchmarks")
+SOURCE_DIRS = ("deployments", "dsv4_patch", "configs", "tests", "k8s", "docs", "benchmarks",
+               "scripts")
 _SKIP = {"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
 
 

@@ -38,6 +38,9 @@ REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "k8s"
 CRD = REPO.parent / "shared" / "reference" / "kuberay" / "ray.io_rayservices.yaml"
 MANIFESTS = sorted(K8S.glob(f"*{MANIFEST_SUFFIX}"))
+# The tiny model on CPU pods (make test-kuberay runs it): no GPUs, no GPU node selection.
+CPU_MANIFESTS = [K8S / f"local-cpu{MANIFEST_SUFFIX}"]
+GPU_MANIFESTS = [p for p in MANIFESTS if p not in CPU_MANIFESTS]
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -93,8 +96,9 @@ def test_manifests_exist_for_every_preset_in_params():
     params = load_params()
     assert sorted(p.name for p in MANIFESTS) == sorted(
         f"{name}{MANIFEST_SUFFIX}" for name in params["presets"])
-    # four one-pool V4 GPU presets + the P/D one; V4.1 on H200, on B200, and both mixed
-    assert len(MANIFESTS) == 8
+    # four one-pool V4 GPU presets + the P/D one; V4.1 on H200, on B200, and both mixed;
+    # the tiny model on CPU pods (make test-kuberay)
+    assert len(MANIFESTS) == 9
 
 
 def test_committed_manifests_are_up_to_date():
@@ -147,8 +151,8 @@ def test_semantic_checks_can_fail():
 def test_serve_config_is_the_preset_and_parses(path):
     doc = _load(path)
     text = doc["spec"]["serveConfigV2"]
-    preset = REPO / "configs" / path.name.replace(MANIFEST_SUFFIX, ".yaml")
-    assert text == preset.read_text()
+    entry = load_params()["presets"][path.name.replace(MANIFEST_SUFFIX, "")]
+    assert text == (K8S / entry["config"]).read_text()
     serve = ServeConfig.model_validate(yaml.safe_load(text))
     (app,) = [a for a in serve.applications if a.is_ours]
     args = parse_app_args(app.args)
@@ -156,7 +160,7 @@ def test_serve_config_is_the_preset_and_parses(path):
     assert args.llm.deployment_config.autoscaling_config is not None  # serve autoscaling
 
 
-@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", GPU_MANIFESTS, ids=lambda p: p.name)
 def test_gpu_limits_match_the_parallel_layout(path):
     doc = _load(path)
     serve = ServeConfig.model_validate(yaml.safe_load(doc["spec"]["serveConfigV2"]))
@@ -203,7 +207,8 @@ def test_pod_plumbing(path):
     assert mounts["model-cache"] == env["HF_HOME"]["value"]
     assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "hf-token"
     assert "value" not in env["HF_TOKEN"]
-    assert spec["nodeSelector"] and spec["tolerations"]
+    if path in GPU_MANIFESTS:
+        assert spec["nodeSelector"] and spec["tolerations"]
     assert any(p["containerPort"] == METRICS_PORT for p in container["ports"])
     head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert {p["name"] for p in head["ports"]} == {"serve", "metrics", "dashboard", "gcs"}
@@ -288,10 +293,25 @@ def test_refused_preset_cannot_be_rendered():
         render_manifest(preset, load_params())
 
 
-def test_cpu_config_cannot_be_rendered():
-    preset = Preset("cpu", REPO / "configs" / "local-cpu.yaml", {})
-    with pytest.raises(ConfigError, match="needs a GPU node"):
-        render_manifest(preset, load_params())
+def test_cpu_preset_renders_cpu_pods():
+    """The CPU preset: the cpu stack's image, no GPUs anywhere, its own small head, and
+    the worker's CPUs hold one replica (its actor's CPU plus its engine bundle's)."""
+    doc = _load(K8S / f"local-cpu{MANIFEST_SUFFIX}")
+    cluster = doc["spec"]["rayClusterConfig"]
+    stack = load_params()["stacks"]["cpu"]
+    pods = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in pods:
+        container = group["template"]["spec"]["containers"][0]
+        assert container["image"] == f"{stack['image']}@{stack['image_digest']}"
+        assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    [worker] = cluster["workerGroupSpecs"]
+    assert worker["groupName"] == "cpu-local-cpu" and worker["replicas"] == 2
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+    assert semantic_problems(doc) == []
+    worker["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] = "1"
+    assert any("cpu limit 1 < 2 CPUs" in p for p in semantic_problems(doc))
+    worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] = "1"
+    assert any("on a CPU preset" in p for p in semantic_problems(doc))
 
 
 def test_bad_params_name_the_fix(tmp_path):
@@ -362,7 +382,8 @@ def test_dockerfile_base_image_and_install():
     froms = re.findall(r"^FROM\s+(\S+)", text, flags=re.M)
     # ray-llm images of current Ray are Python 3.12 + CUDA 13.0 only
     # (ray-project/ray docker/ray-llm/Dockerfile).
-    assert froms == [f"rayproject/ray-llm:{ray}-py312-cu130"]
+    # (The cpu target first: its base is the mmdebstrap image, make image.)
+    assert froms == ["${CPU_BASE}", f"rayproject/ray-llm:{ray}-py312-cu130"]
     assert re.search(rf"^ARG RAY_VERSION={re.escape(ray)}$", text, flags=re.M)
     assert re.search(rf"^ARG VLLM_VERSION={re.escape(_pyproject_pin('vllm'))}$", text,
                      flags=re.M)

@@ -20,7 +20,7 @@ import pytest
 
 from tests.support.house import REPO, defined_names, repo_files
 
-TOPS = ("deployments", "dsv4_patch", "configs", "tests", "k8s", "docs", "benchmarks")
+TOPS = ("deployments", "dsv4_patch", "configs", "tests", "k8s", "docs", "benchmarks", "scripts")
 ROOT_FILES = ("README.md", "Makefile", "pyproject.toml", "Dockerfile")
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
