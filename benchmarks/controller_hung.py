@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.results import write_result
 from deployments.control.controller import KVSpecController
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,7 +131,29 @@ def main() -> int:
     worst = max(r["check_s_max"] for r in rows if r["arm"] == "per-replica")
     print(f"per-replica: slowest check {worst:.2f} s for a {args.timeout} s deadline; "
           f"wrote {args.out}")
+    print(f"wrote {write_table(args, rows)}")
     return 0
+
+
+def write_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Path:
+    """``benchmarks/results/controller_hung_s7_1.json``: the table docs/benchmarks.md shows."""
+    counts = ",".join(str(n) for n in args.counts)
+    return write_result(
+        "controller_hung_s7_1",
+        title="7. KV-spec check: one hung replica, and the consensus fault tests (table 1)",
+        what=("One replica of N never answers kv_page_spec: how long a check takes and whether "
+              "the others are judged and the hung one named, with per-replica deadlines "
+              "(serve.broadcast_per_replica_results) and all-or-nothing (results_async); "
+              f"{args.repeats} forced checks per count, deadline {args.timeout} s."),
+        command=(f"flock /tmp/dsv4-heavy.lock timeout 300 python -m benchmarks.controller_hung "
+                 f"--counts {counts} --repeats {args.repeats}"),
+        inputs={"counts": args.counts, "timeout_s": args.timeout, "repeats": args.repeats,
+                "hang_s": HANG_S},
+        columns=["arm", "replicas", "check p50 s", "check max s",
+                 "replicas judged / not hung", "hung one named"],
+        rows=[[r["arm"], str(r["replicas"]), f"{r['check_s_p50']:.3f}",
+               f"{r['check_s_max']:.3f}", f"{r['answered_min']}/{r['others']}",
+               "yes" if r["hung_named"] else "no"] for r in rows])
 
 
 if __name__ == "__main__":

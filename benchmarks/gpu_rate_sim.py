@@ -47,6 +47,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -54,6 +55,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from benchmarks.arm_procs import role_of, session_processes
+from benchmarks.results import write_result
 
 ARMS = ("port", "port-edge", "proxy", "haproxy", "haproxy-ray")
 
@@ -287,24 +289,50 @@ def run_arm(arm: str, args: argparse.Namespace) -> list[dict[str, Any]]:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown, one row per arm and cell; "÷ port" = the arm's path over the ``port``
+COLUMNS = ["arm", "streams", "tok/chunk", "target tok/s", "achieved tok/s",
+           "CPU-ms/token by process", "path CPU-ms/token", "÷ port",
+           "cores for the node's rate"]
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per arm and cell; "÷ port" = the arm's path over the ``port``
     arm's in the same cell: one uvicorn process, what vLLM's own API server is around
     its per-token work. That work (detokenizing, its pydantic chunks) is the same in
     every path, so a real path's ratio to vLLM's API server is at most this one."""
     port = {(r["streams"], r["chunk"]): r["path_cpu_ms_per_token"] for r in rows
             if r["arm"] == "port"}
-    lines = ["| arm | streams | tok/chunk | target tok/s | achieved tok/s | CPU-ms/token by "
-             "process | path CPU-ms/token | ÷ port | cores for the node's rate |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    out = []
     for r in rows:
         procs = ", ".join(f"{k} {v}" for k, v in sorted(r["cpu_ms_per_token"].items()))
         base = port.get((r["streams"], r["chunk"]))
         versus = f"{r['path_cpu_ms_per_token'] / base:.2f}" if base else "-"
-        lines.append(f"| {r['arm']} | {r['streams']} | {r['chunk']} | {r['target_tok_s']:.0f} "
-                     f"| {r['achieved_tok_s']} | {procs} | {r['path_cpu_ms_per_token']} | "
-                     f"{versus} | {r['cores_per_node']} |")
+        out.append([str(r["arm"]), str(r["streams"]), str(r["chunk"]),
+                    f"{r['target_tok_s']:.0f}", str(r["achieved_tok_s"]), procs,
+                    str(r["path_cpu_ms_per_token"]), versus, str(r["cores_per_node"])])
+    return out
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown of ``table_rows``."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|---" * len(COLUMNS) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(rows)]
     return "\n".join(lines)
+
+
+def write_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Path:
+    """``benchmarks/results/gpu_rate_sim_s2j_1.json``: the run's table as data."""
+    return write_result(
+        "gpu_rate_sim_s2j_1", title="2j. The cost of a token at GPU rates (simulation) "
+        "(table 1)",
+        what=("What a streamed token costs each serving process at the rates a GPU node "
+              "makes: stand-in replicas stream OpenAI-shaped SSE chunks at "
+              f"{args.rank_tok_s:g} tok/s per rank x {args.ranks} ranks (no engine), "
+              f"{args.window:g} s per cell; CPU-ms per token by process and for the path."),
+        command=("flock /tmp/dsv4-heavy.lock timeout 900 python -m benchmarks.gpu_rate_sim "
+                 f"--arms {' '.join(args.arms)}"),
+        inputs={"arms": args.arms, "streams": args.streams, "chunks": args.chunks,
+                "ranks": args.ranks, "rank_tok_s": args.rank_tok_s, "window_s": args.window},
+        columns=COLUMNS, rows=[list(row) for row in table_rows(rows)])
 
 
 def main() -> int:
@@ -332,6 +360,7 @@ def main() -> int:
         with open(args.json, "w") as out:
             json.dump(rows, out, indent=1)
     print(table(rows))
+    print(f"wrote {write_table(args, rows)}")
     return 0
 
 

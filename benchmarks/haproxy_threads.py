@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import psutil
 
+from benchmarks.results import write_result
 from deployments.harness.haproxy_config import app_backend, ray_rendered_config
 
 CHUNK = "data: " + json.dumps({
@@ -183,6 +184,7 @@ def main() -> int:
         app.terminate()
         app.wait(timeout=30)
     print(table(cells, threads))
+    print(f"wrote {write_table(args, threads, cells)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(
@@ -191,21 +193,48 @@ def main() -> int:
     return 0
 
 
+def table_rows(cells: dict[tuple[int, int, float], dict[int, list[dict[str, float]]]],
+               threads: list[int]) -> list[list[str]]:
+    """Per scenario: chunks/s reached, each thread count's median us/chunk (min-max), and
+    the last count's ratio to the first."""
+    rows = []
+    for (streams, _, rate), by in cells.items():
+        med = {t: statistics.median(c["us_per_chunk"] for c in by[t]) for t in threads}
+        spread = [f"{med[t]:.1f} ({min(c['us_per_chunk'] for c in by[t]):.1f}-"
+                  f"{max(c['us_per_chunk'] for c in by[t]):.1f})" for t in threads]
+        reached = statistics.median(c["chunks_per_s"] for t in threads for c in by[t])
+        rows.append([f"{streams} x {rate:g}", f"{reached:.0f}", *spread,
+                     f"{med[threads[-1]] / med[threads[0]]:.2f}"])
+    return rows
+
+
 def table(cells: dict[tuple[int, int, float], dict[int, list[dict[str, float]]]],
           threads: list[int]) -> str:
-    """Markdown: per scenario, each thread count's median us/chunk (min-max), and the
-    last count's ratio to the first."""
+    """Markdown of ``table_rows``."""
     head = " | ".join(f"nbthread {t}, us/chunk" for t in threads)
     lines = [f"| streams x chunks/s each | chunks/s reached | {head} | ratio |",
              "|---" * (3 + len(threads)) + "|"]
-    for (streams, _, rate), by in cells.items():
-        med = {t: statistics.median(c["us_per_chunk"] for c in by[t]) for t in threads}
-        spread = " | ".join(f"{med[t]:.1f} ({min(c['us_per_chunk'] for c in by[t]):.1f}-"
-                            f"{max(c['us_per_chunk'] for c in by[t]):.1f})" for t in threads)
-        reached = statistics.median(c["chunks_per_s"] for t in threads for c in by[t])
-        lines.append(f"| {streams} x {rate:g} | {reached:.0f} | {spread} | "
-                     f"{med[threads[-1]] / med[threads[0]]:.2f} |")
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(cells, threads)]
     return "\n".join(lines)
+
+
+def write_table(args: argparse.Namespace, threads: list[int],
+                cells: dict[tuple[int, int, float], dict[int, list[dict[str, float]]]]) -> Path:
+    """``benchmarks/results/haproxy_threads_s2j_2.json``: the table docs/benchmarks.md shows."""
+    return write_result(
+        "haproxy_threads_s2j_2", title="2j. The cost of a token at GPU rates (simulation) "
+        "(table 2)",
+        what=("HAProxy as Ray renders it in front of a uvicorn app streaming OpenAI-shaped "
+              "chunks at fixed rates: HAProxy's CPU per chunk at each nbthread, medians "
+              f"(min-max) of {args.rounds} rounds, thread counts alternated per round."),
+        command=(f"flock /tmp/dsv4-heavy.lock python -m benchmarks.haproxy_threads "
+                 f"--threads {args.threads} --rounds {args.rounds} "
+                 f"--scenarios {args.scenarios}"),
+        inputs={"scenarios": args.scenarios, "threads": threads, "rounds": args.rounds},
+        columns=["streams x chunks/s each", "chunks/s",
+                 *(f"nbthread {t}, us/chunk" for t in threads),
+                 f"{threads[-1]} / {threads[0]}"],
+        rows=[list(row) for row in table_rows(cells, threads)])
 
 
 if __name__ == "__main__":

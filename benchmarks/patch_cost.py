@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.results import write_result
 from dsv4_patch.tiny_model import CPU_ENGINE_ENV as CPU_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -143,7 +144,36 @@ def main() -> int:
     print(f"{'ratio on/off':44} {result['llama_boot_ratio_on_over_off']:12.3f}")
     print(f"{'tiny DSv4 boot, plugin on (median s)':44} {statistics.median(dsv4_boot):12.2f}")
     print(f"wrote {args.out}")
+    print(f"wrote {write_table(args.repeats, result, boots, dsv4_boot)}")
     return 0
+
+
+def _spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} ({', '.join(f'{v:.1f}' for v in values)})"
+
+
+def write_table(repeats: int, result: dict[str, Any], boots: dict[str, list[float]],
+                dsv4_boot: list[float]) -> Path:
+    """``benchmarks/results/patch_cost_s3.json``: the table docs/benchmarks.md shows."""
+    return write_result(
+        "patch_cost_s3", title="3. Patch cost",
+        what=("What the dsv4_patch plugin costs: register() in a fresh process that imported "
+              "vLLM, and engine boots with the plugin off and on, alternated; medians of "
+              f"{repeats}."),
+        command=f"flock /tmp/dsv4-heavy.lock timeout 900 python -m benchmarks.patch_cost "
+                f"--repeats {repeats}",
+        inputs={"repeats": repeats}, columns=["measure", "value"],
+        rows=[
+            ["plugin `register()` in a fresh process that imported vLLM (median ms)",
+             f"{result['register_ms_median']:.1f}"],
+            ["DeepSeek-V4 modules imported by `register()`",
+             str(len(result["register_imported_dsv4_modules"]))],
+            ["tiny Llama engine boot, plugin off (`VLLM_PLUGINS=\"\"`) (s)",
+             _spread(boots["off"])],
+            ["tiny Llama engine boot, plugin on (s)", _spread(boots["on"])],
+            ["ratio on/off", f"{result['llama_boot_ratio_on_over_off']:.3f}"],
+            ["tiny DeepSeek-V4 engine boot, plugin on (s)", _spread(dsv4_boot)],
+        ])
 
 
 if __name__ == "__main__":

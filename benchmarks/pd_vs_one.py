@@ -18,10 +18,12 @@ import copy
 import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import yaml
 
+from benchmarks.results import write_result
 from deployments.config import DEFAULT_CONFIG, ServeApplication, load_serve_config
 from deployments.control.wire import TransferSpec
 from deployments.harness import load as bench_load
@@ -116,7 +118,26 @@ def main() -> int:
     for m in METRICS:
         a, b = agg["pd"][m], agg["one"][m]
         print(f"{m:22} {a:10.2f} {b:12.2f} {a / b if b else float('nan'):10.2f}")
+    print(f"wrote {write_table(opts, load, agg)}")
     return 0
+
+
+def write_table(opts: argparse.Namespace, load: bench_load.Load,
+                agg: dict[str, dict[str, float]]) -> Path:
+    """``benchmarks/results/pd_vs_one_s8.json``: the table docs/benchmarks.md shows."""
+    rows = [[m, f"{agg['pd'][m]:.2f}", f"{agg['one'][m]:.2f}",
+             f"{agg['pd'][m] / agg['one'][m]:.2f}" if agg["one"][m] else "n/a"]
+            for m in METRICS]
+    return write_result(
+        "pd_vs_one_s8", title="8. Prefill/decode (NIXL over DRAM) vs one engine",
+        what=("One local Ray cluster, both arms side by side: `configs/local-cpu-pd.yaml` "
+              "(1 prefill + 1 decode engine of the tiny DeepSeek-V4, NixlConnector over DRAM) "
+              "at `/pd` and one engine of `configs/local-cpu.yaml` at `/one`; the same "
+              f"`vllm bench serve` load on each, medians of {opts.rounds} round(s)."),
+        command=("flock /tmp/dsv4-heavy.lock timeout 720 python -m benchmarks.pd_vs_one "
+                 f"--rounds {opts.rounds} --num-prompts {opts.num_prompts}"),
+        inputs=dict(load.__dict__, rounds=opts.rounds),
+        columns=["metric", "P/D", "one engine", "P/D / one"], rows=rows)
 
 
 if __name__ == "__main__":

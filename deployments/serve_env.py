@@ -91,21 +91,6 @@ LOCAL_QUIET_ENV: dict[str, str] = {
 }
 
 
-# Serve's proxy answers its own /-/routes before any replica's key check: this callback
-# (Ray 2.60 ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``, ``ray_touches``:
-# ``serve.proxy_callback``) wraps the proxy in ``deployments.http.proxy_gate``. Set for
-# the local start and on every KubeRay pod; ``PROXY_HOST_ENV`` is the proxy's bind host
-# (unset: counted as reachable from other machines).
-PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
-PROXY_CALLBACK = "deployments.http.proxy_gate.proxy_middlewares"
-PROXY_HOST_ENV = "DSV4_PROXY_HOST"
-
-
-def proxy_gate_env(host: str | None = None) -> dict[str, str]:
-    """The env that gates Serve's proxy routes: set before Ray starts (inherited)."""
-    return {PROXY_CALLBACK_ENV: PROXY_CALLBACK} | ({PROXY_HOST_ENV: host} if host else {})
-
-
 def apply_local_quiet(environ: MutableMapping[str, str] | None = None) -> list[str]:
     """Set each ``LOCAL_QUIET_ENV`` flag the environment lacks, before the local Ray
     starts (its processes inherit it); one line per flag, set or kept: a user's own

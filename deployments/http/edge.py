@@ -1,6 +1,7 @@
 """The HTTP edge of a serving replica: a stack of small ASGI middlewares in front of vLLM's app.
 
-Outermost first (``edge_stack``, the one place the order is decided):
+Outermost first (``edge_stack``, the one place the order is decided; ``place`` and
+``place_innermost`` are the only code that puts layers into an app):
 
 1. ``scrub.ScrubMiddleware``: a request id; no 5xx body or stream error event leaves
    with internals in it, in any protocol;
@@ -23,10 +24,11 @@ Pure ASGI (no ``BaseHTTPMiddleware``), so client disconnects still reach the app
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
 from deployments.config import HTTPEdge
@@ -87,10 +89,13 @@ class Edge:
 Layer = tuple[Callable[..., Any], dict[str, Any]]
 
 
-def edge_stack(edge: Edge, background_tasks: BackgroundTasks | None = None) -> list[Layer]:
+def edge_stack(edge: Edge, background_tasks: BackgroundTasks | None = None,
+               inside: Sequence[Layer] = ()) -> list[Layer]:
     """The edge's middlewares, outermost first: the one place their order is decided.
 
     Another part (a Responses store, metrics) joins the edge by adding its layer here.
+    ``inside``: the front's own layers (``front.harden``: public model cards, CORS),
+    just inside the edge and outside the app's own middlewares.
     """
     s = edge.settings
     cors = bool(s.cors_allow_origins)
@@ -102,9 +107,21 @@ def edge_stack(edge: Edge, background_tasks: BackgroundTasks | None = None) -> l
                                "background_tasks": background_tasks}),
         (StreamLimitMiddleware, {"stream_max_s": s.stream_max_s,
                                  "stream_idle_s": s.stream_idle_s}),
-    ])
+    ]) + list(inside)
 
 
 def middleware(layers: list[Layer]) -> list[Middleware]:
     """Starlette's ``user_middleware`` entries for ``layers`` (outermost first)."""
     return [Middleware(cls, **kwargs) for cls, kwargs in layers]
+
+
+def place(app: Starlette, layers: list[Layer]) -> None:
+    """Put ``layers`` (``edge_stack``'s, outermost first) in front of the app's own."""
+    app.user_middleware[:0] = middleware(layers)
+
+
+def place_innermost(app: Starlette, layer: Layer) -> None:
+    """Put ``layer`` next to the handler, inside every middleware the app has (vLLM's
+    too); the app rebuilds its stack on the next request."""
+    app.user_middleware.append(Middleware(layer[0], **layer[1]))
+    app.middleware_stack = None

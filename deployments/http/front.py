@@ -49,8 +49,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from deployments import serve_env
 from deployments.config import HTTPEdge
 from deployments.http.auth import KeyStore
-from deployments.http.edge import Edge, edge_stack, middleware
+from deployments.http.edge import Edge, Layer, edge_stack, in_flight_share, place
 from deployments.http.errors import openai_http_error, openai_validation_error
+from deployments.http.key_metrics import key_file_metrics
 from deployments.http.public import public_report
 from deployments.http.refusal import (
     Refusal,
@@ -89,18 +90,19 @@ def proxy_host() -> str | None:
         return None
 
 
-def _close_cors(app: FastAPI, settings: HTTPEdge) -> None:
-    """Drop every CORS middleware the app came with; add ours only if configured.
+def _close_cors(app: FastAPI, settings: HTTPEdge) -> list[Layer]:
+    """Drop every CORS middleware the app came with; ours (its layer) only if configured.
 
     vLLM's ``build_app`` adds ``CORSMiddleware(allow_origins=args.allowed_origins)``,
     ``["*"]`` unless told otherwise: any web page could call the API from a
     visitor's browser.
     """
     app.user_middleware = [m for m in app.user_middleware if m.cls is not CORSMiddleware]
-    if settings.cors_allow_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_allow_origins),
-                           allow_credentials=True, allow_methods=["GET", "POST"],
-                           allow_headers=["authorization", "content-type"])
+    if not settings.cors_allow_origins:
+        return []
+    return [(CORSMiddleware, {"allow_origins": list(settings.cors_allow_origins),
+                              "allow_credentials": True, "allow_methods": ["GET", "POST"],
+                              "allow_headers": ["authorization", "content-type"]})]
 
 
 def ingress_state(keys: KeyStore | None) -> dict[str, Any]:
@@ -213,7 +215,7 @@ def harden(app: FastAPI, edge: Edge, kv_spec: KVSpecSource | None = None) -> Fas
     """
     settings = edge.settings
     app.middleware_stack = None
-    _close_cors(app, settings)
+    cors = _close_cors(app, settings)
     # Starlette types handlers for Exception; FastAPI dispatches by the class given.
     app.add_exception_handler(RequestValidationError, openai_validation_error)  # type: ignore[arg-type]  # Starlette types handlers for Exception; FastAPI dispatches by class
     # Starlette's (body parsing: "There was an error parsing the body") and FastAPI's
@@ -229,6 +231,20 @@ def harden(app: FastAPI, edge: Edge, kv_spec: KVSpecSource | None = None) -> Fas
             return response
 
         app.add_api_route(KV_SPEC_ROUTE, kv_spec_route, methods=["GET"])
-    app.add_middleware(PublicModelCards)
-    app.user_middleware[:0] = middleware(edge_stack(edge, background_tasks(app)))
+    place(app, edge_stack(edge, background_tasks(app), [(PublicModelCards, {}), *cors]))
     return app
+
+
+def start_edge(settings: HTTPEdge, serving_replicas: int) -> Edge:
+    """This replica's edge, with its share of ``http.max_in_flight`` in its settings.
+
+    Refuses (the deployment fails with the message) before the engine boots.
+    """
+    settings, note = in_flight_share(settings, serving_replicas)
+    if note:
+        logger.info("dsv4: this replica admits %d generation requests at once "
+                    "(http.max_in_flight%s)", settings.max_in_flight, note)
+    replica_edge = Edge.start(settings, proxy_host(), limit_note=note)
+    if replica_edge.keys.file_configured:
+        replica_edge.keys.watch(key_file_metrics())
+    return replica_edge

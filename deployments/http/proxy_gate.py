@@ -18,19 +18,25 @@ key is required whenever ``http.auth`` would require one there (fail closed).
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from starlette.middleware import Middleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from deployments import serve_env
 from deployments.config import AuthConfig
 from deployments.http.auth import KeyStore
+from deployments.http.edge import middleware
 from deployments.http.keycheck import AuthMiddleware
 
-CALLBACK_ENV, CALLBACK = serve_env.PROXY_CALLBACK_ENV, serve_env.PROXY_CALLBACK
-HOST_ENV = serve_env.PROXY_HOST_ENV
+CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+CALLBACK = "deployments.http.proxy_gate.proxy_middlewares"
+HOST_ENV = "DSV4_PROXY_HOST"
 PROXY_PREFIX = "/-/"
 OPEN_PATHS = frozenset({"/-/healthz"})
+
+
+def proxy_gate_env(host: str | None = None) -> dict[str, str]:
+    """The env that gates Serve's proxy routes: set before Ray starts (inherited)."""
+    return {CALLBACK_ENV: CALLBACK} | ({HOST_ENV: host} if host else {})
 
 
 def route(scope: Scope) -> str:
@@ -62,8 +68,10 @@ class ProxyRoutesGate:
             await self.checked(scope, receive, send)
 
 
-def proxy_middlewares(environ: dict[str, str] | None = None) -> list[Middleware]:
-    """Serve's proxy callback: the gate, with this process's keys and the proxy's host."""
+def proxy_middlewares(environ: dict[str, str] | None = None) -> list[Any]:
+    """Serve's proxy callback: the gate, with this process's keys and the proxy's host
+    (Starlette ``Middleware`` entries, built where the edge builds its own)."""
     env = dict(os.environ) if environ is None else environ
     keys = KeyStore(AuthConfig(), env)
-    return [Middleware(ProxyRoutesGate, keys=keys, bind_host=env.get(HOST_ENV) or None)]
+    return middleware([(ProxyRoutesGate, {"keys": keys,
+                                          "bind_host": env.get(HOST_ENV) or None})])

@@ -8,12 +8,12 @@ from typing import Any
 
 import yaml
 
-from deployments import serve_env
 from deployments.config import (
     AppArgs,
     ConfigError,
     NodeSpec,
 )
+from deployments.http import proxy_gate
 from deployments.k8s.lint import security_problems, semantic_problems
 from deployments.k8s.params import (
     API_KEYS_DIR,
@@ -275,7 +275,7 @@ def render_manifest(preset: Preset, params: Mapping[str, Any]) -> dict[str, Any]
     for group in (head, *workers):
         for container in group["template"]["spec"]["containers"]:
             container["env"] += store_env(args, params) + ingress_env(args) + [
-                {"name": k, "value": v} for k, v in serve_env.proxy_gate_env().items()]
+                {"name": k, "value": v} for k, v in proxy_gate.proxy_gate_env().items()]
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayService",

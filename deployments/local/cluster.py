@@ -38,13 +38,19 @@ from typing import Any
 
 from deployments import lifetime, serve_env
 from deployments.local import ray_token
+from deployments.local.session_procs import (
+    FAKE_HEAD_NODE_ID,
+    cmdline,
+    session_pids,
+    signal_all,
+    worker_raylets,
+)
 
 logger = logging.getLogger("dsv4_serve.cluster")
 
 NODE_RESOURCE = "dsv4_node"  # one per worker node: the stand-in for "a GPU node"
 NODE_TYPE = "dsv4.node"
 HEAD_TYPE = "ray.head.default"  # the fake provider's name for the head node type
-FAKE_HEAD_NODE_ID = "fffffffffffffffffffffffffffffffffffffffffffffffffff00000"
 # Ray's FakeMultiNodeProvider, its worker nodes without a log monitor of their own
 # (RAY_FAKE_PROVIDER itself where the touch does not hold).
 FAKE_PROVIDER = "deployments.local.node_provider.OneLogMonitorProvider"
@@ -125,55 +131,6 @@ def node_ip() -> str:
     from ray.util import get_node_ip_address  # public since Ray 2.x (ray.util.__all__)
 
     return str(get_node_ip_address())
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2:].split()
-
-
-def session_pids(session: int) -> list[int]:
-    """Live processes of one session (zombies excluded), ours by construction."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            fields = _stat(int(entry.name))
-            if fields and int(fields[3]) == session and fields[0] != "Z":
-                pids.append(int(entry.name))
-    return sorted(pids)
-
-
-def _env_of(pid: int, name: str) -> str | None:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return None
-    prefix = name.encode() + b"="
-    return next((v[len(prefix):].decode() for v in raw.split(b"\0") if v.startswith(prefix)),
-                None)
-
-
-def cmdline(pid: int) -> bytes:
-    """The raw command line of ``pid`` (NUL-separated), empty once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def worker_raylets(session: int) -> dict[str, int]:
-    """Ray node id -> raylet pid of every live worker node in ``session`` (the fake
-    provider gives each node its id through RAY_OVERRIDE_NODE_ID_FOR_TESTING)."""
-    out = {}
-    for pid in session_pids(session):
-        if cmdline(pid).split(b"\0")[0].endswith(b"/raylet/raylet"):
-            node = _env_of(pid, "RAY_OVERRIDE_NODE_ID_FOR_TESTING")
-            if node and node != FAKE_HEAD_NODE_ID:
-                out[node] = pid
-    return out
 
 
 @dataclass
@@ -271,17 +228,17 @@ class LocalCluster:
         # wait for their children (and need a nudge once those are gone).
         keepers = {self.head.pid} | {p for p in session_pids(self.session)
                                      if b"ray_process_reaper" in cmdline(p)}
-        _signal_all([p for p in session_pids(self.session) if p not in keepers],
+        signal_all([p for p in session_pids(self.session) if p not in keepers],
                     signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while set(session_pids(self.session)) - keepers and time.monotonic() < deadline:
             time.sleep(0.2)
         stubborn = [p for p in session_pids(self.session) if p not in keepers]
-        _signal_all(session_pids(self.session), signal.SIGTERM)
+        signal_all(session_pids(self.session), signal.SIGTERM)
         deadline = time.monotonic() + 3
         while session_pids(self.session) and time.monotonic() < deadline:
             time.sleep(0.2)
-        _signal_all(session_pids(self.session), signal.SIGKILL)
+        signal_all(session_pids(self.session), signal.SIGKILL)
         if self.head.poll() is None:
             self.head.wait(10)
         if stubborn:
@@ -330,14 +287,6 @@ def _die_with_parent(parent: int) -> Any:
     must run on a thread that lives as long as the cluster (the CLI's main thread).
     """
     return lifetime.preexec_die_with_parent(parent)
-
-
-def _signal_all(pids: list[int], signum: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            continue
 
 
 def place_one_replica_per_node(apps_args: list[dict[str, Any]]) -> list[str]:

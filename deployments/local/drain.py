@@ -43,7 +43,7 @@ def in_flight_requests(app_names: list[str]) -> int:
     they have stopped."""
     import ray
 
-    from deployments.control.controller import replica_actors
+    from deployments.control.replicas import replica_actors
 
     handles = [ray.get_actor(actor["name"], namespace=actor["namespace"])
                for _, actor in replica_actors(app_names, serves_http)]

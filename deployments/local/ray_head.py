@@ -18,6 +18,7 @@ from typing import Any
 
 from deployments import ray_touches, serve_env
 from deployments.config import ConfigError, ServeConfig, sizing
+from deployments.http import proxy_gate
 from deployments.local import ray_token
 from deployments.local.ray_params import ray_params_set
 from deployments.local.serve_start import ProxiesReady, start_serve
@@ -104,13 +105,13 @@ def proxy_gate_env(host: str) -> list[str]:
     if not ray_touches.present("serve.proxy_callback"):
         return ["dsv4: this Ray lacks serve.proxy_callback (deployments/ray_touches/): "
                 "Serve's proxy answers /-/routes without a key. Fix: install the pinned Ray."]
-    own = os.environ.get(serve_env.PROXY_CALLBACK_ENV)
-    if own and own != serve_env.PROXY_CALLBACK:
-        return [f"dsv4: {serve_env.PROXY_CALLBACK_ENV}={own} kept from the environment: "
+    own = os.environ.get(proxy_gate.CALLBACK_ENV)
+    if own and own != proxy_gate.CALLBACK:
+        return [f"dsv4: {proxy_gate.CALLBACK_ENV}={own} kept from the environment: "
                 "Serve's proxy answers /-/routes without a key unless it gates them"]
-    os.environ.update(serve_env.proxy_gate_env(host))
+    os.environ.update(proxy_gate.proxy_gate_env(host))
     return [f"dsv4: Serve's proxy routes (/-/routes) need a key as the edge's do "
-            f"({serve_env.PROXY_CALLBACK_ENV}); /-/healthz stays open for probes"]
+            f"({proxy_gate.CALLBACK_ENV}); /-/healthz stays open for probes"]
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ deploy time instead of at the first request; ``dsv4-serve doctor`` lists them al
 
 Optional touches (``required=False``) never refuse a build: the drain's request
 count (logged when it fails), the controller's per-replica broadcast results
-(``deployments.control.controller`` falls back to ``results_async``, logged), the local
+(``deployments.control.replicas`` falls back to ``results_async``, logged), the local
 multi-node cluster of ``dsv4-serve run --nodes``. Touches only a P/D app uses
 (``pd_only``) refuse only a P/D build (``require(pd=True)``).
 

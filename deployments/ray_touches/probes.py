@@ -74,15 +74,22 @@ def every(*probes: Probe) -> Probe:
     return probe
 
 
-def dataclass_field(module: str, path: str, field: str) -> Probe:
-    """A probe: the dataclass ``module.path`` declares ``field``."""
+def on_target(module: str, path: str, check: Callable[[object], str | None]) -> Probe:
+    """A probe: ``module.path`` resolves and ``check`` finds nothing missing in it."""
     def probe() -> str | None:
         obj, missing = resolve(module, path)
         if missing:
             return missing
+        return check(obj)
+    return probe
+
+
+def dataclass_field(module: str, path: str, field: str) -> Probe:
+    """A probe: the dataclass ``module.path`` declares ``field``."""
+    def check(obj: object) -> str | None:
         fields = getattr(obj, "__dataclass_fields__", {})
         return None if field in fields else f"{module}.{path} has no field {field!r}"
-    return probe
+    return on_target(module, path, check)
 
 
 def call_site_problem(site: str) -> str | None:
@@ -95,41 +102,32 @@ def call_site_problem(site: str) -> str | None:
 
 def source_mentions(module: str, path: str, text: str) -> Probe:
     """A probe: the source of ``module.path`` contains ``text`` (a behaviour we rely on)."""
-    def probe() -> str | None:
-        obj, missing = resolve(module, path)
-        if missing:
-            return missing
+    def check(obj: object) -> str | None:
         try:
-            source = inspect.getsource(obj)  # type: ignore[arg-type]  # resolve() gives object | None; not None here, and getsource raises TypeError on a non-source object
+            source = inspect.getsource(obj)  # type: ignore[arg-type]  # getsource raises TypeError on a non-source object
         except (OSError, TypeError) as exc:
             return f"cannot read the source of {module}.{path}: {exc}"
         return None if text in source else f"{module}.{path} no longer does {text!r}"
-    return probe
+    return on_target(module, path, check)
 
 
 def parameter(module: str, path: str, param: str) -> Probe:
     """A probe: the callable ``module.path`` takes keyword ``param`` (or pops it from kwargs)."""
-    def probe() -> str | None:
-        obj, missing = resolve(module, path)
-        if missing:
-            return missing
-        func = inspect.unwrap(obj)  # type: ignore[arg-type]  # resolve() gives object | None; not None here, and the target is a callable
+    def check(obj: object) -> str | None:
+        func = inspect.unwrap(obj)  # type: ignore[arg-type]  # the target is a callable
         if param in inspect.signature(func).parameters:
             return None
         return None if f'"{param}"' in inspect.getsource(func) else \
             f"{module}.{path} does not take {param}"
-    return probe
+    return on_target(module, path, check)
 
 
 def text_mentions(module: str, attr: str, *texts: str) -> Probe:
     """A probe: the string constant ``module.attr`` (a template) contains every one of
     ``texts``."""
-    def probe() -> str | None:
-        obj, missing = resolve(module, attr)
-        if missing:
-            return missing
+    def check(obj: object) -> str | None:
         if not isinstance(obj, str):
             return f"{module}.{attr} is not a string"
         absent = [t for t in texts if t not in obj]
         return f"{module}.{attr} no longer has {absent!r}" if absent else None
-    return probe
+    return on_target(module, attr, check)

@@ -243,8 +243,8 @@ TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="serve.replica_ids",
         target="ray.serve._private.common:ReplicaID.is_full_id_str, from_full_id_str",
-        used_in=("deployments.control.controller:replica_actors",
-                 "deployments.control.controller:alive_replica_ids",
+        used_in=("deployments.control.replicas:replica_actors",
+                 "deployments.control.replicas:alive_replica_ids",
                  "deployments.local.drain:in_flight_requests"),
         why="the drain prints how many requests are in flight; the controller names the "
             "replicas that missed a check's deadline; both find a deployment's replicas "
@@ -286,7 +286,7 @@ TOUCHES: tuple[RayTouch, ...] = (
         name="serve.broadcast_per_replica_results",
         target="ray.serve.handle:DeploymentBroadcastResponse._fetch_replica_results_async; "
                "ray.serve._private.replica_result:ReplicaResult.get_async, cancel",
-        used_in=("deployments.control.controller:KVSpecController._call_each",),
+        used_in=("deployments.control.replicas:call_each",),
         why="the public results_async(timeout_s=) is all-or-nothing: one hung replica "
             "discards every answer",
         how="await each replica's result under its own timeout and cancel the ones that "

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -174,12 +174,7 @@ class StoreBinding:
 
     async def retrieve(self, response_id: str, starting_after: int | None = None,
                        stream: bool | None = False) -> Any:
-        key = (OWNER.get(), response_id)
-        try:
-            await self._load(key)
-        except StoreError as exc:
-            return self._failed("read", exc)
-        try:
+        async def run(key: Key) -> Any:
             if stream and self.responses.get(response_id) is not None \
                     and response_id not in self.events:
                 return self.serving.create_error_response(
@@ -189,22 +184,31 @@ class StoreBinding:
                     param="stream")
             return await self._retrieve(response_id, starting_after=starting_after,
                                         stream=stream)
-        finally:
-            self._forget(key)
+
+        return await self._loaded(response_id, run)
 
     async def cancel(self, response_id: str) -> Any:
+        async def run(key: Key) -> Any:
+            try:
+                result = await self._cancel(response_id)
+                if isinstance(result, self._response_type) and result.status == "cancelled":
+                    await self.store.put_response(*key, result.model_dump_json(), "cancelled")
+                return result
+            except StoreError as exc:
+                return self._failed("write", exc)
+
+        return await self._loaded(response_id, run)
+
+    async def _loaded(self, response_id: str, run: Callable[[Key], Awaitable[Any]]) -> Any:
+        """``run(key)`` with the caller's stored record loaded and forgotten after; a
+        failed read is answered as its error response."""
         key = (OWNER.get(), response_id)
         try:
             await self._load(key)
         except StoreError as exc:
             return self._failed("read", exc)
         try:
-            result = await self._cancel(response_id)
-            if isinstance(result, self._response_type) and result.status == "cancelled":
-                await self.store.put_response(*key, result.model_dump_json(), "cancelled")
-            return result
-        except StoreError as exc:
-            return self._failed("write", exc)
+            return await run(key)
         finally:
             self._forget(key)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from deployments.responses.store import Quota, Record, StoreError
+from deployments.responses.store import Quota, Record, RecordWrites, StoreError
 
 _DROP = """
 local function drop(m)
@@ -86,7 +86,7 @@ return row
 """
 
 
-class RedisStore:
+class RedisStore(RecordWrites):
     """``store.ResponsesStore`` on a Redis/Valkey server."""
 
     kind = "redis"
@@ -146,14 +146,6 @@ class RedisStore:
         if int(done[0]) < 0:
             raise q.too_large(int(done[1]))
         return bool(int(done[0]))
-
-    async def put_response(self, owner: str, response_id: str, response: str,
-                           status: str, keep_cancelled: bool = False) -> bool:
-        return await self.put_record(owner, response_id, None, response, status,
-                                     keep_cancelled)
-
-    async def put_messages(self, owner: str, response_id: str, messages: str) -> None:
-        await self.put_record(owner, response_id, messages, None, None)
 
     async def statuses(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
         if not keys:

@@ -12,9 +12,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from starlette.middleware import Middleware
-
 from deployments.config.responses import ResponsesStore as StoreSettings
+from deployments.http.edge import place_innermost
 from deployments.logs import get_logger
 from deployments.observe import series
 from deployments.responses.binding import StoreBinding
@@ -54,8 +53,7 @@ def bind_store(app: Any, settings: StoreSettings, app_name: str) -> ReplicaStore
     binding = StoreBinding(serving, store, settings.cancel_poll_s,
                            on_error=lambda op: errors.inc(tags={"op": op}))
     binding.install()
-    app.user_middleware.append(Middleware(OwnerScope))  # innermost: inside the edge
-    app.middleware_stack = None
+    place_innermost(app, (OwnerScope, {}))  # inside the edge and vLLM's own layers
     poller = asyncio.get_running_loop().create_task(
         binding.run_poller(lambda n: size.set(n)), name="dsv4-responses-poller")
     logger.info("dsv4: Responses state in the shared %s store: any replica serves "

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from deployments.responses.private import prepare
-from deployments.responses.store import Quota, Record, StoreError, now
+from deployments.responses.store import Quota, Record, RecordWrites, StoreError, now
 
 T = TypeVar("T")
 
@@ -47,7 +47,7 @@ class _Late(Exception):
     """The attempt's deadline passed before its COMMIT: rolled back."""
 
 
-class SQLiteStore:
+class SQLiteStore(RecordWrites):
     """``store.ResponsesStore`` on a SQLite file."""
 
     kind = "sqlite"
@@ -125,14 +125,6 @@ class SQLiteStore:
                 self._evict(db, owner, response_id)
             return True
         return await self._run("write", job)
-
-    async def put_response(self, owner: str, response_id: str, response: str,
-                           status: str, keep_cancelled: bool = False) -> bool:
-        return await self.put_record(owner, response_id, None, response, status,
-                                     keep_cancelled)
-
-    async def put_messages(self, owner: str, response_id: str, messages: str) -> None:
-        await self.put_record(owner, response_id, messages, None, None)
 
     async def statuses(self, keys: list[tuple[str, str]]) -> dict[tuple[str, str], str]:
         def job(db: sqlite3.Connection, _: float) -> dict[tuple[str, str], str]:

@@ -105,5 +105,22 @@ class ResponsesStore(Protocol):
         ...
 
 
+class RecordWrites:
+    """``put_response`` and ``put_messages`` as the one ``put_record`` write each store has."""
+
+    async def put_record(self, owner: str, response_id: str, messages: str | None,
+                         response: str | None, status: str | None,
+                         keep_cancelled: bool = False) -> bool:
+        raise NotImplementedError  # each store's own atomic write
+
+    async def put_response(self, owner: str, response_id: str, response: str,
+                           status: str, keep_cancelled: bool = False) -> bool:
+        return await self.put_record(owner, response_id, None, response, status,
+                                     keep_cancelled)
+
+    async def put_messages(self, owner: str, response_id: str, messages: str) -> None:
+        await self.put_record(owner, response_id, messages, None, None)
+
+
 def now() -> float:
     return time.time()

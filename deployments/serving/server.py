@@ -35,7 +35,7 @@ from ray.serve.llm import LLMConfig, LLMServer
 from ray.serve.llm.deployment import DPServer
 
 from deployments import ray_touches
-from deployments.config import WORKER_EXTENSION, DSv4Section, HTTPEdge, Policy
+from deployments.config import WORKER_EXTENSION, DSv4Section, HTTPEdge
 from deployments.config.llm import ours_or_unset
 from deployments.config.responses import ResponsesStore as StoreSettings
 from deployments.control.enforcement import (
@@ -46,10 +46,7 @@ from deployments.control.enforcement import (
     take_verdict,
 )
 from deployments.control.prediction import (
-    layout_problem,
     predict,
-    prediction_differences,
-    self_problem,
 )
 from deployments.control.summary import ReplicaKV, summarize_workers
 from deployments.control.wire import (
@@ -64,8 +61,7 @@ from deployments.control.wire import (
     answer_kv_page_spec,
 )
 from deployments.doors.lifecycle import Doors, listening_ingress
-from deployments.http import edge, front
-from deployments.http.key_metrics import key_file_metrics
+from deployments.http import front
 from deployments.http.public import RefreshGate
 from deployments.logs import get_logger
 from deployments.responses.replica import ReplicaStore, bind_store
@@ -81,6 +77,7 @@ from deployments.serving.resolve import (
     versions,
     with_overrides,
 )
+from deployments.serving.self_check import check_own_spec
 from dsv4_patch import rules
 from dsv4_patch.node import layout_contradiction, table_decision
 from dsv4_patch.worker_ext import KV_SPECS_METHOD
@@ -108,7 +105,7 @@ class DSv4ServerMixin:
         # ``http`` is given to the replicas that answer HTTP (the ingress); a P/D
         # prefill replica is called only by decode replicas and has no edge.
         self._http = HTTPEdge.model_validate(http or {})
-        self._edge = _start_edge(self._http, serving_replicas) if http is not None else None
+        self._edge = front.start_edge(self._http, serving_replicas) if http is not None else None
         if self._edge is not None:
             self._http = self._edge.settings
         self._kv_spec = kv_spec_controller
@@ -186,39 +183,10 @@ class DSv4ServerMixin:
                                    engine=own.engine_kwargs)
 
     def _self_check(self, spec: ReplicaSpec) -> None:
-        """Refuse to serve when the workers contradict the expectation or their own config.
-
-        A wrong layout always refuses. Split ranks, or caches other than this
-        replica's own config predicts, refuse under ``enforce``: the replica never
-        becomes RUNNING, so a rolling update to such a version is held back while
-        the old replicas keep serving. Under warn/drain it starts and is named.
-        """
-        problem = layout_problem(spec.layers, self._expected)
-        if problem:
-            raise KVLayoutMismatch(
-                f"replica {self._replica_id}: workers report {spec.cache_dtypes} but "
-                f"dsv4.expected_layout={self._expected!r}: {problem}. "
-                "Fix: check that the dsv4_patch plugin loads in the engine workers "
-                "(`dsv4-serve doctor`) and that VLLM_PLUGINS, if set, lists dsv4_patch."
-            )
-        problem = self_problem(spec)
-        if problem and self._settings.policy is Policy.ENFORCE:
-            raise KVLayoutMismatch(
-                f"replica {self._replica_id} (rank {self._rank}): {problem}. Refusing to "  # noqa: S608  # an error message, not SQL
-                "serve under dsv4.policy=enforce (a rolling update stops here; the old "
-                "replicas keep serving). Fix: make the engine build what the config "
-                "declares, or set dsv4.policy: warn to start it for inspection."
-            )
-        if problem:
-            logger.warning("dsv4: replica %s (rank %s) starts although %s (policy %s)",
-                           self._replica_id, self._rank, problem, self._settings.policy.value)
-        predicted = "unpredicted: " + (spec.prediction.reason or "") \
-            if spec.prediction.layers is None else "as predicted" if not \
-            prediction_differences(spec.layers, spec.prediction) else "NOT as predicted"
-        logger.info("dsv4: replica %s (rank %s) KV spec %s: %s, pages %s B, blocks %s, %s "
-                    "(engine up in %ss)", self._replica_id, self._rank, spec.fingerprint[:19],
-                    spec.cache_dtypes, spec.page_sizes, spec.block_sizes, predicted,
-                    self._engine_start_s)
+        """Refuse to serve when the workers contradict the expectation or their own config."""
+        check_own_spec(spec, replica_id=self._replica_id, rank=self._rank,
+                       expected=self._expected, policy=self._settings.policy,
+                       engine_start_s=self._engine_start_s)
 
     async def __serve_build_asgi_app__(self) -> Any:
         """Serve's late-bound ingress hook: vLLM's OpenAI app, hardened (``front.harden``)."""
@@ -332,21 +300,6 @@ class DSv4ServerMixin:
         self._engine_dead = False
         await self._doors.engine_healthy()
         raise_if_enforced(self._verdict)
-
-
-def _start_edge(settings: HTTPEdge, serving_replicas: int) -> edge.Edge:
-    """This replica's edge, with its share of ``http.max_in_flight`` in its settings.
-
-    Refuses (the deployment fails with the message) before the engine boots.
-    """
-    settings, note = edge.in_flight_share(settings, serving_replicas)
-    if note:
-        logger.info("dsv4: this replica admits %d generation requests at once "
-                    "(http.max_in_flight%s)", settings.max_in_flight, note)
-    replica_edge = edge.Edge.start(settings, front.proxy_host(), limit_note=note)
-    if replica_edge.keys.file_configured:
-        replica_edge.keys.watch(key_file_metrics())
-    return replica_edge
 
 
 class DSv4Server(DSv4ServerMixin, LLMServer):

@@ -19,9 +19,9 @@ from starlette.middleware.cors import CORSMiddleware
 
 from deployments.config import HTTPEdge
 from deployments.doors.lifecycle import Doors
-from deployments.http.edge import Edge
+from deployments.http.edge import Edge, Layer, edge_stack
 from deployments.http.errors import openai_validation_error
-from deployments.http.front import KV_SPEC_ROUTE, harden
+from deployments.http.front import KV_SPEC_ROUTE, PublicModelCards, harden
 from deployments.http.scrub import ScrubMiddleware
 from deployments.http.timing import TimingMiddleware
 from tests.support.vllm_app import vllm_app
@@ -54,6 +54,19 @@ def test_configured_cors_is_ours() -> None:
     hardened = harden(vllm_app(), _edge(HTTPEdge(cors_allow_origins=["https://chat.example"])))
     [cors] = [m for m in hardened.user_middleware if m.cls is CORSMiddleware]
     assert cors.kwargs["allow_origins"] == ["https://chat.example"]
+
+
+def test_harden_takes_its_layers_in_edge_stacks_order() -> None:
+    """Every layer harden puts in front of vLLM's comes from ``edge_stack``, in its order:
+    the edge, then the front's own (model cards, CORS), then vLLM's own middlewares."""
+    settings = HTTPEdge(cors_allow_origins=["https://chat.example"])
+    app = vllm_app()
+    theirs = [m.cls for m in app.user_middleware if m.cls is not CORSMiddleware]
+    edge = _edge(settings)
+    hardened = harden(app, edge)
+    inside: list[Layer] = [(PublicModelCards, {}), (CORSMiddleware, {})]
+    expected = [cls for cls, _ in edge_stack(edge, None, inside)]
+    assert [m.cls for m in hardened.user_middleware] == expected + theirs
 
 
 @pytest.mark.parametrize("path", ["/metrics", "/load", "/docs", "/openapi.json", "/pooling",
@@ -122,7 +135,7 @@ def test_the_pd_decode_replica_serves_rays_prefill_first_routes_behind_our_edge(
         "model_id": "m"}))
     server.engine = _AppOnlyEngine()
     server._http = HTTPEdge()
-    server._edge = _edge()  # what the replica's __init__ builds (``server._start_edge``)
+    server._edge = _edge()  # what the replica's __init__ builds (``front.start_edge``)
     server._doors = Doors(server._http, answers_http=True, drain_timeout_s=1.0)
     assert not server._doors.own_port_behind_haproxy  # Serve's proxy is the door (default)
 

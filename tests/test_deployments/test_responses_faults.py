@@ -171,7 +171,8 @@ def test_the_store_503_reaches_the_client_through_the_edge_scrub() -> None:
             mark_store_error_public()
         return JSONResponse({"error": {"message": said, "code": 503}}, status_code=503)
 
-    app = ScrubMiddleware(OwnerScope(Starlette(routes=[Route("/v1/responses", failing)])))
+    inner: Any = OwnerScope(Starlette(routes=[Route("/v1/responses", failing)]))
+    app = ScrubMiddleware(inner)
     client = TestClient(app)
     public = client.get("/v1/responses?store=1")
     assert public.status_code == 503 and public.json()["error"]["message"] == said

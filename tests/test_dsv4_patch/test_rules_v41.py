@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from dsv4_patch import rules
-from dsv4_patch.rules.engine import v41_attention
 from dsv4_patch.rules.family import default_block_size, is_mxfp8_node, resolve_v41_kv_cache_dtype
+from dsv4_patch.rules.v41_backend import v41_attention
 from tests.support.rule_contracts import is_nested
 from tests.support.v41_pages import V41_FLASH, real_spec
 

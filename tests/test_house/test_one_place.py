@@ -6,6 +6,11 @@ Read statically (ast); nothing is imported. What is checked:
   Prometheus/Ray metric (``Gauge``/``Counter``/``Histogram`` of ``ray.util.metrics``,
   ``ray.serve.metrics`` or ``prometheus_client``); every other module asks
   ``series.make`` for a series the catalogue lists. The one exception is named below.
+* one resolution of ``kv_cache_dtype: auto``: no module outside ``dsv4_patch/rules/``
+  compares a dtype-named value with ``"auto"`` (``rules.build`` and its resolvers do).
+* one place orders every layer in front of vLLM's handler: only
+  ``deployments/http/edge.py`` adds to an app's ``user_middleware`` or builds a
+  Starlette ``Middleware``; elsewhere the list may only be filtered.
 * one check of ``engine_kwargs.worker_extension_cls``: the literal key is compared in
   ``deployments/config/llm.py`` only.
 """
@@ -143,3 +148,109 @@ def test_one_reader_of_config_json() -> None:
     assert not found, "\n".join(found)
     text = (REPO / reader).read_text()
     assert "def read_config_json" in text and "flatten_config" in text
+
+
+# A kv-cache-dtype value is named so: ``kv_cache_dtype``, ``cache_dtype``, ``requested``...
+DTYPE_NAMES = ("dtype", "requested")
+# Where ``auto`` is mapped: the rules (``dsv4_patch.rules.dtypes`` for V4, ``family`` for
+# V4.1, both under ``rules.build``). Every other site calls them; none is allowed besides
+# (the run-time patch of vLLM's resolver answers through ``rules.upstream_resolver_decision``).
+AUTO_ALLOWED: frozenset[str] = frozenset()
+
+
+def auto_mappings(source: str) -> list[tuple[int, str]]:
+    """(line, code) for each comparison of a dtype-named value with the literal ``auto``,
+    and each dict keyed by ``auto`` next to a dtype name: mapping ``auto`` by hand."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            literal = any(isinstance(c, ast.Constant) and c.value == "auto"
+                          for side in sides for c in ast.walk(side))
+            named = any(word in ast.unparse(side).lower() for side in sides
+                        for word in DTYPE_NAMES)
+            if literal and named:
+                found.append((node.lineno, ast.unparse(node)))
+        if isinstance(node, ast.stmt) and not hasattr(node, "body") and any(
+                isinstance(d, ast.Dict) and any(isinstance(k, ast.Constant) and k.value == "auto"
+                                                for k in d.keys) for d in ast.walk(node)) \
+                and any(w in ast.unparse(node).lower() for w in DTYPE_NAMES):
+            found.append((node.lineno, ast.unparse(node)[:80]))
+    return found
+
+
+def test_one_resolution_of_auto() -> None:
+    """``kv_cache_dtype: auto`` is resolved by ``dsv4_patch.rules`` only (``rules.build``
+    and the resolvers it is made of); a module that compares a dtype with ``"auto"`` is
+    a second resolution: call ``rules.resolve_kv_cache_dtype`` / ``rules.build``."""
+    found = []
+    for path in python_files("deployments", "dsv4_patch"):
+        rel = path.relative_to(REPO).as_posix()
+        if rel.startswith("dsv4_patch/rules/") or rel in AUTO_ALLOWED:
+            continue
+        found += [f"{rel}:{line} maps auto itself: {code}"
+                  for line, code in auto_mappings(path.read_text())]
+    assert not found, "\n".join(found)
+
+
+def test_the_auto_scan_sees_a_hand_mapping() -> None:
+    assert auto_mappings('if kv_cache_dtype == "auto":\n    x = 1\n')
+    assert auto_mappings('x = requested in ("auto", None)\n')
+    assert auto_mappings('x = {"auto": "fp8_ds_mla"}.get(cache_dtype)\n')
+    assert not auto_mappings('x = replicas == "auto"\n')
+    # The rules' own mapping is what the scan sees (so an empty result elsewhere is real).
+    assert auto_mappings((REPO / "dsv4_patch/rules/dtypes.py").read_text())
+
+
+LAYER_PLACE = "deployments/http/edge.py"
+
+
+def layer_placements(source: str) -> list[tuple[int, str]]:
+    """(line, code) for each way ``source`` puts a middleware into an app: ``add_middleware``,
+    ``Middleware(...)``, ``user_middleware`` grown (insert/append/extend/slice) or replaced
+    by anything but a filter of itself."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else \
+                node.func.id if isinstance(node.func, ast.Name) else ""
+            grows = name in ("insert", "append", "extend") and \
+                isinstance(node.func, ast.Attribute) and "user_middleware" in \
+                ast.unparse(node.func.value)
+            if name in ("add_middleware", "Middleware") or grows:
+                found.append((node.lineno, ast.unparse(node)[:80]))
+        if isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if not any("user_middleware" in ast.unparse(t) for t in targets):
+                continue
+            value = node.value
+            is_filter = isinstance(node, ast.Assign) and isinstance(value, ast.ListComp) \
+                and isinstance(value.elt, ast.Name) and all(
+                    isinstance(t, ast.Attribute) for t in targets) and all(
+                    isinstance(g.target, ast.Name) and g.target.id == value.elt.id
+                    for g in value.generators)
+            if not is_filter:
+                found.append((node.lineno, ast.unparse(node)[:80]))
+    return found
+
+
+def test_one_place_orders_the_layers() -> None:
+    """``front.harden`` and the Responses store place their layers through
+    ``edge.place``/``place_innermost`` (order: ``edge_stack``); nowhere else adds one."""
+    found = []
+    for path in python_files("deployments"):
+        rel = path.relative_to(REPO).as_posix()
+        if rel != LAYER_PLACE:
+            found += [f"{rel}:{line} places a middleware itself: {code}"
+                      for line, code in layer_placements(path.read_text())]
+    assert not found, "\n".join(found)
+    assert layer_placements((REPO / LAYER_PLACE).read_text()), "the scan sees nothing in edge.py"
+
+
+def test_the_layer_scan_sees_each_way_in() -> None:
+    for code in ("app.add_middleware(X)\n", "app.user_middleware.append(m)\n",
+                 "app.user_middleware[:0] = layers\n", "app.user_middleware += [m]\n",
+                 "m = Middleware(X)\n", "app.user_middleware = [m, *app.user_middleware]\n"):
+        assert layer_placements(code), code
+    assert not layer_placements(
+        "app.user_middleware = [m for m in app.user_middleware if m.cls is not C]\n")
