@@ -1,6 +1,7 @@
 """``docs/benchmarks.md`` from the committed results (``benchmarks/results/*.json``).
 
-``python -m benchmarks.report`` rewrites the doc; a house test
+``python -m benchmarks.report`` rewrites the doc (``--out PATH`` elsewhere, ``--check`` only
+compares); a house test
 (``tests/test_house/test_benchmark_results.py``) fails when it is stale or cites a result
 file that is not there. One section per result: what it measures, the command, when
 and where it ran, the latest table. Earlier runs are in git history.
@@ -8,6 +9,7 @@ and where it ran, the latest table. Earlier runs are in git history.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -71,8 +73,27 @@ def render(results: list[dict[str, Any]] | None = None) -> str:
 
 
 def main(argv: list[str]) -> int:
-    target = Path(argv[0]) if argv else DOC
-    target.write_text(render())
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.report",
+        description="Generate docs/benchmarks.md from benchmarks/results/*.json.")
+    parser.add_argument("out", nargs="?", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", dest="out_opt", metavar="PATH", type=Path, default=None,
+                        help=f"write the doc here instead of {DOC.relative_to(DOC.parents[1])}")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 when the doc differs from the results")
+    args = parser.parse_args(argv)
+    if args.out is not None and args.out_opt is not None:
+        parser.error(f"the output path is given twice ({args.out} and --out {args.out_opt}); "
+                     "give it once, as --out")
+    target = args.out_opt or args.out or DOC
+    text = render()
+    if args.check:
+        if target.is_file() and target.read_text() == text:
+            print(f"{target} is up to date")
+            return 0
+        print(f"{target} is stale. Fix: python -m benchmarks.report", file=sys.stderr)
+        return 1
+    target.write_text(text)
     print(f"wrote {target}")
     return 0
 
