@@ -12,7 +12,9 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +93,59 @@ def load_results(folder: Path = RESULTS) -> list[dict[str, Any]]:
                              "file name; expected the two to match")
         found.append(result)
     return found
+
+
+def markdown_tables(text: str) -> list[tuple[str, list[str], list[list[str]]]]:
+    """Each markdown table in ``text`` a benchmark printed: (the line above it, its
+    columns, its rows), cells as printed (``\\|`` inside a cell stays one cell)."""
+    found: list[tuple[str, list[str], list[list[str]]]] = []
+    lines, caption, i = text.splitlines(), "", 0
+
+    def cells(line: str) -> list[str]:
+        parts = line.strip().strip("|").replace("\\|", "\0").split("|")
+        return [p.strip().replace("\0", "|") for p in parts]
+
+    def header(at: int) -> bool:
+        rule = lines[at + 1].strip() if at + 1 < len(lines) else ""
+        return (lines[at].strip().startswith("|") and rule.startswith("|")
+                and set(rule) <= set("|-: "))
+
+    while i < len(lines):
+        line = lines[i].strip()
+        if header(i):
+            columns, rows, i = cells(line), [], i + 2
+            while i < len(lines) and lines[i].strip().startswith("|") and not header(i):
+                rows.append(cells(lines[i]))
+                i += 1
+            found.append((caption, columns, rows))
+            continue
+        if line:
+            caption = line
+        i += 1
+    return found
+
+
+def write_tables(name: str, printed: str, *, title: str, what: str, command: str,
+                 inputs: dict[str, Any], notes: str = "", folder: Path = RESULTS) -> list[Path]:
+    """The markdown tables a run printed, as data: ``<name>.json`` for one table,
+    ``<name>_<k>.json`` (title ``... (table k)``, the line above the table in its notes)
+    for several. Raises ValueError when the run printed no table."""
+    tables = markdown_tables(printed)
+    if not tables:
+        raise ValueError(f"{name}: the run printed no markdown table; expected at least one "
+                         "(| header |, |---|, rows) to write as its result")
+    if len(tables) == 1:
+        _, columns, rows = tables[0]
+        return [write_result(name, title=title, what=what, command=command, inputs=inputs,
+                             columns=columns, rows=[list(r) for r in rows], notes=notes,
+                             folder=folder)]
+    return [write_result(f"{name}_{k}", title=f"{title} (table {k})", what=what,
+                         command=command, inputs=inputs, columns=columns,
+                         rows=[list(r) for r in rows],
+                         notes="\n\n".join(n for n in (caption, notes) if n), folder=folder)
+            for k, (caption, columns, rows) in enumerate(tables, 1)]
+
+
+def this_command(module: str) -> str:
+    """The command line this run was started with, as a result's ``command``."""
+    return shlex.join(["python", "-m", module, *sys.argv[1:]])
