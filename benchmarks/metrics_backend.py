@@ -20,6 +20,9 @@ Arms: ``ray-histogram``, vLLM's ``RayHistogramWrapper`` on Ray 2.60's default ba
 ``opencensus``, vLLM's wrapper on Ray's older exporter (``RAY_enable_open_telemetry=0``),
 for comparison only: under Serve it fails every scrape in Ray 2.60 (docs/benchmarks.md
 §2k).
+
+Writes ``benchmarks/results/metrics_backend.json``; its next run supersedes the
+carried-over ``metrics_backend_s2k_*.json``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from benchmarks.results import this_command, write_tables
 
 BACKEND_FLAG = "RAY_enable_open_telemetry"
 # arm -> (environment, the histogram class the actor observes through)
@@ -211,11 +216,29 @@ def main() -> int:
                       f"{row['agent_us_per_observation']:.2f} us/obs, load "
                       f"{row['agent_load_cores']:.4f} cores, sum "
                       f"{row['scraped_sum']:.3f}/{row['true_sum']:.3f}", flush=True)
-    print("\n".join(table(rows)))
+    printed = "\n".join(table(rows))
+    print(printed)
+    record(printed, args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": rows, "buckets": buckets}, indent=1))
     return 0
+
+
+def record(printed: str, args: argparse.Namespace) -> Path:
+    """The printed table as ``benchmarks/results/metrics_backend.json``."""
+    [path] = write_tables(
+        "metrics_backend", printed,
+        title="Ray's metrics agent per vLLM histogram observation, by export path",
+        what=("What Ray's dashboard agent pays per observation of vLLM's inter-token-latency "
+              "histogram, by export path: an actor observes at a set rate on a private Ray "
+              "node per cell; the agent's CPU at rest and under the load, observe() in the "
+              "actor, and whether the scraped sum is exact. Medians over rounds (min-max)."),
+        command=this_command("benchmarks.metrics_backend"),
+        inputs={"rates": args.rates, "seconds": args.seconds, "rounds": args.rounds,
+                "arms": args.arms})
+    print(f"wrote {path}")
+    return path
 
 
 if __name__ == "__main__":
