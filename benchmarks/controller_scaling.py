@@ -31,6 +31,9 @@ replica count N, scaled up in place (same deployment version, only
 Also the system memory the stand-ins took (the limit on N here). Prints a table,
 writes JSON (``--out``). Heavy: run alone, e.g.
 ``flock /tmp/dsv4-heavy.lock timeout 1500 python -m benchmarks.controller_scaling``.
+
+Writes ``benchmarks/results/controller_scaling.json`` (after every count); its next run
+supersedes the carried-over ``controller_scaling_s1.json``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.results import this_command, write_result
 from deployments.control.verdict import decide
 
 REPO = Path(__file__).resolve().parents[1]
@@ -231,13 +235,43 @@ HEADER = (f"{'replicas':>8} {'scale-up s':>10} {'verdict s':>9} {'check p50 s':>
           f"{'decide ms':>9} {'mem MiB':>8} {'box busy %':>10}  at rest by role %")
 
 
+COLUMNS = ["replicas", "scale-up s", "verdict s", "check p50 s", "check max s",
+           "cpu/check s", "call p50 s", "full p50 s", "decide ms", "mem MiB", "box busy %",
+           "at rest by role %"]
+
+
+def cells(r: dict[str, Any]) -> list[Any]:
+    """One measured row as printed (``HEADER``'s columns), for the result file."""
+    return [r["replicas"], f"{r['scale_up_s']:.1f}", f"{r['verdict_after_running_s']:.2f}",
+            f"{r['check_s_p50']:.3f}", f"{r['check_s_max']:.3f}", f"{r['check_cpu_s_p50']:.3f}",
+            f"{r['call_s_p50']:.3f}", f"{r['full_check_s_p50']:.3f}", f"{r['decide_ms']:.2f}",
+            r["memory_mib_over_base"], f"{sum(r['cpu_at_rest_pct'].values()):.1f}",
+            ", ".join(f"{k} {v}" for k, v in sorted(r["cpu_at_rest_pct"].items(),
+                                                   key=lambda kv: -kv[1]) if v >= 1)]
+
+
 def _fmt(r: dict[str, Any]) -> str:
-    return (f"{r['replicas']:8d} {r['scale_up_s']:10.1f} {r['verdict_after_running_s']:9.2f} "
-            f"{r['check_s_p50']:11.3f} {r['check_s_max']:11.3f} {r['check_cpu_s_p50']:11.3f} "
-            f"{r['call_s_p50']:10.3f} {r['full_check_s_p50']:10.3f} {r['decide_ms']:9.2f} "
-            f"{r['memory_mib_over_base']:8d} {sum(r['cpu_at_rest_pct'].values()):10.1f}  "
-            + ", ".join(f"{k} {v}" for k, v in sorted(r["cpu_at_rest_pct"].items(),
-                                                      key=lambda kv: -kv[1]) if v >= 1))
+    widths = (8, 10, 9, 11, 11, 11, 10, 10, 9, 8, 10)
+    row = cells(r)
+    return " ".join(f"{v:>{w}}" for v, w in zip(row, widths, strict=False)) + "  " + row[-1]
+
+
+def record(rows: list[dict[str, Any]], args: argparse.Namespace,
+           standin_env: dict[str, str]) -> Path:
+    """The rows so far as ``benchmarks/results/controller_scaling.json``."""
+    skipped = [r["replicas"] for r in rows if "skipped" in r]
+    return write_result(
+        "controller_scaling", title="KV-spec controller: time to a verdict vs replica count",
+        what=("The real KVSpecController watching N stand-in replicas on one box, scaled up "
+              "in place: seconds from all RUNNING to an agreed verdict, one forced check "
+              "(p50/max, its CPU, at the caller), a full re-check, decide() alone, the "
+              "memory the stand-ins took and the box's CPU at rest by role."),
+        command=this_command("benchmarks.controller_scaling"),
+        inputs={"counts": args.counts, "period_s": args.period, "repeats": args.repeats,
+                "standin_env": standin_env},
+        columns=COLUMNS, rows=[cells(r) for r in rows if "skipped" not in r],
+        notes=(f"Skipped (would leave under {HEADROOM_MIB} MiB free): {skipped}."
+               if skipped else ""))
 
 
 def main() -> int:
@@ -279,6 +313,7 @@ def main() -> int:
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2))
+        record(rows, args, standin_env)
         return result
 
     result = save(measure(args.counts, args.period, args.repeats, save, standin_env))
