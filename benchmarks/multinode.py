@@ -8,6 +8,9 @@ Each step's time (seconds since the load started / since it ended) is printed
 as a table for docs/benchmarks.md.
 
     flock /tmp/dsv4-heavy.lock .venv/bin/python -m benchmarks.multinode
+
+The two tables are written as ``benchmarks/results/multinode_1.json`` (under load) and
+``multinode_2.json`` (after it); the load and SIGTERM lines go in their notes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.results import this_command, write_tables
 from deployments.harness import load as bench_load
 from deployments.harness import multinode_scenario as mn
 
@@ -78,19 +82,43 @@ def main() -> dict[str, Any]:
         watcher.join()
     finally:
         code, _, stop_s = mn.stop_run(run)
-    print(f"load: {result['completed']} completed, {result['failed']} failed, "
-          f"{result['output_throughput']:.1f} out tok/s")
-    print("| step (under load; s since load start) | s |\n|---|---|")
-    for name, sec in sorted(up.items(), key=lambda kv: kv[1]):
-        if name != "pss_mib":
-            print(f"| {name} | {sec} |")
-    print("| step (after load; s since load end) | s |\n|---|---|")
-    for name, sec in sorted(down.items(), key=lambda kv: kv[1]):
-        if name != "pss_mib":
-            print(f"| {name} | {sec} |")
+    summary = (f"load: {result['completed']} completed, {result['failed']} failed, "
+               f"{result['output_throughput']:.1f} out tok/s")
+    print(summary)
+    printed = steps(up, down)
+    print(printed)
     peak = max(up.get("pss_mib", 0), down.get("pss_mib", 0)) / 1024
-    print(f"SIGTERM: exit {code} after {stop_s:.1f} s; peak PSS of the run {peak:.1f} GiB")
+    ending = f"SIGTERM: exit {code} after {stop_s:.1f} s; peak PSS of the run {peak:.1f} GiB"
+    print(ending)
+    for path in record(printed, load, f"{summary}. {ending}."):
+        print(f"wrote {path}")
     return {"up": up, "down": down, "load": bench_load.summary(result), "exit": code}
+
+
+def steps(up: dict[str, float], down: dict[str, float]) -> str:
+    """The two step tables, markdown: under load (s since it started), after (s since
+    it ended)."""
+    lines = []
+    for head, marks in (("under load; s since load start", up),
+                        ("after load; s since load end", down)):
+        lines += [f"| step ({head}) | s |", "|---|---|"]
+        lines += [f"| {name} | {sec} |" for name, sec in sorted(marks.items(),
+                                                                key=lambda kv: kv[1])
+                  if name != "pss_mib"]
+    return "\n".join(lines)
+
+
+def record(printed: str, load: bench_load.Load, notes: str) -> list[Path]:
+    """``benchmarks/results/multinode_1.json`` and ``multinode_2.json``."""
+    return write_tables(
+        "multinode", printed, title=f"Autoscaling end to end on dsv4-serve run --nodes {NODES}",
+        what=("A `vllm bench serve` load drives Serve's autoscaling 1 -> 2 -> 3 replicas and "
+              "Ray's autoscaler a worker node for each, the KV-spec verdict over every new "
+              "replica; then the scale-down to 1 and the idle nodes' removal. Each step's "
+              "time in seconds since the load started / ended."),
+        command=this_command("benchmarks.multinode"),
+        inputs={"nodes": NODES, "idle_timeout_s": IDLE_TIMEOUT_S, "load": load.__dict__},
+        notes=notes)
 
 
 if __name__ == "__main__":
