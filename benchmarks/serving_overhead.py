@@ -56,6 +56,9 @@ arms' spreads overlap. Prints a markdown table, writes JSON; ``--first-round`` a
 ``--merge`` split the rounds over several short locked jobs. Heavy: per round
 ``flock /tmp/dsv4-heavy.lock timeout 600 python -m benchmarks.serving_overhead
 --rounds 1 --first-round R``, then ``--merge``.
+
+Writes ``benchmarks/results/serving_overhead_<k>.json`` (one per printed table, at a run's
+end or its ``--merge``); its next run supersedes the carried-over ``serving_overhead_s2*.json``.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ from benchmarks.overhead_arms import (
     serve_arm,
 )
 from benchmarks.overhead_table import aggregate, by_load, merge, tables
+from benchmarks.results import this_command, write_tables
 from deployments.harness import load as bench_load
 
 
@@ -390,7 +394,9 @@ def main() -> int:
     if args.serve_arm:
         return serve_arm(args.serve_arm, args.port, args.replicas)
     if args.merge:
-        print(tables(merge(args.merge)))
+        printed = tables(merge(args.merge))
+        print(printed)
+        record(printed, {"merged": [str(p) for p in args.merge]})
         return 0
     # A timeout's SIGTERM must still stop the arm we started (arm_server's finally).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -421,9 +427,29 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"engine environment of every arm: {engine_env()}")
-    print(tables(runs))
+    printed = tables(runs)
+    print(printed)
     print(f"wrote {args.out}")
+    record(printed, {"arms": arms, "loads": [ld.__dict__ for ld in loads], "rounds": args.rounds,
+                     "repeats": args.repeats, "replicas": args.replicas,
+                     "paced": args.paced or None})
     return 0
+
+
+def record(printed: str, inputs: dict[str, Any]) -> list[Path]:
+    """The printed tables as ``benchmarks/results/serving_overhead[_k].json`` (one file per
+    table); a run over several jobs writes them at its ``--merge``."""
+    paths = write_tables(
+        "serving_overhead", printed, title="Serving overhead: one arm at a time",
+        what=("The same tiny DeepSeek-V4 and the same `vllm bench serve` load through each "
+              "arm, one arm booted at a time in alternating order: request and output "
+              "throughput, TTFT and TPOT p50/p99 and boot as medians over the runs "
+              "(min-max), ours/other ratios (`~` when the spreads overlap), and CPU by "
+              "process per request and per output token."),
+        command=this_command("benchmarks.serving_overhead"), inputs=inputs)
+    for path in paths:
+        print(f"wrote {path}")
+    return paths
 
 
 if __name__ == "__main__":
