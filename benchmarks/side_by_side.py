@@ -27,6 +27,9 @@ size), which leaves out what a busy box adds to every periodic loop, tokens or n
 
 ``--alone`` adds a third pass per round: the first arm stopped, the reference arm
 loaded again by itself (``<reference>-alone``), so one run has all three.
+
+Writes ``benchmarks/results/side_by_side_<k>.json`` (one per printed table, at a run's end
+or its ``--merge``); its next run supersedes the carried-over ``side_by_side_s2*.json``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from benchmarks.arm_procs import cpu_by_role, role_of
 from benchmarks.multinode_arms import ENGINE_ROLES, cluster_session, listeners
 from benchmarks.overhead_arms import ARMS, REPO, client_port
 from benchmarks.overhead_table import merge, tables
+from benchmarks.results import this_command, write_tables
 from benchmarks.serving_overhead import (
     arm_server,
     parse_loads,
@@ -242,7 +246,9 @@ def main() -> int:
         parser.error(f"--arms={args.arms!r}: expected two different arms from {ARMS}")
     if args.merge:
         merged = merge(args.merge)
-        print(tables(merged) + "\n\n" + all_goals(merged, arms))
+        printed = tables(merged) + "\n\n" + all_goals(merged, arms)
+        print(printed)
+        record(printed, arms, loads=None, paced=args.paced)
         return 0
     try:
         loads = parse_loads(args.loads)
@@ -259,9 +265,27 @@ def main() -> int:
                   args.alone, paced)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"runs": runs, "arms": arms}, indent=2))
-    print(tables(runs) + "\n\n" + all_goals(runs, arms))
+    printed = tables(runs) + "\n\n" + all_goals(runs, arms)
+    print(printed)
     print(f"wrote {args.out}")
+    record(printed, arms, loads=args.loads, paced=args.paced)
     return 0
+
+
+def record(printed: str, arms: list[str], loads: str | None, paced: str) -> list[Path]:
+    """The printed tables as ``benchmarks/results/side_by_side[_k].json`` (one file per
+    table); a run over several jobs writes them at its ``--merge``."""
+    paths = write_tables(
+        "side_by_side", printed, title=f"Side by side: {arms[0]} beside {arms[1]}",
+        what=("Two arms booted together, each loaded in turn while the other sits at rest: "
+              "throughput, latency and CPU by process per load, the ratio of the two arms "
+              "(the door's own cost with the same processes on the box), and each arm's "
+              "path priced over its quiet and its busy rest."),
+        command=this_command("benchmarks.side_by_side"),
+        inputs={"arms": arms, "loads": loads or "as in the merged runs", "paced": paced or None})
+    for path in paths:
+        print(f"wrote {path}")
+    return paths
 
 
 if __name__ == "__main__":
