@@ -19,6 +19,9 @@ each other:
    and library frames only (the event-loop and thread plumbing above them dropped).
 
 Heavy: ``flock /tmp/dsv4-heavy.lock timeout 600 python -m benchmarks.hop_profile --arm ours``.
+
+``--table`` writes ``benchmarks/results/hop_profile_<k>.json`` (one per printed table); its
+next run supersedes the carried-over ``hop_profile_s2*.json``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import psutil
 from benchmarks import serving_overhead as so
 from benchmarks.arm_procs import cpu_by_role, cpu_by_thread, python_threads, role_of
 from benchmarks.overhead_arms import client_env, client_port
+from benchmarks.results import this_command, write_tables
 from deployments.harness import load as bench_load
 
 _ACCESS = re.compile(r"^\w+ \S+ \S+ (?P<who>\S+) \S+ (?P<rid>[0-9a-f-]{36}) -- "
@@ -159,7 +163,9 @@ def main() -> int:
                         help="no run: markdown tables of these result files (arms side by side)")
     args = parser.parse_args()
     if args.table:
-        print(tables([json.loads(p.read_text()) for p in args.table]))
+        printed = tables([json.loads(p.read_text()) for p in args.table])
+        print(printed)
+        record(printed, [str(p) for p in args.table])
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     from dsv4_patch.tiny_model import ensure_tiny_model
@@ -369,6 +375,22 @@ def _stats(values: list[float]) -> dict[str, float]:
         return {}
     return {"n": len(values), "p50": round(statistics.median(values), 1),
             "min": round(min(values), 1), "max": round(max(values), 1)}
+
+
+def record(printed: str, files: list[str]) -> list[Path]:
+    """``--table``'s tables as ``benchmarks/results/hop_profile[_k].json`` (one file per
+    table); the one-token latencies it lists go in the notes."""
+    hops = "\n".join(line for line in printed.splitlines() if line.startswith("- "))
+    paths = write_tables(
+        "hop_profile", printed, title="Hop profile: CPU by process, arms side by side",
+        what=("Each role's CPU ms per request and per output token under each load, arms "
+              "side by side (one boot per arm), then each role's share of one core at rest."),
+        command=this_command("benchmarks.hop_profile"), inputs={"arm_results": files},
+        notes=f"One-token completion, p50 ms (client; each access log):\n{hops}" if hops
+        else "")
+    for path in paths:
+        print(f"wrote {path}")
+    return paths
 
 
 if __name__ == "__main__":
