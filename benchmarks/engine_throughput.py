@@ -8,7 +8,8 @@ and the batch/single ratio. Every request generates exactly ``--max-tokens``
 (``ignore_eos``); tokens/s = generated tokens / wall time of ``generate()`` (prefill
 included, 32-token prompts), median of ``--repeats`` after one warm-up.
 
-Prints a table and writes JSON (``--out``). Heavy: run it alone, e.g.
+Prints a table and writes JSON (``--out``), the table also as
+``benchmarks/results/engine_throughput.json``. Heavy: run it alone, e.g.
 ``flock /tmp/dsv4-heavy.lock python -m benchmarks.engine_throughput``.
 """
 
@@ -23,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.results import this_command, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_TOKENS = 32
@@ -96,16 +99,19 @@ def measure(repeats: int, max_tokens: int) -> dict[str, Any]:
     }
 
 
-def print_table(result: dict[str, Any]) -> None:
-    rows = [
+def table_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    return [
         ("engine boot", f"{result['boot_s']:.1f} s"),
         ("single stream", f"{result['single_tok_s']:.1f} tok/s"),
         ("batch of 4", f"{result['batch4_tok_s']:.1f} tok/s"),
         ("batch / single", f"{result['batch4_over_single']:.2f}x"),
     ]
+
+
+def print_table(result: dict[str, Any]) -> None:
     print(f"tiny DeepSeek-V4, {result['host']['cpus']} CPUs "
           f"({result['host']['cpu_capability']}), {result['max_tokens']} tokens/request")
-    for name, value in rows:
+    for name, value in table_rows(result):
         print(f"  {name:<16} {value:>14}")
 
 
@@ -120,9 +126,26 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
+    print(f"wrote {record(result)}")
     sys.stdout.flush()
     os._exit(0)  # skip vLLM's slow interpreter teardown; the engine dies with us
 
 
-if __name__ == "__main__":
+def record(result: dict[str, Any]) -> Path:
+    """The printed table as ``benchmarks/results/engine_throughput.json``."""
+    return write_result(
+        "engine_throughput", title="Tiny DeepSeek-V4 on a real vLLM CPU engine",
+        what=("Engine boot (`vllm.LLM(...)` until it returns) and greedy decode throughput "
+              "of one stream and of a batch of 4, every request exactly max_tokens "
+              "(ignore_eos); tokens/s over generate()'s wall time, median of the repeats "
+              "after one warm-up."),
+        command=this_command("benchmarks.engine_throughput"),
+        inputs={"repeats": result["repeats"], "max_tokens": result["max_tokens"],
+                "prompt_tokens": result["prompt_tokens"],
+                "cpu_capability": result["host"]["cpu_capability"],
+                "torch_threads": result["host"]["torch_threads"]},
+        columns=["measure", "value"], rows=[list(r) for r in table_rows(result)],
+        notes=f"Runs (tok/s): {json.dumps(result['runs'])}.")
+
+
     sys.exit(main())
