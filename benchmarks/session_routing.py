@@ -28,7 +28,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import re
 import signal
 import statistics
@@ -37,16 +36,16 @@ import sys
 import threading
 import time
 import urllib.request
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
 
+from benchmarks.results import host, this_command, write_result
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local-cpu.yaml"
-RESULT = REPO / "benchmarks" / "results" / "session_routing.json"
 PORT = 8620
 SERVING_LINE = "Serving; Ctrl-C to stop."
 _METRICS = re.compile(r"Prometheus metrics: (\S+)")
@@ -240,15 +239,6 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def host() -> dict[str, Any]:
-    text = Path("/proc/cpuinfo").read_text()
-    flags = set(re.search(r"^flags\s*:\s*(.*)$", text, re.M).group(1).split())  # type: ignore[union-attr]
-    model = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
-    return {"cpu_model": model.group(1) if model else platform.processor(),
-            "flags": sorted(f for f in flags if f in {"avx2", "avx512f", "avx512_bf16"}
-                            or f.startswith("amx")), "cores": os.cpu_count()}
-
-
 def rows_of(sessions: dict[str, Any], steps: list[dict[str, Any]]) -> list[list[Any]]:
     rows: list[list[Any]] = []
     for arm, per_turn in sessions["ttft"].items():
@@ -293,30 +283,13 @@ def main() -> int:
 
 
 def write(args: argparse.Namespace, sessions: dict[str, Any],
-          steps: list[dict[str, Any]]) -> None:
-    """The result file (``benchmarks/results/session_routing.json``)."""
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO, check=False).stdout.strip()
+          steps: list[dict[str, Any]]) -> Path:
+    """The result file (``benchmarks/results/session_routing.json``), through
+    ``write_result`` (date, commit, host filled in there); raw figures go to the workdir."""
     hits = [r[6] for r in rows_of(sessions, steps) if r[6]]
-    result: dict[str, Any] = {
-        "benchmark": "session_routing",
-        "title": "Session affinity and KV-pressure autoscaling (local 2-node cluster)",
-        "what": "TTFT p50/p95 per turn, requests per replica and prefix-cache hits/queries "
-                "of a multi-turn session workload, today's routing vs x-session-id "
-                "affinity; seconds from a load step to a second replica answering, "
-                "kv_pressure vs Serve's default policy",
-        "command": "python -m benchmarks.session_routing " + " ".join(sys.argv[1:]),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit, "host": host(), "inputs": vars(args) | {"workdir": str(args.workdir)},
-        "columns": ["arm", "turn", "ttft_p50_s", "ttft_p95_s", "requests",
-                    "requests_per_replica_by_round", "prefix_hits/queries",
-                    "seconds_to_second_replica"],
-        "rows": rows_of(sessions, steps),
-        "notes": "",
-    }
     (args.workdir / "raw.json").write_text(json.dumps({"sessions": sessions, "steps": steps}))
-    amx = any(f.startswith("amx") for f in result["host"]["flags"])
-    result["notes"] = (
+    amx = any(f.startswith("amx") for f in host()["flags"])
+    notes = (
         ("This host has no AMX: vLLM turns DeepSeek-V4 prefix caching off on x86 without "
          "AMX (vllm/platforms/cpu.py), so hits/queries are 0/0 and affinity cannot lower "
          "TTFT through the cache here; the TTFT columns compare routing only. "
@@ -324,8 +297,19 @@ def write(args: argparse.Namespace, sessions: dict[str, Any],
         "scaling lines per load-step arm (decision times; step_epoch_s = load start): "
         + json.dumps([{k: st[k] for k in ("policy", "step_epoch_s", "controller_log")}
                       for st in steps]))
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    return write_result(
+        "session_routing",
+        title="Session affinity and KV-pressure autoscaling (local 2-node cluster)",
+        what="TTFT p50/p95 per turn, requests per replica and prefix-cache hits/queries "
+             "of a multi-turn session workload, today's routing vs x-session-id "
+             "affinity; seconds from a load step to a second replica answering, "
+             "kv_pressure vs Serve's default policy",
+        command=this_command("benchmarks.session_routing"),
+        inputs=vars(args) | {"workdir": str(args.workdir)},
+        columns=["arm", "turn", "ttft_p50_s", "ttft_p95_s", "requests",
+                 "requests_per_replica_by_round", "prefix_hits/queries",
+                 "seconds_to_second_replica"],
+        rows=rows_of(sessions, steps), notes=notes)
 
 
 if __name__ == "__main__":
