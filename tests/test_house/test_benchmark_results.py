@@ -31,10 +31,22 @@ def run(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_the_doc_is_what_the_results_render(tmp_path: Path) -> None:
     fresh = tmp_path / "benchmarks.md"
-    done = run("-m", "benchmarks.report", str(fresh))
+    done = run("-m", "benchmarks.report", "--out", str(fresh))
     assert done.returncode == 0, done.stderr
     assert (REPO / "docs" / "benchmarks.md").read_text() == fresh.read_text(), (
         "docs/benchmarks.md is stale. Fix: python -m benchmarks.report")
+
+
+def test_the_report_cli_checks_and_writes_no_stray_file(tmp_path: Path) -> None:
+    helped = subprocess.run([sys.executable, "-m", "benchmarks.report", "--help"], cwd=tmp_path,
+                            env=os.environ | {"PYTHONPATH": str(REPO)}, capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert helped.returncode == 0 and "--check" in helped.stdout, helped.stderr
+    assert list(tmp_path.iterdir()) == [], "--help wrote a file"
+    stale = tmp_path / "stale.md"
+    stale.write_text("# not the doc\n")
+    assert run("-m", "benchmarks.report", "--check", "--out", str(stale)).returncode == 1
+    assert stale.read_text() == "# not the doc\n"
 
 
 def test_every_cited_result_file_is_committed() -> None:
