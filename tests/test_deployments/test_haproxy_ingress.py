@@ -96,8 +96,11 @@ def test_apply_ingress_sets_the_cluster_flags_and_keeps_a_users() -> None:
     assert Path(env[serve_env.HAPROXY_BINARY_FLAG]).is_absolute()
     assert env[serve_env.DRAIN_FLAG] == "10.5"  # twice HAProxy's 5 s + 250 ms at Ray's defaults
     assert env["RAY_SERVE_HAPROXY_NBTHREAD"] == "1"
-    assert len(lines) == 4
+    assert env["RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"] == "hdr(x-session-id)"
+    assert len(lines) == 5
     assert any("RAY_SERVE_HAPROXY_NBTHREAD=1 (one HAProxy thread" in line for line in lines)
+    assert any("RAY_SERVE_HAPROXY_BALANCE_ALGORITHM=hdr(x-session-id)" in line
+               for line in lines), lines
     assert any(f"{serve_env.DRAIN_FLAG}=10.5 (local run: twice the 5.25 s" in line
                for line in lines), lines
     untouched: dict[str, str] = {}
@@ -178,7 +181,11 @@ def test_kuberay_presets_run_haproxy_on_every_pod_and_the_lint_holds_them_to_it(
                 if e["name"] != "RAY_SERVE_ENABLE_HA_PROXY"]
             assert any(p.startswith("head: env RAY_SERVE_ENABLE_HA_PROXY=None")
                        for p in semantic_problems(manifest)), preset.name
-    # Every autoscaled multi-node preset uses HAProxy, P/D included.
+    # Every autoscaled multi-node GPU preset uses HAProxy, P/D included; the CPU preset
+    # (stack cpu: the KubeRay harness's tiny model, `make test-kuberay`) uses Serve's proxy.
+    cpu = {p.name for p in presets(params, DEFAULT_PARAMS) if p.stack == "cpu"}
+    assert cpu == {"local-cpu"}, cpu
+    assert doors.pop("local-cpu") == "serve_proxy"
     assert set(doors.values()) == {"haproxy"}, doors
     dockerfile = (Path(__file__).parents[2] / "Dockerfile").read_text()
     assert f"= {IMAGE_BIN_DIR}/dsv4-haproxy" in dockerfile
@@ -213,7 +220,8 @@ def test_ray_renders_the_thread_count_it_is_given(tmp_path: Path) -> None:
 
     from ray.serve._private import constants
 
-    ((flag, ours),) = serve_env.HAPROXY_TUNING.items()
+    flag = "RAY_SERVE_HAPROXY_NBTHREAD"
+    ours = serve_env.HAPROXY_TUNING[flag]
     assert f'os.environ.get("{flag}", "4")' in inspect.getsource(constants), \
         f"Ray's {flag} or its default changed"
     script = ("import sys, pathlib\n"
