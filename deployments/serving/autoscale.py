@@ -137,6 +137,30 @@ def with_autoscaling_policy(deployment_config: dict[str, Any], section: Autoscal
             "policy=kv_pressure: expected one policy. Fix: remove autoscaling_config.policy, "
             "or set dsv4.autoscaling.policy: serve_default to keep yours.")
     policy = {"policy_function": POLICY_FUNCTION,
-              "policy_kwargs": section.policy_kwargs(gang_size) | {
-                  "target_ongoing_requests": scaling.get("target_ongoing_requests")}}
+              "policy_kwargs": section.policy_kwargs(gang_size) | serve_delays(scaling, section)
+              | {"target_ongoing_requests": scaling.get("target_ongoing_requests")}}
     return deployment_config | {"autoscaling_config": dict(scaling) | {"policy": policy}}
+
+
+SERVE_DELAYS = ("upscale_delay_s", "downscale_delay_s")
+
+
+def serve_delays(scaling: dict[str, Any], section: AutoscalingSection) -> dict[str, float]:
+    """Serve's ``upscale_delay_s``/``downscale_delay_s``, when the user set them, are the
+    delays the policy keeps (a custom policy otherwise never reads them: accepted and
+    ignored); the same delay set differently in ``dsv4.autoscaling`` is an error."""
+    taken: dict[str, float] = {}
+    for name in SERVE_DELAYS:
+        if scaling.get(name) is None:
+            continue
+        value, ours = float(scaling[name]), getattr(section, name)
+        if name in section.model_fields_set and value != ours:
+            raise ValueError(
+                f"llm.deployment_config.autoscaling_config.{name}={value:g} and "
+                f"dsv4.autoscaling.{name}={ours:g}: expected one value. Fix: drop one of them.")
+        taken[name] = value
+    if taken:
+        AutoscalingSection(**(section.model_dump() | taken))  # the policy's own bounds
+        logger.info("dsv4: kv_pressure autoscaling keeps Serve's %s", ", ".join(
+            f"{k}={v:g}" for k, v in taken.items()))
+    return taken

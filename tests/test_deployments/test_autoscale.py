@@ -184,6 +184,24 @@ def test_a_user_policy_and_ours_are_not_both_taken() -> None:
     assert autoscale.with_autoscaling_policy({"num_replicas": 2}, S, 1) == {"num_replicas": 2}
 
 
+def test_serves_delays_are_the_policys_not_accepted_and_ignored() -> None:
+    from deployments.serving import autoscale
+
+    scaling = {"autoscaling_config": {"upscale_delay_s": 2, "downscale_delay_s": 8}}
+    kwargs = autoscale.with_autoscaling_policy(scaling, S, 1)["autoscaling_config"][
+        "policy"]["policy_kwargs"]
+    assert (kwargs["upscale_delay_s"], kwargs["downscale_delay_s"]) == (2.0, 8.0)
+    assert autoscale.KVPressurePolicy(**kwargs).settings.downscale_delay_s == 8.0
+    same = AutoscalingSection(downscale_delay_s=8)
+    assert autoscale.with_autoscaling_policy(scaling, same, 1)["autoscaling_config"]
+    with pytest.raises(ValueError, match=r"downscale_delay_s=8 and dsv4\.autoscaling"
+                                         r"\.downscale_delay_s=60"):
+        autoscale.with_autoscaling_policy(scaling, AutoscalingSection(downscale_delay_s=60), 1)
+    unset = autoscale.with_autoscaling_policy({"autoscaling_config": {}}, S, 1)
+    assert unset["autoscaling_config"]["policy"]["policy_kwargs"]["downscale_delay_s"] == \
+        S.downscale_delay_s
+
+
 def test_the_users_target_ongoing_requests_is_a_third_pressure() -> None:
     """Serve's target_ongoing_requests, when set, is honoured, not accepted and ignored:
     8 running per replica over a target of 4 adds replicas, and holds a step down."""
