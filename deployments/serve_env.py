@@ -155,7 +155,6 @@ def haproxy_env(binary: str) -> dict[str, str]:
 # and carried the node's rate over 64 streams on 0.22 of a core. Each node's HAProxy
 # carries that node's share of the traffic; an ingress that carries several nodes'
 # raises it (a value already in the environment wins and is named).
-#
 # Session affinity: HAProxy hashes Serve's session header (x-session-id) onto the replica
 # ports, consistently and with bounded loads (deployments/doors/haproxy.py adds both), so a
 # conversation's turns find their prefix in one replica's KV cache; requests without it
@@ -163,6 +162,9 @@ def haproxy_env(binary: str) -> dict[str, str]:
 # health check HAProxy polls and leaves the ring.
 HAPROXY_TUNING: dict[str, str] = {"RAY_SERVE_HAPROXY_NBTHREAD": "1",
                                   "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": "hdr(x-session-id)"}
+HAPROXY_TUNING_WHY = {"RAY_SERVE_HAPROXY_NBTHREAD": "one HAProxy thread: less CPU per "
+                      "streamed chunk", "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": "session affinity:"
+                      " a conversation's turns to one replica's KV cache, by x-session-id"}
 
 
 def ingress_tuning() -> dict[str, str]:
@@ -172,15 +174,16 @@ def ingress_tuning() -> dict[str, str]:
 
 def apply_ingress(ingress: str, environ: MutableMapping[str, str] | None = None) -> list[str]:
     """Before our own local Ray starts: the flags ``ingress`` needs (none for Serve's
-    proxy), HAProxy's thread count (``HAPROXY_TUNING``) and the local drain window
-    (``local_drain_env``); one line per flag set or kept."""
+    proxy), HAProxy's threads and balance (``HAPROXY_TUNING``) and the local drain
+    window (``local_drain_env``); one line per flag set or kept, with its reason."""
     if ingress != "haproxy":
         return []
     env = os.environ if environ is None else environ
     lines = _set_missing(haproxy_env(haproxy_binary()), "http.ingress: haproxy",
                          "http.ingress: haproxy needs", env)
-    lines += _set_missing(ingress_tuning(), "one HAProxy thread: less CPU per streamed chunk",
-                          "dsv4-serve's default is", env)
+    for name, value in ingress_tuning().items():
+        lines += _set_missing({name: value}, HAPROXY_TUNING_WHY[name],
+                              "dsv4-serve's default is", env)
     down_s = haproxy_down_s(env)
     return lines + _set_missing(
         local_drain_env(env), f"local run: twice the {down_s:g} s this host's HAProxy takes "

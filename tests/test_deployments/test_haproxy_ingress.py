@@ -99,8 +99,9 @@ def test_apply_ingress_sets_the_cluster_flags_and_keeps_a_users() -> None:
     assert env["RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"] == "hdr(x-session-id)"
     assert len(lines) == 5
     assert any("RAY_SERVE_HAPROXY_NBTHREAD=1 (one HAProxy thread" in line for line in lines)
-    assert any("RAY_SERVE_HAPROXY_BALANCE_ALGORITHM=hdr(x-session-id)" in line
-               for line in lines), lines
+    assert any("RAY_SERVE_HAPROXY_BALANCE_ALGORITHM=hdr(x-session-id) (session affinity"
+               in line for line in lines), lines
+    assert sum("one HAProxy thread" in line for line in lines) == 1, lines
     assert any(f"{serve_env.DRAIN_FLAG}=10.5 (local run: twice the 5.25 s" in line
                for line in lines), lines
     untouched: dict[str, str] = {}
