@@ -80,21 +80,24 @@ class KVPressurePolicy:
                           lowest=int(ctx.capacity_adjusted_min_replicas),
                           highest=int(ctx.capacity_adjusted_max_replicas))
         state = PolicyState.from_dict(ctx.policy_state or {})
+        before = state.decided if state.decided is not None else obs.target
         decision = decide(obs, self.settings, state, self.gang_size, self.target_ongoing)
         changed = self._last != (decision.target, decision.reason)
         if changed or obs.now - self._last_set >= KEEP_ALIVE_S:
-            self._report(ctx, obs, decision, changed)
+            self._report(ctx, obs, decision, changed, before)
             self._last, self._last_set = (decision.target, decision.reason), obs.now
         return decision.target, decision.state.to_dict()
 
-    def _report(self, ctx: Any, obs: Observation, decision: Decision, changed: bool) -> None:
-        """The series (each change, and every ``KEEP_ALIVE_S``), a log line per change."""
+    def _report(self, ctx: Any, obs: Observation, decision: Decision, changed: bool,
+                before: int) -> None:
+        """The series (each change, and every ``KEEP_ALIVE_S``), a log line per change:
+        the target decided before and now, and Serve's (which follows)."""
         if changed:
-            logger.info("dsv4: autoscale %s/%s: %d -> %d replicas (%s; capacity %d undrained of "
-                        "%d running, KV usage %.2f, waiting %.1f per replica)", ctx.app_name,
-                        ctx.deployment_name, obs.target, decision.target, decision.reason,
-                        decision.capacity, obs.running, decision.kv_usage,
-                        decision.waiting_per_replica)
+            logger.info("dsv4: autoscale %s/%s: %d -> %d replicas (%s; Serve's target %d, "
+                        "capacity %d undrained of %d running, KV usage %.2f, waiting %.1f per "
+                        "replica)", ctx.app_name, ctx.deployment_name, before, decision.target,
+                        decision.reason, obs.target, decision.capacity, obs.running,
+                        decision.kv_usage, decision.waiting_per_replica)
         try:
             metrics = self._series()
         except Exception:  # a metrics failure must not stop scaling; logged each time
@@ -107,8 +110,8 @@ class KVPressurePolicy:
         metrics["waiting"].set(decision.waiting_per_replica, tags=tags)
         for reason in REASONS:
             metrics["reason"].set(float(reason == decision.reason), tags=tags | {"reason": reason})
-        if changed and decision.target != obs.target:
-            direction = "up" if decision.target > obs.target else "down"
+        if decision.target != before:
+            direction = "up" if decision.target > before else "down"
             metrics["changes"].inc(1, tags=tags | {"direction": direction,
                                                    "reason": decision.reason})
 
@@ -139,7 +142,11 @@ def with_autoscaling_policy(deployment_config: dict[str, Any], section: Autoscal
     policy = {"policy_function": POLICY_FUNCTION,
               "policy_kwargs": section.policy_kwargs(gang_size) | serve_delays(scaling, section)
               | {"target_ongoing_requests": scaling.get("target_ongoing_requests")}}
-    return deployment_config | {"autoscaling_config": dict(scaling) | {"policy": policy}}
+    # Ray applies Serve's delays to a custom policy's answer too (ray#58857: serve.
+    # autoscaling_policy._apply_autoscaling_config; 30 s up, 600 s down unless set): the
+    # policy keeps them itself, so Serve's are 0, or every change waits twice.
+    return deployment_config | {"autoscaling_config": dict(scaling) | {
+        "policy": policy, "upscale_delay_s": 0.0, "downscale_delay_s": 0.0}}
 
 
 SERVE_DELAYS = ("upscale_delay_s", "downscale_delay_s")
@@ -147,8 +154,8 @@ SERVE_DELAYS = ("upscale_delay_s", "downscale_delay_s")
 
 def serve_delays(scaling: dict[str, Any], section: AutoscalingSection) -> dict[str, float]:
     """Serve's ``upscale_delay_s``/``downscale_delay_s``, when the user set them, are the
-    delays the policy keeps (a custom policy otherwise never reads them: accepted and
-    ignored); the same delay set differently in ``dsv4.autoscaling`` is an error."""
+    delays the policy keeps (Serve's own are then 0: see ``with_autoscaling_policy``);
+    the same delay set differently in ``dsv4.autoscaling`` is an error."""
     taken: dict[str, float] = {}
     for name in SERVE_DELAYS:
         if scaling.get(name) is None:
@@ -161,6 +168,7 @@ def serve_delays(scaling: dict[str, Any], section: AutoscalingSection) -> dict[s
         taken[name] = value
     if taken:
         AutoscalingSection(**(section.model_dump() | taken))  # the policy's own bounds
-        logger.info("dsv4: kv_pressure autoscaling keeps Serve's %s", ", ".join(
-            f"{k}={v:g}" for k, v in taken.items()))
+        logger.info("dsv4: kv_pressure autoscaling keeps Serve's %s as its own delays (Serve's "
+                    "set to 0: not applied twice)", ", ".join(f"{k}={v:g}" for k, v in
+                                                             taken.items()))
     return taken

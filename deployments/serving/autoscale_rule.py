@@ -20,7 +20,10 @@ The rule (settings: ``deployments.config.autoscaling``):
   and the last change. Serve then stops a replica gracefully: it leaves the routers,
   its in-flight requests finish (``graceful_shutdown_timeout_s``), its port closes
   (``serving.stopping``);
-- no fresh sample from any replica (engines booting, stats failing): hold.
+- no fresh sample from any replica (engines booting, stats failing): hold;
+- a hold keeps the target this rule decided last (``PolicyState.decided``), not Serve's,
+  which follows it a tick or more later; a step down waits until Serve's target and
+  running replicas both reached the decided one.
 
 Counts are in gangs of ``gang_size`` Serve replicas (DP ranks of one gang).
 """
@@ -51,17 +54,20 @@ class PolicyState:
     pressure_since: float | None = None
     quiet_since: float | None = None
     last_change: float | None = None
+    decided: int | None = None  # the target last returned: Serve's may lag behind it
 
-    def to_dict(self) -> dict[str, float | None]:
+    def to_dict(self) -> dict[str, float | int | None]:
         return {"pressure_since": self.pressure_since, "quiet_since": self.quiet_since,
-                "last_change": self.last_change}
+                "last_change": self.last_change, "decided": self.decided}
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, object]) -> PolicyState:
         def num(key: str) -> float | None:
             value = raw.get(key)
             return float(value) if isinstance(value, int | float) else None
-        return cls(num("pressure_since"), num("quiet_since"), num("last_change"))
+        decided = num("decided")
+        return cls(num("pressure_since"), num("quiet_since"), num("last_change"),
+                   None if decided is None else int(decided))
 
 
 @dataclass(frozen=True)
@@ -90,13 +96,24 @@ def decide(obs: Observation, settings: AutoscalingSection, state: PolicyState,
            gang_size: int = 1, target_ongoing: float | None = None) -> Decision:
     """The target replica count for ``obs`` (see the module docstring); a
     ``target_ongoing`` (the user's ``autoscaling_config.target_ongoing_requests``) is a
-    third pressure: requests running and waiting per undrained replica over it."""
+    third pressure: requests running and waiting per undrained replica over it.
+
+    Every answer starts from the target this rule decided last (``state.decided``), not
+    Serve's: Serve applies a decision through its own wrapper (delays, scaling factors)
+    and its replicas follow later, and a hold that returned Serve's older target undid
+    the step (a quiet 2 -> 1, then a hold at 2)."""
+    decided = state.decided if state.decided is not None else obs.target
     serving = {k: v for k, v in obs.loads.items() if not v.drained}
     drained = len(obs.loads) - len(serving)
     capacity = max(obs.running - drained, 0)
+
+    def answer(target: int, reason: str, kv: float, waiting: float,
+               new: PolicyState) -> Decision:
+        return _bounded(obs, target, reason, capacity, kv, waiting, new, gang_size)
+
     if not serving:
-        return _bounded(obs, obs.target, "no_metrics", capacity, 0.0, 0.0,
-                        replace(state, pressure_since=None, quiet_since=None), gang_size)
+        return answer(decided, "no_metrics", 0.0, 0.0,
+                      replace(state, pressure_since=None, quiet_since=None))
     kv = sum(v.kv_usage for v in serving.values()) / len(serving)
     waiting = sum(v.waiting for v in serving.values()) / len(serving)
     ongoing = sum(v.running + v.waiting for v in serving.values()) / len(serving)
@@ -108,15 +125,14 @@ def decide(obs: Observation, settings: AutoscalingSection, state: PolicyState,
         since = state.pressure_since if state.pressure_since is not None else obs.now
         state = replace(state, pressure_since=since, quiet_since=None)
         if obs.now - since < settings.upscale_delay_s:
-            return _bounded(obs, obs.target, "hold", capacity, kv, waiting, state, gang_size)
+            return answer(decided, "hold", kv, waiting, state)
         base = max(capacity, 1)
         wanted = max(base + 1, math.ceil(base * pressure))
         wanted = min(wanted, base + settings.max_step_up * gang_size) + drained
         reason = max(pressures, key=lambda name: pressures[name])
-        decision = _bounded(obs, max(wanted, obs.target), reason, capacity, kv, waiting,
-                            state, gang_size)
-        if decision.target > obs.target:
-            decision = replace(decision, state=replace(state, last_change=obs.now))
+        decision = answer(max(wanted, decided), reason, kv, waiting, state)
+        if decision.target > decided:
+            decision = replace(decision, state=replace(decision.state, last_change=obs.now))
         return decision
     state = replace(state, pressure_since=None)
     fewer = capacity - gang_size
@@ -124,17 +140,16 @@ def decide(obs: Observation, settings: AutoscalingSection, state: PolicyState,
     quiet = fewer >= 1 and left > 0 and sum(v.waiting for v in serving.values()) == 0 \
         and kv * len(serving) / left < settings.kv_usage_down \
         and (not target_ongoing or ongoing * len(serving) / left < target_ongoing)
-    if not quiet or obs.target > obs.running:  # busy, or a change still under way
-        return _bounded(obs, obs.target, "hold", capacity,
-                        kv, waiting, replace(state, quiet_since=None), gang_size)
+    under_way = obs.target != decided or obs.running != decided  # Serve not there yet
+    if not quiet or under_way:
+        return answer(decided, "hold", kv, waiting, replace(state, quiet_since=None))
     since = state.quiet_since if state.quiet_since is not None else obs.now
     state = replace(state, quiet_since=since)
     last = state.last_change if state.last_change is not None else -math.inf
     if min(obs.now - since, obs.now - last) < settings.downscale_delay_s:
-        return _bounded(obs, obs.target, "hold", capacity, kv, waiting, state, gang_size)
+        return answer(decided, "hold", kv, waiting, state)
     state = replace(state, quiet_since=None, last_change=obs.now)
-    return _bounded(obs, min(obs.target, fewer + drained), "quiet", capacity, kv, waiting,
-                    state, gang_size)
+    return answer(min(decided, fewer + drained), "quiet", kv, waiting, state)
 
 
 def _bounded(obs: Observation, target: int, reason: str, capacity: int, kv: float,
@@ -145,4 +160,4 @@ def _bounded(obs: Observation, target: int, reason: str, capacity: int, kv: floa
     if bounded != target and reason in ("kv_pressure", "queue_pressure", "ongoing_requests",
                                         "quiet"):
         reason = "bounds"
-    return Decision(bounded, reason, capacity, kv, waiting, state)
+    return Decision(bounded, reason, capacity, kv, waiting, replace(state, decided=bounded))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from unittest import mock
 
 import pytest
 
@@ -168,8 +169,9 @@ def test_the_policy_reads_rays_context_and_serve_parses_its_config() -> None:
             raw.setdefault(key, {})[rid] = [TimeStampedValue(90.0, 0.0),
                                             TimeStampedValue(99.0, value)]
     target, state = policy(ray_context(raw, 2, ids, {}))
-    assert target == 3 and state["last_change"] == 100.0
-    assert policy(ray_context({}, 2, ids, state))[0] == 2  # no samples: hold
+    assert target == 3 and state["last_change"] == 100.0 and state["decided"] == 3
+    assert policy(ray_context({}, 2, ids, state))[0] == 3  # no samples: hold what it decided
+    assert policy(ray_context({}, 2, ids, {}))[0] == 2  # nothing decided yet: Serve's
 
 
 def test_a_user_policy_and_ours_are_not_both_taken() -> None:
@@ -191,6 +193,8 @@ def test_serves_delays_are_the_policys_not_accepted_and_ignored() -> None:
     kwargs = autoscale.with_autoscaling_policy(scaling, S, 1)["autoscaling_config"][
         "policy"]["policy_kwargs"]
     assert (kwargs["upscale_delay_s"], kwargs["downscale_delay_s"]) == (2.0, 8.0)
+    serve = autoscale.with_autoscaling_policy(scaling, S, 1)["autoscaling_config"]
+    assert (serve["upscale_delay_s"], serve["downscale_delay_s"]) == (0, 0)  # counted once
     assert autoscale.KVPressurePolicy(**kwargs).settings.downscale_delay_s == 8.0
     same = AutoscalingSection(downscale_delay_s=8)
     assert autoscale.with_autoscaling_policy(scaling, same, 1)["autoscaling_config"]
@@ -239,3 +243,150 @@ def test_series_are_set_at_each_change_and_kept_alive(monkeypatch: pytest.Monkey
         _target, state = policy(ray_context({}, 2, [], state, now=now))
         calls.append(len(sets))
     assert calls[0] > 0 and calls[1] == calls[2] == 0 and calls[3] == calls[0]
+
+
+# ------------------------------------- the decided target, through Serve's own loop
+
+
+def test_a_hold_keeps_the_target_it_decided_while_serve_catches_up() -> None:
+    """The live flap: a quiet step 2 -> 1 that Serve has not applied yet (its target
+    still 2 on the next tick) must not be undone by the hold that follows; the same on
+    the way up, when the pressure dips under the threshold while the new replica boots."""
+    quiet = loads(0.1, 0.1)
+    down = run([(0, 2, 2, quiet), (8, 2, 2, quiet), (8.1, 2, 2, quiet), (8.2, 2, 2, quiet)],
+               S.model_copy(update={"downscale_delay_s": 8.0}))
+    assert down == [(2, "hold"), (1, "quiet"), (1, "hold"), (1, "hold")]
+    up = run([(0, 2, 2, loads(0.9, 0.9)), (0.1, 2, 2, loads(0.7, 0.7)),
+              (0.2, 3, 2, loads(0.7, 0.7))])
+    assert up == [(3, "kv_pressure"), (3, "hold"), (3, "hold")]
+
+
+class ServeLoop:
+    """Serve's control loop around the policy, as Ray 2.60 runs it: the policy class
+    built by ``_resolve_policy_callable``, wrapped by ``_apply_autoscaling_config`` (which
+    applies the config's delays and scaling factors to a custom policy's output too,
+    ray#58857), its result clamped to the bounds and made the target at once; replicas
+    run ``boot_s`` after they are asked for and stop at once."""
+
+    def __init__(self, deployment: dict[str, object], boot_s: float,
+                 monkeypatch: pytest.MonkeyPatch) -> None:
+        from ray.serve._private.autoscaling_state import _resolve_policy_callable
+        from ray.serve.autoscaling_policy import _apply_autoscaling_config
+        from ray.serve.config import AutoscalingConfig
+
+        self.config = AutoscalingConfig(**deployment["autoscaling_config"])  # type: ignore[arg-type]
+        inner = _resolve_policy_callable(self.config.policy)
+        monkeypatch.setattr(inner, "_series", lambda: dict.fromkeys(
+            ("target", "capacity", "kv", "waiting", "reason", "changes"), _NullGauge()))
+        self.policy = _apply_autoscaling_config(inner)
+        self.boot_s = boot_s
+        self.state: dict[str, object] = {}
+        self.target = self.config.initial_replicas or self.config.min_replicas
+        self.ready_at: list[float] = [0.0] * self.target
+        self.ids = itertools.count()
+        self.names: list[object] = [self._id() for _ in self.ready_at]
+        self.changes: list[tuple[float, int, int]] = []  # (time, from, to) of Serve's target
+        self.wanted: list[tuple[float, int]] = []  # (time, what the wrapped policy returned)
+
+    def _id(self) -> object:
+        from ray.serve._private.common import DeploymentID, ReplicaID
+
+        return ReplicaID(f"r{next(self.ids)}", DeploymentID("DSv4Server:m", "dsv4"))
+
+    def tick(self, now: float, demand: float) -> None:
+        """One control-loop step; ``demand`` is the KV in use, in replicas' worth."""
+        from ray.serve._private.common import TimeStampedValue
+        from ray.serve.config import AutoscalingContext
+
+        from deployments.serving import autoscale
+
+        running = [n for n, t in zip(self.names, self.ready_at, strict=True) if t <= now]
+        share = demand / max(len(running), 1)
+        sample = autoscale.stats(min(share, 1.0), max(share - 1.0, 0.0) * 10, 1.0, False)
+        raw: dict[str, dict[object, list[object]]] = {}
+        for name in running:
+            for key, value in sample.items():
+                raw.setdefault(key, {})[name] = [TimeStampedValue(now - 0.5, value)]
+        ctx = AutoscalingContext(
+            deployment_id=None, deployment_name="DSv4Server:m", app_name="dsv4",
+            current_num_replicas=len(running), target_num_replicas=self.target,
+            running_replicas=running, total_num_requests=float(len(running)),
+            total_queued_requests=0.0, aggregated_metrics=lambda: {},
+            raw_metrics=lambda: raw, capacity_adjusted_min_replicas=self.config.min_replicas,
+            capacity_adjusted_max_replicas=self.config.max_replicas,
+            policy_state=self.state, last_scale_up_time=None, last_scale_down_time=None,
+            current_time=now, config=self.config)
+        with mock.patch("time.time", return_value=now):  # the wrapper's delay clock
+            wanted, self.state = self.policy(ctx)
+        self.wanted.append((now, wanted))
+        new = min(max(int(wanted), self.config.min_replicas), self.config.max_replicas)
+        if new != self.target:
+            self.changes.append((now, self.target, new))
+        while len(self.names) < new:
+            self.names.append(self._id())
+            self.ready_at.append(now + self.boot_s)
+        del self.names[new:], self.ready_at[new:]
+        self.target = new
+
+
+class _NullGauge:
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        pass
+
+    def inc(self, value: float, tags: dict[str, str]) -> None:
+        pass
+
+
+def load_cycle(t: float) -> float:
+    """KV in use (replicas' worth) over a 10-minute cycle: 2 min ramp up to 2.6 replicas'
+    worth, 3 min plateau, 2 min ramp down, 3 min quiet at 0.2."""
+    phase = t % 600
+    if phase < 120:
+        return 0.2 + 2.4 * phase / 120
+    if phase < 300:
+        return 2.6
+    if phase < 420:
+        return 2.6 - 2.4 * (phase - 300) / 120
+    return 0.2
+
+
+@pytest.mark.parametrize(("scaling", "section"), [
+    ({"upscale_delay_s": 2, "downscale_delay_s": 8}, S),  # the multi-node story's
+    ({}, S.model_copy(update={"downscale_delay_s": 60.0})),  # Serve's delays unset
+], ids=["serve-delays-2-8", "policy-delays-0-60"])
+def test_a_ten_minute_load_cycle_through_serves_loop_never_flaps(
+        scaling: dict[str, float], section: AutoscalingSection,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two load cycles, Serve's loop every 1 s, replicas booting in 30 s: the target
+    goes up with the ramp and back to 1 in the quiet, each direction only after the
+    other's delay, in a bounded number of changes; the policy's own answer never turns
+    around within the delay either (the live flap: quiet, hold, quiet, hold...)."""
+    from deployments.serving import autoscale
+
+    deployment = autoscale.with_autoscaling_policy(
+        {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4} | scaling},
+        section, gang_size=1)
+    loop = ServeLoop(deployment, boot_s=30.0, monkeypatch=monkeypatch)
+    down_s = float(scaling.get("downscale_delay_s", section.downscale_delay_s))
+    up_s = float(scaling.get("upscale_delay_s", section.upscale_delay_s))
+    for i in range(2 * 600):
+        loop.tick(float(i), load_cycle(float(i)))
+    changes = loop.changes
+    for cycle in (0, 1):
+        seen = [c for c in changes if cycle * 600 <= c[0] < (cycle + 1) * 600]
+        directions = ["up" if new > old else "down" for _, old, new in seen]
+        assert directions and directions == sorted(directions, reverse=True), seen  # ups, downs
+        assert "down" in directions and seen[-1][2] == 1, seen  # back to 1 in the quiet
+        assert len(seen) <= 6, seen  # at most 3 up, 3 down
+        first_up = next(t for t, old, new in seen if new > old)
+        pressure = next(float(t) for t in range(cycle * 600, cycle * 600 + 600)
+                        if load_cycle(t) >= 0.8)
+        assert first_up - pressure <= up_s + 1.0, (first_up, pressure)
+    for (t1, a1, b1), (t2, a2, b2) in itertools.pairwise(changes):
+        if (b2 > a2) != (b1 > a1) and b2 < a2:  # a step down after a step up
+            assert t2 - t1 >= down_s, changes
+        if b2 < a2 and b1 < a1:  # two steps down
+            assert t2 - t1 >= down_s, changes
+    wanted = loop.wanted
+    for (t1, w1), (_t2, w2), (t3, w3) in zip(wanted, wanted[1:], wanted[2:], strict=False):
+        assert not (w1 == w3 != w2 and t3 - t1 < down_s), (t1, w1, w2, w3)  # no A, B, A
