@@ -63,9 +63,6 @@ def autoscaling_config_file(tmp: Path, max_replicas: int = 2) -> Path:
         "metrics_interval_s": 1, "look_back_period_s": 3,
     }
     args["dsv4"]["controller_period_s"] = PERIOD_S
-    # Serve's own policy: kv_pressure's scale-down flaps live (a hold after a step down
-    # returns Serve's unchanged target; issue 53), so the node-removal story runs on it.
-    args["dsv4"]["autoscaling"] = {"policy": "serve_default"}
     # Autoscaled, so no shared replica port (its requests are invisible to Serve's
     # autoscaler; the config refuses): Ray's HAProxy, where each replica reports its own
     # ongoing requests to the autoscaler, as on KubeRay.
