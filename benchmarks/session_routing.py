@@ -110,22 +110,40 @@ class Run:
                 self.proc.wait(timeout=30)
 
 
-def ttft(http: httpx.Client, url: str, prompt: str, session: str | None) -> float:
-    """Seconds to the first streamed chunk of a completion."""
+def ttft(http: httpx.Client, url: str, prompt: str, session: str | None) -> tuple[float, int]:
+    """Seconds to the first streamed chunk of a completion, and its prompt tokens (the
+    stream's usage chunk: the turns must cross DeepSeek-V4's 256-token hit step)."""
     headers = {"x-session-id": session} if session else {}
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": True,
-            "temperature": 0.0}
+            "temperature": 0.0, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
+    first, tokens = float("nan"), 0
     with http.stream("POST", f"{url}/completions", json=body, headers=headers) as resp:
         resp.raise_for_status()
-        lines, first = resp.iter_lines(), float("nan")
-        for line in lines:
-            if line.startswith("data: "):
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if first != first:  # nan: the first chunk
                 first = time.perf_counter() - start
-                break
-        for _ in lines:  # the rest of the stream, on the same iterator
-            pass
-    return first
+            usage = json.loads(line[6:]).get("usage") or {}
+            tokens = int(usage.get("prompt_tokens", tokens))
+    return first, tokens
+
+
+def prefix_caching(metrics_url: str) -> str:
+    """What vLLM decided about prefix caching on this run: its ``cache_config_info``
+    gauge's label, else the line vLLM logs when it turns it off (x86 without AMX)."""
+    from deployments.observe import scrape
+
+    for name, rows in scrape.samples(scrape.read(metrics_url)).items():
+        for labels, _ in rows if "cache_config_info" in name else []:
+            if "enable_prefix_caching" in labels:
+                return f"{labels['enable_prefix_caching']} (vLLM's {name})"
+    logs = Path("/tmp/ray/session_latest/logs")
+    for path in logs.glob("*.err") if logs.exists() else []:
+        if "prefix caching to be disabled" in path.read_text(errors="replace"):
+            return f"False (vLLM logged it turns prefix caching off: {path.name})"
+    return "unknown"
 
 
 def per_replica(metrics_url: str) -> dict[str, dict[str, float]]:
@@ -136,9 +154,9 @@ def per_replica(metrics_url: str) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for name, key, label in (
             ("ray_dsv4_serve_time_to_first_token_seconds_count", "requests", "replica"),
-            ("ray_vllm_prefix_cache_hits_total", "hits", "ReplicaId"),
-            ("ray_vllm_prefix_cache_queries_total", "queries", "ReplicaId")):
-        for labels, value in samples.get(name, []):
+            ("ray_vllm_prefix_cache_hits", "hits", "ReplicaId"),  # vllm:prefix_cache_hits
+            ("ray_vllm_prefix_cache_queries", "queries", "ReplicaId")):
+        for labels, value in samples.get(name, []) + samples.get(f"{name}_total", []):
             rid = labels.get(label, "")
             out.setdefault(rid, {}).setdefault(key, 0.0)
             out[rid][key] += value
@@ -157,9 +175,11 @@ def sessions_part(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         metrics_url = run.wait()
         system = words(args.system_words, "system")
         ttfts: dict[str, dict[int, list[float]]] = {"today": {}, "affinity": {}}
+        tokens: dict[int, list[int]] = {}
         replicas: dict[str, list[dict[str, dict[str, float]]]] = {"today": [], "affinity": []}
         with httpx.Client(timeout=120) as http:
             ttft(http, run.url, "warm up", None)
+            ttft(http, run.url, "warm up", "warm")
             for rnd in range(args.rounds):
                 for arm in (("today", "affinity") if rnd % 2 == 0 else ("affinity", "today")):
                     time.sleep(11)  # Ray's export interval: the scrape holds everything before
@@ -170,11 +190,13 @@ def sessions_part(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                             contexts[s] += " " + words(args.turn_words, f"{arm}{rnd}{s}{turn}")
                             prompt = f"{system}\n{contexts[s]}\nQuestion {turn}:"
                             key = f"{arm}-{rnd}-{s}" if arm == "affinity" else None
-                            ttfts[arm].setdefault(turn + 1, []).append(
-                                ttft(http, run.url, prompt, key))
+                            first, used = ttft(http, run.url, prompt, key)
+                            ttfts[arm].setdefault(turn + 1, []).append(first)
+                            tokens.setdefault(turn + 1, []).append(used)
                     time.sleep(11)
                     replicas[arm].append(delta(per_replica(metrics_url), before))
-        return {"ttft": ttfts, "replicas": replicas}
+        return {"ttft": ttfts, "replicas": replicas, "prompt_tokens": tokens,
+                "prefix_caching": prefix_caching(metrics_url), "date": _now()}
     finally:
         run.stop()
 
@@ -216,22 +238,42 @@ def step_part(args: argparse.Namespace, workdir: Path, policy: str) -> dict[str,
             except OSError:
                 pass
             time.sleep(2)
-        return {"policy": policy, "step_epoch_s": step_epoch,
-                "seconds_to_second_replica": serving_s, "controller_log": decisions()}
+        log = decisions()
+        return {"policy": policy, "step_epoch_s": step_epoch, "date": _now(),
+                "seconds_to_decision": upscaled_at(log, step_epoch),
+                "seconds_to_second_replica": serving_s, "controller_log": log}
     finally:
         stop.set()
         run.stop()
 
 
 def decisions() -> list[str]:
-    """Serve controller log lines about scaling (ours: ``dsv4: autoscale``; Serve's
-    default: ``Upscaling``) of the newest local Ray session, with their timestamps."""
-    logs = Path("/tmp/ray/session_latest/logs/serve")
+    """Serve controller log lines about scaling (``Upscaling``/``Downscaling``, under
+    either policy) of the newest local Ray session (ours), and the ``dsv4: autoscale``
+    lines the policy logs from the controller's worker."""
+    logs = Path("/tmp/ray/session_latest/logs")
     out = []
-    for path in sorted(logs.glob("controller_*.log")) if logs.exists() else []:
+    for path in sorted(logs.glob("serve/controller_*.log")) + sorted(logs.glob("worker-*.err")):
         out += [ln[:300] for ln in path.read_text(errors="replace").splitlines()
                 if "dsv4: autoscale" in ln or "Upscaling" in ln or "Downscaling" in ln]
-    return out[-8:]
+    return out[-40:]
+
+
+def upscaled_at(log: list[str], since: float) -> float | None:
+    """Seconds from ``since`` (epoch) to Serve's first ``Upscaling`` line after it (the
+    controller logs local time)."""
+    for line in log:
+        stamp = re.search(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) controller", line)
+        if "Upscaling" in line and stamp:
+            at = time.mktime(time.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S"))
+            at += int(stamp.group(2)) / 1000
+            if at >= since - 1:
+                return round(at - since, 1)
+    return None
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def pct(values: list[float], q: float) -> float:
@@ -241,20 +283,36 @@ def pct(values: list[float], q: float) -> float:
 
 def rows_of(sessions: dict[str, Any], steps: list[dict[str, Any]]) -> list[list[Any]]:
     rows: list[list[Any]] = []
-    for arm, per_turn in sessions["ttft"].items():
+    for arm, per_turn in sessions.get("ttft", {}).items():
         counts = [sorted((v.get("requests", 0.0) for v in rnd.values()), reverse=True)
                   for rnd in sessions["replicas"][arm]]
         hits = sum(v.get("hits", 0.0) for rnd in sessions["replicas"][arm] for v in rnd.values())
         queries = sum(v.get("queries", 0.0) for rnd in sessions["replicas"][arm]
                       for v in rnd.values())
-        for turn, values in sorted(per_turn.items()):
-            rows.append([f"sessions/{arm}", turn, round(statistics.median(values), 4),
-                         round(pct(values, 0.95), 4), len(values), json.dumps(counts),
-                         f"{hits:g}/{queries:g}", None])
+        caching = str(sessions.get("prefix_caching", "unknown"))
+        rate = ("n/a (prefix caching off)" if caching.startswith("False") or not queries
+                else round(hits / queries, 3))
+        for turn, values in sorted(per_turn.items(), key=lambda kv: int(kv[0])):
+            used = sessions.get("prompt_tokens", {}).get(turn, [])
+            rows.append([f"sessions/{arm}", int(turn), max(used, default=None),
+                         round(statistics.median(values), 4), round(pct(values, 0.95), 4),
+                         len(values), json.dumps(counts), f"{hits:g}/{queries:g}", rate,
+                         None, None])
     for step in steps:
-        rows.append([f"step/{step['policy']}", None, None, None, None, None, None,
+        rows.append([f"step/{step['policy']}", None, None, None, None, None, None, None,
+                     None, step.get("seconds_to_decision"),
                      step["seconds_to_second_replica"]])
     return rows
+
+
+def load_parts(workdir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The raw figures each part saved in ``workdir`` (parts run in separate, bounded
+    invocations make one result)."""
+    raw = workdir / "sessions.json"
+    sessions = json.loads(raw.read_text()) if raw.exists() else {}
+    steps = [json.loads((workdir / f"step-{p}.json").read_text())
+             for p in ("kv_pressure", "serve_default") if (workdir / f"step-{p}.json").exists()]
+    return sessions, steps
 
 
 def main() -> int:
@@ -262,53 +320,70 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sessions", type=int, default=3)
     parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--system-words", type=int, default=60)  # ~5.7 tokens a word
-    parser.add_argument("--turn-words", type=int, default=50)  # ~290 tokens > 256
+    parser.add_argument("--system-words", type=int, default=60)
+    parser.add_argument("--turn-words", type=int, default=50)
     parser.add_argument("--step-concurrency", type=int, default=16)
     parser.add_argument("--step-timeout-s", type=float, default=300)
-    parser.add_argument("--parts", default="sessions,step")
+    parser.add_argument("--parts", default="sessions,step",
+                        help="sessions, step (both policies), or one step:<policy>; each "
+                             "part's figures are kept in --workdir and the result is made "
+                             "from all of them, so parts can run in separate invocations")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/dsv4-bench-session"))
     args = parser.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
     parts = args.parts.split(",")
-    sessions: dict[str, Any] = {"ttft": {}, "replicas": {}}
-    steps: list[dict[str, Any]] = []
     if "sessions" in parts:
-        sessions = sessions_part(args, args.workdir)
-        write(args, sessions, steps)  # each part's figures kept if a later one overruns
-    for policy in ("kv_pressure", "serve_default") if "step" in parts else ():
-        steps.append(step_part(args, args.workdir, policy))
-        write(args, sessions, steps)
+        save(args.workdir, "sessions", sessions_part(args, args.workdir))
+    for policy in ("kv_pressure", "serve_default"):
+        if "step" in parts or f"step:{policy}" in parts:
+            save(args.workdir, f"step-{policy}", step_part(args, args.workdir, policy))
+    sessions, steps = load_parts(args.workdir)
+    print(write(args, sessions, steps))
     print(json.dumps(rows_of(sessions, steps), indent=1))
     return 0
+
+
+def save(workdir: Path, part: str, figures: dict[str, Any]) -> None:
+    (workdir / f"{part}.json").write_text(json.dumps(figures))
 
 
 def write(args: argparse.Namespace, sessions: dict[str, Any],
           steps: list[dict[str, Any]]) -> Path:
     """The result file (``benchmarks/results/session_routing.json``), through
-    ``write_result`` (date, commit, host filled in there); raw figures go to the workdir."""
-    hits = [r[6] for r in rows_of(sessions, steps) if r[6]]
-    (args.workdir / "raw.json").write_text(json.dumps({"sessions": sessions, "steps": steps}))
+    ``write_result`` (date, commit, host filled in there)."""
     amx = any(f.startswith("amx") for f in host()["flags"])
+    caching = sessions.get("prefix_caching", "not measured")
     notes = (
-        ("This host has no AMX: vLLM turns DeepSeek-V4 prefix caching off on x86 without "
-         "AMX (vllm/platforms/cpu.py), so hits/queries are 0/0 and affinity cannot lower "
-         "TTFT through the cache here; the TTFT columns compare routing only. "
-         if not amx else "") + f"prefix hits/queries per arm: {hits}. Serve controller's "
-        "scaling lines per load-step arm (decision times; step_epoch_s = load start): "
-        + json.dumps([{k: st[k] for k in ("policy", "step_epoch_s", "controller_log")}
-                      for st in steps]))
+        f"vLLM's prefix caching on the sessions run: {caching}. "
+        + ("This host has no AMX: vLLM turns DeepSeek-V4's prefix caching off on x86 "
+           "without AMX (vllm/platforms/cpu.py), so there are no hits to count (hit rate "
+           "n/a) and affinity cannot lower TTFT through the cache here; the TTFT and "
+           "per-replica columns compare the routing only. " if not amx else "")
+        + "Sessions: one 2-replica run (min = max = 2, nothing drained), arms interleaved "
+        "per round, order alternating; requests_per_replica_by_round = delivered requests "
+        "per replica per round (ray_dsv4_serve_time_to_first_token_seconds_count). Load "
+        "step: 1 replica (min 1, max 2, target_ongoing_requests 4) then "
+        f"{args.step_concurrency} streams; seconds_to_decision = Serve's Upscaling line, "
+        "seconds_to_second_replica = 2 replicas answering /v1/kv-spec (a new node and "
+        "engine boot included). Parts measured at: "
+        + json.dumps({"sessions": sessions.get("date")} | {
+            f"step/{st['policy']}": st.get("date") for st in steps})
+        + ". Scaling lines per step arm: "
+        + json.dumps({st["policy"]: [ln[-160:] for ln in st["controller_log"]
+                                      if "Upscaling" in ln or "->" in ln][:6] for st in steps}))
     return write_result(
         "session_routing",
         title="Session affinity and KV-pressure autoscaling (local 2-node cluster)",
         what="TTFT p50/p95 per turn, requests per replica and prefix-cache hits/queries "
-             "of a multi-turn session workload, today's routing vs x-session-id "
-             "affinity; seconds from a load step to a second replica answering, "
-             "kv_pressure vs Serve's default policy",
+             "of a multi-turn session workload, today's routing (power of two) vs "
+             "x-session-id affinity; seconds from a load step to the scale-up decision "
+             "and to a second replica answering, kv_pressure vs Serve's default policy",
         command=this_command("benchmarks.session_routing"),
-        inputs=vars(args) | {"workdir": str(args.workdir)},
-        columns=["arm", "turn", "ttft_p50_s", "ttft_p95_s", "requests",
+        inputs={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                if k != "parts"},
+        columns=["arm", "turn", "prompt_tokens", "ttft_p50_s", "ttft_p95_s", "requests",
                  "requests_per_replica_by_round", "prefix_hits/queries",
-                 "seconds_to_second_replica"],
+                 "prefix_hit_rate", "seconds_to_decision", "seconds_to_second_replica"],
         rows=rows_of(sessions, steps), notes=notes)
 
 
