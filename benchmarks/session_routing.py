@@ -133,24 +133,40 @@ def ttft(http: httpx.Client, url: str, prompt: str, session: str | None) -> tupl
 def prefix_caching(metrics_url: str) -> str:
     """What vLLM decided about prefix caching on this run: its ``cache_config_info``
     gauge's label, else the line vLLM logs when it turns it off (x86 without AMX)."""
-    from deployments.observe import scrape
-
-    for name, rows in scrape.samples(scrape.read(metrics_url)).items():
+    for name, rows in every_node(metrics_url).items():
         for labels, _ in rows if "cache_config_info" in name else []:
             if "enable_prefix_caching" in labels:
                 return f"{labels['enable_prefix_caching']} (vLLM's {name})"
     logs = Path("/tmp/ray/session_latest/logs")
-    for path in logs.glob("*.err") if logs.exists() else []:
+    for path in logs.glob("worker-*") if logs.exists() else []:
         if "prefix caching to be disabled" in path.read_text(errors="replace"):
             return f"False (vLLM logged it turns prefix caching off: {path.name})"
     return "unknown"
 
 
-def per_replica(metrics_url: str) -> dict[str, dict[str, float]]:
-    """Per replica id: delivered requests, prefix-cache hits and queries (totals)."""
+def every_node(head_url: str) -> dict[str, list[Any]]:
+    """The samples of every node's metrics endpoint (each raylet of the local cluster has
+    its own, named in the session's ``metrics_export_port_<node>`` files; a replica's
+    series are on its node's), the head's included."""
     from deployments.observe import scrape
 
-    samples = scrape.samples(scrape.read(metrics_url))
+    session = Path("/tmp/ray/session_latest")
+    urls = {head_url} | {f"http://127.0.0.1:{f.read_text().strip()}/metrics"
+                         for f in session.glob("metrics_export_port_*")}
+    out: dict[str, list[Any]] = {}
+    for url in sorted(urls):
+        try:
+            text = scrape.read(url)
+        except OSError:  # a node removed since
+            continue
+        for name, rows in scrape.samples(text).items():
+            out.setdefault(name, []).extend(rows)
+    return out
+
+
+def per_replica(metrics_url: str) -> dict[str, dict[str, float]]:
+    """Per replica id: delivered requests, prefix-cache hits and queries (totals)."""
+    samples = every_node(metrics_url)
     out: dict[str, dict[str, float]] = {}
     for name, key, label in (
             ("ray_dsv4_serve_time_to_first_token_seconds_count", "requests", "replica"),
