@@ -193,13 +193,15 @@ def sessions_part(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         ttfts: dict[str, dict[int, list[float]]] = {"today": {}, "affinity": {}}
         tokens: dict[int, list[int]] = {}
         replicas: dict[str, list[dict[str, dict[str, float]]]] = {"today": [], "affinity": []}
-        with httpx.Client(timeout=120) as http:
+        figures = {"ttft": ttfts, "replicas": replicas, "prompt_tokens": tokens,
+                   "prefix_caching": prefix_caching(metrics_url), "date": _now(), "rounds": 0}
+        with httpx.Client(timeout=300) as http:
             ttft(http, run.url, "warm up", None)
             ttft(http, run.url, "warm up", "warm")
+            time.sleep(11)  # Ray's export interval: a scrape holds everything before it
+            before = per_replica(metrics_url)
             for rnd in range(args.rounds):
                 for arm in (("today", "affinity") if rnd % 2 == 0 else ("affinity", "today")):
-                    time.sleep(11)  # Ray's export interval: the scrape holds everything before
-                    before = per_replica(metrics_url)
                     contexts = {s: "" for s in range(args.sessions)}
                     for turn in range(args.turns):
                         for s in contexts:
@@ -210,9 +212,12 @@ def sessions_part(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                             ttfts[arm].setdefault(turn + 1, []).append(first)
                             tokens.setdefault(turn + 1, []).append(used)
                     time.sleep(11)
-                    replicas[arm].append(delta(per_replica(metrics_url), before))
-        return {"ttft": ttfts, "replicas": replicas, "prompt_tokens": tokens,
-                "prefix_caching": prefix_caching(metrics_url), "date": _now()}
+                    after = per_replica(metrics_url)
+                    replicas[arm].append(delta(after, before))
+                    before = after
+                figures["rounds"] = rnd + 1
+                save(workdir, "sessions", figures)  # a run cut short keeps its rounds
+        return figures
     finally:
         run.stop()
 
@@ -376,7 +381,8 @@ def write(args: argparse.Namespace, sessions: dict[str, Any],
            "n/a) and affinity cannot lower TTFT through the cache here; the TTFT and "
            "per-replica columns compare the routing only. " if not amx else "")
         + "Sessions: one 2-replica run (min = max = 2, nothing drained), arms interleaved "
-        "per round, order alternating; requests_per_replica_by_round = delivered requests "
+        f"per round, order alternating, {sessions.get('rounds')} rounds; "
+        "requests_per_replica_by_round = delivered requests "
         "per replica per round (ray_dsv4_serve_time_to_first_token_seconds_count). Load "
         "step: 1 replica (min 1, max 2, target_ongoing_requests 4) then "
         f"{args.step_concurrency} streams; seconds_to_decision = Serve's Upscaling line, "
