@@ -7,9 +7,10 @@ serves clean canaries and every fault in turn: ``{"fault": null}`` is clean, els
 - ``drop_region``: the READ leaves out every descriptor of region ``region`` (its pages
   never arrive: vllm#57661's truncated region, in the extreme);
 - ``truncate_region``: once the READ completes, each received page of region
-  ``region`` is zeroed past the bytes vllm#57661's short registration would carry (its
-  first layer's page; half the page for a one-layer region), in the decode worker's
-  own KV cache, before the scheduler sees the receive finished;
+  ``region`` is zeroed past the bytes a short registration would carry (``keep``:
+  ``"named"``, vllm#57661's, the page of the layer the region is named after, default;
+  ``"smallest"``; or a byte count), in the decode worker's own KV cache, before the
+  scheduler sees the receive finished;
 - ``fail_receive``: posting the READ raises, as a NIXL transfer error does (vllm#52276);
 - ``stale_params``: the decode scheduler swaps the request's ``remote_block_ids`` and
   ``remote_request_id`` for the previous remote-prefill request's (vllm#52234).
@@ -83,7 +84,8 @@ class _Faulty:
             remote_ids = [remote_ids[i] for i in keep]
         if kind == "truncate_region":
             ids = [int(d) for d in local_ids if _in_region(self._worker, d, region)]
-            self._worker._dsv4_truncate[self._request] = (region, ids)
+            self._worker._dsv4_truncate[self._request] = (region, ids,
+                                                          self._fault.get("keep", "named"))
             log(fault="truncate_armed", request=self._request, region=region, pages=len(ids))
         return self._real.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                             remote_ids, **kwargs)
@@ -111,30 +113,41 @@ def members(worker: Any, region: int) -> list[tuple[int, int, str]]:
     return sorted(out)
 
 
-def keep_bytes(worker: Any, region: int, length: int) -> int:
-    """How much of each page of ``region`` a truncated registration still carries: its
-    first layer's page, as vllm#57661's registration does (the length of the layer
-    whose address it kept); half the page when the region holds one layer."""
+def keep_bytes(worker: Any, region: int, length: int, keep: Any = "named") -> int:
+    """How much of each page of ``region`` a short registration still carries.
+
+    ``"named"``: the page of the layer the region is named after (registered first at
+    that address), as vllm#57661's deduplication by base address registers it;
+    ``"smallest"``: the smallest layer page at the row's start; an int: that many bytes.
+    Half the page when the region holds one layer.
+    """
+    if isinstance(keep, int):
+        return keep
     found = members(worker, region)
-    if len(found) > 1:
-        first_offset, first_bytes, _ = found[0]
-        return first_offset + first_bytes
-    return length // 2
+    if len(found) <= 1:
+        return length // 2
+    if keep == "smallest":
+        offset, size, _ = found[0]
+        return offset + size
+    name = _region_name(worker, region)
+    offset, size = next(((o, b) for o, b, n in found if n == name), found[0][:2])
+    return offset + size
 
 
-def _truncate(worker: Any, desc_ids: list[int], region: int) -> tuple[int, int]:
+def _truncate(worker: Any, desc_ids: list[int], region: int,
+              keep: Any = "named") -> tuple[int, int]:
     """Zero each local page named by ``desc_ids`` past ``keep_bytes``; (kept, zeroed).
 
     A local descriptor's (address, length) is the worker's own ``src_blocks_data`` row:
     exactly the bytes the READ wrote for that page.
     """
-    zeroed, keep = 0, 0
+    zeroed, kept = 0, 0
     for d in desc_ids:
         addr, length = (int(x) for x in worker.src_blocks_data[d][:2])
-        keep = keep_bytes(worker, region, length)
-        ctypes.memset(addr + keep, 0, length - keep)
-        zeroed += length - keep
-    return keep, zeroed
+        kept = keep_bytes(worker, region, length, keep)
+        ctypes.memset(addr + kept, 0, length - kept)
+        zeroed += length - kept
+    return kept, zeroed
 
 
 def install_worker(module: Any) -> None:
@@ -167,9 +180,9 @@ def install_worker(module: Any) -> None:
         results = transfer_results(self)
         pending = getattr(self, "_dsv4_truncate", {})
         for req in set(results.finished_recving) - set(results.failed_recving):
-            region, ids = pending.pop(req, (0, []))
+            region, ids, keep = pending.pop(req, (0, [], "named"))
             if ids:
-                kept, zeroed = _truncate(self, ids, region)
+                kept, zeroed = _truncate(self, ids, region, keep)
                 log(fault="truncate_region", request=req, region=region,
                     region_name=_region_name(self, region), pages=len(ids),
                     kept_per_page=kept, bytes=zeroed)
