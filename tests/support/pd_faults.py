@@ -9,7 +9,7 @@ serves clean canaries and every fault in turn: ``{"fault": null}`` is clean, els
 - ``truncate_region``: once the READ completes, each received page of region
   ``region`` is zeroed past the bytes a short registration would carry (``keep``:
   ``"named"``, vllm#57661's, the page of the layer the region is named after, default;
-  ``"smallest"``; or a byte count), in the decode worker's own KV cache, before the
+  ``"smallest"``; ``"half"``; or a byte count), in the decode worker's own KV cache, before the
   scheduler sees the receive finished;
 - ``fail_receive``: posting the READ raises, as a NIXL transfer error does (vllm#52276);
 - ``stale_params``: the decode scheduler swaps the request's ``remote_block_ids`` and
@@ -118,13 +118,13 @@ def keep_bytes(worker: Any, region: int, length: int, keep: Any = "named") -> in
 
     ``"named"``: the page of the layer the region is named after (registered first at
     that address), as vllm#57661's deduplication by base address registers it;
-    ``"smallest"``: the smallest layer page at the row's start; an int: that many bytes.
-    Half the page when the region holds one layer.
+    ``"smallest"``: the smallest layer page at the row's start; ``"half"``: half the
+    page (also when the region holds one layer); an int: that many bytes.
     """
     if isinstance(keep, int):
         return keep
     found = members(worker, region)
-    if len(found) <= 1:
+    if len(found) <= 1 or keep == "half":
         return length // 2
     if keep == "smallest":
         offset, size, _ = found[0]

@@ -129,7 +129,7 @@ def test_a_fault_is_caught_and_the_pair_excluded_until_clean(
     handle = decode_handle(url)
     log = Path(f"{fault_file}.log")
     logged = log.read_text() if log.exists() else ""
-    fault_file.write_text(json.dumps({"fault": fault, "region": 0}))
+    fault_file.write_text(json.dumps({"fault": fault, "region": 0, "keep": "smallest"}))
     started = time.monotonic()
     try:
         pd = wait_pd(url, lambda p: not p["allowed"].get(decode) and any(
