@@ -17,9 +17,11 @@ Run under the machine lock::
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import json
 import os
+import re
 import statistics
 import tempfile
 import time
@@ -155,8 +157,46 @@ def fault_row(name: str, runs: list[dict[str, Any]], tol: float) -> list[Any]:
             "; ".join(reasons) or "NOT caught"]
 
 
+LINE = re.compile(r"P/D canary \S+ <- \S+: (passed|FAILED \((.*)\)) in ([\d.]+) s "
+                  r"\((\{.*?\})\), max delta (\S+)")
+
+
+def from_log(decode_log: Path, hook_log: Path, opts: argparse.Namespace
+             ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """A run cut before it wrote its result, rebuilt from what it logged: the decode
+    replica's line per canary (in the order this module runs them: the controller's
+    admission canary, the clean ones, then per case its canaries and one clean) and the
+    fault hooks' log (what fired, in order)."""
+    runs = []
+    for m in LINE.finditer(decode_log.read_text()):
+        delta = None if m[5] == "None" else float(m[5])
+        runs.append({"passed": m[1] == "passed", "reason": m[2] or "", "seconds": float(m[3]),
+                     "phase_s": ast.literal_eval(m[4]), "max_delta": delta, "hook": [],
+                     "tolerance": canary.tolerance("cpu", None),
+                     "prompt_tokens": opts.prompt_tokens})
+    hooks = [json.loads(x) for x in hook_log.read_text().splitlines()]
+    hooks = [h for h in hooks if h["fault"] not in ("regions", "truncate_armed")]
+    todo = cases(opts.truncate_keeps)
+    n_faulty = len(todo) * (opts.fault_canaries + 1)
+    first_fault = next(i for i, r in enumerate(runs) if not r["passed"])
+    clean, faults = runs[:first_fault], {}
+    rest = runs[first_fault:][:n_faulty]
+    for k, (fault, keep) in enumerate(todo):
+        chunk = rest[k * (opts.fault_canaries + 1):][:opts.fault_canaries]
+        if len(chunk) < opts.fault_canaries:
+            break  # the run was cut here
+        for r in chunk:
+            if hooks and hooks[0]["fault"] == fault:
+                r["hook"] = [hooks.pop(0)]
+        faults[fault if keep in (None, "smallest") else f"{fault} (keep {keep})"] = chunk
+    return clean, faults
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--from-log", nargs=2, metavar=("DECODE_LOG", "HOOK_LOG"),
+                        help="rebuild a cut run's result from the decode replica's log and "
+                        "the fault hooks' log (no engines started)")
     defaults = CanarySection()
     parser.add_argument("--canaries", type=int, default=200, help="clean canaries at most")
     parser.add_argument("--budget-s", type=float, default=1500.0,
@@ -170,6 +210,11 @@ def main() -> int:
                         help="truncate_region variants, comma-separated: how much of each "
                         "received page survives (tests/support/pd_faults.py keep_bytes)")
     opts = parser.parse_args()
+    if opts.from_log:
+        logged = from_log(Path(opts.from_log[0]), Path(opts.from_log[1]), opts)
+        return write(opts, *logged, boot_s=None, failed_transfers=None,
+                     note="Rebuilt with --from-log from the run's own logs: the run hit its "
+                     "25-minute bound while its faults ran, before it wrote this file. ")
     ensure_tiny_model()
     fault_file = Path(tempfile.mkdtemp(prefix="dsv4-pd-faults-")) / "fault.json"
     fault_file.write_text("{}")
@@ -194,6 +239,12 @@ def main() -> int:
     finally:
         fault_file.write_text("{}")
         ray_head.shutdown()
+    return write(opts, clean, faults, boot_s, failed_transfers, "")
+
+
+def write(opts: argparse.Namespace, clean: list[dict[str, Any]],
+          faults: dict[str, list[dict[str, Any]]], boot_s: float | None,
+          failed_transfers: dict[str, float] | None, note: str) -> int:
     tol = clean[0]["tolerance"] if clean else canary.tolerance("cpu", None)
     rows = [clean_rows(clean, tol)] + [fault_row(f, rs, tol) for f, rs in faults.items()]
     for row in rows:
@@ -209,7 +260,9 @@ def main() -> int:
               f"{opts.fault_canaries} per injected fault kind (tests/support/pd_faults.py)."),
         command=("flock /tmp/dsv4-heavy.lock timeout 1800 python -m benchmarks.pd_canary "
                  f"--canaries {opts.canaries} --budget-s {opts.budget_s:g} --fault-canaries "
-                 f"{opts.fault_canaries}"),
+                 f"{opts.fault_canaries} --prompt-tokens {n}"
+                 + (" (cut by its bound; then the same with --from-log <decode replica's "
+                    "Ray worker log> <fault file>.log)" if opts.from_log else "")),
         inputs={"prompt_tokens": n, "max_tokens": opts.max_tokens, "tolerance_nats": tol,
                 "canaries_asked": opts.canaries, "budget_s": opts.budget_s,
                 "fault_region": opts.region, "boot_s": boot_s,
@@ -218,7 +271,7 @@ def main() -> int:
         columns=["case", "canaries", "failed", "max_logprob_delta", "tolerance",
                  "median_s", "max_s", "phases_median_s / hook", "meaning"],
         rows=rows,
-        notes=("failed: canaries that did not pass (clean: false positives; a fault: "
+        notes=(note + "failed: canaries that did not pass (clean: false positives; a fault: "
                "caught). Seconds are one canary on the decode replica: prefill on the "
                "prefill replica (the decode engine computes its reference alone meanwhile), "
                "decode through the pair, then the rest of the reference (a scoring pass "
