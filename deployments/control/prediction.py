@@ -260,7 +260,7 @@ def node_record_fields(hf_config: Mapping[str, Any], node: Mapping[str, Any],
                 "compressed_record_bytes": record.compressed_bytes,
                 "page_alignment": record.alignment, "block_size": record.block_size,
                 "kv_bytes_per_token": built.bytes_per_token, "numerics": record.numerics}
-    shape = rules.ModelShape.from_hf_config(rules.flatten_config(hf_config))
+    shape = rules.ModelShape.from_hf_config(hf_config)
     storage = rules.Storage(built.numerics)
     return {"cache_dtype_str": built.cache_dtype_str,
             "swa_record_bytes": rules.state_bytes(shape, storage),

@@ -150,6 +150,33 @@ def test_one_reader_of_config_json() -> None:
     assert "def read_config_json" in text and "flatten_config" in text
 
 
+# The rules accept a config in either form (vLLM hands them its own flat one); every
+# product module above them gets the flat form from the reader.
+FLATTENS_ALLOWED = ("deployments/plan/model_configs.py", "dsv4_patch/rules/")
+
+
+def flatten_calls(source: str) -> list[int]:
+    """Lines of ``source`` that call ``flatten_config`` (bare or as an attribute)."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call)
+            and ast.unparse(node.func).rsplit(".", 1)[-1] == "flatten_config"]
+
+
+def test_config_json_is_flattened_once_where_it_is_read() -> None:
+    """A product module that flattens a config again doubts the one reader: take the
+    config from ``read_config_json`` (or ``find_model_config``), already flat."""
+    found = []
+    for path in python_files("deployments", "dsv4_patch"):
+        rel = path.relative_to(REPO).as_posix()
+        if not rel.startswith(FLATTENS_ALLOWED):
+            found += [f"{rel}:{line} flattens a config again"
+                      for line in flatten_calls(path.read_text())]
+    assert not found, "\n".join(found)
+    assert flatten_calls("x = rules.flatten_config(cfg)\n")
+    assert flatten_calls("x = flatten_config(cfg)\n")
+    assert flatten_calls((REPO / FLATTENS_ALLOWED[0]).read_text())
+
+
 # A kv-cache-dtype value is named so: ``kv_cache_dtype``, ``cache_dtype``, ``requested``...
 DTYPE_NAMES = ("dtype", "requested")
 # Where ``auto`` is mapped: the rules (``dsv4_patch.rules.dtypes`` for V4, ``family`` for
