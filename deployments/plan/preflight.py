@@ -53,7 +53,8 @@ def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
         if v41 is not None:
             return v41
     decision = args.predicted_layout(version)
-    resolution = rules.resolve_kv_cache_dtype(decision.layout, ek.kv_cache_dtype)
+    resolution = rules.build_v4_node(rules.EngineSetup(version, kv_cache_dtype=ek.kv_cache_dtype),
+                                     decision).resolution
     shape = rules.ModelShape.from_hf_config(model_cfg)
     weights = estimate_weights(model_cfg)
     block = args.block_size()
