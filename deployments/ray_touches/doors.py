@@ -14,6 +14,11 @@ from deployments.ray_touches.probes import (
     text_mentions,
 )
 
+# The replica actor holds its Replica as ``_replica_impl``: how the doors reach Serve's
+# per-replica state from the replica's own process.
+REPLICA_IMPL = source_mentions("ray.serve._private.replica", "ReplicaActor.__init__",
+                               "self._replica_impl")
+
 TOUCHES: tuple[RayTouch, ...] = (
     RayTouch(
         name="serve.proxy_host",
@@ -59,8 +64,7 @@ TOUCHES: tuple[RayTouch, ...] = (
             probe=every(source_mentions("ray.serve._private.replica",
                                         "Replica._perform_graceful_shutdown",
                                         "self._shutting_down = True"),
-                        source_mentions("ray.serve._private.replica", "ReplicaActor.__init__",
-                                        "self._replica_impl"),
+                        REPLICA_IMPL,
                         attr_chain("ray._private.worker", "global_worker.actors")),
         ),
         RayTouch(
@@ -87,8 +91,7 @@ TOUCHES: tuple[RayTouch, ...] = (
                                         "await self._dataplane_health_check()"),
                         attr_chain("ray.serve._private.replica",
                                    "Replica._dataplane_health_check"),
-                        source_mentions("ray.serve._private.replica", "ReplicaActor.__init__",
-                                        "self._replica_impl")),
+                        REPLICA_IMPL),
         ),
         RayTouch(
             name="serve.replica_port_behind_haproxy",

@@ -6,6 +6,7 @@ exact in what it prints, never wrong."""
 from __future__ import annotations
 
 from deployments.ray_touches.probes import (
+    USAGE_STATS_SWITCH,
     RayTouch,
     attr_chain,
     every,
@@ -16,6 +17,12 @@ from deployments.ray_touches.probes import (
     source_mentions,
     symbols,
 )
+
+# A node starts a log monitor as its RayParams say (include_log_monitor): what the quiet
+# local head and the fake worker nodes both switch off.
+LOG_MONITOR_SWITCH = every(symbols("ray._private.parameter", "RayParams"),
+                           source_mentions("ray._private.node", "Node.start_ray_processes",
+                                           "self._ray_params.include_log_monitor"))
 
 TOUCHES: tuple[RayTouch, ...] = optional(
     RayTouch(
@@ -95,18 +102,14 @@ TOUCHES: tuple[RayTouch, ...] = optional(
         upstream="ray start has --no-monitor / --include-log-monitor; ray.init exposes "
                  "neither, and always starts the dashboard head (Ray 2.60)",
         removal="when ray.init takes these options",
-        probe=every(symbols("ray._private.parameter", "RayParams"),
+        probe=every(LOG_MONITOR_SWITCH,
                     source_mentions("ray._private.node", "Node.start_head_processes",
-                                    "self._ray_params.no_monitor"),
-                    source_mentions("ray._private.node", "Node.start_ray_processes",
-                                    "self._ray_params.include_log_monitor"),
+                                    "self._ray_params.no_monitor", "self.start_api_server("),
                     source_mentions("ray._private.worker", "init",
                                     "ray._private.parameter.RayParams("),
-                    source_mentions("ray._private.node", "Node.start_head_processes",
-                                    "self.start_api_server("),
                     parameter("ray._private.node", "Node.start_api_server",
                               "raise_on_failure"),
-                    symbols("ray._common.usage.usage_lib", "usage_stats_enabled")),
+                    USAGE_STATS_SWITCH),
     ),
     RayTouch(
         name="ray.prompt_node_registration",
@@ -225,14 +228,12 @@ TOUCHES: tuple[RayTouch, ...] = optional(
         upstream="test utility; its RayParams take no per-node options from the config",
         removal="when the fake provider takes node start options, or Ray ships a public "
                 "local multi-node cluster",
-        probe=every(symbols("ray._private.parameter", "RayParams"),
+        probe=every(LOG_MONITOR_SWITCH,
                     parameter("ray._private.parameter", "RayParams.__init__",
                               "include_log_monitor"),
                     source_mentions("ray.autoscaler._private.fake_multi_node.node_provider",
                                     "FakeMultiNodeProvider."
                                     "_create_node_with_resources_and_labels",
-                                    "ray._private.parameter.RayParams("),
-                    source_mentions("ray._private.node", "Node.start_ray_processes",
-                                    "self._ray_params.include_log_monitor")),
+                                    "ray._private.parameter.RayParams(")),
     ),
 )

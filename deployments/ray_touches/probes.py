@@ -163,3 +163,8 @@ def text_mentions(module: str, attr: str, *texts: str) -> Probe:
         absent = [t for t in texts if t not in obj]
         return f"{module}.{attr} no longer has {absent!r}" if absent else None
     return on_target(module, attr, check)
+
+
+# Ray says whether usage stats are on: the quiet local head and the telemetry push both act
+# only when they are off.
+USAGE_STATS_SWITCH = symbols("ray._common.usage.usage_lib", "usage_stats_enabled")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from deployments.ray_touches.probes import (
+    USAGE_STATS_SWITCH,
     RayTouch,
     attr_chain,
     dataclass_field,
@@ -270,7 +271,7 @@ TOUCHES: tuple[RayTouch, ...] = (
                         source_mentions("ray.llm._internal.serve.core.server.llm_server",
                                         "LLMServer._start_engine",
                                         "push_telemetry_report_for_all_models("),
-                        symbols("ray._common.usage.usage_lib", "usage_stats_enabled")),
+                        USAGE_STATS_SWITCH),
             loads_llm=True,
         ),
         RayTouch(
