@@ -6,6 +6,7 @@ exact in what it prints, never wrong."""
 from __future__ import annotations
 
 from deployments.ray_touches.probes import (
+    PER_REPLICA_COUNTS,
     USAGE_STATS_SWITCH,
     RayTouch,
     attr_chain,
@@ -35,8 +36,8 @@ TOUCHES: tuple[RayTouch, ...] = optional(
             "requests on the replicas' own port (http.replica_port) that Serve never routes",
         how="call both on each ingress replica actor, take the larger per replica (10 s "
             "bound; a failure is logged and the drain goes on)",
-        upstream="private actor method",
-        removal="as serve.replica_ids",
+        upstream="private actor methods",
+        removal=PER_REPLICA_COUNTS,
         probe=attr_chain("ray.serve._private.replica", "ReplicaActor.get_num_ongoing_requests",
                          "ReplicaActor.record_routing_stats"),
     ),

@@ -42,6 +42,8 @@ def optional(*touches: RayTouch) -> tuple[RayTouch, ...]:
 
 
 SERVE_CONSTANTS = "ray.serve._private.constants"
+# When the touches that find a deployment's replicas and count their requests can go.
+PER_REPLICA_COUNTS = "when serve.status() reports ongoing requests per replica"
 
 
 def private_keyword(name: str, module: str, func: str, param: str, *,

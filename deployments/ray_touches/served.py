@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from deployments.ray_touches.probes import (
+    PER_REPLICA_COUNTS,
     USAGE_STATS_SWITCH,
     RayTouch,
     attr_chain,
@@ -199,10 +200,9 @@ TOUCHES: tuple[RayTouch, ...] = (
             upstream="none filed: Ray's agent expiring unset gauges is intended "
                      "(ray/_private/telemetry); vLLM could re-set its gauges when idle",
             removal="when vLLM's Ray stat logger keeps its gauges alive itself",
-            probe=every(attr_chain("vllm.v1.metrics.ray_wrappers",
-                                   "RayPrometheusStatLogger._gauge_cls",
-                                   "RayKVConnectorProm._gauge_cls",
-                                   "RayGaugeWrapper.set")),
+            probe=attr_chain("vllm.v1.metrics.ray_wrappers",
+                             "RayPrometheusStatLogger._gauge_cls",
+                             "RayKVConnectorProm._gauge_cls", "RayGaugeWrapper.set"),
             loads_llm=True,
         ),
         RayTouch(
@@ -246,9 +246,9 @@ TOUCHES: tuple[RayTouch, ...] = (
             how="parse every named actor's name (never a hard-coded name format); keep the "
                 "replicas of one deployment",
             upstream="no public per-replica request count in Ray 2.60",
-            removal="when serve.status() reports ongoing requests per replica",
-            probe=every(attr_chain("ray.serve._private.common", "ReplicaID.is_full_id_str",
-                                   "ReplicaID.from_full_id_str")),
+            removal=PER_REPLICA_COUNTS,
+            probe=attr_chain("ray.serve._private.common", "ReplicaID.is_full_id_str",
+                             "ReplicaID.from_full_id_str"),
         ),
         RayTouch(
             name="ray_llm.telemetry_push",
