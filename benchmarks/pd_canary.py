@@ -1,99 +1,292 @@
-"""The P/D output canary's cost and separation on CPU, as data.
+"""The P/D output canary on CPU: seconds per canary, false positives, and every fault kind.
 
-``make test-pd`` runs tests/test_deployments/test_pd_canary.py on one P/D pair (NIXL
-over DRAM, scaled dummy weights); with ``DSV4_PD_CANARY_OUT=<file>`` it records every
-clean canary (seconds, largest logprob difference) and every injected fault (caught or
-not, how, and how long the controller took to exclude the pair). This turns that record
-into benchmarks/results/pd_canary.json::
+One private Ray cluster with only ``configs/local-cpu-pd.yaml``'s app (1 prefill + 1
+decode engine of the tiny DeepSeek-V4, NIXL over DRAM), both pools on the suite's scaled
+dummy weights (same seed: the outputs depend on the context) and the engine-site fault
+hooks (tests/support/pd_faults.py). The controller's own canary admits the pair; then the
+decode replica runs canaries back to back (``run_canary``, the product's code): clean
+ones until ``--canaries`` or ``--budget-s``, then ``--fault-canaries`` under each fault
+kind. A fault counts as caught when every canary under it failed; the hook's own log
+proves it fired. Writes benchmarks/results/pd_canary.json.
 
-    DSV4_FULL_PD=1 DSV4_PD_CANARY_CLEAN_S=600 DSV4_PD_CANARY_OUT=/tmp/pd_canary.json \\
-        python -m pytest -s tests/test_deployments/test_pd_canary.py
-    python -m benchmarks.pd_canary /tmp/pd_canary.json
+Run under the machine lock::
+
+    flock /tmp/dsv4-heavy.lock timeout 1800 python -m benchmarks.pd_canary --canaries 200
 """
 
 from __future__ import annotations
 
-import datetime
+import argparse
+import ast
+import copy
 import json
 import os
+import re
 import statistics
-import subprocess
-import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from benchmarks.results import write_result
+from deployments.config import ServeApplication, load_serve_config
+from deployments.config.pd import CanarySection
+from deployments.local import client, deploy, ray_head
+from deployments.pd import canary
+from dsv4_patch.tiny_model import ensure_tiny_model
+
 REPO = Path(__file__).resolve().parents[1]
-OUT = REPO / "benchmarks" / "results" / "pd_canary.json"
-COMMAND = ("DSV4_FULL_PD=1 DSV4_PD_CANARY_CLEAN_S=S DSV4_PD_CANARY_OUT=/tmp/pd_canary.json "
-           "python -m pytest -s tests/test_deployments/test_pd_canary.py && "
-           "python -m benchmarks.pd_canary /tmp/pd_canary.json")
+PD_CONFIG = REPO / "configs" / "local-cpu-pd.yaml"
+APP = "pdcanary"
+FAULTS = ("drop_region", "truncate_region", "fail_receive", "stale_params")
 
 
-def host() -> dict[str, Any]:
-    """CPU model, the ISA flags that pick vLLM-CPU's kernels, and cores."""
-    text = Path("/proc/cpuinfo").read_text()
-    model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines()
-                  if ln.startswith("model name")), "unknown")
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
-                  if ln.startswith("flags")), [])
-    wanted = [f for f in flags if f in ("avx2", "avx512f", "avx512_bf16")
-              or f.startswith("amx_")]
-    return {"cpu_model": model, "flags": wanted, "cores": os.cpu_count()}
+def app_args(fault_file: Path, prompt_tokens: int, max_tokens: int) -> dict[str, Any]:
+    """The P/D app with the test engine site on: scaled dummy weights, fault hooks."""
+    args = copy.deepcopy(yaml.safe_load(PD_CONFIG.read_text())["applications"][0]["args"])
+    site = [str(REPO / "tests" / "support" / "engine_site"), str(REPO)]
+    args["llm"]["runtime_env"]["env_vars"] |= {
+        "PYTHONPATH": os.pathsep.join([*site, os.environ.get("PYTHONPATH", "")]),
+        "DSV4_TEST_SCALED_DUMMY_WEIGHTS": "1", "DSV4_TEST_PD_FAULTS": str(fault_file)}
+    # The controller canaries the pair once to admit it; the rest are run here, back to
+    # back, so its period is longer than the run.
+    args["pd"]["canary"] = {"period_s": 86400, "prompt_tokens": prompt_tokens,
+                            "max_tokens": max_tokens}
+    return args
 
 
-def rows(record: dict[str, Any]) -> list[list[Any]]:
-    """One row for the clean canaries, then one per fault."""
-    clean = record["clean"]
-    seconds = [c["seconds"] for c in clean]
-    deltas = [c["max_delta"] for c in clean if c["max_delta"] is not None]
-    totals = record.get("clean_totals", {})
-    out: list[list[Any]] = []
-    if clean:
-        out.append(["clean", totals.get("run", len(clean)), totals.get("failed", 0),
-                    round(max(deltas), 4) if deltas else None,
-                    round(statistics.median(seconds), 1), round(max(seconds), 1), None,
-                    "false positives: canaries that failed without a fault"])
-    for fault, r in record["faults"].items():
-        out.append([fault, 1, int(bool(r["caught"])),
-                    None if r["max_delta"] is None else round(r["max_delta"], 3),
-                    round(r["seconds"], 1), None, r["excluded_after_s"], r["reason"][:200]])
+def start(args: dict[str, Any]) -> tuple[str, Any, str]:
+    """Deploy the app; (base URL, decode handle, the admitted prefill replica)."""
+    from ray import serve
+
+    config = load_serve_config(PD_CONFIG)
+    entry = ServeApplication(name=APP, route_prefix=f"/{APP}",
+                             import_path="deployments.app:build_app", args=args)
+    config = config.model_copy(update={"applications": [entry]})
+    ray_head.start_cluster(config, num_cpus=ray_head.logical_cpus_needed(config))
+    deploy.deploy(config)
+    url = deploy.base_url(config, f"/{APP}")
+    client.wait_for_verdict(url, timeout_s=300)
+    deadline = time.monotonic() + 300
+    while True:
+        _, body = client.http_json(f"{url}/kv-spec")
+        pd = body["pd"]
+        if any(pd["allowed"].values()):
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the pair was not admitted within 300 s: {pd}")
+        time.sleep(1)
+    [(_, [prefill])] = [(d, p) for d, p in pd["allowed"].items() if p]
+    handle = serve.get_deployment_handle(pd["pools"]["decode"]["deployment"], app_name=APP)
+    return url, handle, prefill
+
+
+class Runner:
+    """Canaries through one pair, each with its own seed; the fault hooks' log beside."""
+
+    def __init__(self, handle: Any, prefill: str, fault_file: Path, opts: argparse.Namespace):
+        self.handle, self.prefill, self.fault_file, self.opts = handle, prefill, fault_file, opts
+        self.log = Path(f"{fault_file}.log")
+        self.seed = int(time.time())
+
+    def run(self, fault: dict[str, Any] | None) -> dict[str, Any]:
+        self.fault_file.write_text(json.dumps(fault or {}))
+        before = self.log.read_text() if self.log.exists() else ""
+        self.seed += 1
+        result = self.handle.run_canary.remote({
+            "prefill_replica": self.prefill, "seed": self.seed,
+            "prompt_tokens": self.opts.prompt_tokens, "max_tokens": self.opts.max_tokens,
+            "timeout_s": 120}).result(timeout_s=200)
+        after = self.log.read_text() if self.log.exists() else ""
+        result["hook"] = [json.loads(x) for x in after[len(before):].splitlines()]
+        return result
+
+
+def clean_rows(runs: list[dict[str, Any]], tol: float) -> list[Any]:
+    deltas = [r["max_delta"] for r in runs if r["max_delta"] is not None]
+    seconds = [r["seconds"] for r in runs]
+    phases = {k: statistics.median(r["phase_s"].get(k, 0.0) for r in runs)
+              for k in ("prefill", "decode", "reference")}
+    return ["clean", len(runs), sum(not r["passed"] for r in runs),
+            round(max(deltas), 4) if deltas else None, tol,
+            round(statistics.median(seconds), 2), round(max(seconds), 2),
+            " / ".join(f"{k} {v:.2f}" for k, v in phases.items()),
+            "false positives: clean canaries that failed"]
+
+
+def nixl_failed_transfers(wait_s: float = 30.0) -> dict[str, float]:
+    """vLLM's ``nixl_num_failed_transfers`` per replica as Ray's metrics endpoint exports
+    it (the faults above failed receives on purpose): whether the counter reaches a
+    place the product could read it."""
+    from deployments.observe import scrape
+
+    deadline = time.monotonic() + wait_s
+    found: dict[str, float] = {}
+    while not found and time.monotonic() < deadline:
+        time.sleep(5)
+        for name, samples in scrape.samples(scrape.read(ray_head.metrics_url())).items():
+            if "nixl_num_failed_transfers" in name:
+                for labels, value in samples:
+                    key = f"{name}{{ReplicaId={labels.get('ReplicaId', '?')}}}"
+                    found[key] = value
+    return found
+
+
+def cases(keeps: str) -> list[tuple[str, str | None]]:
+    """(fault, truncation keep) per fault row: each kind, truncate_region per keep."""
+    out: list[tuple[str, str | None]] = []
+    for fault in FAULTS:
+        if fault == "truncate_region":
+            out += [(fault, k.strip()) for k in keeps.split(",") if k.strip()]
+        else:
+            out.append((fault, None))
     return out
 
 
-def result(record: dict[str, Any], commit: str) -> dict[str, Any]:
-    return {
-        "benchmark": "pd_canary",
-        "title": "P/D output canary: seconds per canary and clean vs faulty logprob deltas",
-        "what": "one (prefill, decode) pair of the tiny DeepSeek-V4 on CPU, NIXL over DRAM, "
-                "scaled dummy weights: clean canaries (greedy, 8 tokens, 299-token prompt "
-                "through the pair, scored alone on the decode replica) and one canary per "
-                "injected fault; the controller's time to exclude the pair",
-        "command": COMMAND,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit,
-        "host": host(),
-        "inputs": {"prompt_tokens": 299, "max_tokens": 8, "tolerance_nats": 1.0,
-                   "controller_period_s": 5, "canary_period_s": 5,
-                   "config": "configs/local-cpu-pd.yaml"},
-        "columns": ["case", "canaries", "failed", "max_logprob_delta", "median_s", "max_s",
-                    "excluded_after_s", "reason"],
-        "rows": rows(record),
-        "notes": "failed = canaries that did not pass (for clean: false positives; for a "
-                 "fault: caught). excluded_after_s: from writing the fault to /v1/kv-spec "
-                 "showing the pair out of the whitelist (the controller's own canary). "
-                 "AVX2 host only: no AVX-512 host was available. " + record.get("notes", ""),
-    }
+def fault_row(name: str, runs: list[dict[str, Any]], tol: float) -> list[Any]:
+    fault = name.split(" ")[0]
+    fired = sum(any(h["fault"] == fault for h in r["hook"]) for r in runs)
+    deltas = [r["max_delta"] for r in runs if r["max_delta"] is not None]
+    reasons = sorted({r["reason"][:160] for r in runs if not r["passed"]})
+    return [name, len(runs), sum(not r["passed"] for r in runs),
+            round(max(deltas), 3) if deltas else None, tol,
+            round(statistics.median(r["seconds"] for r in runs), 2), None,
+            f"hook fired in {fired}/{len(runs)}",
+            "; ".join(reasons) or "NOT caught"]
 
 
-def main(argv: list[str]) -> int:
-    record = json.loads(Path(argv[0]).read_text())
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True, check=True).stdout.strip()
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(result(record, commit), indent=1) + "\n")
-    print(f"wrote {OUT}")
+LINE = re.compile(r"P/D canary \S+ <- \S+: (passed|FAILED \((.*)\)) in ([\d.]+) s "
+                  r"\((\{.*?\})\), max delta (\S+)")
+
+
+def from_log(decode_log: Path, hook_log: Path, opts: argparse.Namespace
+             ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """A run cut before it wrote its result, rebuilt from what it logged: the decode
+    replica's line per canary (in the order this module runs them: the controller's
+    admission canary, the clean ones, then per case its canaries and one clean) and the
+    fault hooks' log (what fired, in order)."""
+    runs = []
+    for m in LINE.finditer(decode_log.read_text()):
+        delta = None if m[5] == "None" else float(m[5])
+        runs.append({"passed": m[1] == "passed", "reason": m[2] or "", "seconds": float(m[3]),
+                     "phase_s": ast.literal_eval(m[4]), "max_delta": delta, "hook": [],
+                     "tolerance": canary.tolerance("cpu", None),
+                     "prompt_tokens": opts.prompt_tokens})
+    hooks = [json.loads(x) for x in hook_log.read_text().splitlines()]
+    hooks = [h for h in hooks if h["fault"] not in ("regions", "truncate_armed")]
+    todo = cases(opts.truncate_keeps)
+    n_faulty = len(todo) * (opts.fault_canaries + 1)
+    first_fault = next(i for i, r in enumerate(runs) if not r["passed"])
+    clean, faults = runs[:first_fault], {}
+    rest = runs[first_fault:][:n_faulty]
+    for k, (fault, keep) in enumerate(todo):
+        chunk = rest[k * (opts.fault_canaries + 1):][:opts.fault_canaries]
+        if len(chunk) < opts.fault_canaries:
+            break  # the run was cut here
+        for r in chunk:
+            if hooks and hooks[0]["fault"] == fault:
+                r["hook"] = [hooks.pop(0)]
+        faults[fault if keep in (None, "smallest") else f"{fault} (keep {keep})"] = chunk
+    return clean, faults
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--from-log", nargs=2, metavar=("DECODE_LOG", "HOOK_LOG"),
+                        help="rebuild a cut run's result from the decode replica's log and "
+                        "the fault hooks' log (no engines started)")
+    defaults = CanarySection()
+    parser.add_argument("--canaries", type=int, default=200, help="clean canaries at most")
+    parser.add_argument("--budget-s", type=float, default=1500.0,
+                        help="seconds of clean canaries at most")
+    parser.add_argument("--fault-canaries", type=int, default=2, help="canaries per fault")
+    parser.add_argument("--prompt-tokens", type=int, default=defaults.prompt_tokens)
+    parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
+    parser.add_argument("--region", type=int, default=0,
+                        help="the NIXL region drop_region/truncate_region hit")
+    parser.add_argument("--truncate-keeps", default="smallest,named,half",
+                        help="truncate_region variants, comma-separated: how much of each "
+                        "received page survives (tests/support/pd_faults.py keep_bytes)")
+    opts = parser.parse_args()
+    if opts.from_log:
+        logged = from_log(Path(opts.from_log[0]), Path(opts.from_log[1]), opts)
+        return write(opts, *logged, boot_s=None, failed_transfers=None,
+                     note="Rebuilt with --from-log from the run's own logs: the run hit its "
+                     "25-minute bound while its faults ran, before it wrote this file. ")
+    ensure_tiny_model()
+    fault_file = Path(tempfile.mkdtemp(prefix="dsv4-pd-faults-")) / "fault.json"
+    fault_file.write_text("{}")
+    started = time.monotonic()
+    _, handle, prefill = start(app_args(fault_file, opts.prompt_tokens, opts.max_tokens))
+    boot_s = round(time.monotonic() - started, 1)
+    runner = Runner(handle, prefill, fault_file, opts)
+    clean: list[dict[str, Any]] = []
+    faults: dict[str, list[dict[str, Any]]] = {}
+    try:
+        deadline = time.monotonic() + opts.budget_s
+        while len(clean) < opts.canaries and time.monotonic() < deadline:
+            clean.append(runner.run(None))
+            if not clean[-1]["passed"]:
+                print(f"FALSE POSITIVE: {json.dumps(clean[-1])[:600]}", flush=True)
+        for fault, keep in cases(opts.truncate_keeps):
+            name = fault if keep in (None, "smallest") else f"{fault} (keep {keep})"
+            faults[name] = [runner.run({"fault": fault, "region": opts.region, "keep": keep
+                                        or "smallest"}) for _ in range(opts.fault_canaries)]
+            runner.run(None)  # a clean one between faults (stale_params replays its params)
+        failed_transfers = nixl_failed_transfers()
+    finally:
+        fault_file.write_text("{}")
+        ray_head.shutdown()
+    return write(opts, clean, faults, boot_s, failed_transfers, "")
+
+
+def write(opts: argparse.Namespace, clean: list[dict[str, Any]],
+          faults: dict[str, list[dict[str, Any]]], boot_s: float | None,
+          failed_transfers: dict[str, float] | None, note: str) -> int:
+    tol = clean[0]["tolerance"] if clean else canary.tolerance("cpu", None)
+    rows = [clean_rows(clean, tol)] + [fault_row(f, rs, tol) for f, rs in faults.items()]
+    for row in rows:
+        print(row)
+    n = clean[0]["prompt_tokens"] if clean else opts.prompt_tokens
+    path = write_result(
+        "pd_canary", title="P/D output canary: seconds per canary, false positives, faults "
+        "caught",
+        what=("One (prefill, decode) pair of the tiny DeepSeek-V4 on CPU (configs/"
+              "local-cpu-pd.yaml, NIXL over DRAM), scaled dummy weights in both pools. "
+              f"Clean canaries back to back on the decode replica (greedy, {n}-token prompt "
+              f"through the pair, {opts.max_tokens} tokens decoded, scored alone), then "
+              f"{opts.fault_canaries} per injected fault kind (tests/support/pd_faults.py)."),
+        command=("flock /tmp/dsv4-heavy.lock timeout 1800 python -m benchmarks.pd_canary "
+                 f"--canaries {opts.canaries} --budget-s {opts.budget_s:g} --fault-canaries "
+                 f"{opts.fault_canaries} --prompt-tokens {n}"
+                 + (" (cut by its bound; then the same with --from-log <decode replica's "
+                    "Ray worker log> <fault file>.log)" if opts.from_log else "")),
+        inputs={"prompt_tokens": n, "max_tokens": opts.max_tokens, "tolerance_nats": tol,
+                "canaries_asked": opts.canaries, "budget_s": opts.budget_s,
+                "fault_region": opts.region, "boot_s": boot_s,
+                "nixl_failed_transfers_at_ray_metrics": failed_transfers,
+                "config": "configs/local-cpu-pd.yaml"},
+        columns=["case", "canaries", "failed", "max_logprob_delta", "tolerance",
+                 "median_s", "max_s", "phases_median_s / hook", "meaning"],
+        rows=rows,
+        notes=(note + "failed: canaries that did not pass (clean: false positives; a fault: "
+               "caught). Seconds are one canary on the decode replica: prefill on the "
+               "prefill replica (the decode engine computes its reference alone meanwhile), "
+               "decode through the pair, then the rest of the reference (a scoring pass "
+               "when the two runs picked different tokens). truncate_region keeps of each "
+               "received packed KV row (the rest is zeroed): smallest (the row "
+               "truncate_region) = the smallest layer page at the row's start, as a "
+               "registration deduplicated by base address (vllm#57661) keeps when that "
+               "layer registered first; named = the page of the layer the region is named "
+               "after; half = half the row. Measured on an "
+               "AVX2-only host (no AVX-512, no AMX): AVX-512 hosts not measured here. "
+               "The exclusion of a failing pair by the controller is tested by "
+               "tests/test_deployments/test_pd_canary.py (make test-pd)."))
+    print(f"wrote {path}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    raise SystemExit(main())

@@ -58,6 +58,9 @@ class CanaryResult(_Wire):
     finish_reason: str | None = None
     kv_load_failure_policy: str | None = None
     seconds: float = 0.0
+    phase_s: dict[str, float] = Field(default_factory=dict, description="seconds per phase: "
+                                      "prefill (on the prefill replica), decode (pages "
+                                      "pulled, tokens decoded), score (alone)")
     at: float = 0.0
 
     @property

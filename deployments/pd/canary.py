@@ -101,6 +101,34 @@ def deltas(through_pair: Sequence[float], alone: Sequence[float]) -> list[float]
     return out
 
 
+# Logprobs the local reference keeps per decoded token: enough to find the pair's token
+# where a near tie made the two greedy runs pick differently.
+REFERENCE_TOP = 5
+
+
+def match_reference(tokens: Sequence[int], through_pair: Sequence[float],
+                    reference: Sequence[dict[int, float]]) -> list[float] | None:
+    """Per decoded token |logprob through the pair - the local reference's|, or None
+    when the local run cannot score every token (then score prompt + tokens alone).
+
+    The reference is the same greedy request prefilled and decoded on the decode replica
+    alone (``reference[i]``: token id -> logprob of its top tokens at step i). While the
+    two runs pick the same tokens their contexts are equal and the logprobs compare
+    directly; past the first different pick they are not.
+    """
+    if len(reference) < len(tokens):
+        return None
+    out = []
+    for i, (token, lp) in enumerate(zip(tokens, through_pair, strict=True)):
+        ref = reference[i].get(token)
+        if ref is None:
+            return None
+        out.extend(deltas([lp], [ref]))
+        if i + 1 < len(tokens) and max(reference[i], key=reference[i].__getitem__) != token:
+            return None  # the runs diverge here: later tokens have other contexts
+    return out
+
+
 def judge(*, canary_mode: CanaryMode, prompt_tokens: int, max_tokens: int,
           tokens: Sequence[int], token_deltas: Sequence[float], tolerance_nats: float,
           external_tokens: int | None, finish_reason: str | None) -> str:

@@ -11,8 +11,11 @@ honours the canary's pin: ``deployments.pd.route.pinned``) and its own engine.
    (pages pulled over the connector), with each token's logprob and the count of
    prompt tokens it did not compute (``num_cached_tokens``: the per-request form of
    vLLM's ``prompt_tokens_by_source``; the salt rules out local prefix hits).
-3. The decode engine scores prompt + those tokens alone (``prompt_logprobs``,
-   ``skip_reading_prefix_cache``, another salt).
+3. The reference: the same greedy request prefilled and decoded on the decode engine
+   alone (another salt, ``skip_reading_prefix_cache``), started with step 1 so both
+   engines work at once. Where its tokens match the pair's, their logprobs compare
+   directly; where a near tie (or a fault) made them pick differently, the decode engine
+   scores prompt + the pair's tokens alone (``prompt_logprobs``), which always applies.
 """
 
 from __future__ import annotations
@@ -70,7 +73,6 @@ class PDCanaryMixin:
                                  req.max_tokens)
         ids = canary.prompt(req.seed, n, vcfg.model_config.get_vocab_size())
         mode, why = canary.mode(vcfg.load_config.load_format, dict(os.environ))
-        tol = canary.tolerance(vcfg.device_config.device_type, req.tolerance)
         salt = uuid.uuid4().hex
         request_id = f"{pd_route.CANARY_PREFIX}{salt}"
         body = CompletionRequest(model=self._llm_config.model_id,  # type: ignore[attr-defined]  # LLMServer sets it
@@ -80,6 +82,23 @@ class PDCanaryMixin:
             request=body, peer=None)
         pd_route.ROUTE.pins[request_id] = req.prefill_replica
         t0 = time.monotonic()
+        # The reference runs alone on this engine while the pair's prefill runs on the
+        # prefill replica: the two engines work at once, the canary takes one prefill's time.
+        reference = asyncio.ensure_future(self._generate(
+            client, ids, uuid.uuid4().hex, request_id + "-r", req.max_tokens,
+            top=canary.REFERENCE_TOP))
+        try:
+            return await self._through_pair(req, client, body, prefill, request_id, ids,
+                                            reference, t0, mode, why)
+        finally:
+            if not reference.done():
+                reference.cancel()
+
+    async def _through_pair(self, req: CanaryRequest, client: Any, body: Any, prefill: Any,
+                            request_id: str, ids: list[int], reference: Any, t0: float,
+                            mode: CanaryMode, why: str) -> CanaryResult:
+        vcfg, n, salt = client.vllm_config, len(ids), body.cache_salt
+        tol = canary.tolerance(vcfg.device_config.device_type, req.tolerance)
         try:
             stream = self._prefill_handle.completions.remote(prefill, None)  # type: ignore[attr-defined]  # PDDecodeServer's handle
             chunk = await stream.__anext__()
@@ -103,6 +122,7 @@ class PDCanaryMixin:
                   if k != "remote_prefill_cached_tokens"}
         decoded = await self._generate(client, ids, salt, request_id + "-d", req.max_tokens,
                                        kv_transfer_params=params)
+        t2 = time.monotonic()
         out = decoded.outputs[0]
         result.tokens = list(out.token_ids)
         result.finish_reason = out.finish_reason
@@ -111,39 +131,52 @@ class PDCanaryMixin:
                                                       strict=False)]
         if result.tokens and len(through) == len(result.tokens) and \
                 out.finish_reason not in ("error", "abort"):
-            scored = await self._generate(client, ids + result.tokens, uuid.uuid4().hex,
-                                          request_id + "-s", 1, score=True)
-            alone = [scored.prompt_logprobs[n + i][t].logprob
-                     for i, t in enumerate(result.tokens)]
-            result.deltas = canary.deltas(through, alone)
+            ref = (await reference).outputs[0]
+            result.deltas = canary.match_reference(
+                result.tokens, through,
+                [{t: lp.logprob for t, lp in step.items()} for step in ref.logprobs or []]) \
+                or await self._scored(client, ids, result.tokens, through, request_id)
             result.max_delta = max(result.deltas)
+        result.phase_s = {"prefill": round(t1 - t0, 3), "decode": round(t2 - t1, 3),
+                          "reference": round(time.monotonic() - t2, 3)}
         result.reason = canary.judge(
             canary_mode=mode, prompt_tokens=n, max_tokens=req.max_tokens,
             tokens=result.tokens, token_deltas=result.deltas, tolerance_nats=tol,
             external_tokens=result.external_tokens, finish_reason=result.finish_reason)
         result.passed = not result.reason
-        logger.info("dsv4: P/D canary %s <- %s: %s in %.1f s (prefill %.1f s, decode + score "
-                    "%.1f s), max delta %s", self._replica_id, req.prefill_replica,
+        logger.info("dsv4: P/D canary %s <- %s: %s in %.1f s (%s), max delta %s",
+                    self._replica_id, req.prefill_replica,
                     "passed" if result.passed else f"FAILED ({result.reason})",
-                    time.monotonic() - t0, t1 - t0, time.monotonic() - t1, result.max_delta)
+                    time.monotonic() - t0, result.phase_s, result.max_delta)
         if result.passed and mode is CanaryMode.TRANSFER_ONLY:
             result.reason = why
         return result
 
+    async def _scored(self, client: Any, ids: list[int], tokens: list[int],
+                      through: list[float], request_id: str) -> list[float]:
+        """Deltas against prompt + the pair's tokens scored alone (prompt logprobs): for
+        when the local reference picked other tokens (a near tie, or a fault)."""
+        scored = await self._generate(client, ids + tokens, uuid.uuid4().hex,
+                                      request_id + "-s", 1, score=True)
+        alone = [scored.prompt_logprobs[len(ids) + i][t].logprob
+                 for i, t in enumerate(tokens)]
+        return canary.deltas(through, alone)
+
     @staticmethod
     async def _generate(client: Any, ids: list[int], salt: str, request_id: str,
                         max_tokens: int, kv_transfer_params: dict[str, Any] | None = None,
-                        score: bool = False) -> Any:
-        """The final ``RequestOutput`` of one greedy request on this replica's engine."""
+                        score: bool = False, top: int = 0) -> Any:
+        """The final ``RequestOutput`` of one greedy request on this replica's engine
+        (its own prefill unless ``kv_transfer_params``; no prefix-cache reads)."""
         from vllm import SamplingParams
 
         # ignore_eos: a greedy canary that meets the end-of-sequence token must still
         # decode all its tokens (a short answer is a failure, not a clean stop).
         params = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, logprobs=None if score else 0,
+            temperature=0.0, max_tokens=max_tokens, logprobs=None if score else top,
             ignore_eos=True,
             prompt_logprobs=0 if score else None,
-            skip_reading_prefix_cache=True if score else None,
+            skip_reading_prefix_cache=None if kv_transfer_params else True,
             extra_args={"kv_transfer_params": dict(kv_transfer_params)}
             if kv_transfer_params else None)
         final = None

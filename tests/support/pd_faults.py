@@ -6,13 +6,19 @@ serves clean canaries and every fault in turn: ``{"fault": null}`` is clean, els
 
 - ``drop_region``: the READ leaves out every descriptor of region ``region`` (its pages
   never arrive: vllm#57661's truncated region, in the extreme);
-- ``truncate_region``: once the READ completes, the second half of each received page
-  of region ``region`` is zeroed (a region registered shorter than its pages);
+- ``truncate_region``: once the READ completes, each received page of region
+  ``region`` is zeroed past the bytes a short registration would carry (``keep``:
+  ``"named"``, vllm#57661's, the page of the layer the region is named after, default;
+  ``"smallest"``; ``"half"``; or a byte count), in the decode worker's own KV cache, before the
+  scheduler sees the receive finished;
 - ``fail_receive``: posting the READ raises, as a NIXL transfer error does (vllm#52276);
 - ``stale_params``: the decode scheduler swaps the request's ``remote_block_ids`` and
   ``remote_request_id`` for the previous remote-prefill request's (vllm#52234).
 
 The decode engine's own code does the rest (failure reporting, kv_load_failure_policy).
+Each fault that fires appends one JSON line to ``<file>.log`` (what it did, to which
+request, region and how many pages or bytes), so a test proves the fault happened
+before it judges whether it was caught.
 """
 
 from __future__ import annotations
@@ -66,64 +72,131 @@ class _Faulty:
                           remote_handle: Any, remote_ids: Any, **kwargs: Any) -> Any:
         kind, region = self._fault["fault"], int(self._fault.get("region", 0))
         if kind == "fail_receive":
+            log(fault=kind, request=self._request)
             raise RuntimeError("dsv4 test fault: NIXL READ failed (fail_receive)")
         if kind == "drop_region":
             keep = [i for i, d in enumerate(local_ids)
                     if not _in_region(self._worker, d, region)]
+            log(fault=kind, request=self._request, region=region,
+                region_name=_region_name(self._worker, region),
+                descs_dropped=len(local_ids) - len(keep), descs_kept=len(keep))
             local_ids = [local_ids[i] for i in keep]
             remote_ids = [remote_ids[i] for i in keep]
         if kind == "truncate_region":
-            self._worker._dsv4_truncate[self._request] = [
-                int(d) for d in local_ids if _in_region(self._worker, d, region)]
+            ids = [int(d) for d in local_ids if _in_region(self._worker, d, region)]
+            self._worker._dsv4_truncate[self._request] = (region, ids,
+                                                          self._fault.get("keep", "named"))
+            log(fault="truncate_armed", request=self._request, region=region, pages=len(ids))
         return self._real.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                             remote_ids, **kwargs)
 
 
-def _truncate(worker: Any, desc_ids: list[int], region: int) -> None:
-    """Zero the second half of each page of ``region`` named by ``desc_ids``."""
+def log(**fields: Any) -> None:
+    """Append what a fault did to ``<fault file>.log`` (one JSON line per event)."""
+    path = os.environ.get(ENV)
+    if path:
+        with open(f"{path}.log", "a") as f:
+            f.write(json.dumps(fields) + "\n")
+
+
+def members(worker: Any, region: int) -> list[tuple[int, int, str]]:
+    """(offset, bytes, layer) of each layer's page inside one page of ``region``, by
+    offset: vLLM 0.32 registers DeepSeek-V4's packed KV rows (every layer's page of one
+    block id) as one region, so a region's page holds many layers' pages."""
     base = worker.kv_caches_base_addr[worker.engine_id][worker.tp_rank][region]
-    length = worker.block_len_per_layer[region]
-    strides = getattr(worker, "block_stride_per_layer", None) or []
-    stride = strides[region] if region < len(strides) and strides[region] else length
-    first = _region_offsets(worker)[region]
+    stride = worker.block_stride_per_layer[region]
+    out = []
+    for name, cache in getattr(worker, "device_kv_caches", {}).items():
+        offset = cache.data_ptr() - base
+        if 0 <= offset < stride and cache.ndim > 1:
+            out.append((offset, cache[0].nbytes, name))
+    return sorted(out)
+
+
+def keep_bytes(worker: Any, region: int, length: int, keep: Any = "named") -> int:
+    """How much of each page of ``region`` a short registration still carries.
+
+    ``"named"``: the page of the layer the region is named after (registered first at
+    that address), as vllm#57661's deduplication by base address registers it;
+    ``"smallest"``: the smallest layer page at the row's start; ``"half"``: half the
+    page (also when the region holds one layer); an int: that many bytes.
+    """
+    if isinstance(keep, int):
+        return keep
+    found = members(worker, region)
+    if len(found) <= 1 or keep == "half":
+        return length // 2
+    if keep == "smallest":
+        offset, size, _ = found[0]
+        return offset + size
+    name = _region_name(worker, region)
+    offset, size = next(((o, b) for o, b, n in found if n == name), found[0][:2])
+    return offset + size
+
+
+def _truncate(worker: Any, desc_ids: list[int], region: int,
+              keep: Any = "named") -> tuple[int, int]:
+    """Zero each local page named by ``desc_ids`` past ``keep_bytes``; (kept, zeroed).
+
+    A local descriptor's (address, length) is the worker's own ``src_blocks_data`` row:
+    exactly the bytes the READ wrote for that page.
+    """
+    zeroed, kept = 0, 0
     for d in desc_ids:
-        page = base + (d - first) * stride
-        ctypes.memset(page + length // 2, 0, length - length // 2)
+        addr, length = (int(x) for x in worker.src_blocks_data[d][:2])
+        kept = keep_bytes(worker, region, length, keep)
+        ctypes.memset(addr + kept, 0, length - kept)
+        zeroed += length - kept
+    return kept, zeroed
 
 
 def install_worker(module: Any) -> None:
-    """Wrap ``NixlPullConnectorWorker._read_blocks`` and ``get_finished``."""
+    """Wrap ``NixlPullConnectorWorker._read_blocks`` and ``get_transfer_results`` (what
+    the connector asks for finished receives; ``get_finished`` is a wrapper of it)."""
     cls = module.NixlPullConnectorWorker
-    read_blocks, get_finished = cls._read_blocks, cls.get_finished
+    read_blocks, transfer_results = cls._read_blocks, cls.get_transfer_results
 
     @functools.wraps(read_blocks)
-    def _read_blocks(self: Any, read_spec: Any, dst_engine_id: str, request_id: str,
-                     *args: Any, **kwargs: Any) -> Any:
+    def _read_blocks(self: Any, *args: Any, **kwargs: Any) -> Any:
         fault = current()
         if not fault or fault["fault"] == "stale_params":
-            return read_blocks(self, read_spec, dst_engine_id, request_id, *args, **kwargs)
+            return read_blocks(self, *args, **kwargs)
         if not hasattr(self, "_dsv4_truncate"):
             self._dsv4_truncate = {}
+            log(fault="regions", regions=[
+                {"region": r, "name": _region_name(self, r), "descs": b - a,
+                 "members": members(self, r)} for r, (a, b) in enumerate(
+                     zip(_region_offsets(self), _region_offsets(self)[1:], strict=False))])
+        request_id = kwargs.get("request_id", args[2] if len(args) > 2 else None)
         real = self.nixl_wrapper
-        self.nixl_wrapper = _Faulty(real, self, fault, request_id)
+        self.nixl_wrapper = _Faulty(real, self, fault, str(request_id))
         try:
-            return read_blocks(self, read_spec, dst_engine_id, request_id, *args, **kwargs)
+            return read_blocks(self, *args, **kwargs)
         finally:
             self.nixl_wrapper = real
 
-    @functools.wraps(get_finished)
-    def _get_finished(self: Any) -> Any:
-        sending, recving = get_finished(self)
+    @functools.wraps(transfer_results)
+    def get_transfer_results(self: Any) -> Any:
+        results = transfer_results(self)
         pending = getattr(self, "_dsv4_truncate", {})
-        fault = current()
-        for req in list(recving or ()):
-            ids = pending.pop(req, None)
-            if ids and fault.get("fault") == "truncate_region":
-                _truncate(self, ids, int(fault.get("region", 0)))
-        return sending, recving
+        for req in set(results.finished_recving) - set(results.failed_recving):
+            region, ids, keep = pending.pop(req, (0, [], "named"))
+            if ids:
+                kept, zeroed = _truncate(self, ids, region, keep)
+                log(fault="truncate_region", request=req, region=region,
+                    region_name=_region_name(self, region), pages=len(ids),
+                    kept_per_page=kept, bytes=zeroed)
+        return results
 
     cls._read_blocks = _read_blocks
-    cls.get_finished = _get_finished
+    cls.get_transfer_results = get_transfer_results
+
+
+def _region_name(worker: Any, region: int) -> str:
+    indices = getattr(worker, "_transfer_layer_region_indices", None) or ()
+    names = getattr(worker, "region_names", None) or []
+    local = indices[region] if region < len(indices) else region
+    return names[local] if local < len(names) else f"region {region}"
 
 
 def install_scheduler(module: Any) -> None:
@@ -142,6 +215,8 @@ def install_scheduler(module: Any) -> None:
                 request.kv_transfer_params = params | {
                     "remote_block_ids": previous["remote_block_ids"],
                     "remote_request_id": previous["remote_request_id"]}
+                log(fault="stale_params", request=request.request_id,
+                    replayed=previous["remote_request_id"])
         return original(self, request, blocks, num_external_tokens)
 
     cls.update_state_after_alloc = update_state_after_alloc

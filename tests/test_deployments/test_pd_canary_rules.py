@@ -105,6 +105,27 @@ def test_deltas_are_per_token_and_lengths_must_match() -> None:
         canary.deltas([-1.0], [-1.0, -2.0])
 
 
+def test_the_local_reference_scores_the_pairs_tokens_while_both_pick_the_same() -> None:
+    ref = [{5: -0.1, 6: -2.0}, {7: -0.3, 8: -1.5}, {9: -0.2}]
+    assert canary.match_reference([5, 7, 9], [-0.1, -0.5, -0.2], ref) == \
+        pytest.approx([0.0, 0.2, 0.0])
+    # a near tie at the last token: the pair's pick is in the reference's top, same context
+    assert canary.match_reference([5, 7, 9], [-0.1, -0.3, -0.2],
+                                  [*ref[:2], {10: -0.1, 9: -0.2}]) == \
+        pytest.approx([0.0, 0.0, 0.0])
+
+
+def test_the_local_reference_defers_to_scoring_once_the_runs_diverge() -> None:
+    ref = [{5: -0.1, 6: -2.0}, {7: -0.3}, {9: -0.2}]
+    # the pair took 6 at step 0: its logprob is comparable there, later ones are not
+    assert canary.match_reference([6, 7, 9], [-2.0, -0.3, -0.2], ref) is None
+    # the pair's token is not in the reference's top: nothing to compare
+    assert canary.match_reference([4, 7, 9], [-9.0, -0.3, -0.2], ref) is None
+    assert canary.match_reference([5, 7, 9], [-0.1, -0.3, -0.2], ref[:2]) is None
+    # a NaN through the pair is still a NaN: the verdict sees it
+    assert canary.match_reference([5], [float("nan")], ref[:1]) == [canary.NOT_FINITE]
+
+
 # --------------------------------------------------------------------- the whitelist gate
 
 def _result(decode: str, prefill: str, passed: bool, at: float = 100.0) -> dict[str, Any]:
