@@ -6,13 +6,13 @@ exact in what it prints, never wrong."""
 from __future__ import annotations
 
 from deployments.ray_touches.probes import (
-    PER_REPLICA_COUNTS,
     USAGE_STATS_SWITCH,
     RayTouch,
     attr_chain,
     every,
     optional,
     parameter,
+    per_replica,
     private_keyword,
     serve_env,
     source_mentions,
@@ -26,10 +26,9 @@ LOG_MONITOR_SWITCH = every(symbols("ray._private.parameter", "RayParams"),
                                            "self._ray_params.include_log_monitor"))
 
 TOUCHES: tuple[RayTouch, ...] = optional(
-    RayTouch(
-        name="serve.replica_ongoing_requests",
-        target="ray.serve._private.replica:ReplicaActor.get_num_ongoing_requests, "
-               "record_routing_stats",
+    per_replica(
+        "serve.replica_ongoing_requests", "ray.serve._private.replica",
+        "ReplicaActor.get_num_ongoing_requests", "ReplicaActor.record_routing_stats",
         used_in=("deployments.local.drain:in_flight_requests",),
         why="the count of in-flight requests the drain waits for: Serve's own count, and "
             "the edge's (dsv4_http_in_flight in our routing stats), which also sees the "
@@ -37,9 +36,6 @@ TOUCHES: tuple[RayTouch, ...] = optional(
         how="call both on each ingress replica actor, take the larger per replica (10 s "
             "bound; a failure is logged and the drain goes on)",
         upstream="private actor methods",
-        removal=PER_REPLICA_COUNTS,
-        probe=attr_chain("ray.serve._private.replica", "ReplicaActor.get_num_ongoing_requests",
-                         "ReplicaActor.record_routing_stats"),
     ),
     private_keyword(
         "serve.delete_nonblocking", "ray.serve", "delete", "_blocking",

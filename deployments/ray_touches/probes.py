@@ -55,6 +55,15 @@ def private_keyword(name: str, module: str, func: str, param: str, *,
                     removal=removal, probe=parameter(module, func, param))
 
 
+def per_replica(name: str, module: str, *attrs: str, used_in: tuple[str, ...], why: str,
+                how: str, upstream: str) -> RayTouch:
+    """A touch that finds or counts a deployment's replicas one by one: it goes when Serve
+    reports ongoing requests per replica; target and probe follow from the attributes."""
+    return RayTouch(name=name, target=f"{module}:{', '.join(attrs)}", used_in=used_in,
+                    why=why, how=how, upstream=upstream, removal=PER_REPLICA_COUNTS,
+                    probe=attr_chain(module, *attrs))
+
+
 def serve_env(name: str, *constants: str, used_in: tuple[str, ...], why: str, how: str,
               removal: str) -> RayTouch:
     """A touch of Serve settings its ``constants.py`` reads from the environment, outside
@@ -130,6 +139,12 @@ def call_site_problem(site: str) -> str | None:
     if not sep or not path:
         return f"{site!r} is not 'module:qualname' (e.g. 'deployments.local.drain:drain')"
     return resolve(module, path)[1]
+
+
+def called_by(module: str, func: str, caller: str) -> Probe:
+    """A probe: ``module`` has the function ``func`` and ``caller`` (in the same module)
+    still calls it by that module-level name, the name a replacement must take."""
+    return every(symbols(module, func), source_mentions(module, caller, f"{func}("))
 
 
 def source_mentions(module: str, path: str, *texts: str) -> Probe:

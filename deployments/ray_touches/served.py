@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from deployments.ray_touches.probes import (
-    PER_REPLICA_COUNTS,
     USAGE_STATS_SWITCH,
     RayTouch,
     attr_chain,
+    called_by,
     dataclass_field,
     every,
     optional,
+    per_replica,
     source_mentions,
     symbols,
 )
@@ -234,9 +235,9 @@ TOUCHES: tuple[RayTouch, ...] = (
                                         "RayPrometheusStatLogger")),
             loads_llm=True,
         ),
-        RayTouch(
-            name="serve.replica_ids",
-            target="ray.serve._private.common:ReplicaID.is_full_id_str, from_full_id_str",
+        per_replica(
+            "serve.replica_ids", "ray.serve._private.common", "ReplicaID.is_full_id_str",
+            "ReplicaID.from_full_id_str",
             used_in=("deployments.control.replicas:replica_actors",
                      "deployments.control.replicas:alive_replica_ids",
                      "deployments.local.drain:in_flight_requests"),
@@ -246,9 +247,6 @@ TOUCHES: tuple[RayTouch, ...] = (
             how="parse every named actor's name (never a hard-coded name format); keep the "
                 "replicas of one deployment",
             upstream="no public per-replica request count in Ray 2.60",
-            removal=PER_REPLICA_COUNTS,
-            probe=attr_chain("ray.serve._private.common", "ReplicaID.is_full_id_str",
-                             "ReplicaID.from_full_id_str"),
         ),
         RayTouch(
             name="ray_llm.telemetry_push",
@@ -266,11 +264,9 @@ TOUCHES: tuple[RayTouch, ...] = (
             upstream="none: the push is synchronous in Ray 2.60 (llm_server.py _start_engine)",
             removal="when Ray Serve LLM pushes the report off the start path or skips it with "
                     "usage stats off",
-            probe=every(symbols("ray.llm._internal.serve.core.server.llm_server",
-                                "push_telemetry_report_for_all_models"),
-                        source_mentions("ray.llm._internal.serve.core.server.llm_server",
-                                        "LLMServer._start_engine",
-                                        "push_telemetry_report_for_all_models("),
+            probe=every(called_by("ray.llm._internal.serve.core.server.llm_server",
+                                  "push_telemetry_report_for_all_models",
+                                  "LLMServer._start_engine"),
                         USAGE_STATS_SWITCH),
             loads_llm=True,
         ),
