@@ -145,9 +145,9 @@ def resolve_on_node(engine_kwargs: dict[str, Any], node: NodeInfo,
     """
     if decision is None:
         decision = installed_layout(node.platform, node.capability, node.attention_backend)
-    requested = engine_kwargs.get("kv_cache_dtype")
-    resolution = rules.resolve_kv_cache_dtype(decision.layout, requested)
-    return NodeResolution(decision, resolution)
+    setup = rules.EngineSetup(installed_version(),
+                              kv_cache_dtype=engine_kwargs.get("kv_cache_dtype"))
+    return NodeResolution(decision, rules.build_v4_node(setup, decision).resolution)
 
 
 def table_decision(node: NodeInfo) -> rules.LayoutDecision | None:

@@ -169,7 +169,8 @@ def _layout_problems(args: AppArgs) -> list[Finding]:
             f"Fix: set expected_layout: {decision.layout.value}, or change "
             "node/attention_backend."))
     try:
-        rules.resolve_kv_cache_dtype(decision.layout, ek.kv_cache_dtype)
+        rules.build_v4_node(rules.EngineSetup(rules.DEFAULT_VLLM[node.platform],
+                                              kv_cache_dtype=ek.kv_cache_dtype), decision)
     except rules.KVCacheDtypeError as exc:
         found.append(_error("kv-cache-dtype-refused", f"llm.engine_kwargs.kv_cache_dtype: {exc}"))
     return found

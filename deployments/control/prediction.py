@@ -39,7 +39,9 @@ def predict(hf_config: Mapping[str, Any] | None, layout: rules.Layout, requested
     if rules.family_of(hf_config) is rules.Family.V41:
         return _predict_v41(hf_config, requested, source, node or {}, str(vllm_version),
                             engine or {})
-    resolution = rules.resolve_kv_cache_dtype(layout, requested)
+    reported = rules.LayoutDecision(layout, "", "the layout the replica reports")
+    resolution = rules.build_v4_node(rules.EngineSetup(str(vllm_version), kv_cache_dtype=requested),
+                                     reported).resolution
     shape = rules.ModelShape.from_hf_config(hf_config)
     layers = [LayerEntry(layer=f"layers.{p.index}.{p.role}", index=p.index, role=p.role,
                          spec_type="MLAAttentionSpec", cache_dtype_str=p.cache_dtype_str,
@@ -260,7 +262,7 @@ def node_record_fields(hf_config: Mapping[str, Any], node: Mapping[str, Any],
                 "compressed_record_bytes": record.compressed_bytes,
                 "page_alignment": record.alignment, "block_size": record.block_size,
                 "kv_bytes_per_token": built.bytes_per_token, "numerics": record.numerics}
-    shape = rules.ModelShape.from_hf_config(rules.flatten_config(hf_config))
+    shape = rules.ModelShape.from_hf_config(hf_config)
     storage = rules.Storage(built.numerics)
     return {"cache_dtype_str": built.cache_dtype_str,
             "swa_record_bytes": rules.state_bytes(shape, storage),

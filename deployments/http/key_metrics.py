@@ -13,9 +13,8 @@ from deployments.observe import series
 
 def key_file_metrics() -> KeyFileWatcher:
     """A watcher that sets the key file's series on every status it is given."""
-    stale = series.make(series.KEY_FILE_STALE)
-    keys = series.make(series.KEY_FILE_KEYS)
-    refused = series.make(series.KEY_FILE_REFUSED)
+    stale, keys, refused = series.make_each(series.KEY_FILE_STALE, series.KEY_FILE_KEYS,
+                                            series.KEY_FILE_REFUSED)
     seen = 0
 
     def watch(status: KeyFileStatus) -> None:

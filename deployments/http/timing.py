@@ -69,12 +69,9 @@ class StageSeries:
     """The Ray metrics of the serving path (``observe.series``), one set per process."""
 
     def __init__(self) -> None:
-        self.stage = series.make(series.STAGE)
-        self.ttft = series.make(series.TTFT)
-        self.stage_total = series.make(series.STAGE_TOTAL)
-        self.ttft_total = series.make(series.TTFT_TOTAL)
-        self.in_flight = series.make(series.IN_FLIGHT)
-        self.refused = series.make(series.REFUSED)
+        (self.stage, self.ttft, self.stage_total, self.ttft_total, self.in_flight,
+         self.refused) = series.make_each(series.STAGE, series.TTFT, series.STAGE_TOTAL,
+                                          series.TTFT_TOTAL, series.IN_FLIGHT, series.REFUSED)
         self._in_flight = 0
         self._reporter: asyncio.Task[None] | None = None
 

@@ -38,9 +38,9 @@ class ReplicaFigures:
     """What the scrape says about one serving replica."""
 
     replica: str
-    node_type: str | None = None
-    status: str | None = None
-    action: str | None = None
+    # The labels of its dsv4_kv_replica_info sample: node_type, status (ok|odd), action
+    # (serve|drain|fail_health), cache_dtype, fingerprints.
+    info: dict[str, str] = field(default_factory=dict)
     kv_bytes_per_token: float | None = None
     kv_capacity_tokens: float | None = None
     kv_usage: float | None = None  # vLLM's kv_cache_usage_perc (0..1)
@@ -49,6 +49,16 @@ class ReplicaFigures:
     stage_seconds: dict[str, tuple[float, float]] = field(default_factory=dict)  # sum, count
     ttft: tuple[float, float] = (0.0, 0.0)  # sum, count
     refused: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def node_type(self) -> str | None:
+        return self.info.get("node_type")
+
+    @property
+    def standing(self) -> str:
+        """``", odd: drain"`` for a replica the controller does not let serve as usual."""
+        status, action = self.info.get("status") or "ok", self.info.get("action") or "serve"
+        return "" if (status, action) == ("ok", "serve") else f", {status}: {action}"
 
     def mean(self, stage: str) -> float | None:
         total, count = self.stage_seconds.get(stage, (0.0, 0.0))
@@ -82,9 +92,7 @@ def per_replica(scraped: dict[str, list[Sample]], deployment: str | None = None,
 
     for labels, value in scraped.get(_name(series.REPLICA_INFO), []):
         if value == 1.0 and ours(labels, "llm_deployment"):
-            f = fig(labels["replica"])
-            f.node_type, f.status, f.action = (labels.get("node_type"), labels.get("status"),
-                                               labels.get("action"))
+            fig(labels["replica"]).info = labels
     for s, attr in ((series.BYTES_PER_TOKEN, "kv_bytes_per_token"),
                     (series.CAPACITY_TOKENS, "kv_capacity_tokens")):
         for labels, value in scraped.get(_name(s), []):
@@ -138,7 +146,7 @@ def describe(figures: dict[str, ReplicaFigures]) -> list[str]:
     lines = ["  metrics (per replica):"]
     for f in sorted(figures.values(), key=lambda f: (f.node_type or "", f.replica)):
         lines.append(
-            f"    {f.replica} [{f.node_type or '?'}]: KV {_pct(f.kv_usage)} of "
+            f"    {f.replica} [{f.node_type or '?'}{f.standing}]: KV {_pct(f.kv_usage)} of "
             f"{_num(f.kv_capacity_tokens)} tokens ({_num(f.kv_bytes_per_token)} B/token), "
             f"{_num(f.generation_tokens)} tokens generated, in flight {_num(f.in_flight)}; "
             f"TTFT {_ms(f.ttft_mean)} = edge {_ms(f.mean('edge'))} + engine "

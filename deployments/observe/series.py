@@ -64,23 +64,29 @@ def exported(name: str, kind: Kind) -> tuple[str, ...]:
     return (base,)
 
 
-def _g(name: str, help: str, tags: tuple[str, ...] = FLEET_TAGS) -> Series:
+def _g(name: str, help: str, tags: tuple[str, ...]) -> Series:
     return Series(name, Kind.GAUGE, help, tags)
 
 
+def _gauges(tags: tuple[str, ...], where: str, *rows: tuple[str, str]) -> tuple[Series, ...]:
+    """Gauges that share their tags and their process: one ``(name, help)`` row each."""
+    return tuple(Series(name, Kind.GAUGE, help, tags, where=where) for name, help in rows)
+
+
 # ----------------------------------------------------------- the controller: the fleet
-AGREE = _g("dsv4_kv_spec_agree", "1 if every RUNNING replica has the predicted KV spec "
-           "(fresh report), else 0")
-RUNNING = _g("dsv4_kv_spec_running_replicas", "RUNNING replicas per Serve")
-ANSWERED = _g("dsv4_kv_spec_answered_replicas", "replicas that answered kv_page_spec in "
-              "the last check")
-ODD = _g("dsv4_kv_spec_odd_replicas", "replicas whose KV spec differs from the prediction, "
-         "their peers or the expected layout")
-DRAINED = _g("dsv4_kv_spec_drained_replicas", "odd replicas kept up but routed no requests "
-             "(policy drain, or enforce gave up)")
-STALE = _g("dsv4_kv_spec_stale", "1 if the last completed check is older than "
-           "dsv4.stale_bound_s")
-AGE = _g("dsv4_kv_spec_report_age_seconds", "seconds since the last completed check")
+AGREE, RUNNING, ANSWERED, ODD, DRAINED, STALE, AGE = _gauges(
+    FLEET_TAGS, "controller",
+    ("dsv4_kv_spec_agree", "1 if every RUNNING replica has the predicted KV spec (fresh "
+     "report), else 0"),
+    ("dsv4_kv_spec_running_replicas", "RUNNING replicas per Serve"),
+    ("dsv4_kv_spec_answered_replicas", "replicas that answered kv_page_spec in the last "
+     "check"),
+    ("dsv4_kv_spec_odd_replicas", "replicas whose KV spec differs from the prediction, "
+     "their peers or the expected layout"),
+    ("dsv4_kv_spec_drained_replicas", "odd replicas kept up but routed no requests (policy "
+     "drain, or enforce gave up)"),
+    ("dsv4_kv_spec_stale", "1 if the last completed check is older than dsv4.stale_bound_s"),
+    ("dsv4_kv_spec_report_age_seconds", "seconds since the last completed check"))
 CHECKS = Series("dsv4_kv_spec_checks_total", Kind.COUNTER, "KV-spec checks run",
                 (*FLEET_TAGS, "state"))
 REPLACEMENTS = Series("dsv4_kv_spec_enforce_replacements_total", Kind.COUNTER,
@@ -155,21 +161,15 @@ RESPONSES_ERRORS = Series("dsv4_responses_store_errors_total", Kind.COUNTER, "Re
 
 # --------------------------------------------- the P/D controller: one P/D app
 PD_TAGS = ("pd_application",)
-
-
-def _pd(name: str, help: str) -> Series:
-    return Series(name, Kind.GAUGE, help, PD_TAGS, where="pd_controller")
-
-
-PD_COMPATIBLE = _pd("dsv4_pd_compatible", "1 if every prefill replica is KV-compatible with "
-                   "every decode replica")
-PD_VERDICT = _pd("dsv4_pd_verdict", "0 not_checked, 1 compatible, 2 partial, 3 incompatible")
-PD_PAIRS = _pd("dsv4_pd_allowed_pairs", "(decode, prefill) replica pairs allowed to transfer "
-              "KV")
-PD_BLOCKED = _pd("dsv4_pd_blocked_prefill_replicas", "prefill replicas no decode replica "
-                "routes to")
-PD_STRANDED = _pd("dsv4_pd_stranded_decode_replicas", "decode replicas with no compatible "
-                 "prefill replica (they prefill locally)")
+PD_COMPATIBLE, PD_VERDICT, PD_PAIRS, PD_BLOCKED, PD_STRANDED = _gauges(
+    PD_TAGS, "pd_controller",
+    ("dsv4_pd_compatible", "1 if every prefill replica is KV-compatible with every decode "
+     "replica"),
+    ("dsv4_pd_verdict", "0 not_checked, 1 compatible, 2 partial, 3 incompatible"),
+    ("dsv4_pd_allowed_pairs", "(decode, prefill) replica pairs allowed to transfer KV"),
+    ("dsv4_pd_blocked_prefill_replicas", "prefill replicas no decode replica routes to"),
+    ("dsv4_pd_stranded_decode_replicas", "decode replicas with no compatible prefill replica "
+     "(they prefill locally)"))
 
 # ---------------------------------- Serve's controller: the kv_pressure autoscaling policy
 # Set by deployments.serving.autoscale at each decision that differs from the last.
@@ -256,3 +256,8 @@ def make(series: Series, serve_tags: bool = True) -> Any:
                                  tag_keys=tags)
     cls = metrics.Counter if series.kind is Kind.COUNTER else metrics.Gauge
     return cls(series.name, series.help, tag_keys=tags)
+
+
+def make_each(*each: Series, serve_tags: bool = True) -> tuple[Any, ...]:
+    """The Ray metrics for ``each``, in order: a process's set of series in one call."""
+    return tuple(make(s, serve_tags) for s in each)

@@ -42,16 +42,13 @@ POOLS = ("prefill", "decode")
 class _PDMetrics:
     def __init__(self, application: str):
         self._tags = {"pd_application": application}
-        self.compatible = series.make(series.PD_COMPATIBLE)
-        self.verdict = series.make(series.PD_VERDICT)
-        self.pairs = series.make(series.PD_PAIRS)
-        self.blocked = series.make(series.PD_BLOCKED)
-        self.stranded = series.make(series.PD_STRANDED)
-        self.canary_failed = series.make(series.PD_CANARY_FAILED)
-        self.canary_passed = series.make(series.PD_CANARY_PASSED)
-        self.canary_delta = series.make(series.PD_CANARY_MAX_DELTA)
-        for gauge in (self.compatible, self.verdict, self.pairs, self.blocked, self.stranded,
-                      self.canary_failed, self.canary_passed, self.canary_delta):
+        gauges = series.make_each(
+            series.PD_COMPATIBLE, series.PD_VERDICT, series.PD_PAIRS, series.PD_BLOCKED,
+            series.PD_STRANDED, series.PD_CANARY_FAILED, series.PD_CANARY_PASSED,
+            series.PD_CANARY_MAX_DELTA)
+        (self.compatible, self.verdict, self.pairs, self.blocked, self.stranded,
+         self.canary_failed, self.canary_passed, self.canary_delta) = gauges
+        for gauge in gauges:
             gauge.set_default_tags(dict(self._tags))
 
     def record(self, pd: PDReport) -> None:

@@ -43,7 +43,9 @@ __all__ = ["NodeCapacity", "PlanReport", "ReplicaPlan", "capability_text", "flee
 def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
                      vllm_version: str | None = None,
                      reserve_gib: float = 0.0) -> ReplicaPlan:
-    """Plan one application's replicas on its declared node (each node type of a mixed fleet)."""
+    """Plan one application's replicas on its declared node (each node type of a mixed fleet).
+
+    ``model_cfg``: flat, as ``model_configs.read_config_json`` reads it."""
     node, ek = args.dsv4.node, args.llm.engine_kwargs
     version = vllm_version or args.dsv4.vllm_version or rules.DEFAULT_VLLM[node.platform]
     if rules.family_of(model_cfg) is rules.Family.V41:
@@ -51,8 +53,9 @@ def plan_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any], *,
         if v41 is not None:
             return v41
     decision = args.predicted_layout(version)
-    resolution = rules.resolve_kv_cache_dtype(decision.layout, ek.kv_cache_dtype)
-    shape = rules.ModelShape.from_hf_config(rules.flatten_config(model_cfg))
+    resolution = rules.build_v4_node(rules.EngineSetup(version, kv_cache_dtype=ek.kv_cache_dtype),
+                                     decision).resolution
+    shape = rules.ModelShape.from_hf_config(model_cfg)
     weights = estimate_weights(model_cfg)
     block = args.block_size()
     cap = capacity(args, shape, weights, resolution.storage, block, reserve_gib,

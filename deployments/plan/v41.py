@@ -96,7 +96,7 @@ def plan_v41_application(name: str, args: AppArgs, model_cfg: Mapping[str, Any],
         plan.pd = pd_plan.summary(args, main.capacity.kv_bytes_per_token, main.block_size,
                                   main.capacity.kv_tokens_per_replica, plan.max_model_len,
                                   version)
-    shape = rules.ModelShape.from_hf_config(rules.flatten_config(model_cfg))
+    shape = rules.ModelShape.from_hf_config(model_cfg)
     policy = [p for p in checks.check(args)
               if p.code not in checks.UNPLANNABLE | {"layout-contradicts-expectation"}]
     found = [*policy, *_v41_layout_problems(nodes), *_capacity_problems(plan, args),

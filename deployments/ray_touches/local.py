@@ -1,58 +1,57 @@
-"""The Ray internals the local cluster of ``dsv4-serve run`` touches: head, drain, nodes."""
+"""The Ray internals the local cluster of ``dsv4-serve run`` touches: head, drain, nodes.
+
+None refuses a build (``optional``): without one a local run is slower, louder or less
+exact in what it prints, never wrong."""
 
 from __future__ import annotations
 
 from deployments.ray_touches.probes import (
+    USAGE_STATS_SWITCH,
     RayTouch,
     attr_chain,
     every,
+    optional,
     parameter,
+    per_replica,
+    private_keyword,
+    serve_env,
     source_mentions,
     symbols,
 )
 
-TOUCHES: tuple[RayTouch, ...] = (
-    RayTouch(
-        name="serve.replica_ongoing_requests",
-        target="ray.serve._private.replica:ReplicaActor.get_num_ongoing_requests, "
-               "record_routing_stats",
+# A node starts a log monitor as its RayParams say (include_log_monitor): what the quiet
+# local head and the fake worker nodes both switch off.
+LOG_MONITOR_SWITCH = every(symbols("ray._private.parameter", "RayParams"),
+                           source_mentions("ray._private.node", "Node.start_ray_processes",
+                                           "self._ray_params.include_log_monitor"))
+
+TOUCHES: tuple[RayTouch, ...] = optional(
+    per_replica(
+        "serve.replica_ongoing_requests", "ray.serve._private.replica",
+        "ReplicaActor.get_num_ongoing_requests", "ReplicaActor.record_routing_stats",
         used_in=("deployments.local.drain:in_flight_requests",),
         why="the count of in-flight requests the drain waits for: Serve's own count, and "
             "the edge's (dsv4_http_in_flight in our routing stats), which also sees the "
             "requests on the replicas' own port (http.replica_port) that Serve never routes",
         how="call both on each ingress replica actor, take the larger per replica (10 s "
             "bound; a failure is logged and the drain goes on)",
-        upstream="private actor method",
-        removal="as serve.replica_ids",
-        probe=every(attr_chain("ray.serve._private.replica",
-                               "ReplicaActor.get_num_ongoing_requests"),
-                    attr_chain("ray.serve._private.replica",
-                               "ReplicaActor.record_routing_stats")),
-        required=False,
+        upstream="private actor methods",
     ),
-    RayTouch(
-        name="serve.delete_nonblocking",
-        target="ray.serve:delete(_blocking=False)",
+    private_keyword(
+        "serve.delete_nonblocking", "ray.serve", "delete", "_blocking",
         used_in=("deployments.local.drain:drain",),
         why="deleting every application at once lets their drains overlap; a blocking "
             "delete would drain them one after another",
-        how="delete each app without waiting, then poll serve.status() until all are gone",
-        upstream="underscore parameter of the public serve.delete",
-        removal="when serve.delete takes several names or a public non-blocking flag",
-        probe=parameter("ray.serve", "delete", "_blocking"),
-        required=False,
-    ),
-    RayTouch(
-        name="ray.metrics_export_port",
-        target="ray:init(_metrics_export_port=)",
+        how="delete each app without waiting (_blocking=False), then poll serve.status() "
+            "until all are gone",
+        removal="when serve.delete takes several names or a public non-blocking flag"),
+    private_keyword(
+        "ray.metrics_export_port", "ray", "init", "_metrics_export_port",
         used_in=("deployments.local.ray_head:start_cluster",),
         why="`dsv4-serve run` prints the Prometheus URL, so the port must be ours to know",
-        how="pass a free port to ray.init of the private local cluster",
-        upstream="underscore keyword of ray.init (popped from **kwargs)",
-        removal="when ray.init takes a public metrics port",
-        probe=parameter("ray", "init", "_metrics_export_port"),
-        required=False,
-    ),
+        how="pass a free port to ray.init of the private local cluster (ray.init pops the "
+            "keyword from **kwargs)",
+        removal="when ray.init takes a public metrics port"),
     RayTouch(
         name="ray.loopback_node_ip",
         target="ray._private.ray_constants:ENABLE_RAY_CLUSTER, read by "
@@ -76,7 +75,6 @@ TOUCHES: tuple[RayTouch, ...] = (
                                     "ray_constants.ENABLE_RAY_CLUSTER"),
                     source_mentions("ray.dashboard.modules.reporter.reporter_agent",
                                     "ReporterAgent.__init__", "is_localhost(self._ip)")),
-        required=False,
     ),
     RayTouch(
         name="ray.quiet_local_head",
@@ -101,19 +99,14 @@ TOUCHES: tuple[RayTouch, ...] = (
         upstream="ray start has --no-monitor / --include-log-monitor; ray.init exposes "
                  "neither, and always starts the dashboard head (Ray 2.60)",
         removal="when ray.init takes these options",
-        probe=every(symbols("ray._private.parameter", "RayParams"),
+        probe=every(LOG_MONITOR_SWITCH,
                     source_mentions("ray._private.node", "Node.start_head_processes",
-                                    "self._ray_params.no_monitor"),
-                    source_mentions("ray._private.node", "Node.start_ray_processes",
-                                    "self._ray_params.include_log_monitor"),
+                                    "self._ray_params.no_monitor", "self.start_api_server("),
                     source_mentions("ray._private.worker", "init",
                                     "ray._private.parameter.RayParams("),
-                    source_mentions("ray._private.node", "Node.start_head_processes",
-                                    "self.start_api_server("),
                     parameter("ray._private.node", "Node.start_api_server",
                               "raise_on_failure"),
-                    symbols("ray._common.usage.usage_lib", "usage_stats_enabled")),
-        required=False,
+                    USAGE_STATS_SWITCH),
     ),
     RayTouch(
         name="ray.prompt_node_registration",
@@ -137,10 +130,9 @@ TOUCHES: tuple[RayTouch, ...] = (
                     symbols("ray._private.services", "get_node", "_get_gcs_client_options"),
                     source_mentions("ray._private.services", "get_node",
                                     "global_state.get_node(node_id)"),
-                    attr_chain("ray._private.state", "GlobalState._initialize_global_state"),
-                    attr_chain("ray._private.state", "GlobalState.node_table"),
-                    attr_chain("ray._private.state", "GlobalState.disconnect")),
-        required=False,
+                    attr_chain("ray._private.state", "GlobalState._initialize_global_state",
+                               "GlobalState.node_table",
+                               "GlobalState.disconnect")),
     ),
     RayTouch(
         name="serve.controller_before_proxies",
@@ -163,67 +155,46 @@ TOUCHES: tuple[RayTouch, ...] = (
                     symbols("ray.serve._private.constants", "HTTP_PROXY_TIMEOUT"),
                     # what serve.start does that start_serve does the same way
                     source_mentions("ray.serve._private.api", "serve_start",
-                                    "ray.get(proxy_ready_refs, timeout=HTTP_PROXY_TIMEOUT)"),
-                    source_mentions("ray.serve._private.api", "serve_start",
+                                    "ray.get(proxy_ready_refs, timeout=HTTP_PROXY_TIMEOUT)",
                                     "_set_global_client(client)")),
-        required=False,
     ),
-    RayTouch(
-        name="serve.local_quiet_env",
-        target="ray.serve._private.constants: CONTROL_LOOP_INTERVAL_S "
-               "(RAY_SERVE_CONTROL_LOOP_INTERVAL_S), RAY_SERVE_METRICS_EXPORT_INTERVAL_MS",
+    serve_env(
+        "serve.local_quiet_env", "CONTROL_LOOP_INTERVAL_S",
+        "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS",
         used_in=("deployments.serve_env:LOCAL_QUIET_ENV",
                  "deployments.serve_env:apply_local_quiet",
                  "deployments.local.ray_head:start_cluster",
                  "deployments.local.cluster:LocalCluster.start"),
         why="a local run idles quietly: Serve's 10 Hz control loop and 10 Hz metrics flush "
             "are most of what the app costs at rest on a small box (docs/benchmarks.md §2f)",
-        how="process environment before the local Ray starts; a value the user set wins",
-        upstream="environment variables read in constants.py, not in Serve's documented "
-                 "settings",
-        removal="when Serve offers a documented idle or local profile",
-        probe=symbols("ray.serve._private.constants", "CONTROL_LOOP_INTERVAL_S",
-                      "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"),
-        required=False,
-    ),
-    RayTouch(
-        name="serve.local_drain_window",
-        target="ray.serve._private.constants: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S "
-               "and the RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER / FASTINTER / FALL defaults",
+        how="process environment before the local Ray starts (the loop's variable is "
+            "RAY_SERVE_CONTROL_LOOP_INTERVAL_S); a value the user set wins",
+        removal="when Serve offers a documented idle or local profile"),
+    serve_env(
+        "serve.local_drain_window", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S",
+        "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER", "RAY_SERVE_HAPROXY_HEALTH_CHECK_FASTINTER",
+        "RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL",
         used_in=("deployments.serve_env:apply_ingress",
                  "deployments.serve_env:local_drain_env",
                  "deployments.serve_env:HAPROXY_CHECK_DEFAULTS"),
         why="a stopping replica under HAProxy keeps serving 30 s (sized for an external "
-            "balancer); in a local run this host's HAProxy is the only one and takes a "
-            "failing replica out in ~5 s, so every local stop and scale-down waited ~20 s "
-            "for nobody",
+            "balancer; Ray 2.60 replica.py _drain_behind_haproxy holds it open that long); "
+            "in a local run this host's HAProxy is the only one and takes a failing replica "
+            "out in ~5 s, so every local stop and scale-down waited ~20 s for nobody",
         how="process environment before the local Ray starts (http.ingress: haproxy): "
-            "twice HAProxy's down time from the check settings; a value the user set wins",
-        upstream="environment variables read in constants.py (Ray 2.60 replica.py "
-                 "_drain_behind_haproxy holds the replica open that long)",
-        removal="when Serve derives the drain window from its own HAProxy's check settings",
-        probe=symbols("ray.serve._private.constants",
-                      "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S",
-                      "RAY_SERVE_HAPROXY_HEALTH_CHECK_INTER",
-                      "RAY_SERVE_HAPROXY_HEALTH_CHECK_FASTINTER",
-                      "RAY_SERVE_HAPROXY_HEALTH_CHECK_FALL"),
-        required=False,
-    ),
-    RayTouch(
-        name="serve.direct_ingress_port_range",
-        target="ray.serve._private.constants: RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT / "
-               "MAX_HTTP_PORT (range(MIN, MAX) in node_port_manager.PortAllocator)",
+            "twice HAProxy's down time from the check settings (their defaults are read "
+            "too); a value the user set wins",
+        removal="when Serve derives the drain window from its own HAProxy's check settings"),
+    serve_env(
+        "serve.direct_ingress_port_range", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT",
         used_in=("deployments.serve_env:direct_env",),
         why="pin the one replica's own HTTP port so a client can find it under direct "
-            "ingress (Serve otherwise picks from 30000-31000)",
-        how="process environment before Ray starts; MIN=p, MAX=p+1",
-        upstream="environment variables in constants.py; no public way to learn a "
-                 "replica's direct-ingress port",
-        removal="when Serve publishes replica ports or balances direct ingress itself",
-        probe=symbols("ray.serve._private.constants", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
-                      "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"),
-        required=False,
-    ),
+            "ingress (Serve otherwise picks from 30000-31000, and publishes no replica's "
+            "port)",
+        how="process environment before Ray starts; MIN=p, MAX=p+1 (node_port_manager."
+            "PortAllocator takes range(MIN, MAX))",
+        removal="when Serve publishes replica ports or balances direct ingress itself"),
     RayTouch(
         name="autoscaler.fake_multinode",
         target="ray.autoscaler._private.fake_multi_node.node_provider:FakeMultiNodeProvider",
@@ -237,7 +208,6 @@ TOUCHES: tuple[RayTouch, ...] = (
         removal="when Ray ships a public local multi-node cluster",
         probe=symbols("ray.autoscaler._private.fake_multi_node.node_provider",
                       "FakeMultiNodeProvider"),
-        required=False,
     ),
     RayTouch(
         name="ray.fake_nodes_one_log_monitor",
@@ -255,15 +225,12 @@ TOUCHES: tuple[RayTouch, ...] = (
         upstream="test utility; its RayParams take no per-node options from the config",
         removal="when the fake provider takes node start options, or Ray ships a public "
                 "local multi-node cluster",
-        probe=every(symbols("ray._private.parameter", "RayParams"),
+        probe=every(LOG_MONITOR_SWITCH,
                     parameter("ray._private.parameter", "RayParams.__init__",
                               "include_log_monitor"),
                     source_mentions("ray.autoscaler._private.fake_multi_node.node_provider",
                                     "FakeMultiNodeProvider."
                                     "_create_node_with_resources_and_labels",
-                                    "ray._private.parameter.RayParams("),
-                    source_mentions("ray._private.node", "Node.start_ray_processes",
-                                    "self._ray_params.include_log_monitor")),
-        required=False,
+                                    "ray._private.parameter.RayParams(")),
     ),
 )

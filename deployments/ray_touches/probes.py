@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 Probe = Callable[[], "str | None"]  # None = present as used; else what is missing
 AFFECTED = "Ray 2.60.0 (checked; other releases are probed, not assumed)"
@@ -33,6 +33,46 @@ class RayTouch:
     # Probing imports Ray Serve LLM's server (vLLM, torch): required where that is
     # imported anyway (a replica, Ray Serve LLM's builders), not by a light build.
     loads_llm: bool = False
+
+
+def optional(*touches: RayTouch) -> tuple[RayTouch, ...]:
+    """``touches`` that never refuse a build (``required=False``): the code that uses one
+    asks ``present(name)`` and does without it, logged."""
+    return tuple(replace(t, required=False) for t in touches)
+
+
+SERVE_CONSTANTS = "ray.serve._private.constants"
+# When the touches that find a deployment's replicas and count their requests can go.
+PER_REPLICA_COUNTS = "when serve.status() reports ongoing requests per replica"
+
+
+def private_keyword(name: str, module: str, func: str, param: str, *,
+                    used_in: tuple[str, ...], why: str, how: str, removal: str) -> RayTouch:
+    """A touch of an underscore keyword of a public Ray function: its target, upstream
+    state and probe follow from where the keyword is."""
+    return RayTouch(name=name, target=f"{module}:{func}({param}=)", used_in=used_in, why=why,
+                    how=how, upstream=f"underscore keyword of the public {module}.{func}",
+                    removal=removal, probe=parameter(module, func, param))
+
+
+def per_replica(name: str, module: str, *attrs: str, used_in: tuple[str, ...], why: str,
+                how: str, upstream: str) -> RayTouch:
+    """A touch that finds or counts a deployment's replicas one by one: it goes when Serve
+    reports ongoing requests per replica; target and probe follow from the attributes."""
+    return RayTouch(name=name, target=f"{module}:{', '.join(attrs)}", used_in=used_in,
+                    why=why, how=how, upstream=upstream, removal=PER_REPLICA_COUNTS,
+                    probe=attr_chain(module, *attrs))
+
+
+def serve_env(name: str, *constants: str, used_in: tuple[str, ...], why: str, how: str,
+              removal: str) -> RayTouch:
+    """A touch of Serve settings its ``constants.py`` reads from the environment, outside
+    Serve's documented settings: target, upstream state and probe follow from the names."""
+    return RayTouch(name=name, target=f"{SERVE_CONSTANTS}: {', '.join(constants)}",
+                    used_in=used_in, why=why, how=how,
+                    upstream="environment variables read in Serve's constants.py, not in its "
+                             "documented settings",
+                    removal=removal, probe=symbols(SERVE_CONSTANTS, *constants))
 
 
 def symbols(module: str, *names: str) -> Probe:
@@ -60,10 +100,11 @@ def resolve(module: str, path: str) -> tuple[object | None, str | None]:
     return obj, None
 
 
-def attr_chain(module: str, path: str) -> Probe:
-    """A probe: ``module.path`` (dotted attributes) exists."""
+def attr_chain(module: str, *paths: str) -> Probe:
+    """A probe: every one of ``module.path`` (dotted attributes) exists."""
     def probe() -> str | None:
-        return resolve(module, path)[1]
+        return next((missing for path in paths
+                     if (missing := resolve(module, path)[1]) is not None), None)
     return probe
 
 
@@ -100,14 +141,22 @@ def call_site_problem(site: str) -> str | None:
     return resolve(module, path)[1]
 
 
-def source_mentions(module: str, path: str, text: str) -> Probe:
-    """A probe: the source of ``module.path`` contains ``text`` (a behaviour we rely on)."""
+def called_by(module: str, func: str, caller: str) -> Probe:
+    """A probe: ``module`` has the function ``func`` and ``caller`` (in the same module)
+    still calls it by that module-level name, the name a replacement must take."""
+    return every(symbols(module, func), source_mentions(module, caller, f"{func}("))
+
+
+def source_mentions(module: str, path: str, *texts: str) -> Probe:
+    """A probe: the source of ``module.path`` contains every one of ``texts`` (behaviours
+    we rely on)."""
     def check(obj: object) -> str | None:
         try:
             source = inspect.getsource(obj)  # type: ignore[arg-type]  # getsource raises TypeError on a non-source object
         except (OSError, TypeError) as exc:
             return f"cannot read the source of {module}.{path}: {exc}"
-        return None if text in source else f"{module}.{path} no longer does {text!r}"
+        gone = next((t for t in texts if t not in source), None)
+        return None if gone is None else f"{module}.{path} no longer does {gone!r}"
     return on_target(module, path, check)
 
 
@@ -131,3 +180,8 @@ def text_mentions(module: str, attr: str, *texts: str) -> Probe:
         absent = [t for t in texts if t not in obj]
         return f"{module}.{attr} no longer has {absent!r}" if absent else None
     return on_target(module, attr, check)
+
+
+# Ray says whether usage stats are on: the quiet local head and the telemetry push both act
+# only when they are off.
+USAGE_STATS_SWITCH = symbols("ray._common.usage.usage_lib", "usage_stats_enabled")

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from deployments.ray_touches.probes import (
+    USAGE_STATS_SWITCH,
     RayTouch,
     attr_chain,
+    called_by,
     dataclass_field,
     every,
+    optional,
+    per_replica,
     source_mentions,
     symbols,
 )
@@ -73,12 +77,9 @@ TOUCHES: tuple[RayTouch, ...] = (
                  "with RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING); not public API",
         removal="when Ray exports a P/D server whose ASGI app can be built without the "
                 "direct-streaming builder",
-        probe=every(
-                    source_mentions(f"{_LLM}.serving_patterns.prefill_decode.pd_server",
-                                    "PDOrchestratorMixin.__serve_build_asgi_app__", "self.chat("),
-                    source_mentions(f"{_LLM}.serving_patterns.prefill_decode.pd_server",
-                                    "PDOrchestratorMixin.__serve_build_asgi_app__",
-                                    "self.completions(")),
+        probe=source_mentions(f"{_LLM}.serving_patterns.prefill_decode.pd_server",
+                              "PDOrchestratorMixin.__serve_build_asgi_app__",
+                              "self.chat(", "self.completions("),
         pd_only=True,
         loads_llm=True,
     ),
@@ -169,63 +170,6 @@ TOUCHES: tuple[RayTouch, ...] = (
                             "TPU_ACCELERATOR_VALUES", "infer_hardware_kind_from_bundles")),
     ),
     RayTouch(
-        name="llm.engine_gauges",
-        target="vllm.v1.metrics.ray_wrappers:RayPrometheusStatLogger._gauge_cls and "
-               "RayKVConnectorProm._gauge_cls (RayGaugeWrapper)",
-        used_in=("deployments.serving.engine_metrics:install",
-                 "deployments.serving.engine_metrics:gauge_class"),
-        why="vLLM sets its engine gauges (kv_cache_usage_perc, num_requests_running/"
-            "waiting, ...) only when the engine steps and Ray's agent drops a gauge not set "
-            "for two export intervals: ~20 s into idle the KV and queue series vanish, the "
-            "dashboard's panels go empty and an autoscaler reading them is blind",
-        how="in the replica, before the engine starts, both _gauge_cls become KeptGauge: "
-            "each set goes to Ray at once and is set again at every keep-alive of the "
-            "engine-metrics flush thread (every 5 s)",
-        upstream="none filed: Ray's agent expiring unset gauges is intended "
-                 "(ray/_private/telemetry); vLLM could re-set its gauges when idle",
-        removal="when vLLM's Ray stat logger keeps its gauges alive itself",
-        probe=every(attr_chain("vllm.v1.metrics.ray_wrappers",
-                               "RayPrometheusStatLogger._gauge_cls"),
-                    attr_chain("vllm.v1.metrics.ray_wrappers",
-                               "RayKVConnectorProm._gauge_cls"),
-                    attr_chain("vllm.v1.metrics.ray_wrappers", "RayGaugeWrapper.set")),
-        required=False,
-        loads_llm=True,
-    ),
-    RayTouch(
-        name="llm.engine_histograms",
-        target="vllm.v1.metrics.ray_wrappers:RayPrometheusStatLogger._histogram_cls "
-               "(RayHistogramWrapper; RayPrometheusMetric's tag helpers), the stat logger "
-               f"{_LLM}.engines.vllm.vllm_engine:VLLMEngine._start_async_llm_engine gives "
-               "the engine when log_engine_metrics is on",
-        used_in=("deployments.serving.engine_metrics:install",
-                 "deployments.serving.engine_metrics:histogram_class",
-                 "deployments.serving.server:DSv4ServerMixin.__init__"),
-        why="Ray 2.60's metrics agent re-records each exported histogram observation in "
-            "Python (~12 us of agent CPU each) and vLLM observes inter-token latency per "
-            "streamed token: at one GPU's rate the agent cost a fifth of vLLM's API server "
-            "per token (docs/benchmarks.md §2k)",
-        how="in the replica, before the engine starts, RayPrometheusStatLogger._histogram_cls "
-            "becomes BucketHistogram (vLLM's own label handling): counts kept in-process, "
-            "set every second into gauges named <name>_bucket{le} / _sum / _count",
-        upstream="ray-project/ray#64852 (pass histogram bucket counts through the agent); "
-                 "ray-project/ray#59337 (the agent's metrics overhead)",
-        removal="when Ray's agent passes histogram buckets through (ray#64852)",
-        probe=every(attr_chain("vllm.v1.metrics.ray_wrappers",
-                               "RayPrometheusStatLogger._histogram_cls"),
-                    attr_chain("vllm.v1.metrics.ray_wrappers",
-                               "RayPrometheusMetric._get_tag_keys"),
-                    attr_chain("vllm.v1.metrics.ray_wrappers",
-                               "RayPrometheusMetric._build_tags"),
-                    attr_chain("vllm.v1.metrics.ray_wrappers",
-                               "RayPrometheusMetric._get_sanitized_opentelemetry_name"),
-                    source_mentions(f"{_LLM}.engines.vllm.vllm_engine",
-                                    "VLLMEngine._start_async_llm_engine",
-                                    "RayPrometheusStatLogger")),
-        required=False,
-        loads_llm=True,
-    ),
-    RayTouch(
         name="llm_config.update_engine_kwargs",
         target="ray.serve.llm:LLMConfig.update_engine_kwargs (updates _engine_config too)",
         used_in=("deployments.serving.resolve:resolve_for_replica",
@@ -240,65 +184,108 @@ TOUCHES: tuple[RayTouch, ...] = (
                               "_engine_config.engine_kwargs.update"),
         loads_llm=True,
     ),
-    RayTouch(
-        name="serve.replica_ids",
-        target="ray.serve._private.common:ReplicaID.is_full_id_str, from_full_id_str",
-        used_in=("deployments.control.replicas:replica_actors",
-                 "deployments.control.replicas:alive_replica_ids",
-                 "deployments.local.drain:in_flight_requests"),
-        why="the drain prints how many requests are in flight; the controller names the "
-            "replicas that missed a check's deadline; both find a deployment's replicas "
-            "among the named actors by their replica id",
-        how="parse every named actor's name (never a hard-coded name format); keep the "
-            "replicas of one deployment",
-        upstream="no public per-replica request count in Ray 2.60",
-        removal="when serve.status() reports ongoing requests per replica",
-        probe=every(attr_chain("ray.serve._private.common", "ReplicaID.is_full_id_str"),
-                    attr_chain("ray.serve._private.common", "ReplicaID.from_full_id_str")),
-        required=False,
-    ),
-    RayTouch(
-        name="ray_llm.telemetry_push",
-        target="ray.llm._internal.serve.core.server.llm_server:"
-               "push_telemetry_report_for_all_models (called by LLMServer._start_engine)",
-        used_in=("deployments.serving.boot:keep_telemetry_off_boot_path",),
-        why="after the engine starts, LLMServer blocks on a usage report to a detached "
-            "TelemetryAgent actor: a fresh worker process and Ray Serve LLM's imports on "
-            "the replica's boot path (~3 s of a 2-core local boot) and a resident process "
-            "(0.8 % of a core at rest), for Ray's usage stats only (docs/benchmarks.md §2g)",
-        how="in each replica process, once, the module attribute is replaced by a wrapper "
-            "that does nothing when ray._common.usage.usage_lib.usage_stats_enabled() is "
-            "False (ray.init clusters set RAY_USAGE_STATS_ENABLED=0 themselves) and "
-            "otherwise runs the original on a daemon thread",
-        upstream="none: the push is synchronous in Ray 2.60 (llm_server.py _start_engine)",
-        removal="when Ray Serve LLM pushes the report off the start path or skips it with "
-                "usage stats off",
-        probe=every(symbols("ray.llm._internal.serve.core.server.llm_server",
-                            "push_telemetry_report_for_all_models"),
-                    source_mentions("ray.llm._internal.serve.core.server.llm_server",
-                                    "LLMServer._start_engine",
-                                    "push_telemetry_report_for_all_models("),
-                    symbols("ray._common.usage.usage_lib", "usage_stats_enabled")),
-        required=False,
-        loads_llm=True,
-    ),
-    RayTouch(
-        name="serve.broadcast_per_replica_results",
-        target="ray.serve.handle:DeploymentBroadcastResponse._fetch_replica_results_async; "
-               "ray.serve._private.replica_result:ReplicaResult.get_async, cancel",
-        used_in=("deployments.control.replicas:call_each",),
-        why="the public results_async(timeout_s=) is all-or-nothing: one hung replica "
-            "discards every answer",
-        how="await each replica's result under its own timeout and cancel the ones that "
-            "miss it (fallback when absent: results_async, logged once per controller)",
-        upstream="no per-replica timeout in broadcast (alpha) as of Ray 2.60",
-        removal="when broadcast exposes per-replica results with timeouts",
-        probe=every(
-                    attr_chain("ray.serve.handle",
-                               "DeploymentBroadcastResponse._fetch_replica_results_async"),
-                    attr_chain("ray.serve._private.replica_result", "ReplicaResult.get_async"),
-                    attr_chain("ray.serve._private.replica_result", "ReplicaResult.cancel")),
-        required=False,
+    *optional(
+        RayTouch(
+            name="llm.engine_gauges",
+            target="vllm.v1.metrics.ray_wrappers:RayPrometheusStatLogger._gauge_cls and "
+                   "RayKVConnectorProm._gauge_cls (RayGaugeWrapper)",
+            used_in=("deployments.serving.engine_metrics:install",
+                     "deployments.serving.engine_metrics:gauge_class"),
+            why="vLLM sets its engine gauges (kv_cache_usage_perc, num_requests_running/"
+                "waiting, ...) only when the engine steps and Ray's agent drops a gauge not set "
+                "for two export intervals: ~20 s into idle the KV and queue series vanish, the "
+                "dashboard's panels go empty and an autoscaler reading them is blind",
+            how="in the replica, before the engine starts, both _gauge_cls become KeptGauge: "
+                "each set goes to Ray at once and is set again at every keep-alive of the "
+                "engine-metrics flush thread (every 5 s)",
+            upstream="none filed: Ray's agent expiring unset gauges is intended "
+                     "(ray/_private/telemetry); vLLM could re-set its gauges when idle",
+            removal="when vLLM's Ray stat logger keeps its gauges alive itself",
+            probe=attr_chain("vllm.v1.metrics.ray_wrappers",
+                             "RayPrometheusStatLogger._gauge_cls",
+                             "RayKVConnectorProm._gauge_cls", "RayGaugeWrapper.set"),
+            loads_llm=True,
+        ),
+        RayTouch(
+            name="llm.engine_histograms",
+            target="vllm.v1.metrics.ray_wrappers:RayPrometheusStatLogger._histogram_cls "
+                   "(RayHistogramWrapper; RayPrometheusMetric's tag helpers), the stat logger "
+                   f"{_LLM}.engines.vllm.vllm_engine:VLLMEngine._start_async_llm_engine gives "
+                   "the engine when log_engine_metrics is on",
+            used_in=("deployments.serving.engine_metrics:install",
+                     "deployments.serving.engine_metrics:histogram_class",
+                     "deployments.serving.server:DSv4ServerMixin.__init__"),
+            why="Ray 2.60's metrics agent re-records each exported histogram observation in "
+                "Python (~12 us of agent CPU each) and vLLM observes inter-token latency per "
+                "streamed token: at one GPU's rate the agent cost a fifth of vLLM's API server "
+                "per token (docs/benchmarks.md §2k)",
+            how="in the replica, before the engine starts, RayPrometheusStatLogger._histogram_cls "
+                "becomes BucketHistogram (vLLM's own label handling): counts kept in-process, "
+                "set every second into gauges named <name>_bucket{le} / _sum / _count",
+            upstream="ray-project/ray#64852 (pass histogram bucket counts through the agent); "
+                     "ray-project/ray#59337 (the agent's metrics overhead)",
+            removal="when Ray's agent passes histogram buckets through (ray#64852)",
+            probe=every(attr_chain("vllm.v1.metrics.ray_wrappers",
+                                   "RayPrometheusStatLogger._histogram_cls",
+                                   "RayPrometheusMetric._get_tag_keys",
+                                   "RayPrometheusMetric._build_tags",
+                                   "RayPrometheusMetric._get_sanitized_opentelemetry_name"),
+                        source_mentions(f"{_LLM}.engines.vllm.vllm_engine",
+                                        "VLLMEngine._start_async_llm_engine",
+                                        "RayPrometheusStatLogger")),
+            loads_llm=True,
+        ),
+        per_replica(
+            "serve.replica_ids", "ray.serve._private.common", "ReplicaID.is_full_id_str",
+            "ReplicaID.from_full_id_str",
+            used_in=("deployments.control.replicas:replica_actors",
+                     "deployments.control.replicas:alive_replica_ids",
+                     "deployments.local.drain:in_flight_requests"),
+            why="the drain prints how many requests are in flight; the controller names the "
+                "replicas that missed a check's deadline; both find a deployment's replicas "
+                "among the named actors by their replica id",
+            how="parse every named actor's name (never a hard-coded name format); keep the "
+                "replicas of one deployment",
+            upstream="no public per-replica request count in Ray 2.60",
+        ),
+        RayTouch(
+            name="ray_llm.telemetry_push",
+            target="ray.llm._internal.serve.core.server.llm_server:"
+                   "push_telemetry_report_for_all_models (called by LLMServer._start_engine)",
+            used_in=("deployments.serving.boot:keep_telemetry_off_boot_path",),
+            why="after the engine starts, LLMServer blocks on a usage report to a detached "
+                "TelemetryAgent actor: a fresh worker process and Ray Serve LLM's imports on "
+                "the replica's boot path (~3 s of a 2-core local boot) and a resident process "
+                "(0.8 % of a core at rest), for Ray's usage stats only (docs/benchmarks.md §2g)",
+            how="in each replica process, once, the module attribute is replaced by a wrapper "
+                "that does nothing when ray._common.usage.usage_lib.usage_stats_enabled() is "
+                "False (ray.init clusters set RAY_USAGE_STATS_ENABLED=0 themselves) and "
+                "otherwise runs the original on a daemon thread",
+            upstream="none: the push is synchronous in Ray 2.60 (llm_server.py _start_engine)",
+            removal="when Ray Serve LLM pushes the report off the start path or skips it with "
+                    "usage stats off",
+            probe=every(called_by("ray.llm._internal.serve.core.server.llm_server",
+                                  "push_telemetry_report_for_all_models",
+                                  "LLMServer._start_engine"),
+                        USAGE_STATS_SWITCH),
+            loads_llm=True,
+        ),
+        RayTouch(
+            name="serve.broadcast_per_replica_results",
+            target="ray.serve.handle:DeploymentBroadcastResponse._fetch_replica_results_async; "
+                   "ray.serve._private.replica_result:ReplicaResult.get_async, cancel",
+            used_in=("deployments.control.replicas:call_each",),
+            why="the public results_async(timeout_s=) is all-or-nothing: one hung replica "
+                "discards every answer",
+            how="await each replica's result under its own timeout and cancel the ones that "
+                "miss it (fallback when absent: results_async, logged once per controller)",
+            upstream="no per-replica timeout in broadcast (alpha) as of Ray 2.60",
+            removal="when broadcast exposes per-replica results with timeouts",
+            probe=every(attr_chain("ray.serve.handle",
+                                   "DeploymentBroadcastResponse._fetch_replica_results_async"),
+                        attr_chain("ray.serve._private.replica_result", "ReplicaResult.get_async",
+                                   "ReplicaResult.cancel")),
+        ),
     ),
     RayTouch(
         name="pd.serving_args",

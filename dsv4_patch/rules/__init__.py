@@ -2,7 +2,9 @@
 
 No vLLM import, no Ray import, no I/O. ``build(EngineSetup, hf_config)`` is the one
 answer plan, the controller's prediction, the replica's self-check, doctor and the presets
-ask; the modules under it, one per question:
+ask (``build_v4_node`` and ``v41_record``, its node step, where no model config is at
+hand: ``kv_cache_dtype: auto`` is resolved there and nowhere else); the modules under it,
+one per question:
 
 - ``engine``       the build: attention class, dtype, block, pages, bytes per token;
 - ``engine_setup`` what vLLM reads for the build, coerced as vLLM coerces it;
@@ -29,11 +31,16 @@ from dsv4_patch.rules.dtypes import (
     PROBE_DTYPES,
     Resolution,
     UpstreamDecision,
-    resolve_kv_cache_dtype,
     stock_vllm_crashes_on,
     upstream_resolver_decision,
 )
-from dsv4_patch.rules.engine import DEFAULT_V41_RELEASE, build, v41_record
+from dsv4_patch.rules.engine import (
+    DEFAULT_V41_RELEASE,
+    V4Node,
+    build,
+    build_v4_node,
+    v41_record,
+)
 from dsv4_patch.rules.engine_setup import EngineSetup
 from dsv4_patch.rules.family import (
     FIRST_V41_VLLM,
@@ -76,12 +83,11 @@ __all__ = [
     "FLASHINFER_DSV4", "FLASHMLA_DSV4", "INDEXER", "INDEXER_SCALE_BYTES", "KNOWN_RELEASES",
     "MAIN", "NEWEST_RELEASE", "PACKED_DTYPES", "PLATFORMS", "PLUGIN_NAME", "PROBE_DTYPES",
     "EngineSetup", "Family", "KVCacheDtypeError", "Layout", "LayoutDecision", "LayoutError",
-    "ModelShape", "Resolution", "Storage", "UpstreamDecision", "V41Cache", "V41Topology",
-    "build", "default_gpu_memory_utilization", "detect_layout", "family_of", "flatten_config",
-    "kv_bytes_per_token", "nixl_mismatch", "nixl_region_dedup_hazard", "padded_page_bytes",
-    "page_alignment",
-    "page_breakdown", "parse_capability", "parse_version", "plugin_allowed", "predict_layers",
-    "predictable", "release_rules", "resolve_kv_cache_dtype", "state_bytes",
-    "stock_vllm_crashes_on", "upstream_resolver_decision", "v41_bytes_per_token", "v41_caches",
-    "v41_record",
+    "ModelShape", "Resolution", "Storage", "UpstreamDecision", "V4Node", "V41Cache",
+    "V41Topology", "build", "build_v4_node", "default_gpu_memory_utilization", "detect_layout",
+    "family_of", "flatten_config", "kv_bytes_per_token", "nixl_mismatch",
+    "nixl_region_dedup_hazard", "padded_page_bytes", "page_alignment", "page_breakdown",
+    "parse_capability", "parse_version", "plugin_allowed", "predict_layers", "predictable",
+    "release_rules", "state_bytes", "stock_vllm_crashes_on", "upstream_resolver_decision",
+    "v41_bytes_per_token", "v41_caches", "v41_record",
 ]

@@ -27,14 +27,24 @@ INDEX_HEAD_DIM = 128  # the sparse indexer's key width (fp8-e4m3, one fp32 scale
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """The parts of a DeepSeek-V4 config that size the KV cache."""
+class LayerGeometry:
+    """What a DeepSeek-V4 or V4.1 config says of its backbone layers' caches: how many
+    layers, each one's compress ratio, the attention and indexer head widths."""
 
     num_layers: int
     compress_ratios: tuple[int, ...]
     head_dim: int
-    rope_dim: int
     index_head_dim: int
+
+    def layers_with_ratio(self, ratio: int) -> int:
+        return sum(1 for r in self.compress_ratios if r == ratio)
+
+
+@dataclass(frozen=True)
+class ModelShape(LayerGeometry):
+    """The parts of a DeepSeek-V4 config that size the KV cache."""
+
+    rope_dim: int
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelShape:
@@ -53,9 +63,6 @@ class ModelShape:
             rope_dim=int(cfg["qk_rope_head_dim"]),
             index_head_dim=int(cfg["index_head_dim"]),
         )
-
-    def layers_with_ratio(self, ratio: int) -> int:
-        return sum(1 for r in self.compress_ratios if r == ratio)
 
     @property
     def compressed_ratios(self) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsv4_patch.rules.byte_model import ModelShape, kv_bytes_per_token, page_breakdown
-from dsv4_patch.rules.dtypes import resolve_kv_cache_dtype, upstream_resolver_decision
+from dsv4_patch.rules.dtypes import Resolution, resolve_kv_cache_dtype, upstream_resolver_decision
 from dsv4_patch.rules.engine_setup import EngineSetup
 from dsv4_patch.rules.family import (
     FIRST_V41_VLLM,
@@ -47,7 +47,12 @@ from dsv4_patch.rules.family import (
     v41_caches,
     v41_refusal,
 )
-from dsv4_patch.rules.layouts import KVCacheDtypeError, LayoutError, detect_layout
+from dsv4_patch.rules.layouts import (
+    KVCacheDtypeError,
+    LayoutDecision,
+    LayoutError,
+    detect_layout,
+)
 from dsv4_patch.rules.model_config import flatten_config
 from dsv4_patch.rules.releases import release_rules
 from dsv4_patch.rules.v41_backend import V41Choice, mega_fits, v41_attention
@@ -207,13 +212,34 @@ def _v41_record(choice: V41Choice, dtype: str, torch_name: str, mxfp8: bool,
                     choice.backend, numerics, choice.reason)
 
 
+@dataclass(frozen=True)
+class V4Node:
+    """DeepSeek-V4 on one node before the model's size matters: the layout, and what the
+    requested ``kv_cache_dtype`` becomes on it."""
+
+    decision: LayoutDecision
+    resolution: Resolution
+
+
+def build_v4_node(setup: EngineSetup, decided: LayoutDecision | None = None) -> V4Node:
+    """The node step of ``build`` for DeepSeek-V4, the one resolution of ``auto`` (no model
+    config needed, as ``v41_node_record`` for V4.1).
+
+    The layout is the release's tables' for the node, or ``decided`` where the caller
+    knows it another way (the replica asked its installed vLLM; a replica reported it).
+    Raises ``LayoutError`` / ``KVCacheDtypeError`` naming the setting and the fix.
+    """
+    decision = decided or detect_layout(setup.platform, setup.capability,
+                                        setup.attention_backend, setup.release)
+    return V4Node(decision, resolve_kv_cache_dtype(decision.layout, setup.kv_cache_dtype))
+
+
 def build_v4(setup: EngineSetup, hf_config: Mapping[str, Any]) -> Built:
     """DeepSeek-V4 (with dsv4_patch loaded) on one node; raises where vLLM refuses."""
     if parse_version(setup.release)[:2] < FIRST_V4:
         raise LayoutError(f"vLLM {setup.release} has no DeepSeek-V4 (first: 0.20).")
-    decision = detect_layout(setup.platform, setup.capability, setup.attention_backend,
-                             setup.release)
-    res = resolve_kv_cache_dtype(decision.layout, setup.kv_cache_dtype)
+    node = build_v4_node(setup)
+    decision, res = node.decision, node.resolution
     block = setup.block_size or V4_BLOCK_SIZE
     if block % V4_INDEXER_BLOCKS[0]:
         raise LayoutError(f"block_size={block}: DeepSeek-V4's indexer backend takes "

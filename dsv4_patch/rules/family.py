@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from dsv4_patch.rules.byte_model import LayerGeometry
 from dsv4_patch.rules.layouts import KVCacheDtypeError
 from dsv4_patch.rules.model_config import flatten_config
 
@@ -167,15 +168,12 @@ class KVRecord:
 
 
 @dataclass(frozen=True)
-class V41Topology:
-    """The parts of a V4.1 config that place caches on layers."""
+class V41Topology(LayerGeometry):
+    """The parts of a V4.1 config that place caches on layers (ratios: backbone layers
+    only; 0 is a sliding-window layer)."""
 
-    num_layers: int
-    compress_ratios: tuple[int, ...]  # backbone layers only
     kv_sources: tuple[int, ...]
     index_sources: tuple[int, ...]
-    head_dim: int
-    index_head_dim: int
     # DSpark draft layers (layers.{num_layers + i}, pure SWA), counted as vLLM does
     # (deepseek_v41/nvidia/dspark.py: n_mtp_layers or num_nextn_predict_layers or 3).
     draft_layers: int

@@ -207,7 +207,7 @@ def test_every_dashboard_series_answers_after_traffic(serve_stack: Stack) -> Non
     live = [f for f in figures.values() if f.node_type is not None]
     assert {f.replica for f in live} == {r["id"] for r in report["replicas"]}, figures
     for f in live:
-        assert f.node_type == "cpu" and f.status == "ok", f
+        assert f.node_type == "cpu" and f.info["status"] == "ok", f
         assert f.kv_capacity_tokens == plan.capacity.kv_tokens_per_replica, f
         assert f.kv_bytes_per_token == pytest.approx(plan.capacity.kv_bytes_per_token_per_gpu)
 

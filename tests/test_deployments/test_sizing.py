@@ -49,7 +49,8 @@ def test_block_size_is_the_rules_constant():
 
 
 def test_rules_hold_the_fp8_ds_mla_geometry():
-    shape = rules.ModelShape(1, (4,), HEAD_DIM, ROPE_DIM, INDEX_HEAD_DIM)
+    shape = rules.ModelShape(num_layers=1, compress_ratios=(4,), head_dim=HEAD_DIM,
+                             rope_dim=ROPE_DIM, index_head_dim=INDEX_HEAD_DIM)
     record = FP8_DS_MLA_TOKEN_DATA_BYTES + FP8_DS_MLA_SCALE_BYTES
     assert record == rules.state_bytes(shape, rules.Storage.FP8_DS_MLA) == 584
 

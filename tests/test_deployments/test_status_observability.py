@@ -100,6 +100,14 @@ def test_scrape_gives_each_replicas_figures_and_the_ttft_split() -> None:
     assert "sm100: 1 replica(s), KV 250 of 1,000 tokens in use" in text
 
 
+def test_a_replica_that_does_not_serve_as_usual_says_so() -> None:
+    info = {"node_type": "sm90", "status": "odd", "action": "drain"}
+    [_, line, *_] = scrape.describe({"r": scrape.ReplicaFigures("r", info=info)})
+    assert line.startswith("    r [sm90, odd: drain]: KV ?"), line
+    [_, line, *_] = scrape.describe({"r": scrape.ReplicaFigures("r", info={"status": "ok"})})
+    assert line.startswith("    r [?]: KV ?"), line
+
+
 def test_an_unreachable_metrics_endpoint_is_named_with_the_fix() -> None:
     [line] = describe_metrics("http://127.0.0.1:9/metrics", fleet(None))
     assert "cannot read http://127.0.0.1:9/metrics" in line and "Fix:" in line

@@ -23,6 +23,7 @@ import pytest
 from dsv4_patch import rules
 from dsv4_patch.patches.kv_dtype import call_resolver, resolver_mismatches
 from dsv4_patch.patches.sm120 import SM120_PATCH
+from dsv4_patch.rules.dtypes import resolve_kv_cache_dtype
 from tests.releases import sources as rs
 
 ASSERTING = tuple(v for v in rs.RELEASES if v not in rs.FIXED_RELEASES)
@@ -153,7 +154,7 @@ def test_plan_and_doctor_say_what_the_release_does(version: str) -> None:
     """``rules.stock_vllm_crashes_on`` is what ``plan`` warns about (stock-vllm-crash) and
     ``doctor`` prints ("stock vLLM of this version crashes"): it must equal what the
     release's own code does with ``auto`` on fp8_ds_mla, the table's "stock auto" column;
-    and ``rules.resolve_kv_cache_dtype`` (the replica's and the planner's decision) must
+    and ``resolve_kv_cache_dtype`` (the replica's and the planner's decision) must
     store what the release with the plugin stores, for every string input."""
     stock = rs.release(version, plugin=False)
     outcome = call_resolver(stock.resolver(), True, "auto")
@@ -164,7 +165,7 @@ def test_plan_and_doctor_say_what_the_release_does(version: str) -> None:
         engine = value.strip().lower()
         got = call_resolver(patched.resolver(), True, engine)
         try:
-            res = rules.resolve_kv_cache_dtype(rules.Layout.FP8_DS_MLA, value)
+            res = resolve_kv_cache_dtype(rules.Layout.FP8_DS_MLA, value)
         except rules.KVCacheDtypeError:
             assert got.error is not None, (value, got)
             continue

@@ -10,6 +10,7 @@ import pytest
 
 from dsv4_patch import rules
 from dsv4_patch.rules import KVCacheDtypeError, Layout, LayoutError, Storage
+from dsv4_patch.rules.dtypes import resolve_kv_cache_dtype
 from tests.support.rule_contracts import engine_resolver_result
 
 # The published configs, vendored in configs/models/ (copies of ../shared/reference/models).
@@ -46,16 +47,16 @@ RESOLUTIONS = [
 def test_resolution_table(layout: Layout, requested: str | None, expected: object) -> None:
     if isinstance(expected, str):
         with pytest.raises(KVCacheDtypeError, match=re.escape(expected)):
-            rules.resolve_kv_cache_dtype(layout, requested)
+            resolve_kv_cache_dtype(layout, requested)
         return
-    res = rules.resolve_kv_cache_dtype(layout, requested)
+    res = resolve_kv_cache_dtype(layout, requested)
     assert (res.engine_dtype, res.cache_dtype_str, res.storage) == expected
     assert res.layout is layout and res.reason
 
 
 def test_packed_error_names_value_layout_why_and_both_fixes() -> None:
     with pytest.raises(KVCacheDtypeError) as info:
-        rules.resolve_kv_cache_dtype(PACKED, "bfloat16")
+        resolve_kv_cache_dtype(PACKED, "bfloat16")
     text = str(info.value)
     for fragment in (
         "'bfloat16'",
@@ -68,9 +69,9 @@ def test_packed_error_names_value_layout_why_and_both_fixes() -> None:
 
 
 def test_auto_is_reported_as_changed_and_explicit_fp8_is_not() -> None:
-    assert rules.resolve_kv_cache_dtype(PACKED, "auto").changed
-    assert not rules.resolve_kv_cache_dtype(PACKED, "fp8").changed
-    assert not rules.resolve_kv_cache_dtype(ROWS, "auto").changed
+    assert resolve_kv_cache_dtype(PACKED, "auto").changed
+    assert not resolve_kv_cache_dtype(PACKED, "fp8").changed
+    assert not resolve_kv_cache_dtype(ROWS, "auto").changed
 
 
 LAYOUTS = [
@@ -185,8 +186,8 @@ def test_packed_rules_decide_like_the_fixed_upstream_resolver(value: str) -> Non
     upstream = rules.upstream_resolver_decision(True, engine)
     if upstream.error is not None:
         with pytest.raises(KVCacheDtypeError, match="Fix: set kv_cache_dtype: auto"):
-            rules.resolve_kv_cache_dtype(PACKED, value)
+            resolve_kv_cache_dtype(PACKED, value)
         return
-    res = rules.resolve_kv_cache_dtype(PACKED, value)
+    res = resolve_kv_cache_dtype(PACKED, value)
     assert res.cache_dtype_str == upstream.cache_dtype_str == "fp8_ds_mla"
     assert rules.upstream_resolver_decision(True, res.engine_dtype) == upstream

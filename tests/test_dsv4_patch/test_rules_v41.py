@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from dsv4_patch import rules
+from dsv4_patch.rules.dtypes import resolve_kv_cache_dtype
 from dsv4_patch.rules.family import default_block_size, is_mxfp8_node, resolve_v41_kv_cache_dtype
 from dsv4_patch.rules.v41_backend import v41_attention
 from tests.support.rule_contracts import is_nested
@@ -132,7 +133,7 @@ def test_v41_refuses_the_fp8_aliases_v4_accepts_with_upstreams_words_first() -> 
         assert str(err.value).startswith(
             f"DeepseekV4 packed KV layouts only support fp8 kv-cache, got {dtype}")
         assert "Fix:" in str(err.value)
-        assert rules.resolve_kv_cache_dtype(rules.Layout.FP8_DS_MLA, "fp8_e4m3").storage \
+        assert resolve_kv_cache_dtype(rules.Layout.FP8_DS_MLA, "fp8_e4m3").storage \
             is rules.Storage.FP8_DS_MLA or dtype != "fp8_e4m3"
     with pytest.raises(rules.KVCacheDtypeError, match="only on SM100"):
         rules.v41_record("cuda", SM90, None, "nvfp4_ds_mla")

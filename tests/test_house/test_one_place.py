@@ -150,6 +150,33 @@ def test_one_reader_of_config_json() -> None:
     assert "def read_config_json" in text and "flatten_config" in text
 
 
+# The rules accept a config in either form (vLLM hands them its own flat one); every
+# product module above them gets the flat form from the reader.
+FLATTENS_ALLOWED = ("deployments/plan/model_configs.py", "dsv4_patch/rules/")
+
+
+def flatten_calls(source: str) -> list[int]:
+    """Lines of ``source`` that call ``flatten_config`` (bare or as an attribute)."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call)
+            and ast.unparse(node.func).rsplit(".", 1)[-1] == "flatten_config"]
+
+
+def test_config_json_is_flattened_once_where_it_is_read() -> None:
+    """A product module that flattens a config again doubts the one reader: take the
+    config from ``read_config_json`` (or ``find_model_config``), already flat."""
+    found = []
+    for path in python_files("deployments", "dsv4_patch"):
+        rel = path.relative_to(REPO).as_posix()
+        if not rel.startswith(FLATTENS_ALLOWED):
+            found += [f"{rel}:{line} flattens a config again"
+                      for line in flatten_calls(path.read_text())]
+    assert not found, "\n".join(found)
+    assert flatten_calls("x = rules.flatten_config(cfg)\n")
+    assert flatten_calls("x = flatten_config(cfg)\n")
+    assert flatten_calls((REPO / FLATTENS_ALLOWED[0]).read_text())
+
+
 # A kv-cache-dtype value is named so: ``kv_cache_dtype``, ``cache_dtype``, ``requested``...
 DTYPE_NAMES = ("dtype", "requested")
 # Where ``auto`` is mapped: the rules (``dsv4_patch.rules.dtypes`` for V4, ``family`` for
@@ -182,7 +209,8 @@ def auto_mappings(source: str) -> list[tuple[int, str]]:
 def test_one_resolution_of_auto() -> None:
     """``kv_cache_dtype: auto`` is resolved by ``dsv4_patch.rules`` only (``rules.build``
     and the resolvers it is made of); a module that compares a dtype with ``"auto"`` is
-    a second resolution: call ``rules.resolve_kv_cache_dtype`` / ``rules.build``."""
+    a second resolution: call ``rules.build`` (or its node step, ``rules.build_v4_node`` /
+    ``rules.v41_record``)."""
     found = []
     for path in python_files("deployments", "dsv4_patch"):
         rel = path.relative_to(REPO).as_posix()
@@ -191,6 +219,47 @@ def test_one_resolution_of_auto() -> None:
         found += [f"{rel}:{line} maps auto itself: {code}"
                   for line, code in auto_mappings(path.read_text())]
     assert not found, "\n".join(found)
+
+
+# The resolvers ``rules.build`` is made of, and the one module that calls them (their
+# defining modules aside). ``upstream_resolver_decision`` is not among them: it is vLLM's
+# own resolver, fixed, which the run-time patch installs (``patches/kv_dtype.py``).
+RESOLVERS = {"resolve_kv_cache_dtype": "dsv4_patch/rules/dtypes.py",
+             "resolve_v41_kv_cache_dtype": "dsv4_patch/rules/family.py"}
+BUILD = "dsv4_patch/rules/engine.py"
+
+
+def resolver_uses(source: str) -> list[tuple[int, str]]:
+    """(line, name) for each name, attribute or import of a resolver in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            name = node.id if isinstance(node, ast.Name) else node.attr
+            if name in RESOLVERS:
+                found.append((node.lineno, name))
+        if isinstance(node, ast.ImportFrom):
+            found += [(node.lineno, a.name) for a in node.names if a.name in RESOLVERS]
+    return found
+
+
+def test_only_the_build_calls_the_resolvers() -> None:
+    """Every site that needs what ``kv_cache_dtype`` becomes asks ``rules.build`` (or
+    its node step): a second caller of a resolver is a second answer that can drift
+    from the build's (its layout, its release checks)."""
+    found = []
+    for path in python_files("deployments", "dsv4_patch"):
+        rel = path.relative_to(REPO).as_posix()
+        if rel == BUILD:
+            continue
+        found += [f"{rel}:{line} uses {name}: ask rules.build / rules.build_v4_node"
+                  for line, name in resolver_uses(path.read_text())
+                  if RESOLVERS[name] != rel]
+    assert not found, "\n".join(found)
+    from dsv4_patch import rules
+
+    assert not set(RESOLVERS) & set(rules.__all__), "the rules' face hands on a resolver"
+    assert {n for _, n in resolver_uses((REPO / BUILD).read_text())} == set(RESOLVERS)
+    assert resolver_uses("from dsv4_patch import rules\nrules.resolve_kv_cache_dtype(x, y)\n")
 
 
 def test_the_auto_scan_sees_a_hand_mapping() -> None:

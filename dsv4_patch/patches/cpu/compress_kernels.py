@@ -22,6 +22,7 @@ lacks them. Cache byte layouts: ``formats``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -116,70 +117,62 @@ def compress_pool(
     return idx, normed * rms_norm_weight.float()
 
 
-def _pool_with_angles(
-    state_cache: torch.Tensor, gather_slots: torch.Tensor, positions: torch.Tensor,
-    kv_slot_mapping: torch.Tensor, rms_norm_weight: torch.Tensor, rms_norm_eps: float,
-    cos_sin_cache: torch.Tensor, compress_ratio: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Both compressors: pooled, normed states and the RoPE angles of each chunk's first
-    position; None when no chunk completes in this batch."""
-    pooled = compress_pool(state_cache, gather_slots, positions, kv_slot_mapping,
-                           rms_norm_weight, rms_norm_eps, compress_ratio)
-    if pooled is None:
-        return None
-    idx, normed = pooled
-    cpos = torch.div(positions[idx], compress_ratio, rounding_mode="floor") * compress_ratio
-    cos, sin = cos_sin(cos_sin_cache, cpos)
-    return idx, normed, cos, sin
+# What a compressor op writes once its chunks are pooled and normed: (kv_cache_2d, the
+# closing tokens' slots, kv_cache_block_size, normed [S, head_dim] fp32, cos, sin).
+Store = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor],
+                 None]
 
 
-def compress_norm_rope_store_cpu(
-    state_cache: torch.Tensor, gather_slots: torch.Tensor, positions: torch.Tensor,
-    kv_slot_mapping: torch.Tensor, rms_norm_weight: torch.Tensor, rms_norm_eps: float,
-    cos_sin_cache: torch.Tensor, kv_cache_2d: torch.Tensor, kv_cache_block_size: int,
-    compress_ratio: int,
-) -> None:
-    """Main-attention compressor (head_dim 512): pool, RMSNorm, RoPE at the chunk's first
-    position, fp8_ds_mla insert (NoPE bf16-rounded before quant, RoPE stored bf16)."""
-    check(rms_norm_weight.numel() == HEAD_DIM,
-           f"compress_norm_rope_store_cpu: rms_norm_weight must have {HEAD_DIM} entries")
-    pooled = _pool_with_angles(state_cache, gather_slots, positions, kv_slot_mapping,
-                               rms_norm_weight, rms_norm_eps, cos_sin_cache, compress_ratio)
-    if pooled is None:
-        return
-    idx, normed, cos, sin = pooled
+def _compressor(name: str, width: int, store: Store) -> Callable[..., None]:
+    """One compressor op (the kernels' shared schema): pool, RMSNorm, the RoPE angles of
+    each chunk's first position, then ``store`` writes the cache's own record."""
+    def op(state_cache: torch.Tensor, gather_slots: torch.Tensor, positions: torch.Tensor,
+           kv_slot_mapping: torch.Tensor, rms_norm_weight: torch.Tensor, rms_norm_eps: float,
+           cos_sin_cache: torch.Tensor, kv_cache_2d: torch.Tensor, kv_cache_block_size: int,
+           compress_ratio: int) -> None:
+        check(rms_norm_weight.numel() == width,
+               f"{name}: rms_norm_weight must have {width} entries")
+        pooled = compress_pool(state_cache, gather_slots, positions, kv_slot_mapping,
+                               rms_norm_weight, rms_norm_eps, compress_ratio)
+        if pooled is None:
+            return
+        idx, normed = pooled
+        cpos = torch.div(positions[idx], compress_ratio, rounding_mode="floor") * compress_ratio
+        cos, sin = cos_sin(cos_sin_cache, cpos)
+        store(kv_cache_2d, kv_slot_mapping[idx].long(), kv_cache_block_size, normed, cos, sin)
+    op.__name__ = op.__qualname__ = name
+    op.__doc__ = f"{_compressor.__doc__}\n\n{store.__doc__}"
+    return op
+
+
+def _store_mla(cache: torch.Tensor, slots: torch.Tensor, block_size: int,
+               normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Main attention (head_dim 512): RoPE at the chunk's first position, fp8_ds_mla
+    insert (NoPE bf16-rounded before quant, RoPE stored bf16)."""
     rope = gptj_rope(normed[:, NOPE_DIM:], cos, sin)
-    write_mla_records(kv_cache_2d, kv_slot_mapping[idx].long(), kv_cache_block_size,
-                      bf16_round(normed[:, :NOPE_DIM]), rope)
+    write_mla_records(cache, slots, block_size, bf16_round(normed[:, :NOPE_DIM]), rope)
 
 
-def compress_norm_rope_store_indexer_cpu(
-    state_cache: torch.Tensor, gather_slots: torch.Tensor, positions: torch.Tensor,
-    kv_slot_mapping: torch.Tensor, rms_norm_weight: torch.Tensor, rms_norm_eps: float,
-    cos_sin_cache: torch.Tensor, kv_cache_2d: torch.Tensor, kv_cache_block_size: int,
-    compress_ratio: int,
-) -> None:
-    """Indexer compressor (head_dim 128): pool, RMSNorm, RoPE on the last 64 dims, bf16
-    round, one pow2 fp8 scale per key; stores fp8 key + fp32 scale."""
-    check(rms_norm_weight.numel() == INDEX_HEAD_DIM,
-           f"compress_norm_rope_store_indexer_cpu: rms_norm_weight must have "
-           f"{INDEX_HEAD_DIM} entries")
-    pooled = _pool_with_angles(state_cache, gather_slots, positions, kv_slot_mapping,
-                               rms_norm_weight, rms_norm_eps, cos_sin_cache, compress_ratio)
-    if pooled is None:
-        return
-    idx, normed, cos, sin = pooled
+def _store_indexer(cache: torch.Tensor, slots: torch.Tensor, block_size: int,
+                   normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Indexer (head_dim 128): RoPE on the last 64 dims, bf16 round, one pow2 fp8 scale per
+    key; stores fp8 key + fp32 scale."""
     rot = cos.shape[-1] * 2
     nope = INDEX_HEAD_DIM - rot
     key = bf16_round(torch.cat((normed[:, :nope], gptj_rope(normed[:, nope:], cos, sin)), -1))
     q, scale = quant_pow2_fp8(key)
-    slots = kv_slot_mapping[idx].long()
-    keys, scales = indexer_views(kv_cache_2d, kv_cache_block_size)
-    blk, pos = slots // kv_cache_block_size, slots % kv_cache_block_size
-    check(int(blk.max()) < kv_cache_2d.shape[0],
+    keys, scales = indexer_views(cache, block_size)
+    blk, pos = slots // block_size, slots % block_size
+    check(int(blk.max()) < cache.shape[0],
            f"compress_norm_rope_store_indexer_cpu: slot {int(slots.max())} is past the cache")
     keys[blk, pos] = q.view(torch.uint8)
     scales[blk, pos] = scale.float().unsqueeze(-1).view(torch.uint8)
+
+
+compress_norm_rope_store_cpu = _compressor("compress_norm_rope_store_cpu", HEAD_DIM,
+                                           _store_mla)
+compress_norm_rope_store_indexer_cpu = _compressor("compress_norm_rope_store_indexer_cpu",
+                                                   INDEX_HEAD_DIM, _store_indexer)
 
 
 # --------------------------------------------------------------------------- indexer
