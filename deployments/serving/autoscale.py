@@ -78,7 +78,8 @@ class KVPressurePolicy:
                           running=int(ctx.current_num_replicas),
                           loads=newest(ctx.raw_metrics),
                           lowest=int(ctx.capacity_adjusted_min_replicas),
-                          highest=int(ctx.capacity_adjusted_max_replicas))
+                          highest=int(ctx.capacity_adjusted_max_replicas),
+                          requests=serve_requests(ctx))
         state = PolicyState.from_dict(ctx.policy_state or {})
         before = state.decided if state.decided is not None else obs.target
         decision = decide(obs, self.settings, state, self.gang_size, self.target_ongoing)
@@ -122,6 +123,13 @@ class KVPressurePolicy:
                 ("kv", series.SCALE_KV), ("waiting", series.SCALE_WAITING),
                 ("reason", series.SCALE_REASON), ("changes", series.SCALE_CHANGES))}
         return self._metrics
+
+
+def serve_requests(ctx: Any) -> float | None:
+    """Serve's count of the deployment's requests (its replicas' and its handles' queues,
+    averaged over ``look_back_period_s``), or None where the context has none."""
+    value = getattr(ctx, "total_num_requests", None)
+    return float(value) if isinstance(value, int | float) else None
 
 
 def with_autoscaling_policy(deployment_config: dict[str, Any], section: AutoscalingSection,

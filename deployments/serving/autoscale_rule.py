@@ -20,6 +20,8 @@ The rule (settings: ``deployments.config.autoscaling``):
   and the last change. Serve then stops a replica gracefully: it leaves the routers,
   its in-flight requests finish (``graceful_shutdown_timeout_s``), its port closes
   (``serving.stopping``);
+- waiting and running are vLLM's counts, raised to Serve's own count of the requests
+  the replicas hold (``queue_of``: the engine's counts lag a long step);
 - no fresh sample from any replica (engines booting, stats failing): hold;
 - a hold keeps the target this rule decided last (``PolicyState.decided``), not Serve's,
   which follows it a tick or more later; a step down waits until Serve's target and
@@ -80,6 +82,9 @@ class Observation:
     loads: dict[str, ReplicaLoad] = field(default_factory=dict)  # replicas with a sample
     lowest: int = 1
     highest: int = 1
+    # Serve's own count of the deployment's requests (at its replicas and queued at its
+    # handles: ``AutoscalingContext.total_num_requests``), None when not known.
+    requests: float | None = None
 
 
 @dataclass(frozen=True)
@@ -115,8 +120,8 @@ def decide(obs: Observation, settings: AutoscalingSection, state: PolicyState,
         return answer(decided, "no_metrics", 0.0, 0.0,
                       replace(state, pressure_since=None, quiet_since=None))
     kv = sum(v.kv_usage for v in serving.values()) / len(serving)
-    waiting = sum(v.waiting for v in serving.values()) / len(serving)
-    ongoing = sum(v.running + v.waiting for v in serving.values()) / len(serving)
+    waiting_all, ongoing_all = queue_of(serving, obs.requests)
+    waiting, ongoing = waiting_all / len(serving), ongoing_all / len(serving)
     pressures = {"kv_pressure": kv / settings.kv_usage_up,
                  "queue_pressure": waiting / settings.waiting_up,
                  "ongoing_requests": ongoing / target_ongoing if target_ongoing else 0.0}
@@ -137,7 +142,7 @@ def decide(obs: Observation, settings: AutoscalingSection, state: PolicyState,
     state = replace(state, pressure_since=None)
     fewer = capacity - gang_size
     left = len(serving) - gang_size  # the KV in use, spread over one gang fewer
-    quiet = fewer >= 1 and left > 0 and sum(v.waiting for v in serving.values()) == 0 \
+    quiet = fewer >= 1 and left > 0 and waiting_all == 0 \
         and kv * len(serving) / left < settings.kv_usage_down \
         and (not target_ongoing or ongoing * len(serving) / left < target_ongoing)
     under_way = obs.target != decided or obs.running != decided  # Serve not there yet
@@ -150,6 +155,23 @@ def decide(obs: Observation, settings: AutoscalingSection, state: PolicyState,
         return answer(decided, "hold", kv, waiting, state)
     state = replace(state, quiet_since=None, last_change=obs.now)
     return answer(min(decided, fewer + drained), "quiet", kv, waiting, state)
+
+
+def queue_of(serving: dict[str, ReplicaLoad], requests: float | None) -> tuple[float, float]:
+    """(requests waiting, requests held) over the undrained replicas.
+
+    vLLM sets its running/waiting gauges once per engine step; a step that prefills a
+    batch can take a minute on a CPU (seconds on a loaded GPU), and until it ends the
+    engine's counts say nothing of the requests that came meanwhile. Serve counts every
+    request its replicas hold when it arrives: what the engine does not yet run is
+    waiting, so the larger of the two counts stands (measured here: with vLLM's counts
+    alone, a 16-stream step on one CPU replica was seen after 108 s, Serve's default after
+    43 s with its 30 s delay)."""
+    running = sum(v.running for v in serving.values())
+    waiting = sum(v.waiting for v in serving.values())
+    if requests is None:
+        return waiting, running + waiting
+    return max(waiting, requests - running), max(running + waiting, requests)
 
 
 def _bounded(obs: Observation, target: int, reason: str, capacity: int, kv: float,

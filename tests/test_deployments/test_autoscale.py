@@ -135,14 +135,14 @@ def test_hysteresis_is_validated() -> None:
 
 
 def ray_context(raw: dict[str, dict[object, list[object]]], target: int, running: list[object],
-                state: dict[str, object], now: float = 100.0) -> object:
+                state: dict[str, object], now: float = 100.0, requests: float = 0.0) -> object:
     from ray.serve.config import AutoscalingContext
 
     return AutoscalingContext(
         deployment_id=None, deployment_name="DSv4Server:m", app_name="dsv4",
         current_num_replicas=len(running), target_num_replicas=target,
-        running_replicas=running, total_num_requests=0.0, total_queued_requests=0.0,
-        aggregated_metrics=lambda: {}, raw_metrics=lambda: raw,
+        running_replicas=running, total_num_requests=lambda: requests,
+        total_queued_requests=0.0, aggregated_metrics=lambda: {}, raw_metrics=lambda: raw,
         capacity_adjusted_min_replicas=1, capacity_adjusted_max_replicas=4,
         policy_state=state, last_scale_up_time=None, last_scale_down_time=None,
         current_time=now, config=None)
@@ -172,6 +172,15 @@ def test_the_policy_reads_rays_context_and_serve_parses_its_config() -> None:
     assert target == 3 and state["last_change"] == 100.0 and state["decided"] == 3
     assert policy(ray_context({}, 2, ids, state))[0] == 3  # no samples: hold what it decided
     assert policy(ray_context({}, 2, ids, {}))[0] == 2  # nothing decided yet: Serve's
+    # Serve's lazy request count reaches the rule: 12 held by the one serving replica
+    # whose engine shows 2 running is 10 waiting, twice waiting_up: 2 serving + the drained.
+    calm: dict[str, dict[object, list[object]]] = {
+        key: {rid: [TimeStampedValue(99.0, 0.1 if key == autoscale.KV_USAGE
+                                     else samples[ids.index(rid)][key])]
+              for rid in per}
+        for key, per in raw.items()}
+    assert policy(ray_context(calm, 2, ids, {}))[0] == 2
+    assert policy(ray_context(calm, 2, ids, {}, requests=12.0))[0] == 3
 
 
 def test_a_user_policy_and_ours_are_not_both_taken() -> None:
@@ -390,3 +399,31 @@ def test_a_ten_minute_load_cycle_through_serves_loop_never_flaps(
     wanted = loop.wanted
     for (t1, w1), (_t2, w2), (t3, w3) in zip(wanted, wanted[1:], wanted[2:], strict=False):
         assert not (w1 == w3 != w2 and t3 - t1 < down_s), (t1, w1, w2, w3)  # no A, B, A
+
+
+def test_requests_the_engine_has_not_counted_yet_are_waiting() -> None:
+    """vLLM sets its counts once per engine step, and a CPU step prefilling a batch can
+    take a minute: Serve's own count of the requests its replicas hold is the floor.
+    16 streams on one replica whose engine last reported an idle step: queue pressure at
+    once (16 waiting over waiting_up=5), not when the step ends."""
+    idle = {"r0": ReplicaLoad(0.06, 0.0, 0.0)}
+    d = decide(Observation(0, 1, 1, idle, 1, 2, requests=16.0), S, PolicyState())
+    assert (d.target, d.reason, d.waiting_per_replica) == (2, "bounds", 16.0)
+    assert decide(Observation(0, 1, 1, idle, 1, 2), S, PolicyState()).reason == "hold"
+
+
+def test_the_engines_counts_stand_where_they_are_larger_than_serves() -> None:
+    """Serve's count is averaged over its look-back window: where the engine reports more
+    waiting (a burst Serve has not averaged in yet), the engine's count stands."""
+    seen = {"r0": ReplicaLoad(0.1, 6.0, 8.0)}
+    d = decide(Observation(0, 1, 1, seen, 1, 8, requests=2.0), S, PolicyState())
+    assert (d.reason, d.waiting_per_replica) == ("queue_pressure", 6.0)
+
+
+def test_no_step_down_while_replicas_hold_requests_the_engines_do_not_show() -> None:
+    """Quiet means nothing waits: requests Serve counts beyond what the engines run hold a
+    step down, as vLLM's own waiting count does."""
+    calm = {f"r{i}": ReplicaLoad(0.05, 0.0, 1.0) for i in range(2)}
+    quiet = PolicyState(quiet_since=0.0)
+    assert decide(Observation(400, 2, 2, calm, 1, 8, requests=2.0), S, quiet).reason == "quiet"
+    assert decide(Observation(400, 2, 2, calm, 1, 8, requests=5.0), S, quiet).reason == "hold"
