@@ -273,11 +273,12 @@ class DSv4ServerMixin:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """What ``autoscale.KVPressurePolicy`` scales on: KV usage, waiting and running as
-        vLLM's stat logger last set them here, and whether the KV-spec check drained us
-        (empty before the engine's first step: the policy then holds)."""
-        load = engine_metrics.engine_load()
-        if load is None:
-            return {}
+        vLLM's stat logger last set them here, and whether the KV-spec check drained us.
+        Serve asks only once the replica (its engine) is up; vLLM sets its gauges at the
+        end of a step, so before the first one ends (idle, or one long first prefill)
+        the engine has shown nothing running: zeros, and the policy's floor of Serve's
+        request count shows the load (an empty sample held it until the step ended)."""
+        load = engine_metrics.engine_load() or (0.0, 0.0, 0.0)
         drained = bool(drain_stats(self._verdict)[DRAIN_STAT])
         return autoscale.stats(*load, drained=drained)
 
