@@ -22,7 +22,7 @@ The rule (settings: ``deployments.config.autoscaling``):
   (``serving.stopping``);
 - waiting and running are vLLM's counts, raised to Serve's own count of the requests
   the replicas hold (``queue_of``: the engine's counts lag a long step);
-- no fresh sample from any replica (engines booting, stats failing): hold;
+- no sample from any replica (none running yet, stats failing): hold;
 - a hold keeps the target this rule decided last (``PolicyState.decided``), not Serve's,
   which follows it a tick or more later; a step down waits until Serve's target and
   running replicas both reached the decided one.

@@ -276,8 +276,9 @@ class DSv4ServerMixin:
         vLLM's stat logger last set them here, and whether the KV-spec check drained us.
         Serve asks only once the replica (its engine) is up; vLLM sets its gauges at the
         end of a step, so before the first one ends (idle, or one long first prefill)
-        the engine has shown nothing running: zeros, and the policy's floor of Serve's
-        request count shows the load (an empty sample held it until the step ended)."""
+        the engine has shown nothing running: zeros (an empty sample would hold the
+        policy at no_metrics until then), and its floor of Serve's request count shows
+        the load."""
         load = engine_metrics.engine_load() or (0.0, 0.0, 0.0)
         drained = bool(drain_stats(self._verdict)[DRAIN_STAT])
         return autoscale.stats(*load, drained=drained)
