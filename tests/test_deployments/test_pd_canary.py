@@ -156,7 +156,7 @@ def test_a_fault_is_caught_and_the_pair_excluded_until_clean(
         assert not users, users  # no user request's pages crossed the failed pair
         if fault == "fail_receive":  # vLLM counts it; the controller names the decode replica
             pd = wait_pd(url, lambda p: p["failed_kv_transfers"].get(decode, 0) > counted
-                         and any(c["failed_kv_transfers"] for c in p["canaries"]), 30)
+                         and any(c["failed_kv_transfers"] for c in p["canaries"]), 60)
             [by_counter] = [c for c in pd["canaries"] if c["failed_kv_transfers"]]
             assert by_counter["decode_replica"] == decode and not by_counter["passed"], pd
             assert f"decode replica {decode} counted {by_counter['failed_kv_transfers']} " \
