@@ -264,3 +264,64 @@ def test_log_engine_metrics_off_in_a_pd_app_is_named_with_the_fix() -> None:
     del one_pool["pd"]
     assert not [p for p in checks.check(parse_app_args(one_pool))
                 if p.code == "pd-failed-transfers-unread"]
+
+
+# --------------------------------------------------------------- the controller's check
+
+class _Pool:
+    """A pool controller as the P/D controller reads it: its specs, and its decode
+    replicas' answers to ``apply_pd_route`` (each call takes the next count)."""
+
+    def __init__(self, name: str, specs: list[Any], counts: list[int] | None = None):
+        from deployments.control.wire import State
+
+        self.specs, self._counts = specs, list(counts or [])
+        self.pushed: list[dict[str, list[str]]] = []
+        self._server = SimpleNamespace(deployment_name=name)
+        self.current = lambda: SimpleNamespace(state=State.AGREE)
+
+    async def _call_each(self, method: str, message: dict[str, Any]) -> tuple[list[Any], int,
+                                                                              None]:
+        assert method == "apply_pd_route"
+        self.pushed.append(message["allowed"])
+        count = self._counts.pop(0)
+        return [_ack(s.replica_id, count).model_dump(mode="json") for s in self.specs], 0, None
+
+
+def _replica(rid: str, pool: str) -> Any:
+    """A replica's spec with a transfer spec both pools share (deployments.pd.compat)."""
+    from deployments.control.wire import TransferSpec
+    from deployments.harness.standin import standin_spec
+
+    transfer = TransferSpec(pool=cast(Any, pool), model_hash="sha256:abc",
+                            connector="NixlConnector", connector_version=14,
+                            kv_role="kv_producer" if pool == "prefill" else "kv_consumer",
+                            transfer_mode="pull", backend_names=["CPU_DSV4"],
+                            kv_cache_layout="NHD", kernel_block_size=256,
+                            region_block_lens=[37440])
+    return standin_spec(rid, 0).model_copy(update={"transfer": transfer})
+
+
+def test_the_check_sends_the_whitelists_again_at_once_when_a_count_rose() -> None:
+    import asyncio
+
+    from deployments.pd.controller import PDController
+
+    decode = _Pool("Decode", [_replica("d0", "decode")], counts=[0, 0, 3, 3, 3])
+    ctrl = PDController.__new__(PDController)
+    ctrl._pools = cast(Any, {"prefill": _Pool("Prefill", [_replica("p0", "prefill")]),
+                             "decode": decode})
+    ctrl._decode, ctrl._lock = cast(Any, decode), asyncio.Lock()
+    ctrl._pd = PDReport(verdict=PDVerdict.NOT_CHECKED)
+    ctrl._metrics = cast(Any, SimpleNamespace(record=lambda pd: None))
+    ctrl._canary = CanaryWatch({"period_s": 60})
+    first = asyncio.run(ctrl.judge())
+    assert first.allowed == {"d0": []} and first.failed_kv_transfers == {"d0": 0}
+    ctrl._canary.take([[_passed("d0", "p0")]])
+    assert asyncio.run(ctrl.judge()).allowed == {"d0": ["p0"]}
+    rose = asyncio.run(ctrl.judge())  # the count went 0 -> 3: pushed again in this check
+    assert decode.pushed == [{"d0": []}, {"d0": ["p0"]}, {"d0": ["p0"]}, {"d0": []}]
+    assert rose.allowed == {"d0": []} and rose.failed_kv_transfers == {"d0": 3}
+    [failed] = rose.canaries
+    assert failed.failed_kv_transfers == 3 and "decode replica d0 counted 3" in failed.reason
+    assert ctrl._canary.due(rose.allowed | {"d0": ["p0"]}, now=failed.at + 1) == [("d0", "p0")]
