@@ -31,6 +31,7 @@ from typing import Any
 
 from benchmarks.results import write_result
 from deployments.control.controller import KVSpecController
+from deployments.local import ray_token
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER = "StandInReplica"
@@ -110,6 +111,7 @@ def main() -> int:
     from ray import serve
 
     # address="local": a private cluster, never someone else's that happens to run.
+    ray_token.use_private_token()  # else Ray writes ~/.ray/auth_token 0644
     ray.init(address="local", include_dashboard=False, logging_level="ERROR",
              log_to_driver=False, object_store_memory=200 * 2**20)
     try:

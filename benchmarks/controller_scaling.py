@@ -52,6 +52,7 @@ from typing import Any
 
 from benchmarks.results import this_command, write_result
 from deployments.control.verdict import decide
+from deployments.local import ray_token
 
 REPO = Path(__file__).resolve().parents[1]
 APP = "kvbench"
@@ -180,6 +181,7 @@ def measure(counts: list[int], period_s: float, repeats: int, save: Any = None,
     import ray
     from ray import serve
 
+    ray_token.use_private_token()  # else Ray writes ~/.ray/auth_token 0644
     ray.init(address="local", include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              object_store_memory=200 * 2**20)
     rows: list[dict[str, Any]] = []

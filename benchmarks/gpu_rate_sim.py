@@ -56,6 +56,7 @@ from fastapi.responses import StreamingResponse
 
 from benchmarks.arm_procs import role_of, session_processes
 from benchmarks.results import write_result
+from deployments.local import ray_token
 
 ARMS = ("port", "port-edge", "proxy", "haproxy", "haproxy-ray")
 
@@ -130,6 +131,7 @@ def serve_proxy_arm(port: int, edge: bool, haproxy: str | None = None) -> None:
     from ray import serve
 
     # address="local": a private cluster, never one another process started on this machine
+    ray_token.use_private_token()  # else Ray writes ~/.ray/auth_token 0644
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
 

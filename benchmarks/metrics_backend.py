@@ -40,6 +40,7 @@ from typing import Any
 import psutil
 
 from benchmarks.results import this_command, write_tables
+from deployments.local import ray_token
 
 BACKEND_FLAG = "RAY_enable_open_telemetry"
 # arm -> (environment, the histogram class the actor observes through)
@@ -79,6 +80,7 @@ def cell(rate: float, seconds: float, buckets: list[float], kind: str) -> dict[s
 
     port = free_port()
     with loopback_node_ip():
+        ray_token.use_private_token()  # else Ray writes ~/.ray/auth_token 0644
         ray.init(address="local", num_cpus=1, include_dashboard=False,
                  _metrics_export_port=port, log_to_driver=False)
 

@@ -89,6 +89,7 @@ class Runner:
     def __init__(self, handle: Any, prefill: str, fault_file: Path, opts: argparse.Namespace):
         self.handle, self.prefill, self.fault_file, self.opts = handle, prefill, fault_file, opts
         self.log = Path(f"{fault_file}.log")
+        self.raw = fault_file.parent / "runs.jsonl"  # every canary whole, per-token deltas too
         self.seed = int(time.time())
 
     def run(self, fault: dict[str, Any] | None) -> dict[str, Any]:
@@ -101,6 +102,8 @@ class Runner:
             "timeout_s": 120}).result(timeout_s=200)
         after = self.log.read_text() if self.log.exists() else ""
         result["hook"] = [json.loads(x) for x in after[len(before):].splitlines()]
+        with self.raw.open("a") as out:
+            out.write(json.dumps({"fault": fault or {}, **result}) + "\n")
         return result
 
 
@@ -222,6 +225,7 @@ def main() -> int:
     _, handle, prefill = start(app_args(fault_file, opts.prompt_tokens, opts.max_tokens))
     boot_s = round(time.monotonic() - started, 1)
     runner = Runner(handle, prefill, fault_file, opts)
+    print(f"each canary's result: {runner.raw}", flush=True)
     clean: list[dict[str, Any]] = []
     faults: dict[str, list[dict[str, Any]]] = {}
     try:

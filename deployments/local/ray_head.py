@@ -82,7 +82,7 @@ def start_cluster(config: ServeConfig, num_cpus: float | None = None,
     for line in serve_env.apply_local_quiet():  # before Ray starts: its processes inherit it
         logger.info(line)
     # Ray would write ~/.ray/auth_token with the umask's mode: the token is ours, 0600.
-    os.environ.update(ray_token.local_start_env())
+    ray_token.use_private_token()
     for line in proxy_gate_env(config.http_options.host):
         logger.info(line)
     if cpus > (os.cpu_count() or 1):

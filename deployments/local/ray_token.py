@@ -80,3 +80,10 @@ def local_start_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> 
     if MODE_ENV not in environ:
         env.pop(MODE_ENV, None)
     return env
+
+
+def use_private_token() -> str | None:
+    """Before ``ray.init(address="local")`` in this process: its token is checked and
+    private (``local_start_env`` set in ``os.environ``); returns the token's path."""
+    os.environ.update(local_start_env())
+    return os.environ.get(PATH_ENV)

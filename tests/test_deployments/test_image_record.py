@@ -28,3 +28,17 @@ def test_results_are_data_in_the_shared_schema():
         assert set(data) == SCHEMA, path
         assert all(len(row) == len(data["columns"]) for row in data["rows"]), path
         assert {"cpu_model", "flags", "cores"} <= set(data["host"]), path
+
+
+def test_the_kuberay_harness_ran_the_image_the_preset_names():
+    """``make test-kuberay`` is run before a stop that changes the image or k8s/: its
+    record is of the image k8s/params.yaml names, and it passed."""
+    stack = load_params()["stacks"]["cpu"]
+    data = json.loads(records.KUBERAY_HARNESS.read_text())
+    assert data["inputs"]["image"] == f"{stack['image']}@{stack['image_digest']}", (
+        f"benchmarks/results/kuberay_harness.json ran {data['inputs']['image']}, but the CPU "
+        f"preset names {stack['image']}@{stack['image_digest']}. Fix: run `make test-kuberay` "
+        "(after `make image`) and commit its record.")
+    steps = dict(data["rows"])
+    assert steps["kill_to_agree_s"] < 120, steps
+    assert "left after cleanup: {'containers': 0, 'pods': 0, 'networks': 0}" in data["notes"]

@@ -68,3 +68,16 @@ def test_the_multinode_cluster_token_is_private(tmp_path: Path) -> None:
 
     env = auth_env(tmp_path / "c.token")
     assert stat.S_IMODE(os.stat(env[ray_token.PATH_ENV]).st_mode) == 0o600
+
+
+def test_use_private_token_sets_a_0600_token_for_this_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (ray_token.MODE_ENV, ray_token.PATH_ENV, "RAY_AUTH_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    path = Path(ray_token.use_private_token() or "")
+    try:
+        assert os.environ[ray_token.PATH_ENV] == str(path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert ray_token.MODE_ENV not in os.environ  # ray.init sets the mode itself
+    finally:
+        path.unlink()
