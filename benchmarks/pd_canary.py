@@ -17,11 +17,9 @@ Run under the machine lock::
 from __future__ import annotations
 
 import argparse
-import ast
 import copy
 import json
 import os
-import re
 import statistics
 import tempfile
 import time
@@ -33,6 +31,7 @@ import yaml
 from benchmarks.results import write_result
 from deployments.config import ServeApplication, load_serve_config
 from deployments.config.pd import CanarySection
+from deployments.control.canary_wire import CanaryMode
 from deployments.local import client, deploy, ray_head
 from deployments.pd import canary
 from dsv4_patch.tiny_model import ensure_tiny_model
@@ -107,13 +106,17 @@ class Runner:
         return result
 
 
+def largest(runs: list[dict[str, Any]], key: str, digits: int) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return round(max(values), digits) if values else None
+
+
 def clean_rows(runs: list[dict[str, Any]], tol: float) -> list[Any]:
-    deltas = [r["max_delta"] for r in runs if r["max_delta"] is not None]
     seconds = [r["seconds"] for r in runs]
     phases = {k: statistics.median(r["phase_s"].get(k, 0.0) for r in runs)
               for k in ("prefill", "decode", "reference")}
     return ["clean", len(runs), sum(not r["passed"] for r in runs),
-            round(max(deltas), 4) if deltas else None, tol,
+            largest(runs, "max_delta", 4), largest(runs, "median_delta", 4), tol,
             round(statistics.median(seconds), 2), round(max(seconds), 2),
             " / ".join(f"{k} {v:.2f}" for k, v in phases.items()),
             "false positives: clean canaries that failed"]
@@ -151,55 +154,62 @@ def cases(keeps: str) -> list[tuple[str, str | None]]:
 def fault_row(name: str, runs: list[dict[str, Any]], tol: float) -> list[Any]:
     fault = name.split(" ")[0]
     fired = sum(any(h["fault"] == fault for h in r["hook"]) for r in runs)
-    deltas = [r["max_delta"] for r in runs if r["max_delta"] is not None]
     reasons = sorted({r["reason"][:160] for r in runs if not r["passed"]})
     return [name, len(runs), sum(not r["passed"] for r in runs),
-            round(max(deltas), 3) if deltas else None, tol,
+            largest(runs, "max_delta", 3), largest(runs, "median_delta", 3), tol,
             round(statistics.median(r["seconds"] for r in runs), 2), None,
             f"hook fired in {fired}/{len(runs)}",
             "; ".join(reasons) or "NOT caught"]
 
 
-LINE = re.compile(r"P/D canary \S+ <- \S+: (passed|FAILED \((.*)\)) in ([\d.]+) s "
-                  r"\((\{.*?\})\), max delta (\S+)")
+def rejudged(run: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """``run`` (a ``CanaryResult`` as the decode replica answered it) judged again by this
+    checkout's rules (``canary.judge``), at this platform's bounds (``canary.tolerance``,
+    ``canary.median_tolerance``), on the evidence the run recorded."""
+    out = dict(run)
+    tol, median_tol = canary.tolerance("cpu", None), canary.median_tolerance("cpu", None)
+    deltas = run.get("deltas") or []
+    if deltas:
+        out["median_delta"] = statistics.median(deltas)
+    mode = CanaryMode(run["mode"])
+    if run.get("tokens") or run.get("finish_reason"):
+        out["reason"] = canary.judge(
+            canary_mode=mode, prompt_tokens=run["prompt_tokens"], max_tokens=max_tokens,
+            tokens=run.get("tokens") or [], token_deltas=deltas, tolerance_nats=tol,
+            external_tokens=run.get("external_tokens"), finish_reason=run.get("finish_reason"),
+            median_tolerance_nats=median_tol)
+        out["passed"] = not out["reason"]
+    out["tolerance"], out["median_tolerance"] = tol, median_tol
+    return out
 
 
-def from_log(decode_log: Path, hook_log: Path, opts: argparse.Namespace
-             ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
-    """A run cut before it wrote its result, rebuilt from what it logged: the decode
-    replica's line per canary (in the order this module runs them: the controller's
-    admission canary, the clean ones, then per case its canaries and one clean) and the
-    fault hooks' log (what fired, in order)."""
-    runs = []
-    for m in LINE.finditer(decode_log.read_text()):
-        delta = None if m[5] == "None" else float(m[5])
-        runs.append({"passed": m[1] == "passed", "reason": m[2] or "", "seconds": float(m[3]),
-                     "phase_s": ast.literal_eval(m[4]), "max_delta": delta, "hook": [],
-                     "tolerance": canary.tolerance("cpu", None),
-                     "prompt_tokens": opts.prompt_tokens})
-    hooks = [json.loads(x) for x in hook_log.read_text().splitlines()]
-    hooks = [h for h in hooks if h["fault"] not in ("regions", "truncate_armed")]
-    todo = cases(opts.truncate_keeps)
-    n_faulty = len(todo) * (opts.fault_canaries + 1)
-    first_fault = next(i for i, r in enumerate(runs) if not r["passed"])
-    clean, faults = runs[:first_fault], {}
-    rest = runs[first_fault:][:n_faulty]
-    for k, (fault, keep) in enumerate(todo):
-        chunk = rest[k * (opts.fault_canaries + 1):][:opts.fault_canaries]
-        if len(chunk) < opts.fault_canaries:
-            break  # the run was cut here
-        for r in chunk:
-            if hooks and hooks[0]["fault"] == fault:
-                r["hook"] = [hooks.pop(0)]
-        faults[fault if keep in (None, "smallest") else f"{fault} (keep {keep})"] = chunk
+def from_runs(path: Path, opts: argparse.Namespace
+              ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """A run's canaries from its ``runs.jsonl`` (every result whole, in order), judged
+    again by ``rejudged``: the clean ones, then per fault case its canaries (the clean
+    one run between two cases is left out, as the live run leaves it out)."""
+    clean: list[dict[str, Any]] = []
+    faults: dict[str, list[dict[str, Any]]] = {}
+    case = None
+    for line in path.read_text().splitlines():
+        run = rejudged(json.loads(line), opts.max_tokens)
+        fault = run.pop("fault") or {}
+        if not fault:
+            if case is None:
+                clean.append(run)
+            continue
+        keep = fault.get("keep")
+        case = fault["fault"] if keep in (None, "smallest") or fault["fault"] != \
+            "truncate_region" else f"{fault['fault']} (keep {keep})"
+        faults.setdefault(case, []).append(run)
     return clean, faults
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--from-log", nargs=2, metavar=("DECODE_LOG", "HOOK_LOG"),
-                        help="rebuild a cut run's result from the decode replica's log and "
-                        "the fault hooks' log (no engines started)")
+    parser.add_argument("--from-runs", type=Path, metavar="RUNS_JSONL",
+                        help="write the result from a run's runs.jsonl (every canary whole), "
+                        "each judged again by this checkout's rules; no engines started")
     defaults = CanarySection()
     parser.add_argument("--canaries", type=int, default=200, help="clean canaries at most")
     parser.add_argument("--budget-s", type=float, default=1500.0,
@@ -213,11 +223,11 @@ def main() -> int:
                         help="truncate_region variants, comma-separated: how much of each "
                         "received page survives (tests/support/pd_faults.py keep_bytes)")
     opts = parser.parse_args()
-    if opts.from_log:
-        logged = from_log(Path(opts.from_log[0]), Path(opts.from_log[1]), opts)
-        return write(opts, *logged, boot_s=None, failed_transfers=None,
-                     note="Rebuilt with --from-log from the run's own logs: the run hit its "
-                     "25-minute bound while its faults ran, before it wrote this file. ")
+    if opts.from_runs:
+        return write(opts, *from_runs(opts.from_runs, opts), boot_s=None,
+                     failed_transfers=None,
+                     note="Written with --from-runs from the run's runs.jsonl: each canary "
+                     "judged again by this checkout's canary.judge on what it recorded. ")
     ensure_tiny_model()
     fault_file = Path(tempfile.mkdtemp(prefix="dsv4-pd-faults-")) / "fault.json"
     fault_file.write_text("{}")
@@ -265,14 +275,15 @@ def write(opts: argparse.Namespace, clean: list[dict[str, Any]],
         command=("flock /tmp/dsv4-heavy.lock timeout 1800 python -m benchmarks.pd_canary "
                  f"--canaries {opts.canaries} --budget-s {opts.budget_s:g} --fault-canaries "
                  f"{opts.fault_canaries} --prompt-tokens {n}"
-                 + (" (cut by its bound; then the same with --from-log <decode replica's "
-                    "Ray worker log> <fault file>.log)" if opts.from_log else "")),
+                 + (" (then --from-runs <its runs.jsonl>)" if opts.from_runs else "")),
         inputs={"prompt_tokens": n, "max_tokens": opts.max_tokens, "tolerance_nats": tol,
+                "median_tolerance_nats": canary.median_tolerance("cpu", None),
                 "canaries_asked": opts.canaries, "budget_s": opts.budget_s,
                 "fault_region": opts.region, "boot_s": boot_s,
                 "nixl_failed_transfers_at_ray_metrics": failed_transfers,
                 "config": "configs/local-cpu-pd.yaml"},
-        columns=["case", "canaries", "failed", "max_logprob_delta", "tolerance",
+        columns=["case", "canaries", "failed", "max_logprob_delta", "max_median_delta",
+                 "tolerance",
                  "median_s", "max_s", "phases_median_s / hook", "meaning"],
         rows=rows,
         notes=(note + "failed: canaries that did not pass (clean: false positives; a fault: "

@@ -86,6 +86,10 @@ class CanarySection(_Strict):
     tolerance: float | None = Field(default=None, gt=0, description="largest per-token "
                                     "logprob difference (nats) that passes; None: the "
                                     "platform's measured bound (deployments.pd.canary)")
+    median_tolerance: float | None = Field(default=None, gt=0, description="largest median "
+                                           "per-token logprob difference (nats) that "
+                                           "passes; None: the platform's measured bound "
+                                           "(CPU 0.1; GPU none measured: not judged)")
     timeout_s: float = Field(default=120.0, gt=0, description="one canary's deadline")
 
 

@@ -32,6 +32,7 @@ class CanaryRequest(_Wire):
     prompt_tokens: int
     max_tokens: int
     tolerance: float | None = None
+    median_tolerance: float | None = None
     timeout_s: float = 120.0
 
 
@@ -52,6 +53,9 @@ class CanaryResult(_Wire):
                                 "the pair - logprob scored on the decode replica alone|")
     max_delta: float | None = None
     tolerance: float
+    median_delta: float | None = None
+    median_tolerance: float | None = Field(default=None, description="the bound on "
+                                           "median_delta (None: not judged)")
     external_tokens: int | None = Field(default=None, description="prompt tokens the decode "
                                         "engine took from the connector (vLLM's "
                                         "num_cached_tokens; prefix cache salted away)")

@@ -73,6 +73,7 @@ def describe_pd(report: FleetReport) -> list[str]:
         head = (f"    canary decode {c.decode_replica} <- prefill {c.prefill_replica}: "
                 f"{'passed' if c.passed else 'FAILED (pair excluded)'} ({c.mode.value}, "
                 f"max logprob delta {_nats(c.max_delta)} of {c.tolerance:g}, "
+                f"median {_nats(c.median_delta)}{_bound(c.median_tolerance)}, "
                 f"{c.external_tokens}/{c.prompt_tokens} prompt tokens over the connector, "
                 f"{c.seconds:.1f} s)")
         lines.append(head if c.passed and not c.reason else f"{head}: {c.reason}"
@@ -83,6 +84,10 @@ def describe_pd(report: FleetReport) -> list[str]:
 
 def _failed_transfers(count: int | None) -> str:
     return "" if count is None else f"; {count} failed KV transfer(s) counted"
+
+
+def _bound(value: float | None) -> str:
+    return "" if value is None else f" of {value:g}"
 
 
 def _nats(value: float | None) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import statistics
 import time
 import uuid
 from typing import Any
@@ -98,7 +99,9 @@ class PDCanaryMixin:
                             request_id: str, ids: list[int], reference: Any, t0: float,
                             mode: CanaryMode, why: str) -> CanaryResult:
         vcfg, n, salt = client.vllm_config, len(ids), body.cache_salt
-        tol = canary.tolerance(vcfg.device_config.device_type, req.tolerance)
+        platform = vcfg.device_config.device_type
+        tol = canary.tolerance(platform, req.tolerance)
+        median_tol = canary.median_tolerance(platform, req.median_tolerance)
         try:
             stream = self._prefill_handle.completions.remote(prefill, None)  # type: ignore[attr-defined]  # PDDecodeServer's handle
             chunk = await stream.__anext__()
@@ -110,6 +113,7 @@ class PDCanaryMixin:
         result = CanaryResult(prefill_replica=req.prefill_replica,
                               decode_replica=self._replica_id, passed=False, mode=mode,
                               seed=req.seed, prompt_tokens=n, tolerance=tol,
+                              median_tolerance=median_tol,
                               kv_load_failure_policy=getattr(vcfg.kv_transfer_config,
                                                              "kv_load_failure_policy", None))
         if not getattr(chunk, "kv_transfer_params", None):  # an ErrorResponse has none
@@ -137,12 +141,14 @@ class PDCanaryMixin:
                 [{t: lp.logprob for t, lp in step.items()} for step in ref.logprobs or []]) \
                 or await self._scored(client, ids, result.tokens, through, request_id)
             result.max_delta = max(result.deltas)
+            result.median_delta = statistics.median(result.deltas)
         result.phase_s = {"prefill": round(t1 - t0, 3), "decode": round(t2 - t1, 3),
                           "reference": round(time.monotonic() - t2, 3)}
         result.reason = canary.judge(
             canary_mode=mode, prompt_tokens=n, max_tokens=req.max_tokens,
             tokens=result.tokens, token_deltas=result.deltas, tolerance_nats=tol,
-            external_tokens=result.external_tokens, finish_reason=result.finish_reason)
+            external_tokens=result.external_tokens, finish_reason=result.finish_reason,
+            median_tolerance_nats=median_tol)
         result.passed = not result.reason
         logger.info("dsv4: P/D canary %s <- %s: %s in %.1f s (%s), max delta %s",
                     self._replica_id, req.prefill_replica,

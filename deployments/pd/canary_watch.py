@@ -80,6 +80,7 @@ class CanaryWatch:
             out.setdefault(decode, []).append(CanaryRequest(
                 prefill_replica=prefill, seed=self._seed, prompt_tokens=s.prompt_tokens,
                 max_tokens=s.max_tokens, tolerance=s.tolerance,
+                median_tolerance=s.median_tolerance,
                 timeout_s=s.timeout_s).model_dump(mode="json"))
         return out
 

@@ -61,6 +61,34 @@ def test_tolerance_per_platform_and_configured() -> None:
     assert canary.tolerance("cpu", 0.2) == 0.2
 
 
+def test_median_tolerance_per_platform_and_configured() -> None:
+    assert canary.median_tolerance("cpu", None) == 0.1
+    assert canary.median_tolerance("cuda", None) is None  # not measured: not judged
+    assert canary.median_tolerance("cuda", 0.05) == 0.05
+
+
+# Per-token deltas measured on AVX2 (benchmarks/results/pd_canary.json's run): clean
+# canaries with a MoE near tie on one or two tokens, and a row truncated to its named
+# layer's page whose largest token stayed under the 1.0 max tolerance.
+CLEAN_NEAR_TIES = [[0.0, 0.353, 0.0, 0.0, 0.185, 0.0, 0.001, 0.017],
+                   [0.017, 0.015, 0.225, 0.001, 0.015, 0.0, 0.001, 0.172]]
+TRUNCATED_UNDER_MAX = [0.625, 0.371, 0.4, 0.195, 0.483, 0.96, 0.004, 0.03]
+
+
+@pytest.mark.parametrize("deltas", CLEAN_NEAR_TIES)
+def test_near_ties_on_a_few_tokens_pass_the_median(deltas: list[float]) -> None:
+    assert _judge(max_tokens=8, tokens=list(range(8)), token_deltas=deltas,
+                  tolerance_nats=1.0, median_tolerance_nats=0.1) == ""
+
+
+def test_a_truncation_under_the_max_fails_by_the_median() -> None:
+    args: dict[str, Any] = dict(max_tokens=8, tokens=list(range(8)),
+                                token_deltas=TRUNCATED_UNDER_MAX, tolerance_nats=1.0)
+    assert _judge(**args) == ""  # the max rule alone lets it through
+    why = _judge(**args, median_tolerance_nats=0.1)
+    assert "median decoded token's logprob is off by 0.386" in why and "0.96" in why
+
+
 def _judge(**changes: Any) -> str:
     base: dict[str, Any] = dict(canary_mode=CanaryMode.OUTPUT, prompt_tokens=700,
                                 max_tokens=4, tokens=[5, 6, 7, 8],
