@@ -50,7 +50,7 @@ def check(args: AppArgs) -> list[Finding]:
     """Every policy problem of one application's args, errors first."""
     found = [*_parallel_problems(args), *_layout_problems(args), *_shape_problems(args),
              *_override_problems(args), *_http_engine_problems(args),
-             *_replica_port_problems(args), *_ingress_problems(args)]
+             *_replica_port_problems(args), *_ingress_problems(args), *_pd_problems(args)]
     return sorted(found, key=lambda p: not p.is_error)
 
 
@@ -122,6 +122,19 @@ def _ingress_problems(args: AppArgs) -> list[Finding]:
             "(HAProxy already forwards to each replica's own port), or set "
             "http.ingress: serve_proxy.")]
     return []
+
+
+def _pd_problems(args: AppArgs) -> list[Finding]:
+    """A P/D app's decode replicas read their failed KV transfers from vLLM's Ray stat
+    logger (``deployments.pd.failed_transfers``), which ``log_engine_metrics`` turns off."""
+    if getattr(args, "pd", None) is None or args.llm.log_engine_metrics is not False:
+        return []
+    return [Finding(WARNING, "pd-failed-transfers-unread", (
+        "llm.log_engine_metrics=false in a P/D app: the decode replicas cannot read vLLM's "
+        "vllm:nixl_num_failed_transfers, so a failed KV receive does not take its decode "
+        "replica's pairs out of routing (only the output canary and "
+        "kv_load_failure_policy guard them; /v1/kv-spec says the count is not read). Fix: "
+        "unset llm.log_engine_metrics (Ray Serve LLM's default is true)."))]
 
 
 def _parallel_problems(args: AppArgs) -> list[Finding]:

@@ -61,6 +61,10 @@ class CanaryResult(_Wire):
                                         "num_cached_tokens; prefix cache salted away)")
     finish_reason: str | None = None
     kv_load_failure_policy: str | None = None
+    failed_kv_transfers: int | None = Field(default=None, description="set when the result "
+                                            "comes from the decode replica's failure "
+                                            "counter, not a canary: the failed KV transfers "
+                                            "it counted since the previous check")
     seconds: float = 0.0
     phase_s: dict[str, float] = Field(default_factory=dict, description="seconds per phase: "
                                       "prefill (on the prefill replica), decode (pages "

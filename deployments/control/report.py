@@ -67,6 +67,7 @@ def describe_pd(report: FleetReport) -> list[str]:
                       for name, p in pd.pools.items())
     lines = [f"  P/D: {pd.verdict.value}; pools: {pools or 'none checked'}"]
     lines += [f"    decode {d} takes KV from prefill {ids or 'none (prefills locally)'}"
+              + _failed_transfers(pd.failed_kv_transfers.get(d))
               for d, ids in pd.allowed.items()]
     for c in pd.canaries:
         head = (f"    canary decode {c.decode_replica} <- prefill {c.prefill_replica}: "
@@ -79,6 +80,10 @@ def describe_pd(report: FleetReport) -> list[str]:
                      + ("" if c.passed else f"; deltas {[round(d, 3) for d in c.deltas]}, "
                         f"tokens {c.tokens}"))
     return lines
+
+
+def _failed_transfers(count: int | None) -> str:
+    return "" if count is None else f"; {count} failed KV transfer(s) counted"
 
 
 def _bound(value: float | None) -> str:

@@ -214,8 +214,13 @@ PD_CANARY_MAX_DELTA = Series("dsv4_pd_canary_max_logprob_delta", Kind.GAUGE, "la
                              "per-token logprob difference (nats) of the latest canaries, "
                              "through the pair vs scored on the decode replica alone",
                              PD_TAGS, where="pd_controller")
+PD_FAILED_TRANSFERS = Series("dsv4_pd_failed_kv_transfers", Kind.GAUGE, "KV transfers a "
+                             "decode replica's engine counted as failed since it started "
+                             "(vLLM's vllm:nixl_num_failed_transfers, as the replica last "
+                             "reported it); a rise excludes all its pairs until a clean canary",
+                             (*PD_TAGS, "decode_replica"), where="pd_controller")
 PD_SERIES = (PD_COMPATIBLE, PD_VERDICT, PD_PAIRS, PD_BLOCKED, PD_STRANDED, PD_CANARY_FAILED,
-             PD_CANARY_PASSED, PD_CANARY_MAX_DELTA)
+             PD_CANARY_PASSED, PD_CANARY_MAX_DELTA, PD_FAILED_TRANSFERS)
 
 ALL = CONTROLLER_SERIES + REPLICA_SERIES + PD_SERIES + AUTOSCALE_SERIES
 

@@ -3,7 +3,16 @@
 A pair the specs allow joins the routing whitelist only after a clean canary; it is
 canaried again every ``pd.canary.period_s`` (and at once when it is new: a replaced
 replica has a new id, so every pair it forms is new), and leaves the whitelist the
-moment a canary fails, until one passes. ``gate`` is called by
+moment a canary fails, until one passes.
+
+Each decode replica also reports how many KV transfers its engine counted as failed
+(``wire.PDRouteAck``, read from vLLM's NIXL counter by ``deployments.pd.failed_transfers``).
+When that count rises between two checks (``take_counts``), every pair of that decode
+replica fails at once -- the counter does not name the prefill replica -- with a result
+that names the decode replica and the number, and is due for a canary at once; each
+rejoins after a clean canary, as above. A count that went down is a restarted process
+counting from 0 again, and a replica's first count is where it starts: neither is a
+rise. ``gate`` is called by
 ``deployments.pd.controller.PDController.judge`` before it pushes the whitelists, so a
 failing pair is excluded within one period.
 
@@ -20,13 +29,21 @@ from collections.abc import Iterable
 from typing import Any
 
 from deployments.config.pd import CanarySection
-from deployments.control.canary_wire import CanaryRequest, CanaryResult
-from deployments.control.wire import PDReport, PDVerdict
+from deployments.control.canary_wire import CanaryMode, CanaryRequest, CanaryResult
+from deployments.control.wire import PDReport, PDRouteAck, PDVerdict
 from deployments.logs import get_logger
 
 logger = get_logger("pd")
 
 Pair = tuple[str, str]  # (decode replica, prefill replica)
+
+
+def rise(before: int | None, now: int | None) -> int:
+    """Failed transfers counted between two checks: 0 at a replica's first count, when
+    its count is unknown, and when it went down (a restarted process counts from 0)."""
+    if before is None or now is None or now < before:
+        return 0
+    return now - before
 
 
 class CanaryWatch:
@@ -36,7 +53,12 @@ class CanaryWatch:
         self.settings = CanarySection.model_validate(settings or {})
         self.results: dict[Pair, CanaryResult] = {}
         self._seed = int(time.time())  # a new prompt per canary, also across restarts
-        self.totals = {"run": 0, "failed": 0}  # since this controller started
+        # Since this controller started: canaries run and failed, and pairs failed by
+        # their decode replica's failure counter.
+        self.totals = {"run": 0, "failed": 0, "failed_by_counter": 0}
+        self.failed_transfers: dict[str, int] = {}  # decode replica -> its last count
+        self.unread: dict[str, str] = {}  # decode replica -> why its count is not read
+        self._rerun: set[Pair] = set()  # due at once: failed by their decode's counter
 
     def due(self, allowed: dict[str, list[str]], now: float) -> list[Pair]:
         """Pairs the specs allow whose canary is missing or older than one period."""
@@ -44,7 +66,8 @@ class CanaryWatch:
         for decode, prefills in allowed.items():
             for prefill in prefills:
                 last = self.results.get((decode, prefill))
-                if last is None or now - last.at >= self.settings.period_s:
+                if last is None or (decode, prefill) in self._rerun or \
+                        now - last.at >= self.settings.period_s:
                     out.append((decode, prefill))
         return out
 
@@ -75,6 +98,7 @@ class CanaryWatch:
                 self.totals["failed"] += not result.passed
                 before = self.results.get(result.pair)
                 self.results[result.pair] = result
+                self._rerun.discard(result.pair)
                 taken.append(result)
                 if not result.passed:
                     logger.error("dsv4: P/D canary FAILED for decode %s <- prefill %s: %s "
@@ -92,6 +116,7 @@ class CanaryWatch:
         """``report`` with ``allowed`` cut to pairs whose latest canary passed."""
         live = {(d, p) for d, ps in report.allowed.items() for p in ps}
         self.results = {k: v for k, v in self.results.items() if k in live}
+        self._rerun &= live
         allowed = {d: [p for p in ps if (r := self.results.get((d, p))) is not None
                        and r.passed] for d, ps in report.allowed.items()}
         failed = [r for r in self.results.values() if not r.passed]
@@ -117,6 +142,67 @@ class CanaryWatch:
             "blocked_prefill": blocked if failed else report.blocked_prefill,
             "canary_totals": dict(self.totals),
             "canaries": sorted(self.results.values(), key=lambda r: r.pair)})
+
+    def take_counts(self, acks: Iterable[PDRouteAck], pairs: dict[str, list[str]],
+                    now: float) -> dict[str, int]:
+        """Each decode replica's failed-transfer count, from its answer to the whitelist.
+
+        ``pairs``: decode replica -> the prefill replicas the specs allow it. Where a
+        count rose since the last check, and the canary is on, every one of those pairs
+        fails now (its latest result replaced) and is due for a canary at once. Returns
+        decode replica -> failed transfers since the last check, for those that rose.
+        """
+        rose: dict[str, int] = {}
+        answered = set()
+        for ack in acks:
+            answered.add(ack.replica_id)
+            count = ack.failed_kv_transfers
+            if count is None:
+                why = ack.failed_kv_transfers_unread or "not reported (an older dsv4-serve)"
+                if self.unread.get(ack.replica_id) != why:
+                    logger.warning("dsv4: P/D decode replica %s does not report its failed KV "
+                                   "transfers: %s", ack.replica_id, why)
+                self.unread[ack.replica_id] = why
+                continue
+            self.unread.pop(ack.replica_id, None)
+            if n := rise(self.failed_transfers.get(ack.replica_id), count):
+                rose[ack.replica_id] = n
+            self.failed_transfers[ack.replica_id] = count
+        known = set(pairs) | answered
+        self.failed_transfers = {d: c for d, c in self.failed_transfers.items() if d in known}
+        self.unread = {d: why for d, why in self.unread.items() if d in known}
+        for decode, n in rose.items():
+            logger.error("dsv4: P/D decode replica %s counted %d failed KV transfer(s) since "
+                         "the previous check (%d in all)%s", decode, n,
+                         self.failed_transfers[decode],
+                         "; its pairs are excluded until a clean canary"
+                         if self.settings.enabled else " (pd.canary is off: its pairs stay)")
+            if self.settings.enabled:
+                for prefill in pairs.get(decode, []):
+                    self._fail_by_counter((decode, prefill), n, now)
+        return rose
+
+    def _fail_by_counter(self, pair: Pair, failed: int, now: float) -> None:
+        """The pair's latest result becomes a failure naming its decode replica's count."""
+        decode, prefill = pair
+        last = self.results.get(pair)
+        reason = (f"decode replica {decode} counted {failed} failed KV transfer(s) since the "
+                  f"controller's previous check ({self.failed_transfers[decode]} since it "
+                  "started; vLLM's vllm:nixl_num_failed_transfers): the counter does not "
+                  "name the prefill replica, so every pair of this decode replica is "
+                  "excluded until a clean canary")
+        if last is not None and not last.passed and last.failed_kv_transfers is None:
+            reason += f"; the pair's last canary: {last.reason}"
+        s = self.settings
+        self.results[pair] = CanaryResult(
+            prefill_replica=prefill, decode_replica=decode, passed=False,
+            mode=last.mode if last else CanaryMode.OUTPUT, reason=reason, seed=0,
+            prompt_tokens=last.prompt_tokens if last else s.prompt_tokens,
+            tolerance=last.tolerance if last else s.tolerance or 0.0,
+            kv_load_failure_policy=last.kv_load_failure_policy if last else None,
+            failed_kv_transfers=failed, at=now)
+        self.totals["failed_by_counter"] += 1
+        self._rerun.add(pair)
 
     @staticmethod
     def failed_pairs(report: PDReport) -> int:

@@ -8,6 +8,10 @@ prefill replica that answered with every decode replica that answered
 (``deployments.pd.compat.judge``), sends each decode replica its whitelist of prefill
 replicas (``apply_pd_route``, a ``wire.PDRouteMessage``) and publishes the verdict in
 ``GET /v1/kv-spec`` (``FleetReport.pd``) and as ``dsv4_pd_*`` gauges.
+
+Each decode replica answers the whitelist with its count of failed KV transfers
+(``wire.PDRouteAck``); a count that rose fails all of that replica's pairs in the same
+check (``CanaryWatch.take_counts``), and the whitelists are sent again at once.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from deployments.control.wire import (
     FleetReport,
     PDPool,
     PDReport,
+    PDRouteAck,
     PDRouteMessage,
     PDVerdict,
     State,
@@ -45,9 +50,10 @@ class _PDMetrics:
         gauges = series.make_each(
             series.PD_COMPATIBLE, series.PD_VERDICT, series.PD_PAIRS, series.PD_BLOCKED,
             series.PD_STRANDED, series.PD_CANARY_FAILED, series.PD_CANARY_PASSED,
-            series.PD_CANARY_MAX_DELTA)
+            series.PD_CANARY_MAX_DELTA, series.PD_FAILED_TRANSFERS)
         (self.compatible, self.verdict, self.pairs, self.blocked, self.stranded,
-         self.canary_failed, self.canary_passed, self.canary_delta) = gauges
+         self.canary_failed, self.canary_passed, self.canary_delta,
+         self.failed_transfers) = gauges
         for gauge in gauges:
             gauge.set_default_tags(dict(self._tags))
 
@@ -64,6 +70,8 @@ class _PDMetrics:
         deltas = [c.max_delta for c in pd.canaries if c.max_delta is not None]
         if deltas:
             self.canary_delta.set(max(deltas))
+        for decode, count in pd.failed_kv_transfers.items():
+            self.failed_transfers.set(count, tags={"decode_replica": decode})
 
 
 async def _pool_controller(server: DeploymentHandle | str, dsv4: dict[str, Any],
@@ -119,17 +127,34 @@ class PDController:
                      for name, c in self._pools.items()}
             report = compat.judge(self._pools["prefill"].specs, self._decode.specs, pools,
                                      checked_at=started)
-            self._by_specs = report
-            if self._canary.settings.enabled:
-                report = self._canary.gate(report)
+            self._by_specs = by_specs = report
+            report = self._gate(by_specs)
             if self._decode.specs:
-                await self._push(report, started)
+                acks = await self._push(report, started)
+                if self._canary.take_counts(acks, by_specs.allowed, started) and \
+                        self._canary.settings.enabled:  # a failed transfer: its pairs out now
+                    report = self._gate(by_specs)
+                    await self._push(report, started)
+            report = self._with_counts(report)
             if (report.verdict, report.allowed) != (self._pd.verdict, self._pd.allowed):
                 log = logger.info if report.verdict is PDVerdict.COMPATIBLE else logger.warning
                 log("dsv4: P/D %s: %s", report.verdict.value, report.message)
             self._pd = report
             self._metrics.record(report)
             return report
+
+    def _gate(self, report: PDReport) -> PDReport:
+        return self._canary.gate(report) if self._canary.settings.enabled else report
+
+    def _with_counts(self, report: PDReport) -> PDReport:
+        """``report`` with each decode replica's failed-transfer count, or why it has none."""
+        unread = self._canary.unread
+        message = report.message + "".join(
+            f" Failed KV transfers of decode {d} are not read: {why}."
+            for d, why in sorted(unread.items()))
+        return report.model_copy(update={
+            "failed_kv_transfers": dict(self._canary.failed_transfers),
+            "message": message.strip()})
 
     async def _run_canaries(self) -> bool:
         """The due canaries of the pairs the specs allow, each decode replica running its
@@ -153,7 +178,8 @@ class PDController:
         self._canary.take(answers)
         return True
 
-    async def _push(self, report: PDReport, checked_at: float) -> None:
+    async def _push(self, report: PDReport, checked_at: float) -> list[PDRouteAck]:
+        """Send each decode replica its whitelist; return the answers of those that took it."""
         message = PDRouteMessage(checked_at=checked_at, verdict=report.verdict,
                                  allowed=report.allowed)
         acks, late, error = await self._decode._call_each("apply_pd_route",
@@ -162,6 +188,7 @@ class PDController:
         if failed or late or error:
             logger.warning("dsv4: %d decode replica(s) did not take the P/D route (%d late): "
                            "%s", len(failed) + late, late, error or (failed[0] if failed else ""))
+        return [PDRouteAck.model_validate(a) for a in acks if isinstance(a, dict)]
 
     async def check(self) -> dict[str, Any]:
         """Check both pools now, then judge the pairs; return the combined report."""

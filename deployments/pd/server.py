@@ -11,7 +11,9 @@ identity by content, for ``deployments.pd.compat``.
 
 The decode server hands a request to a prefill replica only when the controller has
 proven one compatible with it (``deployments.pd.route``); otherwise it prefills on its
-own engine, so no unproven pages are ever copied.
+own engine, so no unproven pages are ever copied. The decode server also counts the
+KV transfers its engine saw fail (``deployments.pd.failed_transfers``) and reports them
+with each whitelist it takes.
 
 The decode replicas are the HTTP ingress (``deployments.pd.builder``): their ASGI app is
 vLLM's OpenAI app, whose chat/completions routes Ray's ``PDOrchestratorMixin`` re-points
@@ -28,9 +30,9 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.llm.deployment import LLMServer, PDDecodeServer, PDPrefillServer
 
 from deployments.control.canary_wire import CanaryBatch
-from deployments.control.wire import PDRouteMessage, TransferSpec
+from deployments.control.wire import PDRouteAck, PDRouteMessage, TransferSpec
 from deployments.logs import get_logger
-from deployments.pd import compat
+from deployments.pd import compat, failed_transfers
 from deployments.pd import route as pd_route
 from deployments.pd.canary_run import PDCanaryMixin
 from deployments.serving.server import DSv4ServerMixin
@@ -111,12 +113,17 @@ class DSv4PDDecodeServer(PDCanaryMixin, PDTransferMixin, DSv4ServerMixin, PDDeco
                        prefill_server: DeploymentHandle, compat_check: bool = True,
                        **kwargs: Any):
         pd_route.ROUTE.check = compat_check
+        failed_transfers.install()  # before the engine builds its stat loggers
         await super().__init__(llm_config, dsv4=dsv4, prefill_server=prefill_server, **kwargs)
 
     async def apply_pd_route(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Take the controller's whitelist of prefill replicas for this decode replica."""
+        """Take the controller's whitelist of prefill replicas for this decode replica;
+        answer with the failed KV transfers its engine counted (``wire.PDRouteAck``)."""
         route = pd_route.take(PDRouteMessage.model_validate(message), self._replica_id)
-        return {"replica_id": self._replica_id, "allowed": sorted(route.allowed or ())}
+        count, unread = failed_transfers.reading(self._llm_config.log_engine_metrics)
+        return PDRouteAck(replica_id=self._replica_id, allowed=sorted(route.allowed or ()),
+                          failed_kv_transfers=count,
+                          failed_kv_transfers_unread=unread).model_dump(mode="json")
 
     async def run_canaries(self, message: dict[str, Any]) -> list[dict[str, Any]]:
         """The controller's canaries addressed to this replica, one after another."""

@@ -28,18 +28,20 @@ importable objects (``used_in``: ``"deployments.local.drain:drain"``), which
 ``probes``: ``RayTouch`` and the probe builders; ``served``: the touches of the served app
 (replicas, controller, builders); ``doors``: those of the replica's doors (the proxy's
 bind, direct ingress and HAProxy, the data plane, the stopping flag); ``local``: those
-of the local cluster (head, drain, nodes).
+of the local cluster (head, drain, nodes); ``transfers``: what a P/D decode replica
+reads for the health of its KV transfers (vLLM's NIXL failure counter).
 """
 
 from __future__ import annotations
 
-from deployments.ray_touches import doors, local, served
+from deployments.ray_touches import doors, local, served, transfers
 from deployments.ray_touches.probes import RayTouch, call_site_problem
 
 __all__ = ["TOUCHES", "RayTouch", "call_site_problem", "present", "probe_all", "render",
            "require"]
 
-TOUCHES: tuple[RayTouch, ...] = (*served.TOUCHES, *doors.TOUCHES, *local.TOUCHES)
+TOUCHES: tuple[RayTouch, ...] = (*served.TOUCHES, *transfers.TOUCHES, *doors.TOUCHES,
+                                 *local.TOUCHES)
 
 
 def probe_all() -> list[dict[str, str | bool]]:

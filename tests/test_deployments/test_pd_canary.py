@@ -6,7 +6,8 @@ and the engine-site fault hooks (tests/support/pd_faults.py), switched by a file
 time: one boot serves every case. The canaries run on the decode replica (its
 ``run_canary``) from the controller's own loop, which must exclude the pair within one
 period, route user requests to local prefill, and let the pair rejoin after a clean
-canary.
+canary. A failed receive must also raise the decode replica's count of failed KV
+transfers (vLLM's NIXL counter, read in the replica), which fails its pairs by name.
 
 ``make test-pd`` only (``DSV4_FULL_PD=1``): a pair of engines beyond the session stack
 does not fit ``make test``'s 60-minute budget. ``DSV4_PD_CANARY_CLEAN_S`` sets how long
@@ -107,6 +108,7 @@ def test_a_pair_joins_only_after_a_clean_canary_and_clean_canaries_pass(
         for c in pd["canaries"]:
             seen.setdefault(c["at"], c)
         assert pd["canary_totals"].get("failed", 0) == 0, pd  # a false positive
+        assert pd["canary_totals"].get("failed_by_counter", 0) == 0, pd  # a failed transfer
         time.sleep(2)
     first = min(seen.values(), key=lambda c: c["at"])
     assert first["passed"] and first["mode"] == "output" and \
@@ -115,6 +117,7 @@ def test_a_pair_joins_only_after_a_clean_canary_and_clean_canaries_pass(
         assert c["external_tokens"] >= c["prompt_tokens"] - 256, c  # arrived over NIXL
     deltas = [c["max_delta"] for c in seen.values()]
     seconds = [c["seconds"] for c in seen.values()]
+    assert report(url)["failed_kv_transfers"], report(url)  # read from the decode replica
     print(f"{report(url)['canary_totals']} canaries, {len(seen)} seen: max delta "
           f"{max(deltas):.4f} nats, {sum(seconds) / len(seconds):.1f} s each")
 
@@ -129,6 +132,8 @@ def test_a_fault_is_caught_and_the_pair_excluded_until_clean(
     handle = decode_handle(url)
     log = Path(f"{fault_file}.log")
     logged = log.read_text() if log.exists() else ""
+    counted = report(url)["failed_kv_transfers"].get(decode)
+    assert isinstance(counted, int), report(url)  # the decode replica reads vLLM's counter
     fault_file.write_text(json.dumps({"fault": fault, "region": 0, "keep": "smallest"}))
     started = time.monotonic()
     try:
@@ -149,8 +154,18 @@ def test_a_fault_is_caught_and_the_pair_excluded_until_clean(
         users = [f for f in after[len(fired):] if "request" in f
                  and CANARY_PREFIX not in str(f["request"])]
         assert not users, users  # no user request's pages crossed the failed pair
+        if fault == "fail_receive":  # vLLM counts it; the controller names the decode replica
+            pd = wait_pd(url, lambda p: p["failed_kv_transfers"].get(decode, 0) > counted
+                         and any(c["failed_kv_transfers"] for c in p["canaries"]), 60)
+            [by_counter] = [c for c in pd["canaries"] if c["failed_kv_transfers"]]
+            assert by_counter["decode_replica"] == decode and not by_counter["passed"], pd
+            assert f"decode replica {decode} counted {by_counter['failed_kv_transfers']} " \
+                "failed KV transfer(s)" in by_counter["reason"], by_counter
+            assert not pd["allowed"].get(decode), pd
+        now = report(url)["failed_kv_transfers"].get(decode)
         print(f"{fault}: caught ({bad['reason']}), pair excluded {detected_s:.1f} s after "
-              f"the fault was set; hook: {[f for f in fired if f['fault'] == fault][:1]}")
+              f"the fault was set; hook: {[f for f in fired if f['fault'] == fault][:1]}; "
+              f"decode's failed KV transfers {counted} -> {now}")
     finally:
         fault_file.write_text("{}")
     wait_pd(url, lambda p: prefill in p["allowed"].get(decode, []), 150)
