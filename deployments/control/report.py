@@ -67,13 +67,14 @@ def describe_pd(report: FleetReport) -> list[str]:
                       for name, p in pd.pools.items())
     lines = [f"  P/D: {pd.verdict.value}; pools: {pools or 'none checked'}"]
     lines += [f"    decode {d} takes KV from prefill {ids or 'none (prefills locally)'}"
-              + _failed_transfers(pd.failed_kv_transfers.get(d))
+              + _shown(pd.failed_kv_transfers.get(d), "; {} failed KV transfer(s) counted")
               for d, ids in pd.allowed.items()]
     for c in pd.canaries:
         head = (f"    canary decode {c.decode_replica} <- prefill {c.prefill_replica}: "
                 f"{'passed' if c.passed else 'FAILED (pair excluded)'} ({c.mode.value}, "
-                f"max logprob delta {_nats(c.max_delta)} of {c.tolerance:g}, "
-                f"median {_nats(c.median_delta)}{_bound(c.median_tolerance)}, "
+                f"max logprob delta {_shown(c.max_delta, '{:.3f}', 'n/a')} of {c.tolerance:g}, "
+                f"median {_shown(c.median_delta, '{:.3f}', 'n/a')}"
+                f"{_shown(c.median_tolerance, ' of {:g}')}, "
                 f"{c.external_tokens}/{c.prompt_tokens} prompt tokens over the connector, "
                 f"{c.seconds:.1f} s)")
         lines.append(head if c.passed and not c.reason else f"{head}: {c.reason}"
@@ -82,16 +83,9 @@ def describe_pd(report: FleetReport) -> list[str]:
     return lines
 
 
-def _failed_transfers(count: int | None) -> str:
-    return "" if count is None else f"; {count} failed KV transfer(s) counted"
-
-
-def _bound(value: float | None) -> str:
-    return "" if value is None else f" of {value:g}"
-
-
-def _nats(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.3f}"
+def _shown(value: float | None, spec: str, missing: str = "") -> str:
+    """``spec`` filled with ``value``, or ``missing`` when there is none."""
+    return missing if value is None else spec.format(value)
 
 
 def log_change(prev: FleetReport, report: FleetReport) -> None:
