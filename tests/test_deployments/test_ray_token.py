@@ -73,7 +73,8 @@ def test_the_multinode_cluster_token_is_private(tmp_path: Path) -> None:
 def test_use_private_token_sets_a_0600_token_for_this_process(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for name in (ray_token.MODE_ENV, ray_token.PATH_ENV, "RAY_AUTH_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded: the env is restored after the test
+        monkeypatch.delenv(name)
     path = Path(ray_token.use_private_token() or "")
     try:
         assert os.environ[ray_token.PATH_ENV] == str(path)
