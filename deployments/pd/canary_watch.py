@@ -58,15 +58,16 @@ class CanaryWatch:
         self.totals = {"run": 0, "failed": 0, "failed_by_counter": 0}
         self.failed_transfers: dict[str, int] = {}  # decode replica -> its last count
         self.unread: dict[str, str] = {}  # decode replica -> why its count is not read
-        self._rerun: set[Pair] = set()  # due at once: failed by their decode's counter
 
     def due(self, allowed: dict[str, list[str]], now: float) -> list[Pair]:
-        """Pairs the specs allow whose canary is missing or older than one period."""
+        """Pairs the specs allow whose canary is missing or older than one period, or
+        whose latest result is a failure by their decode replica's counter."""
         out = []
         for decode, prefills in allowed.items():
             for prefill in prefills:
                 last = self.results.get((decode, prefill))
-                if last is None or (decode, prefill) in self._rerun or \
+                # failed_kv_transfers: failed by its decode's counter, not yet canaried
+                if last is None or last.failed_kv_transfers is not None or \
                         now - last.at >= self.settings.period_s:
                     out.append((decode, prefill))
         return out
@@ -98,7 +99,6 @@ class CanaryWatch:
                 self.totals["failed"] += not result.passed
                 before = self.results.get(result.pair)
                 self.results[result.pair] = result
-                self._rerun.discard(result.pair)
                 taken.append(result)
                 if not result.passed:
                     logger.error("dsv4: P/D canary FAILED for decode %s <- prefill %s: %s "
@@ -116,7 +116,6 @@ class CanaryWatch:
         """``report`` with ``allowed`` cut to pairs whose latest canary passed."""
         live = {(d, p) for d, ps in report.allowed.items() for p in ps}
         self.results = {k: v for k, v in self.results.items() if k in live}
-        self._rerun &= live
         allowed = {d: [p for p in ps if (r := self.results.get((d, p))) is not None
                        and r.passed] for d, ps in report.allowed.items()}
         failed = [r for r in self.results.values() if not r.passed]
@@ -202,7 +201,6 @@ class CanaryWatch:
             kv_load_failure_policy=last.kv_load_failure_policy if last else None,
             failed_kv_transfers=failed, at=now)
         self.totals["failed_by_counter"] += 1
-        self._rerun.add(pair)
 
     @staticmethod
     def failed_pairs(report: PDReport) -> int:
