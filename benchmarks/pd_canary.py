@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from benchmarks import results
 from benchmarks.results import write_result
 from deployments.config import ServeApplication, load_serve_config
 from deployments.config.pd import CanarySection
@@ -88,7 +89,9 @@ class Runner:
     def __init__(self, handle: Any, prefill: str, fault_file: Path, opts: argparse.Namespace):
         self.handle, self.prefill, self.fault_file, self.opts = handle, prefill, fault_file, opts
         self.log = Path(f"{fault_file}.log")
-        self.raw = fault_file.parent / "runs.jsonl"  # every canary whole, per-token deltas too
+        # Every canary whole (per-token deltas too), tagged with the host kind it ran on.
+        self.raw = opts.runs_out or fault_file.parent / "runs.jsonl"
+        self.host = results.host_kind(results.host()["flags"])
         self.seed = int(time.time())
 
     def run(self, fault: dict[str, Any] | None) -> dict[str, Any]:
@@ -102,7 +105,8 @@ class Runner:
         after = self.log.read_text() if self.log.exists() else ""
         result["hook"] = [json.loads(x) for x in after[len(before):].splitlines()]
         with self.raw.open("a") as out:
-            out.write(json.dumps({"fault": fault or {}, **result}) + "\n")
+            out.write(json.dumps({"fault": fault or {}, "host_kind": self.host, **result})
+                      + "\n")
         return result
 
 
@@ -222,6 +226,8 @@ def main() -> int:
     parser.add_argument("--truncate-keeps", default="smallest,named,half",
                         help="truncate_region variants, comma-separated: how much of each "
                         "received page survives (tests/support/pd_faults.py keep_bytes)")
+    parser.add_argument("--runs-out", type=Path, metavar="RUNS_JSONL",
+                        help="append every canary's result here (default: the run's workdir)")
     opts = parser.parse_args()
     if opts.from_runs:
         return write(opts, *from_runs(opts.from_runs, opts), boot_s=None,
@@ -244,7 +250,7 @@ def main() -> int:
             clean.append(runner.run(None))
             if not clean[-1]["passed"]:
                 print(f"FALSE POSITIVE: {json.dumps(clean[-1])[:600]}", flush=True)
-        for fault, keep in cases(opts.truncate_keeps):
+        for fault, keep in cases(opts.truncate_keeps) if opts.fault_canaries else []:
             name = fault if keep in (None, "smallest") else f"{fault} (keep {keep})"
             faults[name] = [runner.run({"fault": fault, "region": opts.region, "keep": keep
                                         or "smallest"}) for _ in range(opts.fault_canaries)]
