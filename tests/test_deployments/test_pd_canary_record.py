@@ -1,0 +1,68 @@
+"""benchmarks/results/pd_canary.json is the pool of the committed canary runs, and it
+holds what issue 54 claims of it: no clean canary failed on any host kind, every
+injected fault kind failed every canary run under it, and the hook fired each time.
+
+A new run adds a file to benchmarks/results/pd_canary_runs/; writing the record again
+(``python -m benchmarks.pd_canary --from-runs benchmarks/results/pd_canary_runs``) keeps
+this test green, and a false positive in any run turns it red."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import pd_canary
+
+RECORD = Path(pd_canary.REPO) / "benchmarks" / "results" / "pd_canary.json"
+
+
+@pytest.fixture(scope="module")
+def record() -> dict[str, Any]:
+    return dict(json.loads(RECORD.read_text()))
+
+
+def _rows(record: dict[str, Any], case: str) -> list[list[Any]]:
+    return [r for r in record["rows"] if r[0].split(" · ")[0].split(" (")[0] == case]
+
+
+def test_the_record_is_the_pool_of_the_committed_runs(record: dict[str, Any]) -> None:
+    opts = argparse.Namespace(max_tokens=record["inputs"]["max_tokens"])
+    pooled = pd_canary.from_runs([pd_canary.RUNS_DIR], opts)
+    rows = json.loads(json.dumps(pd_canary.rows_of(pooled)))
+    assert rows == record["rows"], (
+        "benchmarks/results/pd_canary.json differs from its runs; write it again with "
+        "`python -m benchmarks.pd_canary --from-runs benchmarks/results/pd_canary_runs`")
+    files = [str(f.relative_to(pd_canary.REPO)) for f in pd_canary.runs_files(
+        [pd_canary.RUNS_DIR])]
+    assert record["inputs"]["runs"] == files
+
+
+def test_every_run_names_a_known_host_kind() -> None:
+    for path in pd_canary.runs_files([pd_canary.RUNS_DIR]):
+        kinds = {json.loads(line)["host_kind"] for line in path.read_text().splitlines()}
+        assert kinds <= set(pd_canary.KINDS), f"{path.name}: host kinds {kinds}"
+        assert path.stem.endswith(tuple(kinds)), f"{path.name} names another host kind"
+
+
+def test_no_clean_canary_failed_on_any_host_kind(record: dict[str, Any]) -> None:
+    clean = _rows(record, "clean")
+    assert clean, "no clean canaries recorded"
+    for row in clean:
+        assert row[2] == 0, f"{row[0]}: {row[2]} of {row[1]} clean canaries failed"
+
+
+def test_every_fault_kind_is_caught_every_time(record: dict[str, Any]) -> None:
+    kinds = {r[0].split(" · ")[1] for r in record["rows"]}
+    for kind in kinds:
+        faults = [r for r in record["rows"] if r[0].endswith(f" · {kind}")
+                  and not r[0].startswith("clean")]
+        if not faults:
+            continue  # a host kind with clean canaries only
+        assert {r[0].split(" ")[0] for r in faults} == set(pd_canary.FAULTS), kind
+        for row in faults:
+            assert row[2] == row[1] > 0, f"{row[0]}: caught {row[2]} of {row[1]}"
+            assert row[8] == f"hook fired in {row[1]}/{row[1]}", f"{row[0]}: {row[8]}"
