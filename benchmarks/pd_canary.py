@@ -26,7 +26,6 @@ import argparse
 import copy
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -34,11 +33,20 @@ from typing import Any
 
 import yaml
 
-from benchmarks import results
 from benchmarks.results import write_result
 from deployments.config import ServeApplication, load_serve_config
 from deployments.config.pd import CanarySection
-from deployments.control.canary_wire import CanaryMode
+from deployments.harness.canary_runs import (
+    FAULTS,
+    KINDS,
+    RUNS_DIR,
+    Pooled,
+    from_runs,
+    host_kind,
+    rows_of,
+    runs_files,
+)
+from deployments.harness.records import host as this_host
 from deployments.local import client, deploy, ray_head
 from deployments.pd import canary
 from dsv4_patch.tiny_model import ensure_tiny_model
@@ -46,9 +54,6 @@ from dsv4_patch.tiny_model import ensure_tiny_model
 REPO = Path(__file__).resolve().parents[1]
 PD_CONFIG = REPO / "configs" / "local-cpu-pd.yaml"
 APP = "pdcanary"
-RUNS_DIR = REPO / "benchmarks" / "results" / "pd_canary_runs"
-KINDS = ("avx2", "avx512", "amx")
-FAULTS = ("drop_region", "truncate_region", "fail_receive", "stale_params")
 
 
 def app_args(fault_file: Path, prompt_tokens: int, max_tokens: int) -> dict[str, Any]:
@@ -98,7 +103,7 @@ class Runner:
         self.handle, self.prefill, self.fault_file, self.opts = handle, prefill, fault_file, opts
         self.log = Path(f"{fault_file}.log")
         # Every canary whole (per-token deltas too), tagged with the host kind it ran on.
-        self.host = results.host_kind(results.host()["flags"])
+        self.host = host_kind(this_host()["flags"])
         self.raw: Path = opts.runs_out or RUNS_DIR / (
             f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{self.host}.jsonl")
         self.raw.parent.mkdir(parents=True, exist_ok=True)
@@ -118,22 +123,6 @@ class Runner:
             out.write(json.dumps({"fault": fault or {}, "host_kind": self.host, **result})
                       + "\n")
         return result
-
-
-def largest(runs: list[dict[str, Any]], key: str, digits: int) -> float | None:
-    values = [r[key] for r in runs if r.get(key) is not None]
-    return round(max(values), digits) if values else None
-
-
-def clean_rows(runs: list[dict[str, Any]], tol: float) -> list[Any]:
-    seconds = [r["seconds"] for r in runs]
-    phases = {k: statistics.median(r["phase_s"].get(k, 0.0) for r in runs)
-              for k in ("prefill", "decode", "reference")}
-    return ["clean", len(runs), sum(not r["passed"] for r in runs),
-            largest(runs, "max_delta", 4), largest(runs, "median_delta", 4), tol,
-            round(statistics.median(seconds), 2), round(max(seconds), 2),
-            " / ".join(f"{k} {v:.2f}" for k, v in phases.items()),
-            "false positives: clean canaries that failed"]
 
 
 def nixl_failed_transfers(wait_s: float = 30.0) -> dict[str, float]:
@@ -165,72 +154,6 @@ def cases(keeps: str) -> list[tuple[str, str | None]]:
     return out
 
 
-def fault_row(name: str, runs: list[dict[str, Any]], tol: float) -> list[Any]:
-    fault = name.split(" ")[0]
-    fired = sum(any(h["fault"] == fault for h in r["hook"]) for r in runs)
-    reasons = sorted({r["reason"][:160] for r in runs if not r["passed"]})
-    return [name, len(runs), sum(not r["passed"] for r in runs),
-            largest(runs, "max_delta", 3), largest(runs, "median_delta", 3), tol,
-            round(statistics.median(r["seconds"] for r in runs), 2), None,
-            f"hook fired in {fired}/{len(runs)}",
-            "; ".join(reasons) or "NOT caught"]
-
-
-def rejudged(run: dict[str, Any], max_tokens: int) -> dict[str, Any]:
-    """``run`` (a ``CanaryResult`` as the decode replica answered it) judged again by this
-    checkout's rules (``canary.judge``), at this platform's bounds (``canary.tolerance``,
-    ``canary.median_tolerance``), on the evidence the run recorded."""
-    out = dict(run)
-    tol, median_tol = canary.tolerance("cpu", None), canary.median_tolerance("cpu", None)
-    deltas = run.get("deltas") or []
-    if deltas:
-        out["max_delta"], out["median_delta"] = max(deltas), statistics.median(deltas)
-    mode = CanaryMode(run["mode"])
-    if run.get("tokens") or run.get("finish_reason"):
-        out["reason"] = canary.judge(
-            canary_mode=mode, prompt_tokens=run["prompt_tokens"], max_tokens=max_tokens,
-            tokens=run.get("tokens") or [], token_deltas=deltas, tolerance_nats=tol,
-            external_tokens=run.get("external_tokens"), finish_reason=run.get("finish_reason"),
-            median_tolerance_nats=median_tol)
-        out["passed"] = not out["reason"]
-    out["tolerance"], out["median_tolerance"] = tol, median_tol
-    return out
-
-
-Pooled = dict[str, tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]]
-
-
-def runs_files(paths: list[Path]) -> list[Path]:
-    """The runs files named, a folder standing for its ``*.jsonl`` in name order."""
-    out: list[Path] = []
-    for path in paths:
-        out += sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
-    return out
-
-
-def from_runs(paths: list[Path], opts: argparse.Namespace) -> Pooled:
-    """Every canary the runs files recorded (each result whole, in order), judged again by
-    ``rejudged`` and pooled per host kind (``host_kind``, which the run tagged): the clean
-    ones, then per fault case its canaries (the clean one run between two cases is left
-    out, as the live run leaves it out)."""
-    pooled: Pooled = {}
-    for path in runs_files(paths):
-        case = None
-        for line in path.read_text().splitlines():
-            run = rejudged(json.loads(line), opts.max_tokens)
-            fault = run.pop("fault") or {}
-            clean, faults = pooled.setdefault(run.pop("host_kind"), ([], {}))
-            if not fault:
-                if case is None:
-                    clean.append(run)
-                continue
-            keep = fault.get("keep")
-            case = fault["fault"] if keep in (None, "smallest") or fault["fault"] != \
-                "truncate_region" else f"{fault['fault']} (keep {keep})"
-            faults.setdefault(case, []).append(run)
-    return pooled
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--from-runs", type=Path, nargs="+", metavar="RUNS",
@@ -254,7 +177,7 @@ def main() -> int:
                         f"{RUNS_DIR.relative_to(REPO)}/, which the result pools)")
     opts = parser.parse_args()
     if opts.from_runs:
-        return write(opts, from_runs(opts.from_runs, opts), boot_s=None,
+        return write(opts, from_runs(opts.from_runs, opts.max_tokens), boot_s=None,
                      failed_transfers=None)
     ensure_tiny_model()
     fault_file = Path(tempfile.mkdtemp(prefix="dsv4-pd-faults-")) / "fault.json"
@@ -279,19 +202,7 @@ def main() -> int:
         fault_file.write_text("{}")
         ray_head.shutdown()
     return write(opts, from_runs([RUNS_DIR, *([runner.raw] if runner.raw.parent != RUNS_DIR
-                                              else [])], opts), boot_s, failed_transfers)
-
-
-def rows_of(pooled: Pooled) -> list[list[Any]]:
-    """Per host kind (avx2, avx512, amx, in that order): its clean row, then its faults'."""
-    rows: list[list[Any]] = []
-    for kind in sorted(pooled, key=lambda k: KINDS.index(k) if k in KINDS else len(KINDS)):
-        clean, faults = pooled[kind]
-        tol = clean[0]["tolerance"] if clean else canary.tolerance("cpu", None)
-        block = ([clean_rows(clean, tol)] if clean else []) + \
-            [fault_row(f, rs, tol) for f, rs in faults.items()]
-        rows += [[f"{row[0]} · {kind}", *row[1:]] for row in block]
-    return rows
+                                              else [])], opts.max_tokens), boot_s, failed_transfers)
 
 
 def write(opts: argparse.Namespace, pooled: Pooled, boot_s: float | None,
@@ -349,8 +260,8 @@ def write(opts: argparse.Namespace, pooled: Pooled, boot_s: float | None,
 
 def pooled_host(kinds: dict[str, int]) -> dict[str, Any]:
     """This machine, unless the pool holds canaries of other host kinds too."""
-    here = results.host()
-    if set(kinds) <= {results.host_kind(here["flags"])}:
+    here = this_host()
+    if set(kinds) <= {host_kind(here["flags"])}:
         return here
     return {"cpu_model": "pooled: " + ", ".join(f"{k} ({n} clean)" for k, n in kinds.items()),
             "flags": [], "cores": here["cores"]}

