@@ -16,5 +16,6 @@ floor of ``deployments``; nothing else in ``deployments`` imports it.
 - ``kuberay_podman``: those plans as podman pods on a private network (``make test-kuberay``).
 - ``kuberay_scenario``: the operator's steps and the checks on top (``make test-kuberay``).
 - ``records``: result files of the runs kept out of CI (``make image``, ``make test-kuberay``).
-- ``canary_runs``: the P/D canary benchmark's runs, pooled per host kind (the record and its house test).
+- ``canary_runs``: the P/D canary benchmark's runs, pooled per host kind (its record, a
+  house test).
 """
