@@ -40,7 +40,6 @@ from deployments.harness.canary_runs import (
     FAULTS,
     KINDS,
     RUNS_DIR,
-    Pooled,
     from_runs,
     host_kind,
     rows_of,
@@ -177,8 +176,7 @@ def main() -> int:
                         f"{RUNS_DIR.relative_to(REPO)}/, which the result pools)")
     opts = parser.parse_args()
     if opts.from_runs:
-        return write(opts, from_runs(opts.from_runs, opts.max_tokens), boot_s=None,
-                     failed_transfers=None)
+        return write(opts, runs_files(opts.from_runs), boot_s=None, failed_transfers=None)
     ensure_tiny_model()
     fault_file = Path(tempfile.mkdtemp(prefix="dsv4-pd-faults-")) / "fault.json"
     fault_file.write_text("{}")
@@ -201,12 +199,14 @@ def main() -> int:
     finally:
         fault_file.write_text("{}")
         ray_head.shutdown()
-    return write(opts, from_runs([RUNS_DIR, *([runner.raw] if runner.raw.parent != RUNS_DIR
-                                              else [])], opts.max_tokens), boot_s, failed_transfers)
+    outside = [runner.raw] if runner.raw.parent != RUNS_DIR else []
+    return write(opts, runs_files([RUNS_DIR, *outside]), boot_s, failed_transfers)
 
 
-def write(opts: argparse.Namespace, pooled: Pooled, boot_s: float | None,
+def write(opts: argparse.Namespace, files: list[Path], boot_s: float | None,
           failed_transfers: dict[str, float] | None) -> int:
+    """The record: the pool of ``files`` (runs files), named in its inputs."""
+    pooled = from_runs(files, opts.max_tokens)
     rows = rows_of(pooled)
     for row in rows:
         print(row)
@@ -230,7 +230,8 @@ def write(opts: argparse.Namespace, pooled: Pooled, boot_s: float | None,
                 "tolerance_nats": canary.tolerance("cpu", None),
                 "median_tolerance_nats": canary.median_tolerance("cpu", None),
                 "clean_canaries_per_host_kind": kinds,
-                "runs": [str(f.relative_to(REPO)) for f in runs_files([RUNS_DIR])],
+                "runs": [str(f.resolve().relative_to(REPO)) if f.resolve().is_relative_to(REPO)
+                         else str(f) for f in files],
                 "last_run_boot_s": boot_s,
                 "nixl_failed_transfers_at_ray_metrics": failed_transfers,
                 "config": "configs/local-cpu-pd.yaml"},
