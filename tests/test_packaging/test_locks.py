@@ -182,9 +182,10 @@ def _get(url: str, accept: str) -> bytes:
             with urllib.request.urlopen(request, timeout=30) as response:
                 return bytes(response.read())
         except OSError as exc:
-            if pause is None or not _transient(exc):
-                if pause is None:
-                    _GIVEN_UP.add(request.host)
+            if not _transient(exc):
+                raise
+            if pause is None:
+                _GIVEN_UP.add(request.host)
                 raise
             time.sleep(pause)
     raise AssertionError("unreachable")
