@@ -170,7 +170,8 @@ def segment_cases(log: Path, region: int, wanted: str) -> list[dict[str, Any]]:
     if wanted == "none":
         return []
     layouts = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-    regions = next((e["regions"] for e in layouts if e["fault"] == "regions"), [])
+    regions: list[dict[str, Any]] = next(
+        (e["regions"] for e in layouts if e["fault"] == "regions"), [])
     count = len(regions[region]["segments"]) if region < len(regions) else 0
     if not count:
         raise SystemExit(f"zero_span: no segment layout of region {region} in {log}: run "
