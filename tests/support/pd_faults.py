@@ -89,7 +89,7 @@ class _Faulty:
             remote_ids = [remote_ids[i] for i in keep]
         if kind in ("truncate_region", "zero_span"):
             ids = [int(d) for d in local_ids if _in_region(self._worker, d, region)]
-            self._worker._dsv4_truncate[self._request] = (region, ids, self._fault)
+            self._worker._dsv4_zero[self._request] = (region, ids, self._fault)
             log(fault=f"{kind}_armed", request=self._request, region=region, pages=len(ids))
         return self._real.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                             remote_ids, **kwargs)
@@ -145,8 +145,12 @@ def segments(worker: Any, region: int, length: int) -> list[tuple[int, int, list
     in one shared row, so a span belongs to a layer of each group."""
     found = members(worker, region)
     bounds = sorted({0, length, *(o for o, _, _ in found if o < length)})
-    return [(a, b, [n for o, size, n in found if o < b and o + size > a])
-            for a, b in itertools.pairwise(bounds)]
+    return [(a, b, _overlapping(found, a, b)) for a, b in itertools.pairwise(bounds)]
+
+
+def _overlapping(found: list[tuple[int, int, str]], start: int, end: int) -> list[str]:
+    """The layers of ``found`` (``members``) whose pages overlap ``[start, end)``."""
+    return sorted({n for o, size, n in found if o < end and o + size > start})
 
 
 def span_of(worker: Any, region: int, length: int, fault: dict[str, Any]) -> tuple[int, int]:
@@ -194,14 +198,10 @@ def install_worker(module: Any) -> None:
         fault = current()
         if not fault or fault["fault"] == "stale_params":
             return read_blocks(self, *args, **kwargs)
-        if not hasattr(self, "_dsv4_truncate"):
-            self._dsv4_truncate = {}
+        if not hasattr(self, "_dsv4_zero"):
+            self._dsv4_zero = {}
             log(fault="regions", regions=[
-                {"region": r, "name": _region_name(self, r), "descs": b - a,
-                 "members": members(self, r), "page_bytes": _page_bytes(self, r),
-                 "segments": segments(self, r, _page_bytes(self, r))}
-                for r, (a, b) in enumerate(
-                    zip(_region_offsets(self), _region_offsets(self)[1:], strict=False))])
+                _layout(self, r) for r in range(len(_region_offsets(self)) - 1)])
         request_id = kwargs.get("request_id", args[2] if len(args) > 2 else None)
         real = self.nixl_wrapper
         self.nixl_wrapper = _Faulty(real, self, fault, str(request_id))
@@ -213,7 +213,7 @@ def install_worker(module: Any) -> None:
     @functools.wraps(transfer_results)
     def get_transfer_results(self: Any) -> Any:
         results = transfer_results(self)
-        pending = getattr(self, "_dsv4_truncate", {})
+        pending = getattr(self, "_dsv4_zero", {})
         for req in set(results.finished_recving) - set(results.failed_recving):
             region, ids, fault = pending.pop(req, (0, [], {}))
             if ids:
@@ -221,7 +221,8 @@ def install_worker(module: Any) -> None:
                 log(fault=fault["fault"], request=req, region=region,
                     region_name=_region_name(self, region), pages=len(ids),
                     kept_per_page=start if fault["fault"] == "truncate_region" else None,
-                    span=[start, end], layers=_layers_in(self, region, start, end),
+                    span=[start, end],
+                    layers=_overlapping(members(self, region), start, end),
                     bytes=zeroed)
         return results
 
@@ -229,9 +230,13 @@ def install_worker(module: Any) -> None:
     cls.get_transfer_results = get_transfer_results
 
 
-def _layers_in(worker: Any, region: int, start: int, end: int) -> list[str]:
-    """The layers whose pages overlap ``[start, end)`` of a page of ``region``."""
-    return sorted({n for o, size, n in members(worker, region) if o < end and o + size > start})
+def _layout(worker: Any, region: int) -> dict[str, Any]:
+    """How ``region``'s received page is laid out: its layer pages and the spans between
+    them (``zero_span``'s segments)."""
+    bounds, page = _region_offsets(worker), _page_bytes(worker, region)
+    return {"region": region, "name": _region_name(worker, region),
+            "descs": bounds[region + 1] - bounds[region], "members": members(worker, region),
+            "page_bytes": page, "segments": segments(worker, region, page)}
 
 
 def _region_name(worker: Any, region: int) -> str:

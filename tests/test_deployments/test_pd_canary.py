@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 
+from deployments.harness import canary_runs
 from deployments.pd import canary
 from deployments.pd.route import CANARY_PREFIX
 from tests.support.pd_stack import REPO, deploy, pd_args
@@ -42,7 +43,7 @@ APP = "pdcanary"
 CLEAN_S = float(os.environ.get("DSV4_PD_CANARY_CLEAN_S", "120"))
 CI_FAULT = "truncate_region"
 FAULTS = [pytest.param(f, marks=() if f == CI_FAULT else ONLY_FULL)
-          for f in ("drop_region", "truncate_region", "fail_receive", "stale_params")]
+          for f in canary_runs.FAULTS]
 PERIOD_S = 5.0
 
 
