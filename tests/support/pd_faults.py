@@ -14,7 +14,11 @@ serves clean canaries and every fault in turn: ``{"fault": null}`` is clean, els
 - ``zero_span``: once the READ completes, bytes ``[start, end)`` of each received page of
   region ``region`` are zeroed, whatever layer pages they hold: ``segment`` i is the i-th
   span between the row's distinct layer-page offsets (``segments``), ``span`` a byte range.
-  A corruption anywhere in the row, not only at its tail, which no counter sees;
+  A corruption anywhere in the row, not only at its tail, which no counter sees.
+  ``block: [group, index]`` narrows it to the page of one block of the request (the
+  ``index``-th, negative from the end, of KV cache group ``group``'s blocks as the
+  scheduler handed them to the read), whole unless a span or segment is given: one block
+  lost, the rest of the prompt intact;
 - ``fail_receive``: posting the READ raises, as a NIXL transfer error does (vllm#52276);
 - ``stale_params``: the decode scheduler swaps the request's ``remote_block_ids`` and
   ``remote_request_id`` for the previous remote-prefill request's (vllm#52234).
@@ -67,8 +71,10 @@ def _in_region(worker: Any, desc_id: int, region: int) -> bool:
 class _Faulty:
     """The worker's NIXL agent with one fault in ``make_prepped_xfer``."""
 
-    def __init__(self, real: Any, worker: Any, fault: dict[str, Any], request_id: str):
+    def __init__(self, real: Any, worker: Any, fault: dict[str, Any], request_id: str,
+                 groups: list[list[int]]):
         self._real, self._worker, self._fault, self._request = real, worker, fault, request_id
+        self._groups = groups
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
@@ -89,10 +95,25 @@ class _Faulty:
             remote_ids = [remote_ids[i] for i in keep]
         if kind in ("truncate_region", "zero_span"):
             ids = [int(d) for d in local_ids if _in_region(self._worker, d, region)]
+            block = chosen_block(self._groups, self._fault)
+            if "block" in self._fault:
+                first = _region_offsets(self._worker)[region]
+                ids = [d for d in ids if block is not None and d - first == block]
             self._worker._dsv4_zero[self._request] = (region, ids, self._fault)
-            log(fault=f"{kind}_armed", request=self._request, region=region, pages=len(ids))
+            log(fault=f"{kind}_armed", request=self._request, region=region, pages=len(ids),
+                groups=[len(g) for g in self._groups], block_id=block)
         return self._real.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                             remote_ids, **kwargs)
+
+
+def chosen_block(groups: list[list[int]], fault: dict[str, Any]) -> int | None:
+    """The block id ``fault["block"]`` (``[group, index]``) names among the request's
+    local blocks per KV cache group (None: no such block, or no ``block`` given)."""
+    if "block" not in fault:
+        return None
+    group, index = (int(x) for x in fault["block"])
+    blocks = groups[group] if 0 <= group < len(groups) else []
+    return blocks[index] if -len(blocks) <= index < len(blocks) else None
 
 
 def log(**fields: Any) -> None:
@@ -161,6 +182,8 @@ def span_of(worker: Any, region: int, length: int, fault: dict[str, Any]) -> tup
     if "span" in fault:
         start, end = (int(x) for x in fault["span"])
         return max(0, start), min(length, end)
+    if "segment" not in fault and "block" in fault:
+        return 0, length
     found = segments(worker, region, length)
     index = int(fault.get("segment", 0))
     return found[index][:2] if 0 <= index < len(found) else (0, 0)
@@ -203,8 +226,10 @@ def install_worker(module: Any) -> None:
             log(fault="regions", regions=[
                 _layout(self, r) for r in range(len(_region_offsets(self)) - 1)])
         request_id = kwargs.get("request_id", args[2] if len(args) > 2 else None)
+        spec = kwargs.get("read_spec", args[0] if args else None)
+        groups = [[int(b) for b in g] for g in getattr(spec, "local_block_ids", None) or []]
         real = self.nixl_wrapper
-        self.nixl_wrapper = _Faulty(real, self, fault, str(request_id))
+        self.nixl_wrapper = _Faulty(real, self, fault, str(request_id), groups)
         try:
             return read_blocks(self, *args, **kwargs)
         finally:
