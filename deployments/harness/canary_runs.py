@@ -97,18 +97,33 @@ def runs_files(paths: list[Path]) -> list[Path]:
     return out
 
 
+def pool(kind: str, prompt_tokens: int) -> str:
+    """A pool's name: the host kind and the canary's prompt length. Where the prompt ends
+    decides which transferred pages the decoded tokens read (a decode that completes a
+    compression window reads the compressor state), so each length is judged apart."""
+    return f"{kind} · {prompt_tokens} tokens"
+
+
+def pool_order(name: str) -> tuple[int, int]:
+    """Host kinds in ``KINDS`` order, then prompt lengths ascending."""
+    kind, _, tokens = name.partition(" · ")
+    return (KINDS.index(kind) if kind in KINDS else len(KINDS),
+            int(tokens.split(" ")[0]) if tokens else 0)
+
+
 def from_runs(paths: list[Path], max_tokens: int) -> Pooled:
     """Every canary the runs files recorded (each result whole, in order), judged again by
-    ``rejudged`` and pooled per host kind (``host_kind``, which the run tagged): the clean
-    ones, then per fault case its canaries (the clean one run between two cases is left
-    out, as the live run leaves it out)."""
+    ``rejudged`` and pooled per host kind and prompt length (``pool``): the clean ones,
+    then per fault case its canaries (the clean one run between two cases is left out,
+    as the live run leaves it out)."""
     pooled: Pooled = {}
     for path in runs_files(paths):
         case = None
         for line in path.read_text().splitlines():
             run = rejudged(json.loads(line), max_tokens)
             fault = run.pop("fault") or {}
-            clean, faults = pooled.setdefault(run.pop("host_kind"), ([], {}))
+            name = pool(run.pop("host_kind"), run["prompt_tokens"])
+            clean, faults = pooled.setdefault(name, ([], {}))
             if not fault:
                 if case is None:
                     clean.append(run)
@@ -125,7 +140,10 @@ def case_name(fault: dict[str, Any]) -> str:
         return f"{kind} (keep {keep})"
     if kind == "zero_span":
         where = [f"block {fault['block'][0]}:{fault['block'][1]}"] if "block" in fault else []
-        if "segment" in fault:
+        if "layer" in fault:
+            where.append(f"layer {fault['layer']}"
+                         + (f", keep {fault['keep']}" if fault.get("keep") else ""))
+        elif "segment" in fault:
             where.append(f"segment {fault['segment']}")
         elif "span" in fault:
             where.append("bytes {}-{}".format(*fault["span"]))
@@ -139,9 +157,9 @@ def missed_probes(rows: list[list[Any]]) -> list[str]:
 
 
 def rows_of(pooled: Pooled) -> list[list[Any]]:
-    """Per host kind (avx2, avx512, amx, in that order): its clean row, then its faults'."""
+    """Per pool (``pool_order``): its clean row, then its faults'."""
     rows: list[list[Any]] = []
-    for kind in sorted(pooled, key=lambda k: KINDS.index(k) if k in KINDS else len(KINDS)):
+    for kind in sorted(pooled, key=pool_order):
         clean, faults = pooled[kind]
         tol = clean[0]["tolerance"] if clean else canary.tolerance("cpu", None)
         block = ([clean_rows(clean, tol)] if clean else []) + \

@@ -18,7 +18,9 @@ serves clean canaries and every fault in turn: ``{"fault": null}`` is clean, els
   ``block: [group, index]`` narrows it to the page of one block of the request (the
   ``index``-th, negative from the end, of KV cache group ``group``'s blocks as the
   scheduler handed them to the read), whole unless a span or segment is given: one block
-  lost, the rest of the prompt intact;
+  lost, the rest of the prompt intact. ``layer: <name>`` narrows it to that layer's page
+  in the blocks of its KV cache group, past ``keep`` bytes (default 0): vllm#57661's
+  truncated ``compressor.state_cache`` as a packed row carries it;
 - ``fail_receive``: posting the READ raises, as a NIXL transfer error does (vllm#52276);
 - ``stale_params``: the decode scheduler swaps the request's ``remote_block_ids`` and
   ``remote_request_id`` for the previous remote-prefill request's (vllm#52234).
@@ -95,25 +97,43 @@ class _Faulty:
             remote_ids = [remote_ids[i] for i in keep]
         if kind in ("truncate_region", "zero_span"):
             ids = [int(d) for d in local_ids if _in_region(self._worker, d, region)]
-            block = chosen_block(self._groups, self._fault)
-            if "block" in self._fault:
+            blocks = chosen_blocks(self._groups, self._fault,
+                                   _layer_group(self._worker, self._fault.get("layer")))
+            if blocks is not None:
                 first = _region_offsets(self._worker)[region]
-                ids = [d for d in ids if block is not None and d - first == block]
+                ids = [d for d in ids if d - first in blocks]
             self._worker._dsv4_zero[self._request] = (region, ids, self._fault)
             log(fault=f"{kind}_armed", request=self._request, region=region, pages=len(ids),
-                groups=[len(g) for g in self._groups], block_id=block)
+                groups=[len(g) for g in self._groups],
+                block_ids=None if blocks is None else sorted(blocks))
         return self._real.make_prepped_xfer(op, local_handle, local_ids, remote_handle,
                                             remote_ids, **kwargs)
 
 
-def chosen_block(groups: list[list[int]], fault: dict[str, Any]) -> int | None:
-    """The block id ``fault["block"]`` (``[group, index]``) names among the request's
-    local blocks per KV cache group (None: no such block, or no ``block`` given)."""
-    if "block" not in fault:
-        return None
-    group, index = (int(x) for x in fault["block"])
-    blocks = groups[group] if 0 <= group < len(groups) else []
-    return blocks[index] if -len(blocks) <= index < len(blocks) else None
+def chosen_blocks(groups: list[list[int]], fault: dict[str, Any],
+                  layer_group: int | None = None) -> set[int] | None:
+    """The block ids whose received pages ``fault`` zeroes, of the request's local blocks
+    per KV cache group: the one ``block: [group, index]`` names, every block of the group
+    the named ``layer`` is in (``layer_group``), or None: every page. A block or layer
+    the request does not have gives no page (the hook logs that, the engine goes on)."""
+    if "block" in fault:
+        group, index = (int(x) for x in fault["block"])
+        blocks = groups[group] if 0 <= group < len(groups) else []
+        return {blocks[index]} if -len(blocks) <= index < len(blocks) else set()
+    if "layer" in fault:
+        if layer_group is None or not 0 <= layer_group < len(groups):
+            return set()
+        return set(groups[layer_group])
+    return None
+
+
+def _layer_group(worker: Any, layer: str | None) -> int | None:
+    """The transfer group (the order a read's block ids come in) holding ``layer``."""
+    config = getattr(worker, "kv_cache_config", None)
+    for index, group in enumerate(getattr(config, "transfer_groups", ())):
+        if layer in group.layer_names:
+            return index
+    return None
 
 
 def log(**fields: Any) -> None:
@@ -182,11 +202,23 @@ def span_of(worker: Any, region: int, length: int, fault: dict[str, Any]) -> tup
     if "span" in fault:
         start, end = (int(x) for x in fault["span"])
         return max(0, start), min(length, end)
+    if "layer" in fault:
+        return layer_span(members(worker, region), length, fault)
     if "segment" not in fault and "block" in fault:
         return 0, length
     found = segments(worker, region, length)
     index = int(fault.get("segment", 0))
     return found[index][:2] if 0 <= index < len(found) else (0, 0)
+
+
+def layer_span(found: list[tuple[int, int, str]], length: int,
+               fault: dict[str, Any]) -> tuple[int, int]:
+    """The bytes of layer ``fault["layer"]``'s page in a row (``members``) past the
+    ``keep`` bytes that arrive (default 0: the whole page lost); empty if the row has no
+    page of that layer."""
+    offset, size = next(((o, b) for o, b, n in found if n == fault["layer"]), (0, 0))
+    keep = min(size, int(fault.get("keep", 0)))
+    return min(length, offset + keep), min(length, offset + size)
 
 
 def _zero(worker: Any, desc_ids: list[int], region: int,
@@ -224,7 +256,8 @@ def install_worker(module: Any) -> None:
         if not hasattr(self, "_dsv4_zero"):
             self._dsv4_zero = {}
             log(fault="regions", regions=[
-                _layout(self, r) for r in range(len(_region_offsets(self)) - 1)])
+                _layout(self, r) for r in range(len(_region_offsets(self)) - 1)],
+                groups=_transfer_groups(self))
         request_id = kwargs.get("request_id", args[2] if len(args) > 2 else None)
         spec = kwargs.get("read_spec", args[0] if args else None)
         groups = [[int(b) for b in g] for g in getattr(spec, "local_block_ids", None) or []]
@@ -262,6 +295,16 @@ def _layout(worker: Any, region: int) -> dict[str, Any]:
     return {"region": region, "name": _region_name(worker, region),
             "descs": bounds[region + 1] - bounds[region], "members": members(worker, region),
             "page_bytes": page, "segments": segments(worker, region, page)}
+
+
+def _transfer_groups(worker: Any) -> list[dict[str, Any]]:
+    """The KV cache groups a read's block ids come in (``block: [group, index]`` counts
+    in this order): each group's spec, tokens per block and layers."""
+    config = getattr(worker, "kv_cache_config", None)
+    return [{"spec": type(g.kv_cache_spec).__name__,
+             "block_size": getattr(g.kv_cache_spec, "block_size", None),
+             "layers": list(g.layer_names)}
+            for g in getattr(config, "transfer_groups", ())]
 
 
 def _region_name(worker: Any, region: int) -> str:
