@@ -117,5 +117,8 @@ def nixl_region_dedup_hazard(release: str) -> str | None:
             "address alone (vllm#57661, fix vllm#57662): DeepSeek-V4.1's compressor state "
             "cache shares a base with an SWA cache and is sent truncated, with the same "
             "wrong lengths on both sides, so spec checks agree while answers are wrong. "
-            "The P/D output canary (pd.canary) guards it: a pair whose output differs is "
-            "excluded. Fix: vLLM 0.34+, or keep pd.canary on.")
+            "The P/D output canary (pd.canary) excludes a pair whose decoded tokens move, "
+            "but a compressor state that arrives short moves only the compressed entries "
+            "the decode makes later: zeroed whole, it got past the canary in this "
+            "project's probes (docs/pd.md, Resolution). Fix: vLLM 0.34+; keep pd.canary "
+            "on meanwhile.")
