@@ -161,6 +161,10 @@ def cases(keeps: str, region: int, kinds: str = "all") -> list[dict[str, Any]]:
     ``segment_cases``, once a fault fired)."""
     out: list[dict[str, Any]] = []
     chosen = FAULTS if kinds == "all" else () if kinds == "none" else kinds.split(",")
+    unknown = sorted(set(chosen) - set(FAULTS))
+    if unknown:
+        raise SystemExit(f"--fault-kinds {kinds}: {unknown} not fault kinds; expected 'all', "
+                         f"'none' or names of {list(FAULTS)}")
     for fault in chosen:
         if fault == "truncate_region":
             out += [{"fault": fault, "region": region, "keep": k.strip()}
