@@ -174,14 +174,18 @@ def cases(keeps: str, region: int, kinds: str = "all") -> list[dict[str, Any]]:
     return out
 
 
+def hook_events(log: Path) -> list[dict[str, Any]]:
+    """What the fault hooks logged so far (one JSON object per line; none before the first)."""
+    return [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+
+
 def segment_cases(log: Path, region: int, wanted: str) -> list[dict[str, Any]]:
     """zero_span per segment of ``region``'s received page, as the hook logged the row's
     layout (``"all"``, ``"none"`` or a comma-separated list of segment indices)."""
     if wanted == "none":
         return []
-    layouts = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     regions: list[dict[str, Any]] = next(
-        (e["regions"] for e in layouts if e["fault"] == "regions"), [])
+        (e["regions"] for e in hook_events(log) if e["fault"] == "regions"), [])
     count = len(regions[region]["segments"]) if region < len(regions) else 0
     if not count:
         raise SystemExit(f"zero_span: no segment layout of region {region} in {log}: run "
@@ -196,8 +200,8 @@ def block_cases(log: Path, region: int, wanted: str) -> list[dict[str, Any]]:
     first and last, ``"none"``, or ``"group:index,..."``)."""
     if wanted == "none":
         return []
-    events = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
-    groups: list[int] = next((e["groups"] for e in reversed(events) if e.get("groups")), [])
+    groups: list[int] = next(
+        (e["groups"] for e in reversed(hook_events(log)) if e.get("groups")), [])
     if not groups and wanted in ("all", "ends"):
         raise SystemExit(f"zero_span blocks: no request's blocks per group in {log}: run "
                          "truncate_region or zero_span first (their hook logs them)")
@@ -216,9 +220,8 @@ def layer_cases(log: Path, region: int, wanted: str) -> list[dict[str, Any]]:
     cache, the kind vllm#57661 truncates; ``"all"``; ``"none"``; or names)."""
     if wanted == "none":
         return []
-    events = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
     groups: list[dict[str, Any]] = next(
-        (e["groups"] for e in events if e["fault"] == "regions"), [])
+        (e["groups"] for e in hook_events(log) if e["fault"] == "regions"), [])
     layers = [name for g in groups for name in g["layers"]]
     if not layers and wanted in ("all", "state"):
         raise SystemExit(f"zero_span layers: no transfer groups in {log}: run another "
@@ -305,7 +308,7 @@ def write(opts: argparse.Namespace, files: list[Path], boot_s: float | None,
     for row in rows:
         print(row)
     kinds = {k: len(clean) for k, (clean, _) in pooled.items()}
-    missing = [k for k in KINDS if k not in {name.split(" · ")[0] for name in kinds}]
+    missing = [k for k in KINDS if k not in pooled_kinds(kinds)]
     missed = missed_probes(rows)
     path = write_result(
         "pd_canary", title="P/D output canary: seconds per canary, false positives, faults "
@@ -366,10 +369,15 @@ def write(opts: argparse.Namespace, files: list[Path], boot_s: float | None,
     return 0
 
 
+def pooled_kinds(pools: dict[str, int]) -> set[str]:
+    """The host kinds of the pools named (``canary_runs.pool``: kind, then length)."""
+    return {name.partition(" · ")[0] for name in pools}
+
+
 def pooled_host(kinds: dict[str, int]) -> dict[str, Any]:
     """This machine, unless the pool holds canaries of other host kinds too."""
     here = this_host()
-    if {name.split(" · ")[0] for name in kinds} <= {host_kind(here["flags"])}:
+    if pooled_kinds(kinds) <= {host_kind(here["flags"])}:
         return here
     return {"cpu_model": "pooled: " + ", ".join(f"{k} ({n} clean)" for k, n in kinds.items()),
             "flags": [], "cores": here["cores"]}
