@@ -45,6 +45,7 @@ from deployments.harness.canary_runs import (
     from_runs,
     host_kind,
     missed_probes,
+    pool_kind,
     rows_of,
     runs_files,
 )
@@ -370,8 +371,8 @@ def write(opts: argparse.Namespace, files: list[Path], boot_s: float | None,
 
 
 def pooled_kinds(pools: dict[str, int]) -> set[str]:
-    """The host kinds of the pools named (``canary_runs.pool``: kind, then length)."""
-    return {name.partition(" · ")[0] for name in pools}
+    """The host kinds of the pools named (``canary_runs.pool``)."""
+    return {pool_kind(name) for name in pools}
 
 
 def pooled_host(kinds: dict[str, int]) -> dict[str, Any]:

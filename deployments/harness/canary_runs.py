@@ -25,9 +25,9 @@ RUNS_DIR = RESULTS / "pd_canary_runs"
 KINDS = ("avx2", "avx512", "amx")
 # The fault kinds a pair must never get past: each is caught every time.
 FAULTS = ("drop_region", "truncate_region", "fail_receive", "stale_params")
-# Probes of the canary's resolution: one span of every received row, or one block's
-# whole row, zeroed at a time. The record says which it sees and which it does not; none
-# is a claim.
+# Probes of the canary's resolution, zeroed one at a time: a span of every received row,
+# one block's whole row, or one layer's page in every block of its group. The record says
+# which it sees and which it does not; none is a claim.
 PROBES = ("zero_span",)
 Pooled = dict[str, tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]]
 
@@ -104,9 +104,14 @@ def pool(kind: str, prompt_tokens: int) -> str:
     return f"{kind} · {prompt_tokens} tokens"
 
 
+def pool_kind(name: str) -> str:
+    """The host kind of a pool named by ``pool``."""
+    return name.partition(" · ")[0]
+
+
 def pool_order(name: str) -> tuple[int, int]:
     """Host kinds in ``KINDS`` order, then prompt lengths ascending."""
-    kind, _, tokens = name.partition(" · ")
+    kind, tokens = pool_kind(name), name.partition(" · ")[2]
     return (KINDS.index(kind) if kind in KINDS else len(KINDS),
             int(tokens.split(" ")[0]) if tokens else 0)
 
