@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from deployments.config.pd import CanarySection
 from deployments.harness import canary_runs as pd_canary
 from deployments.harness.records import REPO
 
@@ -52,6 +53,20 @@ def test_no_clean_canary_failed_on_any_host_kind(record: dict[str, Any]) -> None
     assert clean, "no clean canaries recorded"
     for row in clean:
         assert row[2] == 0, f"{row[0]}: {row[2]} of {row[1]} clean canaries failed"
+
+
+def test_two_hundred_clean_canaries_per_host_kind_at_the_default_prompt(
+        record: dict[str, Any]) -> None:
+    """Issue 54's no-false-positive claim rests on at least 200 clean canaries of the
+    default prompt length (``pd.canary.prompt_tokens``) on AVX2 and on AVX-512 hosts."""
+    length = CanarySection().prompt_tokens
+    counts = record["inputs"]["clean_canaries_per_pool"]
+    for kind in ("avx2", "avx512"):
+        name = pd_canary.pool(kind, length)
+        assert counts.get(name, 0) >= 200, (
+            f"{name}: {counts.get(name, 0)} clean canaries recorded, 200 claimed. Fix: on "
+            "such a host, `make bench-pd-canary`, then commit its runs file and the record")
+    assert {pd_canary.pool_kind(name) for name in counts} <= set(pd_canary.KINDS), counts
 
 
 def test_every_fault_kind_is_caught_every_time(record: dict[str, Any]) -> None:
