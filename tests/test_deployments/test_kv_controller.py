@@ -89,11 +89,12 @@ def by_rank(rep: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return {r["rank"]: r for r in rep["replicas"] if r["rank"] is not None}
 
 
-def calls(app: str, n: int) -> Counter[int]:
-    """``n`` requests through a handle (the KV-spec router picks); served ranks counted."""
+def calls(app: str, n: int, handle: Any = None) -> Counter[int]:
+    """``n`` requests through a handle (the KV-spec router picks); served ranks counted.
+    A new handle (a new router) unless one is given."""
     from ray import serve
 
-    handle = serve.get_deployment_handle(SERVER, app)
+    handle = handle or serve.get_deployment_handle(SERVER, app)
     responses = [handle.remote() for _ in range(n)]
     return Counter(r.result(timeout_s=30)["rank"] for r in responses)
 
@@ -138,12 +139,11 @@ def test_rank0_canary_is_named_and_drain_sends_it_nothing(app_name: str) -> None
     assert ranks[0]["id"] in {r["id"] for r in report(app_name, refresh=True)["replicas"]}
 
 
-def session_calls(app: str, sessions: int, turns: int) -> dict[str, Counter[int]]:
-    """``turns`` requests per session, interleaved, through a handle with Serve's session
-    id (what Serve's proxy sets from ``x-session-id``): served ranks per session."""
-    from ray import serve
-
-    handle = serve.get_deployment_handle(SERVER, app)
+def session_calls(handle: Any, sessions: int, turns: int) -> dict[str, Counter[int]]:
+    """``turns`` requests per session, interleaved, through ``handle`` with Serve's session
+    id (what Serve's proxy sets from ``x-session-id``): served ranks per session. The
+    handle's router must exist (a call made): ``options`` handles share it then, else
+    each makes its own."""
     served: dict[str, Counter[int]] = {f"s{i}": Counter() for i in range(sessions)}
     for _ in range(turns):
         responses = {s: handle.options(session_id=s).remote() for s in served}
@@ -168,13 +168,18 @@ def test_sessions_stick_to_one_replica_and_never_to_a_drained_one(app_name: str)
     wait_report(app_name, lambda r: r["state"] == "disagree" and r["answered"] == 3)
     # The router learns of the drain from the routing stats (period 2 s): until then
     # both choices may name rank 0. 30 calls in a row without it: (2/3)^30 by chance.
-    deadline = time.monotonic() + 30
-    while calls(app_name, 30)[0] and time.monotonic() < deadline:
+    # One handle throughout, so the sessions go through the router that has learnt it.
+    handle = serve.get_deployment_handle(SERVER, app_name)
+    deadline = time.monotonic() + 60
+    while (seen := calls(app_name, 30, handle))[0] and time.monotonic() < deadline:
         time.sleep(0.5)
-    served = session_calls(app_name, sessions=12, turns=5)
-    assert all(len(ranks) == 1 and 0 not in ranks for ranks in served.values()), served
+    assert not seen[0], f"the router still sends to drained rank 0 after 60 s: {seen}, " \
+        f"report {report(app_name)}"
+    served = session_calls(handle, sessions=12, turns=5)
+    assert all(len(ranks) == 1 and 0 not in ranks for ranks in served.values()), \
+        (served, report(app_name))
     assert {rank for ranks in served.values() for rank in ranks} == {1, 2}, served
-    assert set(calls(app_name, 40)) == {1, 2}
+    assert set(calls(app_name, 40, handle)) == {1, 2}
 
 
 def test_a_wrong_majority_loses_and_the_conforming_replica_serves(app_name: str) -> None:
