@@ -41,7 +41,8 @@ def cell(value: Any) -> str:
 
 def section(result: dict[str, Any]) -> str:
     host = result["host"]
-    flags = ", ".join(host["flags"]) or "no AVX2"
+    pooled = host["cpu_model"].startswith("pooled")  # results pooled over host kinds
+    flags = ", ".join(host["flags"]) or ("host kinds above" if pooled else "no AVX2")
     inputs = ", ".join(f"`{k}={v}`" for k, v in result["inputs"].items()) or "none"
     lines = [f"## {result['title']}", "", result["what"].strip(), "", "```",
              result["command"].strip(), "```", "",
