@@ -31,20 +31,20 @@ from deployments.control.canary_wire import CanaryMode
 # decodes step by step while the scoring pass is one prefill; the suite bounds that at
 # ~1 bf16 ulp (0.016 nats) on AVX2 and at 0.45 nats where a ulp meets a MoE top-k near
 # tie (AMX hosts; tests/test_dsv4_patch/test_engine_generation.py). Clean canaries here
-# (AVX2, scaled dummy weights, over 200 pooled in benchmarks/results/pd_canary.json)
-# reached 0.56 nats on one token, so 1.0; the faults' differences are in the same
-# record. GPU: upstream's P/D consistency
-# test allows 1.5 (vLLM tests/v1/kv_connector/nixl_integration/
-# test_hybrid_pd_consistency.py).
+# (scaled dummy weights, over 200 each on AVX2 and AVX-512 in
+# benchmarks/results/pd_canary.json) reached 0.56 nats on one token, so 1.0; the faults'
+# differences are in the same record. GPU: upstream's P/D consistency test allows 1.5
+# (vLLM tests/v1/kv_connector/nixl_integration/test_hybrid_pd_consistency.py).
 TOLERANCE = {"cpu": 1.0, "cuda": 1.5, "rocm": 1.5}
 DEFAULT_TOLERANCE = 1.5
 # Largest median per-token difference that passes. A near tie moves one or two decoded
-# tokens; pages that are short or another prompt's move most of them. CPU (AVX2, 700-token
-# canaries, scaled dummy weights; benchmarks/results/pd_canary.json): clean medians stayed
-# at 1 bf16 ulp (0.016 nats) over 200 canaries while the largest single token reached 0.56; a
-# row truncated to its named layer's page had medians 0.39-0.73 with a largest token
-# under the 1.0 above (0.96: it passed the max rule). GPU: not measured here, so no
-# default; ``pd.canary.median_tolerance`` sets one from a fleet's clean canaries.
+# tokens; pages that are short or another prompt's move most of them. CPU (AVX2 and
+# AVX-512, 700-token canaries, scaled dummy weights; benchmarks/results/pd_canary.json):
+# clean medians stayed at 1 bf16 ulp (0.016 nats) over 200 canaries each while the
+# largest single token reached 0.56; a row truncated to its named layer's page had
+# medians 0.39-0.73 with a largest token under the 1.0 above (0.96: it passed the max
+# rule). GPU: not measured here, so no default; ``pd.canary.median_tolerance`` sets one
+# from a fleet's clean canaries.
 MEDIAN_TOLERANCE = {"cpu": 0.1}
 # The decode engine recomputes at most the last, partial block of the prompt itself.
 RECOMPUTE_SLACK_TOKENS = 256
