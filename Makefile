@@ -16,7 +16,7 @@ TORCH_CPU_LINKS := $(if $(TORCH_CPU_LOCAL),$(dir $(TORCH_CPU_LOCAL)),$(TORCH_CPU
 LOCK_VENV := .venv-lock
 UV_VERSION := 0.13.9
 
-.PHONY: setup lock check-stacks image test-kuberay redis-server run test test-fast test-faults test-pd bench-pd-canary test-differential test-releases lint clean
+.PHONY: setup lock check-stacks image image-tools test-kuberay redis-server run test test-fast test-faults test-pd bench-pd-canary test-differential test-releases lint clean
 
 setup: $(STAMP) $(PD_STAMP) redis-server
 
@@ -170,12 +170,26 @@ clean:
 # scripts/locks/cpu.txt; ~15 min cold. Records benchmarks/results/image_build.json (digest,
 # times); then put the digest in k8s/params.yaml stacks.cpu and `dsv4-serve k8s render`.
 # Not in CI: run it before any stop that touches the Dockerfile, a lock or k8s/. Root.
-image: setup
+image: setup image-tools
 	RECORD=$${RECORD:-make image} PY=$(BIN)/python scripts/build-image.sh
+
+# What `make image` and `make test-kuberay` run on, from Debian (docs/deploy-kuberay.md):
+# podman with runc (crun fails on this host kind's hybrid cgroups), netavark and
+# iptables for the harness's private network and the build's, catatonit as PID 1,
+# mmdebstrap for the base. Installed as root where apt-get is; otherwise named.
+IMAGE_TOOLS := podman buildah mmdebstrap runc catatonit netavark aardvark-dns iptables
+image-tools:
+	@missing=; for p in $(IMAGE_TOOLS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	  if [ -n "$$missing" ]; then \
+	    if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing || \
+	      { apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing; }; \
+	    else echo "make image: Debian packages missing:$$missing. Fix: install them as root \
+	(apt-get install$$missing)"; exit 1; fi; fi
 
 # KubeRay's job from k8s/local-cpu.rayservice.yaml on podman pods of that image (~5 min):
 # not in CI; run it with `make image` before a stop that touches the Dockerfile, a lock
 # or k8s/. Records benchmarks/results/kuberay_harness.json.
-test-kuberay: setup
+test-kuberay: setup image-tools
 	DSV4_KUBERAY=1 $(BIN)/python -m pytest -v -s tests/test_deployments/test_kuberay_harness.py
 
