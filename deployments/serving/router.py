@@ -33,7 +33,6 @@ import random
 from typing import Any
 
 from ray.serve.request_router import (
-    FIFOMixin,
     LocalityMixin,
     MultiplexMixin,
     PendingRequest,
@@ -93,12 +92,16 @@ def candidate(replica: RunningReplica) -> Candidate:
                      bool(stats.get(ENGINE_DEAD_STAT)))
 
 
-class KVSpecRouter(FIFOMixin, LocalityMixin, MultiplexMixin, RequestRouter):
+class KVSpecRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Two random candidates among the replicas not drained by the KV-spec check.
 
-    The same procedure as Serve's default ``PowerOfTwoChoicesRequestRouter``
-    (multiplexed model ids first, then locality), with drained replicas removed
-    from every candidate set before the two are drawn.
+    The candidates of Serve's default ``PowerOfTwoChoicesRequestRouter`` (multiplexed
+    model ids first, then locality), with drained replicas removed from every candidate
+    set before the two are drawn. Without its ``FIFOMixin``: that mixin hands the replica
+    chosen for one request to the oldest pending one, so with several sessions' turns
+    pending a session's replica would serve another session's turn. A replica chosen
+    here goes to the request it was chosen for, as in Ray's own affinity routers
+    (``ConsistentHashRouter``, ``PrefixCacheAffinityRouter``).
     """
 
     _warned_all_drained = False
