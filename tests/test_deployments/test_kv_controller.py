@@ -145,8 +145,7 @@ def test_rank0_canary_is_named_and_drain_sends_it_nothing(app_name: str) -> None
 def session_calls(handle: Any, sessions: int, turns: int) -> dict[str, Counter[int]]:
     """``turns`` requests per session, interleaved, through ``handle`` with Serve's session
     id (what Serve's proxy sets from ``x-session-id``): served ranks per session. The
-    handle's router must exist (a call made): ``options`` handles share it then, else
-    each makes its own."""
+    ``options`` handles share ``handle``'s router (``options`` makes it first if need be)."""
     served: dict[str, Counter[int]] = {f"s{i}": Counter() for i in range(sessions)}
     for _ in range(turns):
         responses = {s: handle.options(session_id=s).remote() for s in served}
